@@ -1,0 +1,41 @@
+//! falcon-transport moves bytes between processes with as few copies as the medium allows.
+//!
+//! Vocabulary (small on purpose, like ps-lite's van):
+//! - [`Region`]: page-aligned memory a peer may address once it is granted on a link; named
+//!   to the peer by a [`RemoteKey`].
+//! - [`Link`]: a connection to one peer: two-sided [`Link::send`] for control messages,
+//!   one-sided [`Link::write`] (optionally with a 32-bit immediate) and [`Link::read`].
+//! - [`CompletionQueue`]: where immediates, messages and closures arrive; waiting spins
+//!   briefly, then parks, so an idle process burns no CPU.
+//! - [`Transport`]: a process's endpoint; listens, connects, chooses the medium.
+//!
+//! Media: `shm` (same host: memfd regions mapped by the peer, one memcpy per one-sided op,
+//! SPSC rings and futex doorbells), `tcp` (framed, received straight into the target region)
+//! and, with feature `rdma`, RDMA verbs.
+//!
+//! Every decoder validates magic, version, op, lengths and bounds: bad input closes the link
+//! it came on with a typed [`Error`]; it never panics and never touches memory outside a
+//! granted region.
+//!
+//! This crate must not know about parameters, tensors, keys or training: it moves bytes.
+
+#![warn(missing_docs)]
+
+mod addr;
+mod cq;
+mod error;
+mod link;
+mod memfd;
+mod region;
+mod ring;
+mod shm;
+mod tcp;
+mod transport;
+mod wire;
+
+pub use addr::{Medium, PeerAddr, host_id};
+pub use cq::{Completion, CompletionQueue, LinkId};
+pub use error::{Error, Result};
+pub use link::Link;
+pub use region::{Region, RemoteKey};
+pub use transport::{Transport, TransportConfig};

@@ -1,0 +1,177 @@
+//! A link to one peer, whatever the medium.
+
+use std::sync::Arc;
+
+use crate::cq::LinkId;
+use crate::error::{Error, Result, check_bounds};
+use crate::region::{Region, RemoteKey};
+use crate::shm::ShmLink;
+use crate::tcp::TcpLink;
+
+pub(crate) enum LinkImpl {
+    Shm(ShmLink),
+    Tcp(TcpLink),
+}
+
+/// A connection to one peer. Cheap to clone; every clone is the same link, usable from many
+/// threads at once. The link closes when its last clone is dropped or on [`Link::close`].
+///
+/// Ordering: on one link, operations issued by one thread take effect at the peer in issue
+/// order. In particular a write's bytes are visible at the target before the target sees any
+/// immediate or message issued after it, and a read issued after a write sees that write.
+#[derive(Clone)]
+pub struct Link {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    imp: LinkImpl,
+    node: u64,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("id", &self.id())
+            .field("medium", &self.medium())
+            .field("peer", &self.peer())
+            .finish()
+    }
+}
+
+impl Link {
+    pub(crate) fn new(imp: LinkImpl, node: u64) -> Link {
+        Link {
+            inner: Arc::new(Inner { imp, node }),
+        }
+    }
+
+    /// The link's id in this transport's completion queue.
+    pub fn id(&self) -> LinkId {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.id(),
+            LinkImpl::Tcp(l) => l.id(),
+        }
+    }
+
+    /// The medium's name: `shm`, `tcp` or `rdma`.
+    pub fn medium(&self) -> &'static str {
+        match &self.inner.imp {
+            LinkImpl::Shm(_) => "shm",
+            LinkImpl::Tcp(_) => "tcp",
+        }
+    }
+
+    /// A human-readable name of the peer.
+    pub fn peer(&self) -> &str {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.peer(),
+            LinkImpl::Tcp(l) => l.peer(),
+        }
+    }
+
+    /// The peer's node id.
+    pub fn peer_node(&self) -> u64 {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.peer_node,
+            LinkImpl::Tcp(l) => l.peer_node,
+        }
+    }
+
+    /// False once the link has closed or failed.
+    pub fn is_open(&self) -> bool {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.is_open(),
+            LinkImpl::Tcp(l) => l.is_open(),
+        }
+    }
+
+    /// Sends a control message; it arrives as [`crate::Completion::Message`]. Any length.
+    pub fn send(&self, data: &[u8]) -> Result<()> {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.send(data),
+            LinkImpl::Tcp(l) => l.send(data),
+        }
+    }
+
+    /// Lets the peer read and write `region`; returns the key to send it.
+    pub fn grant(&self, region: &Region) -> Result<RemoteKey> {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.grant(region)?,
+            LinkImpl::Tcp(l) => l.grant(region),
+        }
+        Ok(RemoteKey {
+            owner: self.inner.node,
+            region: region.id(),
+            len: region.len(),
+            addr: 0,
+            rkey: 0,
+            reserved: 0,
+        })
+    }
+
+    /// Withdraws a grant; later accesses by the peer fail.
+    pub fn revoke(&self, region: &Region) -> Result<()> {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.revoke(region),
+            LinkImpl::Tcp(l) => {
+                l.revoke(region);
+                Ok(())
+            }
+        }
+    }
+
+    fn check_key(&self, key: &RemoteKey) -> Result<()> {
+        if key.owner != self.peer_node() {
+            return Err(Error::Config(format!(
+                "remote key of node {:#x} used on a link to node {:#x}",
+                key.owner,
+                self.peer_node()
+            )));
+        }
+        Ok(())
+    }
+
+    /// One-sided write of `len` bytes from `src[src_off..]` into the peer's region `dst` at
+    /// `dst_off`. With `imm`, the peer's completion queue reports
+    /// [`crate::Completion::WriteImm`] once the bytes are visible there. Returns when `src`
+    /// may be reused.
+    pub fn write(&self, src: &Region, src_off: u64, dst: &RemoteKey, dst_off: u64, len: u64, imm: Option<u32>) -> Result<()> {
+        self.check_key(dst)?;
+        let ptr = src.span("local write source", src_off, len)?;
+        check_bounds("remote write destination", dst_off, len, dst.len)?;
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.write(ptr, len, dst.region, dst_off, imm),
+            LinkImpl::Tcp(l) => l.write(ptr, len, dst.region, dst_off, imm),
+        }
+    }
+
+    /// One-sided read of `len` bytes from the peer's region `src` at `src_off` into
+    /// `dst[dst_off..]`. Returns when the bytes are in `dst`.
+    pub fn read(&self, dst: &Region, dst_off: u64, src: &RemoteKey, src_off: u64, len: u64) -> Result<()> {
+        self.check_key(src)?;
+        let ptr = dst.span("local read destination", dst_off, len)?;
+        check_bounds("remote read source", src_off, len, src.len)?;
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.read(ptr, len, src.region, src_off),
+            LinkImpl::Tcp(l) => l.read(dst, ptr, len, src.region, src_off),
+        }
+    }
+
+    /// Closes the link (both sides get [`crate::Completion::Closed`]).
+    pub fn close(&self) {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.close(),
+            LinkImpl::Tcp(l) => l.close(),
+        }
+    }
+
+    /// Test hook: puts raw bytes on the medium (tcp stream, shm ring) as a broken peer would.
+    #[doc(hidden)]
+    pub fn inject_raw(&self, bytes: &[u8]) -> Result<()> {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.send_raw(bytes),
+            LinkImpl::Tcp(l) => l.send_raw(bytes),
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Regions: memory a peer may address, and the keys that name them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
+use crate::error::{Error, Result, check_bounds};
+use crate::memfd::SharedMap;
+
+/// Region ids are unique within a process; `RemoteKey::owner` tells processes apart.
+static NEXT_REGION_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Page-aligned host memory that peers can address once it is granted on a link.
+///
+/// The memory lives in a sealed memfd, so a peer on the same host maps it and reaches it with
+/// one memcpy; a tcp peer's writes are read from the socket straight into it. Cloning a
+/// `Region` clones a handle to the same memory.
+///
+/// Remote peers may write a granted region at any time, so safe access goes through copies
+/// ([`Region::read_at`], [`Region::write_at`]); the slice accessors are `unsafe` and ask the
+/// caller to rule out concurrent remote writes to the bytes they look at.
+#[derive(Clone, Debug)]
+pub struct Region {
+    pub(crate) inner: Arc<RegionInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct RegionInner {
+    pub(crate) id: u64,
+    pub(crate) map: SharedMap,
+}
+
+impl Region {
+    /// Allocates a zero-filled region of `len` bytes (any length, including 0 and over 4 GiB).
+    pub fn new(len: u64) -> Result<Region> {
+        let id = NEXT_REGION_ID.fetch_add(1, Ordering::Relaxed);
+        let map = SharedMap::create(&format!("falcon-region-{id}"), len)?;
+        Ok(Region {
+            inner: Arc::new(RegionInner { id, map }),
+        })
+    }
+
+    /// This region's id, unique within the process.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.map.len()
+    }
+
+    /// True for a zero-length region.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Start address (page-aligned).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.map.ptr()
+    }
+
+    /// Copies `out.len()` bytes starting at `offset` out of the region.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        check_bounds("region read", offset, out.len() as u64, self.len())?;
+        // SAFETY: the range was bounds-checked against the live mapping, which this handle keeps
+        // alive; `out` is a distinct Rust allocation, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the region starting at `offset`.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        check_bounds("region write", offset, data.len() as u64, self.len())?;
+        // SAFETY: as in `read_at`; the mapping is writable and shared.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset as usize), data.len());
+        }
+        Ok(())
+    }
+
+    /// Fills the whole region with `byte`.
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: the whole mapping is ours and writable.
+        unsafe { std::ptr::write_bytes(self.as_ptr(), byte, self.len() as usize) }
+    }
+
+    /// The region's bytes as a slice.
+    ///
+    /// # Safety
+    /// No peer may write the region while the slice lives (no write granted and in flight).
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is at least `len` bytes and lives as long as `self`; the caller
+        // rules out concurrent writers.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len() as usize) }
+    }
+
+    /// The region's bytes as a mutable slice.
+    ///
+    /// # Safety
+    /// No other slice of this region may exist, and no peer may read or write it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: as above; the caller guarantees exclusivity.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len() as usize) }
+    }
+
+    /// Raw pointer to `[offset, offset+len)` after a bounds check.
+    pub(crate) fn span(&self, what: &'static str, offset: u64, len: u64) -> Result<*mut u8> {
+        check_bounds(what, offset, len, self.len())?;
+        // SAFETY: offset <= len of the mapping, so the result stays inside (or one past) it.
+        Ok(unsafe { self.as_ptr().add(offset as usize) })
+    }
+}
+
+/// What a peer needs to address a granted region: owner, id and length (for RDMA also the
+/// virtual address and rkey). Plain data; send it to the peer in a control message
+/// ([`RemoteKey::to_bytes`] / [`RemoteKey::from_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct RemoteKey {
+    /// Node id of the process owning the region.
+    pub owner: u64,
+    /// Region id within the owner.
+    pub region: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Virtual address in the owner (RDMA), else 0.
+    pub addr: u64,
+    /// Remote key (RDMA), else 0.
+    pub rkey: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+}
+
+impl RemoteKey {
+    /// Wire size of a key.
+    pub const SIZE: usize = std::mem::size_of::<RemoteKey>();
+
+    /// Encodes the key.
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        let mut out = [0u8; Self::SIZE];
+        out.copy_from_slice(self.as_bytes());
+        out
+    }
+
+    /// Decodes a key; fails on a wrong length.
+    pub fn from_bytes(bytes: &[u8]) -> Result<RemoteKey> {
+        RemoteKey::read_from_bytes(bytes).map_err(|_| {
+            Error::Malformed(format!("remote key of {} bytes, expected {}", bytes.len(), Self::SIZE))
+        })
+    }
+}

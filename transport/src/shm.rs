@@ -1,0 +1,509 @@
+//! The shm medium: peers on one host share memory.
+//!
+//! Setup and grants go over a `SOCK_SEQPACKET` Unix socket that carries memfd descriptors
+//! (SCM_RIGHTS): at hello each side passes its inbound ring and its completion queue's
+//! doorbell; a grant passes a region's memfd, which the peer maps. From then on a one-sided
+//! write or read is a single memcpy between this process's region and the peer's mapping, and
+//! an immediate or control message is a record in the peer's ring plus a doorbell ring. The
+//! socket stays open as a liveness signal: when the peer dies the kernel closes it, and the
+//! link reports `Closed` after every record the peer published has been delivered.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+};
+use zerocopy::IntoBytes;
+
+use crate::cq::{Backoff, Completion, CompletionQueue, CqSource, Doorbell, LinkId, lock};
+use crate::error::{Error, Result, check_bounds};
+use crate::memfd::SharedMap;
+use crate::region::Region;
+use crate::ring::{FLAG_MORE, KIND_IMM, KIND_MSG, Ring};
+use crate::wire::{CTL_PACKET, CtlOp, CtlPacket};
+
+/// Settings an shm link needs.
+#[derive(Clone, Debug)]
+pub(crate) struct ShmSettings {
+    pub(crate) job: u64,
+    pub(crate) node: u64,
+    pub(crate) ring_bytes: u64,
+    pub(crate) op_timeout: Duration,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) max_message: u64,
+}
+
+/// Creates a listening SEQPACKET socket at `path` (owner-only permissions).
+pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
+    let _ = std::fs::remove_file(path);
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
+        .map_err(|e| Error::errno("create unix socket", e))?;
+    let addr = SocketAddrUnix::new(path).map_err(|e| Error::errno("unix socket path", e))?;
+    rustix::net::bind(&fd, &addr).map_err(|e| Error::errno("bind unix socket", e))?;
+    rustix::fs::chmod(path, rustix::fs::Mode::from_raw_mode(0o600)).map_err(|e| Error::errno("chmod unix socket", e))?;
+    rustix::net::listen(&fd, 128).map_err(|e| Error::errno("listen on unix socket", e))?;
+    Ok(fd)
+}
+
+/// Connects to a peer's SEQPACKET socket.
+pub(crate) fn connect_socket(path: &Path) -> Result<OwnedFd> {
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
+        .map_err(|e| Error::errno("create unix socket", e))?;
+    let addr = SocketAddrUnix::new(path).map_err(|e| Error::errno("unix socket path", e))?;
+    rustix::net::connect(&fd, &addr).map_err(|e| Error::Unreachable {
+        medium: "shm",
+        peer: path.display().to_string(),
+        why: e.to_string(),
+    })?;
+    Ok(fd)
+}
+
+fn send_ctl(fd: BorrowedFd<'_>, pkt: &CtlPacket, fds: &[BorrowedFd<'_>]) -> Result<()> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(Error::Config("too many descriptors for one control packet".into()));
+    }
+    let n = rustix::net::sendmsg(fd, &[IoSlice::new(pkt.as_bytes())], &mut cmsg, SendFlags::NOSIGNAL)
+        .map_err(|e| Error::errno("send shm control packet", e))?;
+    if n != CTL_PACKET {
+        return Err(Error::Malformed(format!("short control packet send ({n} bytes)")));
+    }
+    Ok(())
+}
+
+/// Receives one control packet. `Ok(None)` on end of stream.
+fn recv_ctl(fd: BorrowedFd<'_>) -> Result<Option<(CtlOp, CtlPacket, Vec<OwnedFd>)>> {
+    let mut buf = [0u8; CTL_PACKET + 8];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+    let msg = loop {
+        match rustix::net::recvmsg(
+            fd,
+            &mut [IoSliceMut::new(&mut buf)],
+            &mut cmsg,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(m) => break m,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::WOULDBLOCK => {
+                return Err(Error::Timeout("shm control receive", Duration::ZERO));
+            }
+            Err(e) => return Err(Error::errno("receive shm control packet", e)),
+        }
+    };
+    let mut fds = Vec::new();
+    for m in cmsg.drain() {
+        if let RecvAncillaryMessage::ScmRights(it) = m {
+            fds.extend(it);
+        }
+    }
+    if msg.bytes == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    if msg.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC) {
+        return Err(Error::Malformed("truncated shm control packet".into()));
+    }
+    let (op, pkt) = CtlPacket::decode(&buf[..msg.bytes], fds.len())?;
+    Ok(Some((op, pkt, fds)))
+}
+
+fn set_recv_timeout(fd: BorrowedFd<'_>, t: Option<Duration>) -> Result<()> {
+    rustix::net::sockopt::set_socket_timeout(fd, rustix::net::sockopt::Timeout::Recv, t)
+        .map_err(|e| Error::errno("set unix socket timeout", e))
+}
+
+/// State shared by the link handle, its control thread and the completion queue.
+struct Shared {
+    id: LinkId,
+    peer: String,
+    sock: OwnedFd,
+    inbound: Ring,
+    /// Regions the peer granted us, mapped.
+    remote: RwLock<HashMap<u64, Arc<SharedMap>>>,
+    /// Our regions granted to the peer, kept alive while granted.
+    granted: Mutex<HashMap<u64, Region>>,
+    acks: Mutex<HashMap<u64, crossbeam_channel::Sender<()>>>,
+    /// Fragments of a control message being reassembled.
+    partial: Mutex<Vec<u8>>,
+    open: AtomicBool,
+    closing: AtomicBool,
+    peer_gone: AtomicBool,
+    failure: Mutex<Option<Error>>,
+    own_bell: Arc<Doorbell>,
+    max_message: u64,
+}
+
+impl Shared {
+    fn fail(&self, e: Error) {
+        lock(&self.failure).get_or_insert(e);
+        self.open.store(false, Ordering::Release);
+        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+    }
+}
+
+impl CqSource for Shared {
+    fn drain(&self, out: &mut VecDeque<Completion>) -> bool {
+        // Read `peer_gone` before draining: everything the peer published before it went is
+        // then already visible to the pops below (Acquire pairs with the control thread's
+        // Release store, which follows the kernel's report of the closed socket).
+        let gone = self.peer_gone.load(Ordering::Acquire);
+        loop {
+            match self.inbound.pop() {
+                Ok(None) => break,
+                Ok(Some(rec)) if rec.kind == KIND_IMM => out.push_back(Completion::WriteImm {
+                    link: self.id,
+                    imm: rec.imm,
+                }),
+                Ok(Some(rec)) => {
+                    let mut partial = lock(&self.partial);
+                    if partial.len() as u64 + rec.payload.len() as u64 > self.max_message {
+                        drop(partial);
+                        self.fail(Error::Malformed(format!(
+                            "message exceeds the {}-byte limit",
+                            self.max_message
+                        )));
+                        break;
+                    }
+                    partial.extend_from_slice(&rec.payload);
+                    if rec.flags & FLAG_MORE == 0 {
+                        out.push_back(Completion::Message {
+                            link: self.id,
+                            data: std::mem::take(&mut *partial),
+                        });
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(link = self.id, peer = %self.peer, "shm link failed: {e}");
+                    self.fail(e);
+                    break;
+                }
+            }
+        }
+        let failed = lock(&self.failure).clone();
+        let finished = gone || matches!(failed, Some(Error::Malformed(_)));
+        if finished {
+            self.open.store(false, Ordering::Release);
+            out.push_back(Completion::Closed {
+                link: self.id,
+                error: failed,
+            });
+        }
+        !finished
+    }
+}
+
+pub(crate) struct ShmLink {
+    shared: Arc<Shared>,
+    out: Mutex<Ring>,
+    peer_bell: Doorbell,
+    op_timeout: Duration,
+    pub(crate) peer_node: u64,
+}
+
+impl ShmLink {
+    /// Client side of the handshake on a connected socket.
+    pub(crate) fn connect(id: LinkId, sock: OwnedFd, peer: String, cfg: &ShmSettings, cq: &CompletionQueue) -> Result<ShmLink> {
+        set_recv_timeout(sock.as_fd(), Some(cfg.handshake_timeout))?;
+        let ring = Ring::create(cfg.ring_bytes)?;
+        send_ctl(
+            sock.as_fd(),
+            &CtlPacket::new(CtlOp::Hello, cfg.job, cfg.node, ring.capacity()),
+            &[ring.fd(), cq.doorbell().fd()],
+        )?;
+        let (op, pkt, fds) = recv_hello(sock.as_fd(), &peer, cfg)?;
+        if op == CtlOp::Refuse {
+            return Err(Error::WrongJob {
+                theirs: pkt.a.get(),
+                ours: cfg.job,
+            });
+        }
+        Self::finish(id, sock, peer, cfg, cq, ring, pkt, fds)
+    }
+
+    /// Server side of the handshake on an accepted socket.
+    pub(crate) fn accept(id: LinkId, sock: OwnedFd, peer: String, cfg: &ShmSettings, cq: &CompletionQueue) -> Result<ShmLink> {
+        set_recv_timeout(sock.as_fd(), Some(cfg.handshake_timeout))?;
+        let (op, pkt, fds) = recv_hello(sock.as_fd(), &peer, cfg)?;
+        if op != CtlOp::Hello {
+            return Err(Error::Malformed(format!("expected a hello, got {op:?}")));
+        }
+        if pkt.a.get() != cfg.job {
+            let _ = send_ctl(sock.as_fd(), &CtlPacket::new(CtlOp::Refuse, cfg.job, 0, 0), &[]);
+            return Err(Error::WrongJob {
+                theirs: pkt.a.get(),
+                ours: cfg.job,
+            });
+        }
+        let ring = Ring::create(cfg.ring_bytes)?;
+        send_ctl(
+            sock.as_fd(),
+            &CtlPacket::new(CtlOp::Hello, cfg.job, cfg.node, ring.capacity()),
+            &[ring.fd(), cq.doorbell().fd()],
+        )?;
+        Self::finish(id, sock, peer, cfg, cq, ring, pkt, fds)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        id: LinkId,
+        sock: OwnedFd,
+        peer: String,
+        cfg: &ShmSettings,
+        cq: &CompletionQueue,
+        inbound: Ring,
+        hello: CtlPacket,
+        fds: Vec<OwnedFd>,
+    ) -> Result<ShmLink> {
+        if hello.a.get() != cfg.job {
+            return Err(Error::WrongJob {
+                theirs: hello.a.get(),
+                ours: cfg.job,
+            });
+        }
+        let mut fds = fds.into_iter();
+        let (ring_fd, bell_fd) = (fds.next().expect("2 fds checked"), fds.next().expect("2 fds checked"));
+        let out = Ring::open(ring_fd, hello.c.get())?;
+        let peer_bell = Doorbell::open(bell_fd)?;
+        set_recv_timeout(sock.as_fd(), None)?;
+        let ctl_sock = sock.try_clone().map_err(|e| Error::io("dup unix socket", e))?;
+        let shared = Arc::new(Shared {
+            id,
+            peer,
+            sock,
+            inbound,
+            remote: RwLock::new(HashMap::new()),
+            granted: Mutex::new(HashMap::new()),
+            acks: Mutex::new(HashMap::new()),
+            partial: Mutex::new(Vec::new()),
+            open: AtomicBool::new(true),
+            closing: AtomicBool::new(false),
+            peer_gone: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            own_bell: cq.doorbell().clone(),
+            max_message: cfg.max_message,
+        });
+        cq.add_source(shared.clone());
+        let s2 = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("falcon-shm-ctl-{id}"))
+            .spawn(move || ctl_loop(ctl_sock, s2))
+            .map_err(|e| Error::io("spawn shm control thread", e))?;
+        Ok(ShmLink {
+            shared,
+            out: Mutex::new(out),
+            peer_bell,
+            op_timeout: cfg.op_timeout,
+            peer_node: hello.b.get(),
+        })
+    }
+
+    pub(crate) fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    pub(crate) fn id(&self) -> LinkId {
+        self.shared.id
+    }
+
+    pub(crate) fn is_open(&self) -> bool {
+        self.shared.open.load(Ordering::Acquire)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.is_open() {
+            return Ok(());
+        }
+        Err(lock(&self.shared.failure).clone().unwrap_or_else(|| Error::Closed {
+            peer: self.shared.peer.clone(),
+            reason: "closed".into(),
+        }))
+    }
+
+    /// Appends one record to the peer's ring, waiting (bounded) for room.
+    fn push(&self, ring: &Ring, kind: u8, flags: u8, imm: u32, payload: &[u8]) -> Result<()> {
+        let start = Instant::now();
+        let mut backoff = Backoff::new();
+        while !ring.try_push(kind, flags, imm, payload)? {
+            self.check_open()?;
+            if start.elapsed() > self.op_timeout {
+                return Err(Error::Timeout("shm ring full (peer not polling its queue)", self.op_timeout));
+            }
+            self.peer_bell.ring();
+            backoff.snooze();
+        }
+        self.peer_bell.ring();
+        Ok(())
+    }
+
+    pub(crate) fn send(&self, data: &[u8]) -> Result<()> {
+        self.check_open()?;
+        let ring = lock(&self.out);
+        let chunk = ring.max_record_payload() as usize;
+        if data.is_empty() {
+            return self.push(&ring, KIND_MSG, 0, 0, &[]);
+        }
+        let mut parts = data.chunks(chunk).peekable();
+        while let Some(part) = parts.next() {
+            let flags = if parts.peek().is_some() { FLAG_MORE } else { 0 };
+            self.push(&ring, KIND_MSG, flags, 0, part)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn grant(&self, region: &Region) -> Result<()> {
+        self.check_open()?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        lock(&self.shared.acks).insert(region.id(), tx);
+        lock(&self.shared.granted).insert(region.id(), region.clone());
+        send_ctl(
+            self.shared.sock.as_fd(),
+            &CtlPacket::new(CtlOp::Grant, region.id(), region.len(), 0),
+            &[region.inner.map.fd()],
+        )?;
+        match rx.recv_timeout(self.op_timeout) {
+            Ok(()) => Ok(()),
+            Err(_) => {
+                lock(&self.shared.acks).remove(&region.id());
+                self.check_open()?;
+                Err(Error::Timeout("shm grant acknowledgement", self.op_timeout))
+            }
+        }
+    }
+
+    pub(crate) fn revoke(&self, region: &Region) -> Result<()> {
+        lock(&self.shared.granted).remove(&region.id());
+        self.check_open()?;
+        send_ctl(self.shared.sock.as_fd(), &CtlPacket::new(CtlOp::Revoke, region.id(), 0, 0), &[])
+    }
+
+    fn mapping(&self, region: u64) -> Result<Arc<SharedMap>> {
+        self.shared
+            .remote
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&region)
+            .cloned()
+            .ok_or(Error::UnknownRegion(region))
+    }
+
+    pub(crate) fn write(&self, src: *const u8, len: u64, region: u64, offset: u64, imm: Option<u32>) -> Result<()> {
+        self.check_open()?;
+        let map = self.mapping(region)?;
+        check_bounds("remote write", offset, len, map.len())?;
+        // SAFETY: the destination [offset, offset+len) is inside the peer's mapping (checked
+        // against the size we verified when mapping it), which `map` keeps alive; the source
+        // was bounds-checked by the caller; distinct mappings, so no overlap unless a process
+        // grants a region to itself, for which `copy` (memmove) is used.
+        unsafe { std::ptr::copy(src, map.ptr().add(offset as usize), len as usize) };
+        if let Some(imm) = imm {
+            let ring = lock(&self.out);
+            self.push(&ring, KIND_IMM, 0, imm, &[])?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read(&self, dst: *mut u8, len: u64, region: u64, offset: u64) -> Result<()> {
+        self.check_open()?;
+        let map = self.mapping(region)?;
+        check_bounds("remote read", offset, len, map.len())?;
+        // SAFETY: as in `write`, with source and destination swapped.
+        unsafe { std::ptr::copy(map.ptr().add(offset as usize), dst, len as usize) };
+        Ok(())
+    }
+
+    pub(crate) fn close(&self) {
+        if self.shared.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let _ = send_ctl(self.shared.sock.as_fd(), &CtlPacket::new(CtlOp::Bye, 0, 0, 0), &[]);
+        self.shared.open.store(false, Ordering::Release);
+        let _ = rustix::net::shutdown(&self.shared.sock, rustix::net::Shutdown::Both);
+    }
+
+    /// Test hook: raw bytes into the peer's ring, as a broken peer would write them.
+    pub(crate) fn send_raw(&self, bytes: &[u8]) -> Result<()> {
+        lock(&self.out).push_raw(bytes);
+        self.peer_bell.ring();
+        Ok(())
+    }
+}
+
+impl Drop for ShmLink {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn recv_hello(sock: BorrowedFd<'_>, peer: &str, _cfg: &ShmSettings) -> Result<(CtlOp, CtlPacket, Vec<OwnedFd>)> {
+    match recv_ctl(sock) {
+        Ok(Some(x)) if matches!(x.0, CtlOp::Hello | CtlOp::Refuse) => Ok(x),
+        Ok(Some((op, ..))) => Err(Error::Malformed(format!("expected a hello, got {op:?}"))),
+        Ok(None) => Err(Error::Closed {
+            peer: peer.to_string(),
+            reason: "closed during handshake".into(),
+        }),
+        Err(Error::Timeout(what, _)) => Err(Error::Timeout(what, _cfg.handshake_timeout)),
+        Err(e) => Err(e),
+    }
+}
+
+fn ctl_loop(sock: OwnedFd, shared: Arc<Shared>) {
+    let result = ctl_packets(&sock, &shared);
+    if let Err(e) = result
+        && !shared.closing.load(Ordering::Acquire)
+    {
+        tracing::warn!(link = shared.id, peer = %shared.peer, "shm link failed: {e}");
+        lock(&shared.failure).get_or_insert(e);
+    }
+    shared.open.store(false, Ordering::Release);
+    lock(&shared.acks).clear();
+    // Release: pairs with the Acquire in `drain`; see there.
+    shared.peer_gone.store(true, Ordering::Release);
+    shared.own_bell.ring();
+}
+
+fn ctl_packets(sock: &OwnedFd, shared: &Shared) -> Result<()> {
+    let mut said_bye = false;
+    loop {
+        let Some((op, pkt, fds)) = recv_ctl(sock.as_fd())? else {
+            if said_bye || shared.closing.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            return Err(Error::Closed {
+                peer: shared.peer.clone(),
+                reason: "connection closed without goodbye (peer died?)".into(),
+            });
+        };
+        match op {
+            CtlOp::Grant => {
+                let fd = fds.into_iter().next().expect("1 fd checked");
+                let map = SharedMap::open(fd, pkt.b.get())?;
+                shared
+                    .remote
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(pkt.a.get(), Arc::new(map));
+                send_ctl(sock.as_fd(), &CtlPacket::new(CtlOp::GrantAck, pkt.a.get(), 0, 0), &[])?;
+            }
+            CtlOp::GrantAck => {
+                if let Some(tx) = lock(&shared.acks).remove(&pkt.a.get()) {
+                    let _ = tx.send(());
+                }
+            }
+            CtlOp::Revoke => {
+                shared.remote.write().unwrap_or_else(|p| p.into_inner()).remove(&pkt.a.get());
+            }
+            CtlOp::Bye => said_bye = true,
+            CtlOp::Hello | CtlOp::Refuse => return Err(Error::Malformed(format!("{op:?} after the handshake"))),
+        }
+    }
+}

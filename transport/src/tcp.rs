@@ -1,0 +1,532 @@
+//! The tcp medium: framed messages on one TCP connection per peer pair.
+//!
+//! A one-sided write is a [`FrameHeader`] and its payload sent with one vectored write from the
+//! source region; the receiver's progress thread validates the header, then reads the payload
+//! from the socket straight into the target region — no staging buffer. A read is a request
+//! answered by the peer's responder thread, whose payload lands straight in the destination.
+//! Read responses go out on their own thread so two progress threads can never deadlock
+//! writing to each other.
+
+use std::collections::HashMap;
+use std::io::{IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use zerocopy::{FromBytes, IntoBytes};
+
+use crate::cq::{Completion, CompletionQueue, LinkId, lock};
+use crate::error::{Error, Result, check_bounds};
+use crate::region::Region;
+use crate::wire::{FLAG_IMM, FRAME_HEADER, FrameHeader, Op};
+
+/// Longest reason text an Error frame may carry.
+const MAX_ERROR_TEXT: u64 = 64 * 1024;
+
+/// Settings a tcp link needs.
+#[derive(Clone, Debug)]
+pub(crate) struct TcpSettings {
+    pub(crate) job: u64,
+    pub(crate) node: u64,
+    pub(crate) op_timeout: Duration,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) max_message: u64,
+}
+
+/// A raw pointer into a region, for a read in flight.
+struct Dst(*mut u8);
+// SAFETY: the pointer targets a region kept alive by `PendingRead::_region`, and only the
+// progress thread writes through it, once.
+unsafe impl Send for Dst {}
+
+struct PendingRead {
+    dst: Dst,
+    len: u64,
+    _region: Region,
+    done: Sender<Result<()>>,
+}
+
+enum Reply {
+    Data { req: u64, region: Region, offset: u64, len: u64 },
+    Refuse { req: u64, reason: String },
+}
+
+struct Shared {
+    id: LinkId,
+    peer: String,
+    cq: CompletionQueue,
+    grants: RwLock<HashMap<u64, Region>>,
+    pending: Mutex<HashMap<u64, PendingRead>>,
+    next_req: AtomicU64,
+    open: AtomicBool,
+    closing: AtomicBool,
+    failure: Mutex<Option<Error>>,
+    max_message: u64,
+}
+
+pub(crate) struct TcpLink {
+    shared: Arc<Shared>,
+    writer: Arc<Mutex<TcpStream>>,
+    stream: TcpStream,
+    op_timeout: Duration,
+    pub(crate) peer_node: u64,
+}
+
+/// Reads exactly `buf.len()` bytes; distinguishes a clean EOF before the first byte.
+fn read_full(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Writes every byte of `bufs` with vectored writes.
+fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    while !bufs.is_empty() {
+        match s.write_vectored(bufs) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn tune(stream: &TcpStream, op_timeout: Duration) -> Result<()> {
+    let sock = socket2::SockRef::from(stream);
+    sock.set_tcp_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
+    // Detect a dead host (no FIN, no RST) within seconds: keepalive probes plus a bound on
+    // unacknowledged data.
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(2))
+        .with_interval(Duration::from_secs(1))
+        .with_retries(3);
+    sock.set_tcp_keepalive(&ka).map_err(|e| Error::io("set TCP keepalive", e))?;
+    sock.set_tcp_user_timeout(Some(op_timeout))
+        .map_err(|e| Error::io("set TCP_USER_TIMEOUT", e))?;
+    stream
+        .set_write_timeout(Some(op_timeout))
+        .map_err(|e| Error::io("set send timeout", e))?;
+    Ok(())
+}
+
+/// Exchanges hellos; returns the peer's node id.
+pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings) -> Result<u64> {
+    tune(stream, cfg.op_timeout)?;
+    stream
+        .set_read_timeout(Some(cfg.handshake_timeout))
+        .map_err(|e| Error::io("set handshake timeout", e))?;
+    let mut hello = FrameHeader::new(Op::Hello);
+    hello.region = cfg.job.into();
+    hello.offset = cfg.node.into();
+    stream
+        .write_all(hello.as_bytes())
+        .map_err(|e| Error::io("send tcp hello", e))?;
+    let mut raw = [0u8; FRAME_HEADER];
+    match read_full(stream, &mut raw) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(Error::Closed {
+                peer: peer_name(stream),
+                reason: "closed during handshake".into(),
+            });
+        }
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            return Err(Error::Timeout("tcp handshake", cfg.handshake_timeout));
+        }
+        Err(e) => return Err(Error::io("receive tcp hello", e)),
+    }
+    let (op, h) = FrameHeader::decode(&raw)?;
+    if op != Op::Hello || h.len.get() != 0 {
+        return Err(Error::Malformed(format!("expected a hello, got {op:?}")));
+    }
+    if h.region.get() != cfg.job {
+        return Err(Error::WrongJob {
+            theirs: h.region.get(),
+            ours: cfg.job,
+        });
+    }
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| Error::io("clear handshake timeout", e))?;
+    Ok(h.offset.get())
+}
+
+fn peer_name(s: &TcpStream) -> String {
+    s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "unknown tcp peer".into())
+}
+
+impl TcpLink {
+    /// Wraps a connection whose handshake succeeded and starts its progress threads.
+    pub(crate) fn start(id: LinkId, stream: TcpStream, peer_node: u64, cfg: &TcpSettings, cq: CompletionQueue) -> Result<TcpLink> {
+        let peer = format!("tcp:{}", peer_name(&stream));
+        let shared = Arc::new(Shared {
+            id,
+            peer,
+            cq,
+            grants: RwLock::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            next_req: AtomicU64::new(1),
+            open: AtomicBool::new(true),
+            closing: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            max_message: cfg.max_message,
+        });
+        let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("clone tcp socket", e));
+        let writer = Arc::new(Mutex::new(clone(&stream)?));
+        let (tx, rx) = crossbeam_channel::unbounded();
+        {
+            let (shared, writer) = (shared.clone(), writer.clone());
+            std::thread::Builder::new()
+                .name(format!("falcon-tcp-resp-{id}"))
+                .spawn(move || respond_loop(rx, writer, shared))
+                .map_err(|e| Error::io("spawn tcp responder", e))?;
+        }
+        {
+            let (shared, reader) = (shared.clone(), clone(&stream)?);
+            std::thread::Builder::new()
+                .name(format!("falcon-tcp-recv-{id}"))
+                .spawn(move || recv_loop(reader, tx, shared))
+                .map_err(|e| Error::io("spawn tcp progress thread", e))?;
+        }
+        Ok(TcpLink {
+            shared,
+            writer,
+            stream,
+            op_timeout: cfg.op_timeout,
+            peer_node,
+        })
+    }
+
+    pub(crate) fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    pub(crate) fn id(&self) -> LinkId {
+        self.shared.id
+    }
+
+    pub(crate) fn is_open(&self) -> bool {
+        self.shared.open.load(Ordering::Acquire)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.is_open() {
+            return Ok(());
+        }
+        Err(lock(&self.shared.failure).clone().unwrap_or_else(|| Error::Closed {
+            peer: self.shared.peer.clone(),
+            reason: "closed".into(),
+        }))
+    }
+
+    fn send_frame(&self, header: &FrameHeader, payload: &[u8]) -> Result<()> {
+        self.check_open()?;
+        let mut w = lock(&self.writer);
+        let mut bufs = [IoSlice::new(header.as_bytes()), IoSlice::new(payload)];
+        write_all_vectored(&mut w, &mut bufs).map_err(|e| {
+            let err = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+                Error::Timeout("tcp send (peer not reading)", self.op_timeout)
+            } else {
+                Error::Closed {
+                    peer: self.shared.peer.clone(),
+                    reason: format!("send failed: {e}"),
+                }
+            };
+            // A frame may be half-sent: the stream is unusable now.
+            let _ = w.shutdown(Shutdown::Both);
+            err
+        })
+    }
+
+    pub(crate) fn send(&self, data: &[u8]) -> Result<()> {
+        let mut h = FrameHeader::new(Op::Send);
+        h.len = (data.len() as u64).into();
+        self.send_frame(&h, data)
+    }
+
+    pub(crate) fn grant(&self, region: &Region) {
+        self.shared.grants.write().unwrap_or_else(|p| p.into_inner()).insert(region.id(), region.clone());
+    }
+
+    pub(crate) fn revoke(&self, region: &Region) {
+        self.shared.grants.write().unwrap_or_else(|p| p.into_inner()).remove(&region.id());
+    }
+
+    pub(crate) fn write(&self, src: *const u8, len: u64, region: u64, offset: u64, imm: Option<u32>) -> Result<()> {
+        let mut h = FrameHeader::new(Op::Write);
+        h.region = region.into();
+        h.offset = offset.into();
+        h.len = len.into();
+        if let Some(imm) = imm {
+            h.imm = imm.into();
+            h.flags = FLAG_IMM.into();
+        }
+        // SAFETY: the caller bounds-checked [src, src+len) inside a live source region.
+        let payload = unsafe { std::slice::from_raw_parts(src, len as usize) };
+        self.send_frame(&h, payload)
+    }
+
+    pub(crate) fn read(&self, dst: &Region, dst_ptr: *mut u8, len: u64, region: u64, offset: u64) -> Result<()> {
+        self.check_open()?;
+        let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        lock(&self.shared.pending).insert(
+            req,
+            PendingRead {
+                dst: Dst(dst_ptr),
+                len,
+                _region: dst.clone(),
+                done: done_tx,
+            },
+        );
+        let mut h = FrameHeader::new(Op::ReadReq);
+        h.region = region.into();
+        h.offset = offset.into();
+        h.len = len.into();
+        h.req = req.into();
+        if let Err(e) = self.send_frame(&h, &[]) {
+            lock(&self.shared.pending).remove(&req);
+            return Err(e);
+        }
+        match done_rx.recv_timeout(self.op_timeout) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                // The progress thread may be writing into the destination right now, so the
+                // link cannot be trusted any more: fail it, which also drops the entry.
+                let err = Error::Timeout("tcp read", self.op_timeout);
+                self.fail(err.clone());
+                Err(err)
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => self.check_open().and(Err(Error::Closed {
+                peer: self.shared.peer.clone(),
+                reason: "closed during read".into(),
+            })),
+        }
+    }
+
+    fn fail(&self, err: Error) {
+        lock(&self.shared.failure).get_or_insert(err);
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    pub(crate) fn close(&self) {
+        if self.shared.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if self.is_open() {
+            let _ = self.send_frame(&FrameHeader::new(Op::Bye), &[]);
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Test hook: raw bytes onto the wire, as a broken peer would send them.
+    pub(crate) fn send_raw(&self, bytes: &[u8]) -> Result<()> {
+        let mut w = lock(&self.writer);
+        w.write_all(bytes).map_err(|e| Error::io("send raw bytes", e))
+    }
+}
+
+impl Drop for TcpLink {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn respond_loop(rx: Receiver<Reply>, writer: Arc<Mutex<TcpStream>>, shared: Arc<Shared>) {
+    for reply in rx {
+        let mut w = lock(&writer);
+        let r = match reply {
+            Reply::Data {
+                req,
+                region,
+                offset,
+                len,
+            } => {
+                let mut h = FrameHeader::new(Op::ReadResp);
+                h.req = req.into();
+                h.len = len.into();
+                // Bounds were checked by the progress thread against this same region.
+                let ptr = region.span("read response", offset, len).expect("checked");
+                // SAFETY: [ptr, ptr+len) lies inside `region`, alive for this scope.
+                let payload = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
+                write_all_vectored(&mut w, &mut [IoSlice::new(h.as_bytes()), IoSlice::new(payload)])
+            }
+            Reply::Refuse { req, reason } => {
+                let mut h = FrameHeader::new(Op::Error);
+                h.req = req.into();
+                h.len = (reason.len() as u64).into();
+                write_all_vectored(&mut w, &mut [IoSlice::new(h.as_bytes()), IoSlice::new(reason.as_bytes())])
+            }
+        };
+        if r.is_err() {
+            let _ = w.shutdown(Shutdown::Both);
+            break;
+        }
+    }
+    drop(shared);
+}
+
+fn recv_loop(mut s: TcpStream, replies: Sender<Reply>, shared: Arc<Shared>) {
+    let result = recv_frames(&mut s, &replies, &shared);
+    drop(replies);
+    shared.open.store(false, Ordering::Release);
+    let error = match result {
+        Ok(()) => None,
+        Err(e) => {
+            tracing::warn!(link = shared.id, peer = %shared.peer, "tcp link failed: {e}");
+            Some(e)
+        }
+    };
+    let error = lock(&shared.failure).clone().or(error);
+    if let Some(e) = &error {
+        lock(&shared.failure).get_or_insert(e.clone());
+    }
+    let _ = s.shutdown(Shutdown::Both);
+    let fail = error.clone().unwrap_or_else(|| Error::Closed {
+        peer: shared.peer.clone(),
+        reason: "closed".into(),
+    });
+    for (_, p) in lock(&shared.pending).drain() {
+        let _ = p.done.send(Err(fail.clone()));
+    }
+    shared.cq.push(Completion::Closed { link: shared.id, error });
+}
+
+/// Processes frames until an orderly close (Ok) or a failure (Err).
+fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Shared) -> Result<()> {
+    let mut said_bye = false;
+    loop {
+        let mut raw = [0u8; FRAME_HEADER];
+        let got = read_full(s, &mut raw);
+        match got {
+            Ok(true) => {}
+            Ok(false) if said_bye || shared.closing.load(Ordering::Acquire) => return Ok(()),
+            Ok(false) => {
+                return Err(Error::Closed {
+                    peer: shared.peer.clone(),
+                    reason: "connection closed without goodbye (peer died?)".into(),
+                });
+            }
+            Err(_) if shared.closing.load(Ordering::Acquire) => return Ok(()),
+            Err(e) => return Err(lost(shared, e)),
+        }
+        let (op, h) = FrameHeader::decode(&raw)?;
+        let len = h.len.get();
+        match op {
+            Op::Write => {
+                let region = granted(shared, h.region.get())?;
+                let ptr = region.span("incoming write", h.offset.get(), len)?;
+                // SAFETY: [ptr, ptr+len) was bounds-checked inside a region granted to this peer
+                // for remote writes; `region` keeps the mapping alive while we fill it.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) };
+                s.read_exact(dst).map_err(|e| lost(shared, e))?;
+                if h.flags.get() & FLAG_IMM != 0 {
+                    shared.cq.push(Completion::WriteImm {
+                        link: shared.id,
+                        imm: h.imm.get(),
+                    });
+                }
+            }
+            Op::Send => {
+                if len > shared.max_message {
+                    return Err(Error::Malformed(format!(
+                        "message of {len} bytes exceeds the {}-byte limit",
+                        shared.max_message
+                    )));
+                }
+                let mut data = Vec::new();
+                data.try_reserve_exact(len as usize)
+                    .map_err(|_| Error::Malformed(format!("cannot allocate a {len}-byte message")))?;
+                data.resize(len as usize, 0);
+                s.read_exact(&mut data).map_err(|e| lost(shared, e))?;
+                shared.cq.push(Completion::Message { link: shared.id, data });
+            }
+            Op::ReadReq => {
+                let req = h.req.get();
+                let checked = granted(shared, h.region.get())
+                    .and_then(|r| check_bounds("remote read", h.offset.get(), len, r.len()).map(|_| r));
+                match checked {
+                    Ok(region) => {
+                        let _ = replies.send(Reply::Data {
+                            req,
+                            region,
+                            offset: h.offset.get(),
+                            len,
+                        });
+                    }
+                    Err(e) => {
+                        let _ = replies.send(Reply::Refuse { req, reason: e.to_string() });
+                        return Err(e);
+                    }
+                }
+            }
+            Op::ReadResp => {
+                let p = lock(&shared.pending)
+                    .remove(&h.req.get())
+                    .ok_or_else(|| Error::Malformed(format!("read response for unknown request {}", h.req.get())))?;
+                if p.len != len {
+                    let e = Error::Malformed(format!("read response of {len} bytes for a {}-byte read", p.len));
+                    let _ = p.done.send(Err(e.clone()));
+                    return Err(e);
+                }
+                // SAFETY: p.dst was bounds-checked for p.len == len bytes inside p._region, kept
+                // alive by the entry; the requester is blocked until we signal `done`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(p.dst.0, len as usize) };
+                if let Err(e) = s.read_exact(dst) {
+                    let e = lost(shared, e);
+                    let _ = p.done.send(Err(e.clone()));
+                    return Err(e);
+                }
+                let _ = p.done.send(Ok(()));
+            }
+            Op::Error => {
+                if len > MAX_ERROR_TEXT {
+                    return Err(Error::Malformed(format!("error text of {len} bytes")));
+                }
+                let mut text = vec![0u8; len as usize];
+                s.read_exact(&mut text).map_err(|e| lost(shared, e))?;
+                let e = Error::Remote(String::from_utf8_lossy(&text).into_owned());
+                if let Some(p) = lock(&shared.pending).remove(&h.req.get()) {
+                    let _ = p.done.send(Err(e.clone()));
+                }
+                return Err(e);
+            }
+            Op::Bye => said_bye = true,
+            Op::Hello => return Err(Error::Malformed("hello after the handshake".into())),
+        }
+    }
+}
+
+fn granted(shared: &Shared, region: u64) -> Result<Region> {
+    shared
+        .grants
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&region)
+        .cloned()
+        .ok_or(Error::UnknownRegion(region))
+}
+
+fn lost(shared: &Shared, e: std::io::Error) -> Error {
+    Error::Closed {
+        peer: shared.peer.clone(),
+        reason: format!("connection lost mid-frame: {e}"),
+    }
+}
+
+// Keep the header type's size part of the protocol: a change is a version bump.
+const _: () = assert!(FRAME_HEADER == 48);
+const _: fn() = || {
+    let _ = FrameHeader::read_from_bytes(&[0u8; FRAME_HEADER]);
+};

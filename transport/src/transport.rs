@@ -1,0 +1,380 @@
+//! The transport: one per process (or per embedded role). It owns the completion queue,
+//! listens for peers and hands out links.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::addr::{Medium, PeerAddr, host_id};
+use crate::cq::CompletionQueue;
+use crate::error::{Error, Result};
+use crate::link::{Link, LinkImpl};
+use crate::shm::{self, ShmLink, ShmSettings};
+use crate::tcp::{self, TcpLink, TcpSettings};
+
+/// Transport configuration. `Default` is a loopback-only transport for job 0.
+#[derive(Clone, Debug)]
+pub struct TransportConfig {
+    /// Job id: peers of another job are refused at connection time.
+    pub job: u64,
+    /// Where to listen for tcp peers (`None`: no tcp listener). Port 0 picks a free port.
+    pub bind: Option<SocketAddr>,
+    /// The address to advertise to peers, when it differs from `bind` (NAT, Kubernetes
+    /// services, binding 0.0.0.0). The port is taken from the bound socket when this one is 0.
+    pub advertise: Option<SocketAddr>,
+    /// Listen for shm peers on a Unix socket in `shm_dir`.
+    pub shm: bool,
+    /// Directory for Unix sockets (default: `$XDG_RUNTIME_DIR/falcon` or `/tmp/falcon-$UID`).
+    pub shm_dir: Option<PathBuf>,
+    /// The medium for outgoing links.
+    pub medium: Medium,
+    /// Deadline of a single operation (a read's response, a full ring, a stuck socket).
+    pub op_timeout: Duration,
+    /// Deadline of a connection handshake.
+    pub handshake_timeout: Duration,
+    /// How long a completion-queue wait spins before it parks.
+    pub spin: Duration,
+    /// Capacity of each shm link's inbound ring.
+    pub ring_bytes: u64,
+    /// The largest control message accepted from a peer.
+    pub max_message: u64,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            job: 0,
+            bind: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            advertise: None,
+            shm: true,
+            shm_dir: None,
+            medium: Medium::Auto,
+            op_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(5),
+            spin: Duration::from_micros(50),
+            ring_bytes: 1 << 20,
+            max_message: 8 << 30,
+        }
+    }
+}
+
+fn default_shm_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d).join("falcon"),
+        _ => std::env::temp_dir().join(format!("falcon-{}", rustix::process::getuid().as_raw())),
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()).is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        return (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32);
+    }
+    u64::from_le_bytes(b)
+}
+
+/// Shared between the transport and its acceptor threads (which must not keep it alive).
+struct Common {
+    cq: CompletionQueue,
+    next_link: AtomicU64,
+    stopping: AtomicBool,
+    tcp: TcpSettings,
+    shm: ShmSettings,
+    local: String,
+}
+
+impl Common {
+    fn link_id(&self) -> u64 {
+        self.next_link.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A process's endpoint: completion queue, listeners and links. Cheap to clone.
+#[derive(Clone)]
+pub struct Transport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: TransportConfig,
+    node: u64,
+    common: Arc<Common>,
+    addr: PeerAddr,
+    accepted: Receiver<Result<Link>>,
+    tcp_listener: Option<TcpListener>,
+    unix: Option<(Arc<OwnedFd>, PathBuf)>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.common.stopping.store(true, Ordering::Release);
+        if let Some(l) = &self.tcp_listener {
+            let _ = rustix::net::shutdown(l, rustix::net::Shutdown::Both);
+        }
+        if let Some((fd, path)) = &self.unix {
+            let _ = rustix::net::shutdown(fd.as_fd(), rustix::net::Shutdown::Both);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport")
+            .field("node", &format_args!("{:#x}", self.inner.node))
+            .field("addr", &self.inner.addr.to_string())
+            .finish()
+    }
+}
+
+impl Transport {
+    /// Creates a transport and starts its listeners.
+    pub fn new(cfg: TransportConfig) -> Result<Transport> {
+        let node = random_u64();
+        let cq = CompletionQueue::new(cfg.spin)?;
+        let common = Arc::new(Common {
+            cq,
+            next_link: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+            tcp: TcpSettings {
+                job: cfg.job,
+                node,
+                op_timeout: cfg.op_timeout,
+                handshake_timeout: cfg.handshake_timeout,
+                max_message: cfg.max_message,
+            },
+            shm: ShmSettings {
+                job: cfg.job,
+                node,
+                ring_bytes: cfg.ring_bytes,
+                op_timeout: cfg.op_timeout,
+                handshake_timeout: cfg.handshake_timeout,
+                max_message: cfg.max_message,
+            },
+            local: format!("node {node:#x}"),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut addr = PeerAddr {
+            host: host_id(),
+            tcp: None,
+            shm: None,
+        };
+
+        let tcp_listener = match cfg.bind {
+            Some(bind) => {
+                let l = TcpListener::bind(bind).map_err(|e| Error::io("bind tcp listener", e))?;
+                let bound = l.local_addr().map_err(|e| Error::io("tcp listener address", e))?;
+                let mut adv = cfg.advertise.unwrap_or(bound);
+                if adv.port() == 0 {
+                    adv.set_port(bound.port());
+                }
+                if adv.ip().is_unspecified() {
+                    return Err(Error::Config(format!(
+                        "bound to {bound}: set an advertise address peers can reach (e.g. FALCON_ADVERTISE)"
+                    )));
+                }
+                addr.tcp = Some(adv);
+                let l2 = l.try_clone().map_err(|e| Error::io("clone tcp listener", e))?;
+                spawn("falcon-tcp-accept", {
+                    let (common, tx) = (common.clone(), tx.clone());
+                    move || tcp_accept_loop(l2, common, tx)
+                })?;
+                Some(l)
+            }
+            None => None,
+        };
+
+        let unix = if cfg.shm {
+            let dir = cfg.shm_dir.clone().unwrap_or_else(default_shm_dir);
+            std::fs::create_dir_all(&dir).map_err(|e| Error::io("create shm socket directory", e))?;
+            let _ = rustix::fs::chmod(&dir, rustix::fs::Mode::from_raw_mode(0o700));
+            let path = dir.join(format!("{node:016x}.sock"));
+            let fd = Arc::new(shm::listen(&path)?);
+            addr.shm = Some(path.clone());
+            spawn("falcon-shm-accept", {
+                let (common, tx, fd) = (common.clone(), tx.clone(), fd.clone());
+                move || unix_accept_loop(fd, common, tx)
+            })?;
+            Some((fd, path))
+        } else {
+            None
+        };
+
+        Ok(Transport {
+            inner: Arc::new(Inner {
+                cfg,
+                node,
+                common,
+                addr,
+                accepted: rx,
+                tcp_listener,
+                unix,
+            }),
+        })
+    }
+
+    /// This transport's node id (random, unique per process with overwhelming probability).
+    pub fn node_id(&self) -> u64 {
+        self.inner.node
+    }
+
+    /// The address peers connect to.
+    pub fn address(&self) -> &PeerAddr {
+        &self.inner.addr
+    }
+
+    /// The completion queue every link of this transport delivers to.
+    pub fn cq(&self) -> &CompletionQueue {
+        &self.inner.common.cq
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TransportConfig {
+        &self.inner.cfg
+    }
+
+    /// Waits for the next incoming link (`None`: forever). A peer of another job or a broken
+    /// handshake is refused and logged; it never reaches the caller as a link.
+    pub fn accept(&self, timeout: Option<Duration>) -> Result<Link> {
+        let r = match timeout {
+            Some(t) => self.inner.accepted.recv_timeout(t).map_err(|_| Error::Timeout("accept", t)),
+            None => self.inner.accepted.recv().map_err(|_| Error::Closed {
+                peer: "listener".into(),
+                reason: "transport stopped".into(),
+            }),
+        };
+        r?
+    }
+
+    /// Connects to a peer with the configured medium.
+    pub fn connect(&self, peer: &PeerAddr) -> Result<Link> {
+        self.connect_with(peer, self.inner.cfg.medium)
+    }
+
+    /// Connects to a peer over a given medium (`Auto`: same host → shm, else tcp).
+    pub fn connect_with(&self, peer: &PeerAddr, medium: Medium) -> Result<Link> {
+        let same_host = peer.host == self.inner.addr.host;
+        match medium {
+            Medium::Shm => self.connect_shm(peer),
+            Medium::Tcp => self.connect_tcp(peer),
+            Medium::Rdma => Err(Error::MediumUnavailable {
+                medium: "rdma",
+                why: "this build has no RDMA support; rebuild with `--features rdma`".into(),
+            }),
+            Medium::Auto if same_host && peer.shm.is_some() && self.inner.cfg.shm => {
+                match self.connect_shm(peer) {
+                    Ok(l) => Ok(l),
+                    Err(e @ Error::WrongJob { .. }) => Err(e),
+                    Err(e) if peer.tcp.is_some() => {
+                        tracing::warn!("shm connection to {peer} failed ({e}); falling back to tcp");
+                        self.connect_tcp(peer)
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            Medium::Auto => self.connect_tcp(peer),
+        }
+    }
+
+    fn connect_shm(&self, peer: &PeerAddr) -> Result<Link> {
+        let unreachable = |why: &str| Error::Unreachable {
+            medium: "shm",
+            peer: peer.to_string(),
+            why: why.into(),
+        };
+        if peer.host != self.inner.addr.host {
+            return Err(unreachable("the peer is on another host"));
+        }
+        let path = peer.shm.as_ref().ok_or_else(|| unreachable("the peer does not listen for shm"))?;
+        let c = &self.inner.common;
+        let sock = shm::connect_socket(path)?;
+        let link = ShmLink::connect(c.link_id(), sock, format!("shm:{}", path.display()), &c.shm, &c.cq)?;
+        Ok(Link::new(LinkImpl::Shm(link), self.inner.node))
+    }
+
+    fn connect_tcp(&self, peer: &PeerAddr) -> Result<Link> {
+        let addr = peer.tcp.ok_or_else(|| Error::Unreachable {
+            medium: "tcp",
+            peer: peer.to_string(),
+            why: "the peer does not listen on tcp".into(),
+        })?;
+        let c = &self.inner.common;
+        let mut stream = TcpStream::connect_timeout(&addr, c.tcp.handshake_timeout).map_err(|e| Error::Unreachable {
+            medium: "tcp",
+            peer: addr.to_string(),
+            why: e.to_string(),
+        })?;
+        let peer_node = tcp::handshake(&mut stream, &c.tcp)?;
+        let link = TcpLink::start(c.link_id(), stream, peer_node, &c.tcp, c.cq.clone())?;
+        Ok(Link::new(LinkImpl::Tcp(link), self.inner.node))
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map(|_| ())
+        .map_err(|e| Error::io("spawn thread", e))
+}
+
+fn tcp_accept_loop(listener: TcpListener, common: Arc<Common>, tx: Sender<Result<Link>>) {
+    loop {
+        let (mut stream, from) = match listener.accept() {
+            Ok(s) => s,
+            Err(_) if common.stopping.load(Ordering::Acquire) => return,
+            Err(e) => {
+                tracing::warn!("tcp accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if common.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        // Handshake off the accept thread, so a silent client cannot stall other peers.
+        let (common, tx) = (common.clone(), tx.clone());
+        let _ = spawn("falcon-tcp-handshake", move || {
+            let r = tcp::handshake(&mut stream, &common.tcp)
+                .and_then(|node| TcpLink::start(common.link_id(), stream, node, &common.tcp, common.cq.clone()));
+            match r {
+                Ok(link) => {
+                    let _ = tx.send(Ok(Link::new(LinkImpl::Tcp(link), common.tcp.node)));
+                }
+                Err(e) => tracing::warn!("{}: refused tcp peer {from}: {e}", common.local),
+            }
+        });
+    }
+}
+
+fn unix_accept_loop(listener: Arc<OwnedFd>, common: Arc<Common>, tx: Sender<Result<Link>>) {
+    loop {
+        let sock = match rustix::net::accept_with(listener.as_fd(), rustix::net::SocketFlags::CLOEXEC) {
+            Ok(s) => s,
+            Err(_) if common.stopping.load(Ordering::Acquire) => return,
+            Err(e) => {
+                tracing::warn!("unix accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let (common, tx) = (common.clone(), tx.clone());
+        let _ = spawn("falcon-shm-handshake", move || {
+            let id = common.link_id();
+            match ShmLink::accept(id, sock, format!("shm-peer#{id}"), &common.shm, &common.cq) {
+                Ok(link) => {
+                    let _ = tx.send(Ok(Link::new(LinkImpl::Shm(link), common.shm.node)));
+                }
+                Err(e) => tracing::warn!("{}: refused shm peer: {e}", common.local),
+            }
+        });
+    }
+}
