@@ -26,8 +26,8 @@ const RECORD_MAGIC: u16 = 0xFA1C;
 pub(crate) const KIND_PAD: u8 = 0;
 pub(crate) const KIND_IMM: u8 = 1;
 pub(crate) const KIND_MSG: u8 = 2;
-/// Flag: more fragments of this message follow.
-pub(crate) const FLAG_MORE: u8 = 1;
+/// A message passed out of band as a memfd blob; `imm`/payload name the blob id.
+pub(crate) const KIND_BLOB: u8 = 3;
 
 #[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable)]
 #[repr(C)]
@@ -54,7 +54,6 @@ pub(crate) struct Ring {
 /// A record taken off the ring.
 pub(crate) struct Record {
     pub(crate) kind: u8,
-    pub(crate) flags: u8,
     pub(crate) imm: u32,
     pub(crate) payload: Vec<u8>,
 }
@@ -84,7 +83,7 @@ impl Ring {
         self.cap
     }
 
-    /// The largest payload one record may carry; longer messages are fragmented.
+    /// The largest payload one record may carry; longer messages go out of band.
     pub(crate) fn max_record_payload(&self) -> u64 {
         self.cap / 4 - HEADER
     }
@@ -199,7 +198,7 @@ impl Ring {
             }
             let rec = match h.kind {
                 KIND_PAD => None,
-                KIND_IMM | KIND_MSG => {
+                KIND_IMM | KIND_MSG | KIND_BLOB => {
                     let mut payload = vec![0u8; h.len as usize];
                     // SAFETY: pos + size <= cap was checked; payload is a fresh buffer.
                     unsafe {
@@ -211,7 +210,6 @@ impl Ring {
                     }
                     Some(Record {
                         kind: h.kind,
-                        flags: h.flags,
                         imm: h.imm,
                         payload,
                     })
@@ -235,5 +233,75 @@ impl Ring {
         // SAFETY: n <= cap - pos keeps the copy inside the data area.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(pos as usize), n) };
         self.tail().store(tail + n as u64, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_survive_wrap_around_in_order() {
+        let ring = Ring::create(4096).unwrap();
+        let mut rng = fastrand::Rng::with_seed(3);
+        let (mut pushed, mut popped) = (0u32, 0u32);
+        for _ in 0..20_000 {
+            if rng.bool() {
+                let len = rng.usize(0..=ring.max_record_payload() as usize);
+                let payload = vec![(pushed % 251) as u8; len];
+                if ring.try_push(KIND_MSG, 0, pushed, &payload).unwrap() {
+                    pushed += 1;
+                }
+            } else if let Some(r) = ring.pop().unwrap() {
+                assert_eq!(r.imm, popped, "FIFO order");
+                assert!(r.payload.iter().all(|&b| b == (popped % 251) as u8));
+                popped += 1;
+            }
+        }
+        while let Some(r) = ring.pop().unwrap() {
+            assert_eq!(r.imm, popped);
+            popped += 1;
+        }
+        assert_eq!(pushed, popped);
+        assert!(pushed > 1000);
+    }
+
+    #[test]
+    fn full_ring_refuses_instead_of_overwriting() {
+        let ring = Ring::create(4096).unwrap();
+        let mut n = 0;
+        while ring.try_push(KIND_IMM, 0, n, &[]).unwrap() {
+            n += 1;
+        }
+        assert_eq!(n as u64, 4096 / HEADER, "every slot used, none overwritten");
+        assert!(ring.try_push(KIND_MSG, 0, 0, &vec![0; 5000]).is_err(), "oversized record is an error");
+        for i in 0..n {
+            assert_eq!(ring.pop().unwrap().unwrap().imm, i);
+        }
+        assert!(ring.pop().unwrap().is_none());
+    }
+
+    #[test]
+    fn hostile_bytes_give_typed_errors_never_panics() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        for round in 0..2000 {
+            let ring = Ring::create(4096).unwrap();
+            let mut junk = vec![0u8; rng.usize(1..200)];
+            rng.fill(&mut junk);
+            if round % 3 == 0 && junk.len() >= 2 {
+                junk[..2].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+            }
+            ring.push_raw(&junk);
+            for _ in 0..4 {
+                match ring.pop() {
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(Error::Malformed(_)) => break,
+                    Err(e) => panic!("unexpected error kind {e}"),
+                }
+            }
+            // Cursors corrupted outright.
+            ring.tail().store(rng.u64(..), Ordering::Relaxed);
+            assert!(matches!(ring.pop(), Ok(None) | Ok(Some(_)) | Err(Error::Malformed(_))));
+        }
     }
 }

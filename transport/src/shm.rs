@@ -27,7 +27,7 @@ use crate::cq::{Backoff, Completion, CompletionQueue, CqSource, Doorbell, LinkId
 use crate::error::{Error, Result, check_bounds};
 use crate::memfd::SharedMap;
 use crate::region::Region;
-use crate::ring::{FLAG_MORE, KIND_IMM, KIND_MSG, Ring};
+use crate::ring::{KIND_BLOB, KIND_IMM, KIND_MSG, Ring};
 use crate::wire::{CTL_PACKET, CtlOp, CtlPacket};
 
 /// Settings an shm link needs.
@@ -132,8 +132,8 @@ struct Shared {
     /// Our regions granted to the peer, kept alive while granted.
     granted: Mutex<HashMap<u64, Region>>,
     acks: Mutex<HashMap<u64, crossbeam_channel::Sender<()>>>,
-    /// Fragments of a control message being reassembled.
-    partial: Mutex<Vec<u8>>,
+    /// Large messages received out of band, waiting for their place in the ring.
+    blobs: Mutex<HashMap<u64, Vec<u8>>>,
     open: AtomicBool,
     closing: AtomicBool,
     peer_gone: AtomicBool,
@@ -163,22 +163,18 @@ impl CqSource for Shared {
                     link: self.id,
                     imm: rec.imm,
                 }),
+                Ok(Some(rec)) if rec.kind == KIND_MSG => out.push_back(Completion::Message {
+                    link: self.id,
+                    data: rec.payload,
+                }),
                 Ok(Some(rec)) => {
-                    let mut partial = lock(&self.partial);
-                    if partial.len() as u64 + rec.payload.len() as u64 > self.max_message {
-                        drop(partial);
-                        self.fail(Error::Malformed(format!(
-                            "message exceeds the {}-byte limit",
-                            self.max_message
-                        )));
-                        break;
-                    }
-                    partial.extend_from_slice(&rec.payload);
-                    if rec.flags & FLAG_MORE == 0 {
-                        out.push_back(Completion::Message {
-                            link: self.id,
-                            data: std::mem::take(&mut *partial),
-                        });
+                    let id = u64::from_le_bytes(rec.payload.get(..8).and_then(|b| b.try_into().ok()).unwrap_or([0; 8]));
+                    match lock(&self.blobs).remove(&id) {
+                        Some(data) => out.push_back(Completion::Message { link: self.id, data }),
+                        None => {
+                            self.fail(Error::Malformed(format!("ring names blob {id}, which never arrived")));
+                            break;
+                        }
                     }
                 }
                 Err(e) => {
@@ -283,7 +279,7 @@ impl ShmLink {
             remote: RwLock::new(HashMap::new()),
             granted: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashMap::new()),
-            partial: Mutex::new(Vec::new()),
+            blobs: Mutex::new(HashMap::new()),
             open: AtomicBool::new(true),
             closing: AtomicBool::new(false),
             peer_gone: AtomicBool::new(false),
@@ -346,27 +342,28 @@ impl ShmLink {
 
     pub(crate) fn send(&self, data: &[u8]) -> Result<()> {
         self.check_open()?;
+        let inline = (data.len() as u64) <= lock(&self.out).max_record_payload();
+        if inline {
+            let ring = lock(&self.out);
+            return self.push(&ring, KIND_MSG, 0, 0, data);
+        }
+        // Too large for the ring: hand the peer's control thread a memfd holding the message
+        // (it copies it out and acknowledges without the peer's application polling), then put
+        // a placeholder in the ring so the message keeps its place in the order.
+        let blob = Region::new(data.len() as u64)?;
+        blob.write_at(0, data)?;
+        self.handoff(CtlOp::Blob, &blob)?;
         let ring = lock(&self.out);
-        let chunk = ring.max_record_payload() as usize;
-        if data.is_empty() {
-            return self.push(&ring, KIND_MSG, 0, 0, &[]);
-        }
-        let mut parts = data.chunks(chunk).peekable();
-        while let Some(part) = parts.next() {
-            let flags = if parts.peek().is_some() { FLAG_MORE } else { 0 };
-            self.push(&ring, KIND_MSG, flags, 0, part)?;
-        }
-        Ok(())
+        self.push(&ring, KIND_BLOB, 0, 0, &blob.id().to_le_bytes())
     }
 
-    pub(crate) fn grant(&self, region: &Region) -> Result<()> {
-        self.check_open()?;
+    /// Sends `region`'s memfd to the peer under `op` and waits for its acknowledgement.
+    fn handoff(&self, op: CtlOp, region: &Region) -> Result<()> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         lock(&self.shared.acks).insert(region.id(), tx);
-        lock(&self.shared.granted).insert(region.id(), region.clone());
         send_ctl(
             self.shared.sock.as_fd(),
-            &CtlPacket::new(CtlOp::Grant, region.id(), region.len(), 0),
+            &CtlPacket::new(op, region.id(), region.len(), 0),
             &[region.inner.map.fd()],
         )?;
         match rx.recv_timeout(self.op_timeout) {
@@ -374,9 +371,15 @@ impl ShmLink {
             Err(_) => {
                 lock(&self.shared.acks).remove(&region.id());
                 self.check_open()?;
-                Err(Error::Timeout("shm grant acknowledgement", self.op_timeout))
+                Err(Error::Timeout("shm peer acknowledgement", self.op_timeout))
             }
         }
+    }
+
+    pub(crate) fn grant(&self, region: &Region) -> Result<()> {
+        self.check_open()?;
+        lock(&self.shared.granted).insert(region.id(), region.clone());
+        self.handoff(CtlOp::Grant, region)
     }
 
     pub(crate) fn revoke(&self, region: &Region) -> Result<()> {
@@ -492,6 +495,24 @@ fn ctl_packets(sock: &OwnedFd, shared: &Shared) -> Result<()> {
                     .write()
                     .unwrap_or_else(|p| p.into_inner())
                     .insert(pkt.a.get(), Arc::new(map));
+                send_ctl(sock.as_fd(), &CtlPacket::new(CtlOp::GrantAck, pkt.a.get(), 0, 0), &[])?;
+            }
+            CtlOp::Blob => {
+                let len = pkt.b.get();
+                if len > shared.max_message {
+                    return Err(Error::Malformed(format!(
+                        "message of {len} bytes exceeds the {}-byte limit",
+                        shared.max_message
+                    )));
+                }
+                let fd = fds.into_iter().next().expect("1 fd checked");
+                let map = SharedMap::open(fd, len)?;
+                let mut data = Vec::new();
+                data.try_reserve_exact(len as usize)
+                    .map_err(|_| Error::Malformed(format!("cannot allocate a {len}-byte message")))?;
+                // SAFETY: the mapping holds at least `len` bytes (checked by `open`).
+                data.extend_from_slice(unsafe { std::slice::from_raw_parts(map.ptr(), len as usize) });
+                lock(&shared.blobs).insert(pkt.a.get(), data);
                 send_ctl(sock.as_fd(), &CtlPacket::new(CtlOp::GrantAck, pkt.a.get(), 0, 0), &[])?;
             }
             CtlOp::GrantAck => {

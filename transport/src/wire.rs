@@ -119,6 +119,9 @@ pub(crate) enum CtlOp {
     Refuse = 5,
     /// Orderly close.
     Bye = 6,
+    /// fds: [message]; `a` = blob id, `b` = length. A control message too large for the ring;
+    /// acknowledged with `GrantAck`, then named in the ring by a `KIND_BLOB` record.
+    Blob = 7,
 }
 
 impl CtlOp {
@@ -130,6 +133,7 @@ impl CtlOp {
             4 => CtlOp::Revoke,
             5 => CtlOp::Refuse,
             6 => CtlOp::Bye,
+            7 => CtlOp::Blob,
             _ => return None,
         })
     }
@@ -138,7 +142,7 @@ impl CtlOp {
     pub(crate) fn fds(self) -> usize {
         match self {
             CtlOp::Hello => 2,
-            CtlOp::Grant => 1,
+            CtlOp::Grant | CtlOp::Blob => 1,
             _ => 0,
         }
     }

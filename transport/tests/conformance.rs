@@ -1,0 +1,494 @@
+//! The transport conformance suite: the same tests against every medium.
+//!
+//! Each `conformance!(medium)` expands to the whole suite for that medium. Cross-process cases
+//! re-execute this test binary as a child (`child_main`, selected by `FALCON_TEST_CHILD`), so
+//! they run over real process boundaries.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use falcon_transport::{Completion, Error, Link, Medium, PeerAddr, Region, RemoteKey, Transport};
+
+/// Grants `region` on `link` and sends its key as a message.
+fn share(link: &Link, region: &Region) -> RemoteKey {
+    let key = link.grant(region).expect("grant");
+    link.send(&key.to_bytes()).expect("send key");
+    key
+}
+
+fn recv_key(t: &Transport) -> RemoteKey {
+    RemoteKey::from_bytes(&next_message(t.cq())).expect("key")
+}
+
+/// Writes arrive in order, each visible when its immediate is delivered.
+fn ordering_of_writes_and_immediates(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    const CHUNK: usize = 4096 + 8;
+    const N: usize = 300;
+    let target = Region::new((CHUNK * N) as u64).unwrap();
+    share(&ba, &target);
+    let key = recv_key(&a);
+    let src = Region::new((CHUNK * N) as u64).unwrap();
+    let data = pattern(1, CHUNK * N);
+    src.write_at(0, &data).unwrap();
+    let writer = std::thread::spawn(move || {
+        for i in 0..N {
+            let off = (i * CHUNK) as u64;
+            ab.write(&src, off, &key, off, CHUNK as u64, Some(i as u32)).unwrap();
+        }
+        ab
+    });
+    let mut got = vec![0u8; CHUNK];
+    for i in 0..N {
+        match next(b.cq()) {
+            Completion::WriteImm { link, imm } => {
+                assert_eq!(link, ba.id());
+                assert_eq!(imm as usize, i, "immediates arrive in issue order");
+                target.read_at((i * CHUNK) as u64, &mut got).unwrap();
+                assert_eq!(got, data[i * CHUNK..(i + 1) * CHUNK], "chunk {i} visible at its immediate");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let _ab = writer.join().unwrap();
+}
+
+/// A read issued after a write sees it; reads return exactly the remote bytes.
+fn read_after_write(medium: Medium) {
+    let (a, _b, ab, ba) = pair(medium);
+    let remote = Region::new(1 << 20).unwrap();
+    share(&ba, &remote);
+    let key = recv_key(&a);
+    let src = Region::new(1 << 20).unwrap();
+    let back = Region::new(1 << 20).unwrap();
+    for round in 0..20u64 {
+        let data = pattern(100 + round, 1 << 20);
+        src.write_at(0, &data).unwrap();
+        let off = round * 4093 % 4096;
+        let len = (1 << 20) - 4096;
+        ab.write(&src, off, &key, 4096 - off, len, None).unwrap();
+        ab.read(&back, 0, &key, 4096 - off, len).unwrap();
+        let mut got = vec![0u8; len as usize];
+        back.read_at(0, &mut got).unwrap();
+        assert_eq!(got, data[off as usize..(off + len) as usize], "round {round}");
+    }
+}
+
+/// Zero-length writes, reads and messages are legal and ordered like any other.
+fn zero_length(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    let empty = Region::new(0).unwrap();
+    assert!(empty.is_empty());
+    share(&ba, &empty);
+    let key = recv_key(&a);
+    assert_eq!(key.len, 0);
+    let src = Region::new(0).unwrap();
+    ab.write(&src, 0, &key, 0, 0, Some(42)).unwrap();
+    ab.read(&src, 0, &key, 0, 0).unwrap();
+    ab.send(&[]).unwrap();
+    assert!(matches!(next(b.cq()), Completion::WriteImm { imm: 42, .. }));
+    assert_eq!(next_message(b.cq()), Vec::<u8>::new());
+    let err = ab.write(&src, 0, &key, 0, 1, None).unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+    assert!(ab.is_open(), "a locally rejected access leaves the link open");
+}
+
+/// 64 MiB each way, every byte checked; messages larger than any internal buffer.
+fn large_transfers(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    const LEN: usize = 64 << 20;
+    let remote = Region::new(LEN as u64).unwrap();
+    share(&ba, &remote);
+    let key = recv_key(&a);
+    let src = Region::new(LEN as u64).unwrap();
+    let data = pattern(9, LEN);
+    src.write_at(0, &data).unwrap();
+    ab.write(&src, 0, &key, 0, LEN as u64, Some(1)).unwrap();
+    assert!(matches!(next(b.cq()), Completion::WriteImm { imm: 1, .. }));
+    let mut got = vec![0u8; LEN];
+    remote.read_at(0, &mut got).unwrap();
+    assert!(got == data, "64 MiB write intact");
+    let back = Region::new(LEN as u64).unwrap();
+    ab.read(&back, 0, &key, 0, LEN as u64).unwrap();
+    back.read_at(0, &mut got).unwrap();
+    assert!(got == data, "64 MiB read intact");
+
+    for len in [1usize, 255, 4096, 300_000, 3 << 20] {
+        let msg = pattern(len as u64, len);
+        ab.send(&msg).unwrap();
+        assert_eq!(next_message(b.cq()), msg, "{len}-byte message");
+    }
+}
+
+/// Eight threads write disjoint ranges of one region through one link.
+fn many_threads_disjoint_ranges(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    const THREADS: usize = 8;
+    const PER: usize = 50;
+    const CHUNK: usize = 16 << 10;
+    let remote = Region::new((THREADS * PER * CHUNK) as u64).unwrap();
+    share(&ba, &remote);
+    let key = recv_key(&a);
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let ab = ab.clone();
+            std::thread::spawn(move || {
+                let src = Region::new(CHUNK as u64).unwrap();
+                for i in 0..PER {
+                    let slot = t * PER + i;
+                    src.write_at(0, &pattern(slot as u64, CHUNK)).unwrap();
+                    let off = (slot * CHUNK) as u64;
+                    ab.write(&src, 0, &key, off, CHUNK as u64, Some(slot as u32)).unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut seen = vec![false; THREADS * PER];
+    let mut last = [None::<usize>; THREADS];
+    let mut got = vec![0u8; CHUNK];
+    for _ in 0..THREADS * PER {
+        let Completion::WriteImm { imm, .. } = next(b.cq()) else { panic!("expected an immediate") };
+        let slot = imm as usize;
+        assert!(!seen[slot], "immediate {slot} delivered twice");
+        seen[slot] = true;
+        let t = slot / PER;
+        assert!(last[t].is_none_or(|p| p < slot), "one thread's writes stay in order");
+        last[t] = Some(slot);
+        remote.read_at((slot * CHUNK) as u64, &mut got).unwrap();
+        assert!(got == pattern(slot as u64, CHUNK), "slot {slot} intact at its immediate");
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    drop(ba);
+}
+
+/// Keys are checked: out-of-bounds and unknown regions are refused without touching memory.
+fn bounds_and_grants(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    let remote = Region::new(8192).unwrap();
+    remote.fill(0xAA);
+    share(&ba, &remote);
+    let key = recv_key(&a);
+    let src = Region::new(16384).unwrap();
+    src.fill(0x55);
+    // Local checks: the key says 8192 bytes.
+    assert!(matches!(ab.write(&src, 0, &key, 8000, 4096, None), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(ab.write(&src, 16000, &key, 0, 4096, None), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(ab.read(&src, 0, &key, u64::MAX - 10, 20), Err(Error::OutOfBounds { .. })));
+    assert!(ab.is_open());
+    // A forged key that lies about the length: the owner's checks hold.
+    let forged = RemoteKey { len: 1 << 20, ..key };
+    let r = ab.write(&src, 0, &forged, 8192, 4096, Some(7));
+    match medium {
+        // shm checks against the mapping it received: refused at once, link stays usable.
+        Medium::Shm => assert!(matches!(r, Err(Error::OutOfBounds { .. })), "{r:?}"),
+        // tcp: the owner refuses the frame and closes the link with a typed error.
+        _ => {
+            let err = wait_closed(b.cq(), ba.id()).expect("an error");
+            assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+        }
+    }
+    let mut after = vec![0u8; 8192];
+    remote.read_at(0, &mut after).unwrap();
+    assert!(after.iter().all(|&x| x == 0xAA), "nothing written");
+    // A key for a region never granted.
+    let (a2, _b2, ab2, ba2) = pair(medium);
+    let r2 = Region::new(4096).unwrap();
+    share(&ba2, &r2);
+    let k2 = recv_key(&a2);
+    let bogus = RemoteKey { region: k2.region + 1000, ..k2 };
+    let r = ab2.read(&src, 0, &bogus, 0, 16);
+    assert!(r.is_err(), "read of an ungranted region must fail");
+    // And revoking a grant ends access.
+    let (a3, _b3, ab3, ba3) = pair(medium);
+    let r3 = Region::new(4096).unwrap();
+    share(&ba3, &r3);
+    let k3 = recv_key(&a3);
+    ab3.write(&src, 0, &k3, 0, 16, None).unwrap();
+    ba3.revoke(&r3).unwrap();
+    // Revocation is asynchronous for the peer; a round trip through it orders it.
+    ba3.send(b"sync").unwrap();
+    assert_eq!(next_message(a3.cq()), b"sync");
+    std::thread::sleep(Duration::from_millis(50));
+    let r = ab3.read(&src, 0, &k3, 0, 16);
+    assert!(r.is_err(), "access after revoke must fail: {r:?}");
+}
+
+/// Garbage from a peer closes that link with a typed error; other links keep working.
+fn malformed_input_closes_only_that_link(medium: Medium) {
+    for seed in 0..8u64 {
+        let b = transport(7);
+        let a = transport(7);
+        let bad = a.connect_with(b.address(), medium).unwrap();
+        let bad_b = b.accept(Some(T)).unwrap();
+        let good = a.connect_with(b.address(), medium).unwrap();
+        let good_b = b.accept(Some(T)).unwrap();
+        let region = Region::new(4096).unwrap();
+        share(&good_b, &region);
+        let key = loop {
+            if let Completion::Message { link, data } = next(a.cq())
+                && link == good.id()
+            {
+                break RemoteKey::from_bytes(&data).unwrap();
+            }
+        };
+        let mut junk = pattern(seed, 64 + seed as usize * 97);
+        if seed % 2 == 0 {
+            // Start with a valid magic/version so deeper checks are exercised too.
+            junk[..4].copy_from_slice(b"FLCN");
+            junk[4] = 1;
+            junk[5] = 0;
+            // A bogus op or absurd length follows.
+        }
+        bad.inject_raw(&junk).unwrap();
+        let err = wait_closed(b.cq(), bad_b.id());
+        assert!(
+            matches!(
+                err,
+                Some(Error::Malformed(_) | Error::Version { .. } | Error::UnknownRegion(_) | Error::OutOfBounds { .. })
+            ),
+            "seed {seed}: expected a typed input error, got {err:?}"
+        );
+        let src = Region::new(4096).unwrap();
+        src.fill(seed as u8 + 1);
+        good.write(&src, 0, &key, 0, 4096, Some(5)).unwrap();
+        loop {
+            match next(b.cq()) {
+                Completion::WriteImm { link, imm: 5 } if link == good_b.id() => break,
+                Completion::Closed { link, .. } if link == good_b.id() => panic!("good link closed"),
+                _ => {}
+            }
+        }
+        let mut got = [0u8; 4096];
+        region.read_at(0, &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == seed as u8 + 1));
+    }
+}
+
+/// A peer of another job is refused at the handshake.
+fn other_job_is_refused(medium: Medium) {
+    let b = transport(1);
+    let a = transport(2);
+    let err = a.connect_with(b.address(), medium).unwrap_err();
+    assert!(matches!(err, Error::WrongJob { theirs: 1, ours: 2 }), "{err}");
+    assert!(matches!(b.accept(Some(Duration::from_millis(300))), Err(Error::Timeout(..))));
+}
+
+/// An orderly close is reported to both sides without an error; later operations fail.
+fn orderly_close(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    ab.send(b"last words").unwrap();
+    ab.close();
+    assert_eq!(next_message(b.cq()), b"last words", "messages before a close are delivered");
+    assert!(wait_closed(b.cq(), ba.id()).is_none(), "orderly close carries no error");
+    assert!(wait_closed(a.cq(), ab.id()).is_none());
+    assert!(ab.send(b"x").is_err());
+    assert!(ba.send(b"x").is_err());
+}
+
+/// A waiting completion queue parks: an idle wait costs next to no CPU.
+fn idle_wait_burns_no_cpu(medium: Medium) {
+    let (_a, b, _ab, _ba) = pair(medium);
+    let cpu = || rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    let before = cpu();
+    let r = b.cq().wait(Some(Duration::from_millis(1000)));
+    assert!(matches!(r, Err(Error::Timeout(..))), "{r:?}");
+    let after = cpu();
+    let used = (after.tv_sec - before.tv_sec) as f64 + (after.tv_nsec - before.tv_nsec) as f64 * 1e-9;
+    assert!(used < 0.05, "an idle 1 s wait used {used:.3} s of CPU: the queue must park, not spin");
+}
+
+// ---- cross-process cases ----
+
+fn spawn_child(mode: &str, medium: Medium, peer: &PeerAddr) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["child_main", "--exact", "--nocapture", "--test-threads=1"])
+        .env("FALCON_TEST_CHILD", mode)
+        .env("FALCON_TEST_MEDIUM", medium.name())
+        .env("FALCON_TEST_PEER", peer.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn child")
+}
+
+/// The child side of the cross-process tests (a no-op in a normal run).
+#[test]
+fn child_main() {
+    let Ok(mode) = std::env::var("FALCON_TEST_CHILD") else { return };
+    let medium = medium_from_env();
+    let peer: PeerAddr = std::env::var("FALCON_TEST_PEER").unwrap().parse().unwrap();
+    let t = Transport::new(falcon_transport::TransportConfig {
+        job: 7,
+        bind: None,
+        shm: false,
+        ..Default::default()
+    })
+    .unwrap();
+    let link = t.connect_with(&peer, medium).unwrap();
+    match mode.as_str() {
+        // Grants a region; for each immediate i, reports the checksum of chunk i.
+        "echo" => {
+            let region = Region::new(8 << 20).unwrap();
+            share(&link, &region);
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                match next(t.cq()) {
+                    Completion::WriteImm { imm, .. } => {
+                        region.read_at(imm as u64 * (1 << 20), &mut buf).unwrap();
+                        let mut reply = imm.to_le_bytes().to_vec();
+                        reply.extend_from_slice(&checksum(&buf).to_le_bytes());
+                        link.send(&reply).unwrap();
+                    }
+                    Completion::Message { data, .. } if data == b"bye" => {
+                        link.close();
+                        return;
+                    }
+                    other => panic!("child: unexpected {other:?}"),
+                }
+            }
+        }
+        // Streams 8 MiB writes into the parent's region until killed.
+        "writer" => {
+            let key = recv_key(&t);
+            let src = Region::new(key.len).unwrap();
+            src.fill(0x5A);
+            let mut i = 0u32;
+            loop {
+                link.write(&src, 0, &key, 0, key.len, Some(i)).unwrap();
+                i += 1;
+            }
+        }
+        other => panic!("unknown child mode {other}"),
+    }
+}
+
+/// Parent and child processes exchange writes, immediates, messages and reads.
+fn cross_process_exchange(medium: Medium) {
+    let t = transport(7);
+    let mut child = spawn_child("echo", medium, t.address());
+    let link = t.accept(Some(T)).unwrap();
+    let key = recv_key(&t);
+    let src = Region::new(8 << 20).unwrap();
+    let data = pattern(77, 8 << 20);
+    src.write_at(0, &data).unwrap();
+    for i in 0..8u32 {
+        let off = i as u64 * (1 << 20);
+        link.write(&src, off, &key, off, 1 << 20, Some(i)).unwrap();
+    }
+    for i in 0..8u32 {
+        let reply = next_message(t.cq());
+        assert_eq!(u32::from_le_bytes(reply[..4].try_into().unwrap()), i);
+        let expect = checksum(&data[i as usize * (1 << 20)..(i as usize + 1) * (1 << 20)]);
+        assert_eq!(u64::from_le_bytes(reply[4..12].try_into().unwrap()), expect, "chunk {i} as seen by the child");
+    }
+    let back = Region::new(8 << 20).unwrap();
+    link.read(&back, 0, &key, 0, 8 << 20).unwrap();
+    let mut got = vec![0u8; 8 << 20];
+    back.read_at(0, &mut got).unwrap();
+    assert!(got == data);
+    link.send(b"bye").unwrap();
+    assert!(wait_closed(t.cq(), link.id()).is_none(), "child closed in order");
+    assert!(child.wait().unwrap().success());
+}
+
+/// A peer killed mid-transfer: the survivor gets a Closed error, operations fail, no hang.
+fn peer_death_mid_transfer(medium: Medium) {
+    let t = transport(7);
+    let mut child = spawn_child("writer", medium, t.address());
+    let link = t.accept(Some(T)).unwrap();
+    let region = Region::new(8 << 20).unwrap();
+    share(&link, &region);
+    // Let some writes land, then kill the writer while it streams.
+    for _ in 0..3 {
+        assert!(matches!(next(t.cq()), Completion::WriteImm { .. }));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let err = wait_closed(t.cq(), link.id());
+    assert!(matches!(err, Some(Error::Closed { .. })), "death is an error, not an orderly close: {err:?}");
+    assert!(!link.is_open());
+    assert!(link.send(b"anyone?").is_err());
+    let r = Region::new(16).unwrap();
+    let k = RemoteKey {
+        owner: link.peer_node(),
+        region: 1,
+        len: 16,
+        addr: 0,
+        rkey: 0,
+        reserved: 0,
+    };
+    assert!(link.read(&r, 0, &k, 0, 16).is_err());
+}
+
+macro_rules! conformance {
+    ($m:ident, $medium:expr) => {
+        mod $m {
+            use super::*;
+            #[test]
+            fn ordering_of_writes_and_immediates() {
+                super::ordering_of_writes_and_immediates($medium)
+            }
+            #[test]
+            fn read_after_write() {
+                super::read_after_write($medium)
+            }
+            #[test]
+            fn zero_length() {
+                super::zero_length($medium)
+            }
+            #[test]
+            fn large_transfers() {
+                super::large_transfers($medium)
+            }
+            #[test]
+            fn many_threads_disjoint_ranges() {
+                super::many_threads_disjoint_ranges($medium)
+            }
+            #[test]
+            fn bounds_and_grants() {
+                super::bounds_and_grants($medium)
+            }
+            #[test]
+            fn malformed_input_closes_only_that_link() {
+                super::malformed_input_closes_only_that_link($medium)
+            }
+            #[test]
+            fn other_job_is_refused() {
+                super::other_job_is_refused($medium)
+            }
+            #[test]
+            fn orderly_close() {
+                super::orderly_close($medium)
+            }
+            #[test]
+            fn idle_wait_burns_no_cpu() {
+                super::idle_wait_burns_no_cpu($medium)
+            }
+            #[test]
+            fn cross_process_exchange() {
+                super::cross_process_exchange($medium)
+            }
+            #[test]
+            fn peer_death_mid_transfer() {
+                super::peer_death_mid_transfer($medium)
+            }
+        }
+    };
+}
+
+conformance!(shm, Medium::Shm);
+conformance!(tcp, Medium::Tcp);
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<Link>();
+    is::<Region>();
+    is::<Arc<Transport>>();
+}
