@@ -47,7 +47,11 @@ impl FromStr for Medium {
             "shm" => Medium::Shm,
             "tcp" => Medium::Tcp,
             "rdma" => Medium::Rdma,
-            other => return Err(Error::Config(format!("unknown medium {other:?} (auto, shm, tcp, rdma)"))),
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown medium {other:?} (auto, shm, tcp, rdma)"
+                )));
+            }
         })
     }
 }
@@ -83,9 +87,9 @@ impl FromStr for PeerAddr {
     fn from_str(s: &str) -> Result<Self, Error> {
         let (mut host, mut tcp, mut shm) = (None, None, None);
         for part in s.split(';').filter(|p| !p.is_empty()) {
-            let (k, v) = part
-                .split_once('=')
-                .ok_or_else(|| Error::Config(format!("peer address part {part:?} is not key=value")))?;
+            let (k, v) = part.split_once('=').ok_or_else(|| {
+                Error::Config(format!("peer address part {part:?} is not key=value"))
+            })?;
             match k {
                 "host" => host = Some(v.to_string()),
                 "tcp" => {
@@ -100,7 +104,9 @@ impl FromStr for PeerAddr {
         }
         let host = host.ok_or_else(|| Error::Config(format!("peer address {s:?} has no host=")))?;
         if tcp.is_none() && shm.is_none() {
-            return Err(Error::Config(format!("peer address {s:?} names neither tcp= nor shm=")));
+            return Err(Error::Config(format!(
+                "peer address {s:?} names neither tcp= nor shm="
+            )));
         }
         Ok(PeerAddr { host, tcp, shm })
     }
@@ -128,8 +134,14 @@ mod tests {
             shm: Some("/run/falcon/x.sock".into()),
         };
         assert_eq!(a.to_string().parse::<PeerAddr>().unwrap(), a);
-        assert!("tcp=1.2.3.4:5".parse::<PeerAddr>().is_err(), "host is required");
-        assert!("host=x".parse::<PeerAddr>().is_err(), "some medium is required");
+        assert!(
+            "tcp=1.2.3.4:5".parse::<PeerAddr>().is_err(),
+            "host is required"
+        );
+        assert!(
+            "host=x".parse::<PeerAddr>().is_err(),
+            "some medium is required"
+        );
         assert!("host=x;tcp=nope".parse::<PeerAddr>().is_err());
         assert!("host=x;bogus=1".parse::<PeerAddr>().is_err());
         assert_eq!("TCP".parse::<Medium>().unwrap(), Medium::Tcp);

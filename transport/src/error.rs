@@ -38,7 +38,9 @@ pub enum Error {
         ours: u64,
     },
     /// An access fell outside a region's bounds.
-    #[error("out of bounds: {what} [{offset}, {offset}+{len}) outside a region of {region_len} bytes")]
+    #[error(
+        "out of bounds: {what} [{offset}, {offset}+{len}) outside a region of {region_len} bytes"
+    )]
     OutOfBounds {
         /// Which side of the operation.
         what: &'static str,
@@ -126,7 +128,12 @@ impl Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Checks `[offset, offset + len)` against a region of `region_len` bytes without overflow.
-pub(crate) fn check_bounds(what: &'static str, offset: u64, len: u64, region_len: u64) -> Result<()> {
+pub(crate) fn check_bounds(
+    what: &'static str,
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= region_len => Ok(()),
         _ => Err(Error::OutOfBounds {

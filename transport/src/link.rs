@@ -136,7 +136,15 @@ impl Link {
     /// `dst_off`. With `imm`, the peer's completion queue reports
     /// [`crate::Completion::WriteImm`] once the bytes are visible there. Returns when `src`
     /// may be reused.
-    pub fn write(&self, src: &Region, src_off: u64, dst: &RemoteKey, dst_off: u64, len: u64, imm: Option<u32>) -> Result<()> {
+    pub fn write(
+        &self,
+        src: &Region,
+        src_off: u64,
+        dst: &RemoteKey,
+        dst_off: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) -> Result<()> {
         self.check_key(dst)?;
         let ptr = src.span("local write source", src_off, len)?;
         check_bounds("remote write destination", dst_off, len, dst.len)?;
@@ -148,7 +156,14 @@ impl Link {
 
     /// One-sided read of `len` bytes from the peer's region `src` at `src_off` into
     /// `dst[dst_off..]`. Returns when the bytes are in `dst`.
-    pub fn read(&self, dst: &Region, dst_off: u64, src: &RemoteKey, src_off: u64, len: u64) -> Result<()> {
+    pub fn read(
+        &self,
+        dst: &Region,
+        dst_off: u64,
+        src: &RemoteKey,
+        src_off: u64,
+        len: u64,
+    ) -> Result<()> {
         self.check_key(src)?;
         let ptr = dst.span("local read destination", dst_off, len)?;
         check_bounds("remote read source", src_off, len, src.len)?;

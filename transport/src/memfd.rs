@@ -21,7 +21,9 @@ pub(crate) struct SharedMap {
     len: u64,
 }
 
-const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
+const SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
 
 impl SharedMap {
     /// Creates a zero-filled memfd of `len` bytes (at least one page is mapped), seals its size
@@ -37,7 +39,8 @@ impl SharedMap {
 
     /// Maps a memfd received from a peer, checking its seals and its size.
     pub(crate) fn open(fd: OwnedFd, claimed_len: u64) -> Result<Self> {
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| Error::errno("read memfd seals", e))?;
+        let seals =
+            rustix::fs::fcntl_get_seals(&fd).map_err(|e| Error::errno("read memfd seals", e))?;
         if !seals.contains(SealFlags::SHRINK) {
             return Err(Error::Malformed(
                 "peer passed a shared-memory file whose size is not sealed".into(),
@@ -54,8 +57,9 @@ impl SharedMap {
     }
 
     fn map(file: File, len: u64, file_len: u64) -> Result<Self> {
-        let map_len = usize::try_from(file_len)
-            .map_err(|_| Error::Config(format!("{file_len} bytes do not fit this address space")))?;
+        let map_len = usize::try_from(file_len).map_err(|_| {
+            Error::Config(format!("{file_len} bytes do not fit this address space"))
+        })?;
         let map = MmapOptions::new()
             .len(map_len)
             .map_raw(&file)

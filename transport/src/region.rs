@@ -67,7 +67,11 @@ impl Region {
         // SAFETY: the range was bounds-checked against the live mapping, which this handle keeps
         // alive; `out` is a distinct Rust allocation, so the ranges cannot overlap.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len());
+            std::ptr::copy_nonoverlapping(
+                self.as_ptr().add(offset as usize),
+                out.as_mut_ptr(),
+                out.len(),
+            );
         }
         Ok(())
     }
@@ -77,7 +81,11 @@ impl Region {
         check_bounds("region write", offset, data.len() as u64, self.len())?;
         // SAFETY: as in `read_at`; the mapping is writable and shared.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset as usize), data.len());
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.as_ptr().add(offset as usize),
+                data.len(),
+            );
         }
         Ok(())
     }
@@ -150,7 +158,11 @@ impl RemoteKey {
     /// Decodes a key; fails on a wrong length.
     pub fn from_bytes(bytes: &[u8]) -> Result<RemoteKey> {
         RemoteKey::read_from_bytes(bytes).map_err(|_| {
-            Error::Malformed(format!("remote key of {} bytes, expected {}", bytes.len(), Self::SIZE))
+            Error::Malformed(format!(
+                "remote key of {} bytes, expected {}",
+                bytes.len(),
+                Self::SIZE
+            ))
         })
     }
 }

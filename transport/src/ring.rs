@@ -69,7 +69,9 @@ impl Ring {
     /// Maps a peer's ring of capacity `cap` (as announced in its hello).
     pub(crate) fn open(fd: std::os::fd::OwnedFd, cap: u64) -> Result<Ring> {
         if !cap.is_power_of_two() || cap < 4096 {
-            return Err(Error::Malformed(format!("ring capacity {cap} is not a power of two ≥ 4096")));
+            return Err(Error::Malformed(format!(
+                "ring capacity {cap} is not a power of two ≥ 4096"
+            )));
         }
         let map = SharedMap::open(fd, DATA_OFFSET + cap)?;
         Ok(Ring { map, cap })
@@ -158,7 +160,11 @@ impl Ring {
         // SAFETY: pos is 16-aligned and pos + HEADER <= cap because every record, PAD included,
         // is at least HEADER long and ends at or before cap.
         unsafe {
-            std::ptr::copy_nonoverlapping(h.as_bytes().as_ptr(), self.data().add(pos as usize), HEADER as usize);
+            std::ptr::copy_nonoverlapping(
+                h.as_bytes().as_ptr(),
+                self.data().add(pos as usize),
+                HEADER as usize,
+            );
         }
     }
 
@@ -173,7 +179,7 @@ impl Ring {
                 return Ok(None);
             }
             let avail = tail.wrapping_sub(head);
-            if avail > self.cap || head % 16 != 0 || avail < HEADER {
+            if avail > self.cap || !head.is_multiple_of(16) || avail < HEADER {
                 return Err(Error::Malformed(format!(
                     "shm ring cursors head={head} tail={tail} are inconsistent"
                 )));
@@ -183,11 +189,18 @@ impl Ring {
             // SAFETY: pos is 16-aligned and < cap, so pos + HEADER <= cap; copying out first
             // means a producer scribbling meanwhile cannot change what we validate.
             unsafe {
-                std::ptr::copy_nonoverlapping(self.data().add(pos as usize), raw.as_mut_ptr(), raw.len());
+                std::ptr::copy_nonoverlapping(
+                    self.data().add(pos as usize),
+                    raw.as_mut_ptr(),
+                    raw.len(),
+                );
             }
             let h = RecordHeader::read_from_bytes(&raw).expect("16 bytes");
             if h.magic != RECORD_MAGIC {
-                return Err(Error::Malformed(format!("shm ring record magic {:#x}", h.magic)));
+                return Err(Error::Malformed(format!(
+                    "shm ring record magic {:#x}",
+                    h.magic
+                )));
             }
             let size = padded(h.len.min(self.cap));
             if h.len > self.cap || size > avail || pos + size > self.cap {
@@ -274,7 +287,10 @@ mod tests {
             n += 1;
         }
         assert_eq!(n as u64, 4096 / HEADER, "every slot used, none overwritten");
-        assert!(ring.try_push(KIND_MSG, 0, 0, &vec![0; 5000]).is_err(), "oversized record is an error");
+        assert!(
+            ring.try_push(KIND_MSG, 0, 0, &vec![0; 5000]).is_err(),
+            "oversized record is an error"
+        );
         for i in 0..n {
             assert_eq!(ring.pop().unwrap().unwrap().imm, i);
         }
@@ -301,7 +317,10 @@ mod tests {
             }
             // Cursors corrupted outright.
             ring.tail().store(rng.u64(..), Ordering::Relaxed);
-            assert!(matches!(ring.pop(), Ok(None) | Ok(Some(_)) | Err(Error::Malformed(_))));
+            assert!(matches!(
+                ring.pop(),
+                Ok(None) | Ok(Some(_)) | Err(Error::Malformed(_))
+            ));
         }
     }
 }

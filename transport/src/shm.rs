@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use rustix::net::{
-    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
 };
 use zerocopy::IntoBytes;
 
@@ -44,19 +44,30 @@ pub(crate) struct ShmSettings {
 /// Creates a listening SEQPACKET socket at `path` (owner-only permissions).
 pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
     let _ = std::fs::remove_file(path);
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
-        .map_err(|e| Error::errno("create unix socket", e))?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| Error::errno("create unix socket", e))?;
     let addr = SocketAddrUnix::new(path).map_err(|e| Error::errno("unix socket path", e))?;
     rustix::net::bind(&fd, &addr).map_err(|e| Error::errno("bind unix socket", e))?;
-    rustix::fs::chmod(path, rustix::fs::Mode::from_raw_mode(0o600)).map_err(|e| Error::errno("chmod unix socket", e))?;
+    rustix::fs::chmod(path, rustix::fs::Mode::from_raw_mode(0o600))
+        .map_err(|e| Error::errno("chmod unix socket", e))?;
     rustix::net::listen(&fd, 128).map_err(|e| Error::errno("listen on unix socket", e))?;
     Ok(fd)
 }
 
 /// Connects to a peer's SEQPACKET socket.
 pub(crate) fn connect_socket(path: &Path) -> Result<OwnedFd> {
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
-        .map_err(|e| Error::errno("create unix socket", e))?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| Error::errno("create unix socket", e))?;
     let addr = SocketAddrUnix::new(path).map_err(|e| Error::errno("unix socket path", e))?;
     rustix::net::connect(&fd, &addr).map_err(|e| Error::Unreachable {
         medium: "shm",
@@ -70,12 +81,21 @@ fn send_ctl(fd: BorrowedFd<'_>, pkt: &CtlPacket, fds: &[BorrowedFd<'_>]) -> Resu
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut cmsg = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
-        return Err(Error::Config("too many descriptors for one control packet".into()));
+        return Err(Error::Config(
+            "too many descriptors for one control packet".into(),
+        ));
     }
-    let n = rustix::net::sendmsg(fd, &[IoSlice::new(pkt.as_bytes())], &mut cmsg, SendFlags::NOSIGNAL)
-        .map_err(|e| Error::errno("send shm control packet", e))?;
+    let n = rustix::net::sendmsg(
+        fd,
+        &[IoSlice::new(pkt.as_bytes())],
+        &mut cmsg,
+        SendFlags::NOSIGNAL,
+    )
+    .map_err(|e| Error::errno("send shm control packet", e))?;
     if n != CTL_PACKET {
-        return Err(Error::Malformed(format!("short control packet send ({n} bytes)")));
+        return Err(Error::Malformed(format!(
+            "short control packet send ({n} bytes)"
+        )));
     }
     Ok(())
 }
@@ -109,7 +129,10 @@ fn recv_ctl(fd: BorrowedFd<'_>) -> Result<Option<(CtlOp, CtlPacket, Vec<OwnedFd>
     if msg.bytes == 0 && fds.is_empty() {
         return Ok(None);
     }
-    if msg.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC) {
+    if msg
+        .flags
+        .intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC)
+    {
         return Err(Error::Malformed("truncated shm control packet".into()));
     }
     let (op, pkt) = CtlPacket::decode(&buf[..msg.bytes], fds.len())?;
@@ -168,11 +191,21 @@ impl CqSource for Shared {
                     data: rec.payload,
                 }),
                 Ok(Some(rec)) => {
-                    let id = u64::from_le_bytes(rec.payload.get(..8).and_then(|b| b.try_into().ok()).unwrap_or([0; 8]));
+                    let id = u64::from_le_bytes(
+                        rec.payload
+                            .get(..8)
+                            .and_then(|b| b.try_into().ok())
+                            .unwrap_or([0; 8]),
+                    );
                     match lock(&self.blobs).remove(&id) {
-                        Some(data) => out.push_back(Completion::Message { link: self.id, data }),
+                        Some(data) => out.push_back(Completion::Message {
+                            link: self.id,
+                            data,
+                        }),
                         None => {
-                            self.fail(Error::Malformed(format!("ring names blob {id}, which never arrived")));
+                            self.fail(Error::Malformed(format!(
+                                "ring names blob {id}, which never arrived"
+                            )));
                             break;
                         }
                     }
@@ -207,7 +240,13 @@ pub(crate) struct ShmLink {
 
 impl ShmLink {
     /// Client side of the handshake on a connected socket.
-    pub(crate) fn connect(id: LinkId, sock: OwnedFd, peer: String, cfg: &ShmSettings, cq: &CompletionQueue) -> Result<ShmLink> {
+    pub(crate) fn connect(
+        id: LinkId,
+        sock: OwnedFd,
+        peer: String,
+        cfg: &ShmSettings,
+        cq: &CompletionQueue,
+    ) -> Result<ShmLink> {
         set_recv_timeout(sock.as_fd(), Some(cfg.handshake_timeout))?;
         let ring = Ring::create(cfg.ring_bytes)?;
         send_ctl(
@@ -226,14 +265,24 @@ impl ShmLink {
     }
 
     /// Server side of the handshake on an accepted socket.
-    pub(crate) fn accept(id: LinkId, sock: OwnedFd, peer: String, cfg: &ShmSettings, cq: &CompletionQueue) -> Result<ShmLink> {
+    pub(crate) fn accept(
+        id: LinkId,
+        sock: OwnedFd,
+        peer: String,
+        cfg: &ShmSettings,
+        cq: &CompletionQueue,
+    ) -> Result<ShmLink> {
         set_recv_timeout(sock.as_fd(), Some(cfg.handshake_timeout))?;
         let (op, pkt, fds) = recv_hello(sock.as_fd(), &peer, cfg)?;
         if op != CtlOp::Hello {
             return Err(Error::Malformed(format!("expected a hello, got {op:?}")));
         }
         if pkt.a.get() != cfg.job {
-            let _ = send_ctl(sock.as_fd(), &CtlPacket::new(CtlOp::Refuse, cfg.job, 0, 0), &[]);
+            let _ = send_ctl(
+                sock.as_fd(),
+                &CtlPacket::new(CtlOp::Refuse, cfg.job, 0, 0),
+                &[],
+            );
             return Err(Error::WrongJob {
                 theirs: pkt.a.get(),
                 ours: cfg.job,
@@ -266,11 +315,16 @@ impl ShmLink {
             });
         }
         let mut fds = fds.into_iter();
-        let (ring_fd, bell_fd) = (fds.next().expect("2 fds checked"), fds.next().expect("2 fds checked"));
+        let (ring_fd, bell_fd) = (
+            fds.next().expect("2 fds checked"),
+            fds.next().expect("2 fds checked"),
+        );
         let out = Ring::open(ring_fd, hello.c.get())?;
         let peer_bell = Doorbell::open(bell_fd)?;
         set_recv_timeout(sock.as_fd(), None)?;
-        let ctl_sock = sock.try_clone().map_err(|e| Error::io("dup unix socket", e))?;
+        let ctl_sock = sock
+            .try_clone()
+            .map_err(|e| Error::io("dup unix socket", e))?;
         let shared = Arc::new(Shared {
             id,
             peer,
@@ -318,10 +372,12 @@ impl ShmLink {
         if self.is_open() {
             return Ok(());
         }
-        Err(lock(&self.shared.failure).clone().unwrap_or_else(|| Error::Closed {
-            peer: self.shared.peer.clone(),
-            reason: "closed".into(),
-        }))
+        Err(lock(&self.shared.failure)
+            .clone()
+            .unwrap_or_else(|| Error::Closed {
+                peer: self.shared.peer.clone(),
+                reason: "closed".into(),
+            }))
     }
 
     /// Appends one record to the peer's ring, waiting (bounded) for room.
@@ -331,7 +387,10 @@ impl ShmLink {
         while !ring.try_push(kind, flags, imm, payload)? {
             self.check_open()?;
             if start.elapsed() > self.op_timeout {
-                return Err(Error::Timeout("shm ring full (peer not polling its queue)", self.op_timeout));
+                return Err(Error::Timeout(
+                    "shm ring full (peer not polling its queue)",
+                    self.op_timeout,
+                ));
             }
             self.peer_bell.ring();
             backoff.snooze();
@@ -385,28 +444,38 @@ impl ShmLink {
     pub(crate) fn revoke(&self, region: &Region) -> Result<()> {
         lock(&self.shared.granted).remove(&region.id());
         self.check_open()?;
-        send_ctl(self.shared.sock.as_fd(), &CtlPacket::new(CtlOp::Revoke, region.id(), 0, 0), &[])
+        send_ctl(
+            self.shared.sock.as_fd(),
+            &CtlPacket::new(CtlOp::Revoke, region.id(), 0, 0),
+            &[],
+        )
     }
 
-    fn mapping(&self, region: u64) -> Result<Arc<SharedMap>> {
-        self.shared
-            .remote
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&region)
-            .cloned()
-            .ok_or(Error::UnknownRegion(region))
+    /// Runs `f` on the peer's mapping of `region` (held under a read lock: a concurrent
+    /// revoke waits for the copy to finish, and no reference count is touched per operation).
+    fn with_mapping<R>(&self, region: u64, f: impl FnOnce(&SharedMap) -> Result<R>) -> Result<R> {
+        let maps = self.shared.remote.read().unwrap_or_else(|p| p.into_inner());
+        f(maps.get(&region).ok_or(Error::UnknownRegion(region))?)
     }
 
-    pub(crate) fn write(&self, src: *const u8, len: u64, region: u64, offset: u64, imm: Option<u32>) -> Result<()> {
+    pub(crate) fn write(
+        &self,
+        src: *const u8,
+        len: u64,
+        region: u64,
+        offset: u64,
+        imm: Option<u32>,
+    ) -> Result<()> {
         self.check_open()?;
-        let map = self.mapping(region)?;
-        check_bounds("remote write", offset, len, map.len())?;
-        // SAFETY: the destination [offset, offset+len) is inside the peer's mapping (checked
-        // against the size we verified when mapping it), which `map` keeps alive; the source
-        // was bounds-checked by the caller; distinct mappings, so no overlap unless a process
-        // grants a region to itself, for which `copy` (memmove) is used.
-        unsafe { std::ptr::copy(src, map.ptr().add(offset as usize), len as usize) };
+        self.with_mapping(region, |map| {
+            check_bounds("remote write", offset, len, map.len())?;
+            // SAFETY: the destination [offset, offset+len) is inside the peer's mapping
+            // (checked against the size verified when mapping it), alive under the read lock;
+            // the source was bounds-checked by the caller; distinct mappings, so no overlap
+            // unless a process grants a region to itself, hence `copy` (memmove).
+            unsafe { std::ptr::copy(src, map.ptr().add(offset as usize), len as usize) };
+            Ok(())
+        })?;
         if let Some(imm) = imm {
             let ring = lock(&self.out);
             self.push(&ring, KIND_IMM, 0, imm, &[])?;
@@ -416,18 +485,23 @@ impl ShmLink {
 
     pub(crate) fn read(&self, dst: *mut u8, len: u64, region: u64, offset: u64) -> Result<()> {
         self.check_open()?;
-        let map = self.mapping(region)?;
-        check_bounds("remote read", offset, len, map.len())?;
-        // SAFETY: as in `write`, with source and destination swapped.
-        unsafe { std::ptr::copy(map.ptr().add(offset as usize), dst, len as usize) };
-        Ok(())
+        self.with_mapping(region, |map| {
+            check_bounds("remote read", offset, len, map.len())?;
+            // SAFETY: as in `write`, with source and destination swapped.
+            unsafe { std::ptr::copy(map.ptr().add(offset as usize), dst, len as usize) };
+            Ok(())
+        })
     }
 
     pub(crate) fn close(&self) {
         if self.shared.closing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let _ = send_ctl(self.shared.sock.as_fd(), &CtlPacket::new(CtlOp::Bye, 0, 0, 0), &[]);
+        let _ = send_ctl(
+            self.shared.sock.as_fd(),
+            &CtlPacket::new(CtlOp::Bye, 0, 0, 0),
+            &[],
+        );
         self.shared.open.store(false, Ordering::Release);
         let _ = rustix::net::shutdown(&self.shared.sock, rustix::net::Shutdown::Both);
     }
@@ -446,7 +520,11 @@ impl Drop for ShmLink {
     }
 }
 
-fn recv_hello(sock: BorrowedFd<'_>, peer: &str, _cfg: &ShmSettings) -> Result<(CtlOp, CtlPacket, Vec<OwnedFd>)> {
+fn recv_hello(
+    sock: BorrowedFd<'_>,
+    peer: &str,
+    _cfg: &ShmSettings,
+) -> Result<(CtlOp, CtlPacket, Vec<OwnedFd>)> {
     match recv_ctl(sock) {
         Ok(Some(x)) if matches!(x.0, CtlOp::Hello | CtlOp::Refuse) => Ok(x),
         Ok(Some((op, ..))) => Err(Error::Malformed(format!("expected a hello, got {op:?}"))),
@@ -495,7 +573,11 @@ fn ctl_packets(sock: &OwnedFd, shared: &Shared) -> Result<()> {
                     .write()
                     .unwrap_or_else(|p| p.into_inner())
                     .insert(pkt.a.get(), Arc::new(map));
-                send_ctl(sock.as_fd(), &CtlPacket::new(CtlOp::GrantAck, pkt.a.get(), 0, 0), &[])?;
+                send_ctl(
+                    sock.as_fd(),
+                    &CtlPacket::new(CtlOp::GrantAck, pkt.a.get(), 0, 0),
+                    &[],
+                )?;
             }
             CtlOp::Blob => {
                 let len = pkt.b.get();
@@ -508,12 +590,19 @@ fn ctl_packets(sock: &OwnedFd, shared: &Shared) -> Result<()> {
                 let fd = fds.into_iter().next().expect("1 fd checked");
                 let map = SharedMap::open(fd, len)?;
                 let mut data = Vec::new();
-                data.try_reserve_exact(len as usize)
-                    .map_err(|_| Error::Malformed(format!("cannot allocate a {len}-byte message")))?;
+                data.try_reserve_exact(len as usize).map_err(|_| {
+                    Error::Malformed(format!("cannot allocate a {len}-byte message"))
+                })?;
                 // SAFETY: the mapping holds at least `len` bytes (checked by `open`).
-                data.extend_from_slice(unsafe { std::slice::from_raw_parts(map.ptr(), len as usize) });
+                data.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(map.ptr(), len as usize)
+                });
                 lock(&shared.blobs).insert(pkt.a.get(), data);
-                send_ctl(sock.as_fd(), &CtlPacket::new(CtlOp::GrantAck, pkt.a.get(), 0, 0), &[])?;
+                send_ctl(
+                    sock.as_fd(),
+                    &CtlPacket::new(CtlOp::GrantAck, pkt.a.get(), 0, 0),
+                    &[],
+                )?;
             }
             CtlOp::GrantAck => {
                 if let Some(tx) = lock(&shared.acks).remove(&pkt.a.get()) {
@@ -521,10 +610,16 @@ fn ctl_packets(sock: &OwnedFd, shared: &Shared) -> Result<()> {
                 }
             }
             CtlOp::Revoke => {
-                shared.remote.write().unwrap_or_else(|p| p.into_inner()).remove(&pkt.a.get());
+                shared
+                    .remote
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&pkt.a.get());
             }
             CtlOp::Bye => said_bye = true,
-            CtlOp::Hello | CtlOp::Refuse => return Err(Error::Malformed(format!("{op:?} after the handshake"))),
+            CtlOp::Hello | CtlOp::Refuse => {
+                return Err(Error::Malformed(format!("{op:?} after the handshake")));
+            }
         }
     }
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 use zerocopy::{FromBytes, IntoBytes};
 
-use crate::cq::{Completion, CompletionQueue, LinkId, lock};
+use crate::cq::{Completion, CompletionQueue, LinkId, lock, spin_for};
 use crate::error::{Error, Result, check_bounds};
 use crate::region::Region;
 use crate::wire::{FLAG_IMM, FRAME_HEADER, FrameHeader, Op};
@@ -33,6 +33,38 @@ pub(crate) struct TcpSettings {
     pub(crate) op_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
     pub(crate) max_message: u64,
+    /// How long a hand-off between threads spins before it parks.
+    pub(crate) spin: Duration,
+}
+
+/// Receives from `rx`: a bounded spin (see [`spin_for`]), then a parked wait.
+fn recv_spinning<T>(
+    rx: &Receiver<T>,
+    spin: Duration,
+    timeout: Option<Duration>,
+) -> Result<T, crossbeam_channel::RecvTimeoutError> {
+    let start = std::time::Instant::now();
+    let mut gone = false;
+    let got = spin_for(spin, || match rx.try_recv() {
+        Ok(v) => Some(v),
+        Err(crossbeam_channel::TryRecvError::Disconnected) => {
+            gone = true;
+            None
+        }
+        Err(crossbeam_channel::TryRecvError::Empty) => None,
+    });
+    if let Some(v) = got {
+        return Ok(v);
+    }
+    if gone {
+        return Err(crossbeam_channel::RecvTimeoutError::Disconnected);
+    }
+    match timeout {
+        Some(t) => rx.recv_timeout(t.saturating_sub(start.elapsed())),
+        None => rx
+            .recv()
+            .map_err(|_| crossbeam_channel::RecvTimeoutError::Disconnected),
+    }
 }
 
 /// A raw pointer into a region, for a read in flight.
@@ -49,8 +81,16 @@ struct PendingRead {
 }
 
 enum Reply {
-    Data { req: u64, region: Region, offset: u64, len: u64 },
-    Refuse { req: u64, reason: String },
+    Data {
+        req: u64,
+        region: Region,
+        offset: u64,
+        len: u64,
+    },
+    Refuse {
+        req: u64,
+        reason: String,
+    },
 }
 
 struct Shared {
@@ -71,6 +111,7 @@ pub(crate) struct TcpLink {
     writer: Arc<Mutex<TcpStream>>,
     stream: TcpStream,
     op_timeout: Duration,
+    spin: Duration,
     pub(crate) peer_node: u64,
 }
 
@@ -104,14 +145,16 @@ fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::i
 
 fn tune(stream: &TcpStream, op_timeout: Duration) -> Result<()> {
     let sock = socket2::SockRef::from(stream);
-    sock.set_tcp_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
+    sock.set_tcp_nodelay(true)
+        .map_err(|e| Error::io("set TCP_NODELAY", e))?;
     // Detect a dead host (no FIN, no RST) within seconds: keepalive probes plus a bound on
     // unacknowledged data.
     let ka = socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(2))
         .with_interval(Duration::from_secs(1))
         .with_retries(3);
-    sock.set_tcp_keepalive(&ka).map_err(|e| Error::io("set TCP keepalive", e))?;
+    sock.set_tcp_keepalive(&ka)
+        .map_err(|e| Error::io("set TCP keepalive", e))?;
     sock.set_tcp_user_timeout(Some(op_timeout))
         .map_err(|e| Error::io("set TCP_USER_TIMEOUT", e))?;
     stream
@@ -141,7 +184,12 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings) -> Result<u64
                 reason: "closed during handshake".into(),
             });
         }
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
             return Err(Error::Timeout("tcp handshake", cfg.handshake_timeout));
         }
         Err(e) => return Err(Error::io("receive tcp hello", e)),
@@ -163,12 +211,20 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings) -> Result<u64
 }
 
 fn peer_name(s: &TcpStream) -> String {
-    s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "unknown tcp peer".into())
+    s.peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "unknown tcp peer".into())
 }
 
 impl TcpLink {
     /// Wraps a connection whose handshake succeeded and starts its progress threads.
-    pub(crate) fn start(id: LinkId, stream: TcpStream, peer_node: u64, cfg: &TcpSettings, cq: CompletionQueue) -> Result<TcpLink> {
+    pub(crate) fn start(
+        id: LinkId,
+        stream: TcpStream,
+        peer_node: u64,
+        cfg: &TcpSettings,
+        cq: CompletionQueue,
+    ) -> Result<TcpLink> {
         let peer = format!("tcp:{}", peer_name(&stream));
         let shared = Arc::new(Shared {
             id,
@@ -186,10 +242,10 @@ impl TcpLink {
         let writer = Arc::new(Mutex::new(clone(&stream)?));
         let (tx, rx) = crossbeam_channel::unbounded();
         {
-            let (shared, writer) = (shared.clone(), writer.clone());
+            let (shared, writer, spin) = (shared.clone(), writer.clone(), cfg.spin);
             std::thread::Builder::new()
                 .name(format!("falcon-tcp-resp-{id}"))
-                .spawn(move || respond_loop(rx, writer, shared))
+                .spawn(move || respond_loop(rx, writer, shared, spin))
                 .map_err(|e| Error::io("spawn tcp responder", e))?;
         }
         {
@@ -204,6 +260,7 @@ impl TcpLink {
             writer,
             stream,
             op_timeout: cfg.op_timeout,
+            spin: cfg.spin,
             peer_node,
         })
     }
@@ -224,10 +281,12 @@ impl TcpLink {
         if self.is_open() {
             return Ok(());
         }
-        Err(lock(&self.shared.failure).clone().unwrap_or_else(|| Error::Closed {
-            peer: self.shared.peer.clone(),
-            reason: "closed".into(),
-        }))
+        Err(lock(&self.shared.failure)
+            .clone()
+            .unwrap_or_else(|| Error::Closed {
+                peer: self.shared.peer.clone(),
+                reason: "closed".into(),
+            }))
     }
 
     fn send_frame(&self, header: &FrameHeader, payload: &[u8]) -> Result<()> {
@@ -235,7 +294,10 @@ impl TcpLink {
         let mut w = lock(&self.writer);
         let mut bufs = [IoSlice::new(header.as_bytes()), IoSlice::new(payload)];
         write_all_vectored(&mut w, &mut bufs).map_err(|e| {
-            let err = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            let err = if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
                 Error::Timeout("tcp send (peer not reading)", self.op_timeout)
             } else {
                 Error::Closed {
@@ -256,14 +318,29 @@ impl TcpLink {
     }
 
     pub(crate) fn grant(&self, region: &Region) {
-        self.shared.grants.write().unwrap_or_else(|p| p.into_inner()).insert(region.id(), region.clone());
+        self.shared
+            .grants
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(region.id(), region.clone());
     }
 
     pub(crate) fn revoke(&self, region: &Region) {
-        self.shared.grants.write().unwrap_or_else(|p| p.into_inner()).remove(&region.id());
+        self.shared
+            .grants
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&region.id());
     }
 
-    pub(crate) fn write(&self, src: *const u8, len: u64, region: u64, offset: u64, imm: Option<u32>) -> Result<()> {
+    pub(crate) fn write(
+        &self,
+        src: *const u8,
+        len: u64,
+        region: u64,
+        offset: u64,
+        imm: Option<u32>,
+    ) -> Result<()> {
         let mut h = FrameHeader::new(Op::Write);
         h.region = region.into();
         h.offset = offset.into();
@@ -277,7 +354,14 @@ impl TcpLink {
         self.send_frame(&h, payload)
     }
 
-    pub(crate) fn read(&self, dst: &Region, dst_ptr: *mut u8, len: u64, region: u64, offset: u64) -> Result<()> {
+    pub(crate) fn read(
+        &self,
+        dst: &Region,
+        dst_ptr: *mut u8,
+        len: u64,
+        region: u64,
+        offset: u64,
+    ) -> Result<()> {
         self.check_open()?;
         let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
@@ -299,7 +383,7 @@ impl TcpLink {
             lock(&self.shared.pending).remove(&req);
             return Err(e);
         }
-        match done_rx.recv_timeout(self.op_timeout) {
+        match recv_spinning(&done_rx, self.spin, Some(self.op_timeout)) {
             Ok(r) => r,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                 // The progress thread may be writing into the destination right now, so the
@@ -308,10 +392,12 @@ impl TcpLink {
                 self.fail(err.clone());
                 Err(err)
             }
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => self.check_open().and(Err(Error::Closed {
-                peer: self.shared.peer.clone(),
-                reason: "closed during read".into(),
-            })),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                self.check_open().and(Err(Error::Closed {
+                    peer: self.shared.peer.clone(),
+                    reason: "closed during read".into(),
+                }))
+            }
         }
     }
 
@@ -333,7 +419,8 @@ impl TcpLink {
     /// Test hook: raw bytes onto the wire, as a broken peer would send them.
     pub(crate) fn send_raw(&self, bytes: &[u8]) -> Result<()> {
         let mut w = lock(&self.writer);
-        w.write_all(bytes).map_err(|e| Error::io("send raw bytes", e))
+        w.write_all(bytes)
+            .map_err(|e| Error::io("send raw bytes", e))
     }
 }
 
@@ -343,8 +430,13 @@ impl Drop for TcpLink {
     }
 }
 
-fn respond_loop(rx: Receiver<Reply>, writer: Arc<Mutex<TcpStream>>, shared: Arc<Shared>) {
-    for reply in rx {
+fn respond_loop(
+    rx: Receiver<Reply>,
+    writer: Arc<Mutex<TcpStream>>,
+    shared: Arc<Shared>,
+    spin: Duration,
+) {
+    while let Ok(reply) = recv_spinning(&rx, spin, None) {
         let mut w = lock(&writer);
         let r = match reply {
             Reply::Data {
@@ -360,13 +452,19 @@ fn respond_loop(rx: Receiver<Reply>, writer: Arc<Mutex<TcpStream>>, shared: Arc<
                 let ptr = region.span("read response", offset, len).expect("checked");
                 // SAFETY: [ptr, ptr+len) lies inside `region`, alive for this scope.
                 let payload = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
-                write_all_vectored(&mut w, &mut [IoSlice::new(h.as_bytes()), IoSlice::new(payload)])
+                write_all_vectored(
+                    &mut w,
+                    &mut [IoSlice::new(h.as_bytes()), IoSlice::new(payload)],
+                )
             }
             Reply::Refuse { req, reason } => {
                 let mut h = FrameHeader::new(Op::Error);
                 h.req = req.into();
                 h.len = (reason.len() as u64).into();
-                write_all_vectored(&mut w, &mut [IoSlice::new(h.as_bytes()), IoSlice::new(reason.as_bytes())])
+                write_all_vectored(
+                    &mut w,
+                    &mut [IoSlice::new(h.as_bytes()), IoSlice::new(reason.as_bytes())],
+                )
             }
         };
         if r.is_err() {
@@ -400,7 +498,10 @@ fn recv_loop(mut s: TcpStream, replies: Sender<Reply>, shared: Arc<Shared>) {
     for (_, p) in lock(&shared.pending).drain() {
         let _ = p.done.send(Err(fail.clone()));
     }
-    shared.cq.push(Completion::Closed { link: shared.id, error });
+    shared.cq.push(Completion::Closed {
+        link: shared.id,
+        error,
+    });
 }
 
 /// Processes frames until an orderly close (Ok) or a failure (Err).
@@ -446,16 +547,21 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Shared) -> R
                     )));
                 }
                 let mut data = Vec::new();
-                data.try_reserve_exact(len as usize)
-                    .map_err(|_| Error::Malformed(format!("cannot allocate a {len}-byte message")))?;
+                data.try_reserve_exact(len as usize).map_err(|_| {
+                    Error::Malformed(format!("cannot allocate a {len}-byte message"))
+                })?;
                 data.resize(len as usize, 0);
                 s.read_exact(&mut data).map_err(|e| lost(shared, e))?;
-                shared.cq.push(Completion::Message { link: shared.id, data });
+                shared.cq.push(Completion::Message {
+                    link: shared.id,
+                    data,
+                });
             }
             Op::ReadReq => {
                 let req = h.req.get();
-                let checked = granted(shared, h.region.get())
-                    .and_then(|r| check_bounds("remote read", h.offset.get(), len, r.len()).map(|_| r));
+                let checked = granted(shared, h.region.get()).and_then(|r| {
+                    check_bounds("remote read", h.offset.get(), len, r.len()).map(|_| r)
+                });
                 match checked {
                     Ok(region) => {
                         let _ = replies.send(Reply::Data {
@@ -466,17 +572,23 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Shared) -> R
                         });
                     }
                     Err(e) => {
-                        let _ = replies.send(Reply::Refuse { req, reason: e.to_string() });
+                        let _ = replies.send(Reply::Refuse {
+                            req,
+                            reason: e.to_string(),
+                        });
                         return Err(e);
                     }
                 }
             }
             Op::ReadResp => {
-                let p = lock(&shared.pending)
-                    .remove(&h.req.get())
-                    .ok_or_else(|| Error::Malformed(format!("read response for unknown request {}", h.req.get())))?;
+                let p = lock(&shared.pending).remove(&h.req.get()).ok_or_else(|| {
+                    Error::Malformed(format!("read response for unknown request {}", h.req.get()))
+                })?;
                 if p.len != len {
-                    let e = Error::Malformed(format!("read response of {len} bytes for a {}-byte read", p.len));
+                    let e = Error::Malformed(format!(
+                        "read response of {len} bytes for a {}-byte read",
+                        p.len
+                    ));
                     let _ = p.done.send(Err(e.clone()));
                     return Err(e);
                 }

@@ -150,6 +150,7 @@ impl Transport {
                 op_timeout: cfg.op_timeout,
                 handshake_timeout: cfg.handshake_timeout,
                 max_message: cfg.max_message,
+                spin: cfg.spin,
             },
             shm: ShmSettings {
                 job: cfg.job,
@@ -171,7 +172,9 @@ impl Transport {
         let tcp_listener = match cfg.bind {
             Some(bind) => {
                 let l = TcpListener::bind(bind).map_err(|e| Error::io("bind tcp listener", e))?;
-                let bound = l.local_addr().map_err(|e| Error::io("tcp listener address", e))?;
+                let bound = l
+                    .local_addr()
+                    .map_err(|e| Error::io("tcp listener address", e))?;
                 let mut adv = cfg.advertise.unwrap_or(bound);
                 if adv.port() == 0 {
                     adv.set_port(bound.port());
@@ -182,7 +185,9 @@ impl Transport {
                     )));
                 }
                 addr.tcp = Some(adv);
-                let l2 = l.try_clone().map_err(|e| Error::io("clone tcp listener", e))?;
+                let l2 = l
+                    .try_clone()
+                    .map_err(|e| Error::io("clone tcp listener", e))?;
                 spawn("falcon-tcp-accept", {
                     let (common, tx) = (common.clone(), tx.clone());
                     move || tcp_accept_loop(l2, common, tx)
@@ -194,7 +199,8 @@ impl Transport {
 
         let unix = if cfg.shm {
             let dir = cfg.shm_dir.clone().unwrap_or_else(default_shm_dir);
-            std::fs::create_dir_all(&dir).map_err(|e| Error::io("create shm socket directory", e))?;
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| Error::io("create shm socket directory", e))?;
             let _ = rustix::fs::chmod(&dir, rustix::fs::Mode::from_raw_mode(0o700));
             let path = dir.join(format!("{node:016x}.sock"));
             let fd = Arc::new(shm::listen(&path)?);
@@ -245,7 +251,11 @@ impl Transport {
     /// handshake is refused and logged; it never reaches the caller as a link.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<Link> {
         let r = match timeout {
-            Some(t) => self.inner.accepted.recv_timeout(t).map_err(|_| Error::Timeout("accept", t)),
+            Some(t) => self
+                .inner
+                .accepted
+                .recv_timeout(t)
+                .map_err(|_| Error::Timeout("accept", t)),
             None => self.inner.accepted.recv().map_err(|_| Error::Closed {
                 peer: "listener".into(),
                 reason: "transport stopped".into(),
@@ -274,7 +284,9 @@ impl Transport {
                     Ok(l) => Ok(l),
                     Err(e @ Error::WrongJob { .. }) => Err(e),
                     Err(e) if peer.tcp.is_some() => {
-                        tracing::warn!("shm connection to {peer} failed ({e}); falling back to tcp");
+                        tracing::warn!(
+                            "shm connection to {peer} failed ({e}); falling back to tcp"
+                        );
                         self.connect_tcp(peer)
                     }
                     Err(e) => Err(e),
@@ -293,10 +305,19 @@ impl Transport {
         if peer.host != self.inner.addr.host {
             return Err(unreachable("the peer is on another host"));
         }
-        let path = peer.shm.as_ref().ok_or_else(|| unreachable("the peer does not listen for shm"))?;
+        let path = peer
+            .shm
+            .as_ref()
+            .ok_or_else(|| unreachable("the peer does not listen for shm"))?;
         let c = &self.inner.common;
         let sock = shm::connect_socket(path)?;
-        let link = ShmLink::connect(c.link_id(), sock, format!("shm:{}", path.display()), &c.shm, &c.cq)?;
+        let link = ShmLink::connect(
+            c.link_id(),
+            sock,
+            format!("shm:{}", path.display()),
+            &c.shm,
+            &c.cq,
+        )?;
         Ok(Link::new(LinkImpl::Shm(link), self.inner.node))
     }
 
@@ -307,11 +328,14 @@ impl Transport {
             why: "the peer does not listen on tcp".into(),
         })?;
         let c = &self.inner.common;
-        let mut stream = TcpStream::connect_timeout(&addr, c.tcp.handshake_timeout).map_err(|e| Error::Unreachable {
-            medium: "tcp",
-            peer: addr.to_string(),
-            why: e.to_string(),
-        })?;
+        let mut stream =
+            TcpStream::connect_timeout(&addr, c.tcp.handshake_timeout).map_err(|e| {
+                Error::Unreachable {
+                    medium: "tcp",
+                    peer: addr.to_string(),
+                    why: e.to_string(),
+                }
+            })?;
         let peer_node = tcp::handshake(&mut stream, &c.tcp)?;
         let link = TcpLink::start(c.link_id(), stream, peer_node, &c.tcp, c.cq.clone())?;
         Ok(Link::new(LinkImpl::Tcp(link), self.inner.node))
@@ -343,8 +367,15 @@ fn tcp_accept_loop(listener: TcpListener, common: Arc<Common>, tx: Sender<Result
         // Handshake off the accept thread, so a silent client cannot stall other peers.
         let (common, tx) = (common.clone(), tx.clone());
         let _ = spawn("falcon-tcp-handshake", move || {
-            let r = tcp::handshake(&mut stream, &common.tcp)
-                .and_then(|node| TcpLink::start(common.link_id(), stream, node, &common.tcp, common.cq.clone()));
+            let r = tcp::handshake(&mut stream, &common.tcp).and_then(|node| {
+                TcpLink::start(
+                    common.link_id(),
+                    stream,
+                    node,
+                    &common.tcp,
+                    common.cq.clone(),
+                )
+            });
             match r {
                 Ok(link) => {
                     let _ = tx.send(Ok(Link::new(LinkImpl::Tcp(link), common.tcp.node)));
@@ -357,15 +388,16 @@ fn tcp_accept_loop(listener: TcpListener, common: Arc<Common>, tx: Sender<Result
 
 fn unix_accept_loop(listener: Arc<OwnedFd>, common: Arc<Common>, tx: Sender<Result<Link>>) {
     loop {
-        let sock = match rustix::net::accept_with(listener.as_fd(), rustix::net::SocketFlags::CLOEXEC) {
-            Ok(s) => s,
-            Err(_) if common.stopping.load(Ordering::Acquire) => return,
-            Err(e) => {
-                tracing::warn!("unix accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
+        let sock =
+            match rustix::net::accept_with(listener.as_fd(), rustix::net::SocketFlags::CLOEXEC) {
+                Ok(s) => s,
+                Err(_) if common.stopping.load(Ordering::Acquire) => return,
+                Err(e) => {
+                    tracing::warn!("unix accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
         let (common, tx) = (common.clone(), tx.clone());
         let _ = spawn("falcon-shm-handshake", move || {
             let id = common.link_id();

@@ -87,7 +87,10 @@ impl FrameHeader {
     pub(crate) fn decode(raw: &[u8; FRAME_HEADER]) -> Result<(Op, FrameHeader)> {
         let h = FrameHeader::read_from_bytes(raw).expect("exact size");
         if h.magic.get() != MAGIC {
-            return Err(Error::Malformed(format!("frame magic {:#010x}", h.magic.get())));
+            return Err(Error::Malformed(format!(
+                "frame magic {:#010x}",
+                h.magic.get()
+            )));
         }
         if h.version.get() != VERSION {
             return Err(Error::Version {
@@ -95,9 +98,13 @@ impl FrameHeader {
                 ours: VERSION,
             });
         }
-        let op = Op::from_u16(h.op.get()).ok_or_else(|| Error::Malformed(format!("frame op {}", h.op.get())))?;
+        let op = Op::from_u16(h.op.get())
+            .ok_or_else(|| Error::Malformed(format!("frame op {}", h.op.get())))?;
         if h.flags.get() & !FLAG_IMM != 0 || (h.flags.get() != 0 && op != Op::Write) {
-            return Err(Error::Malformed(format!("frame flags {:#x} on {op:?}", h.flags.get())));
+            return Err(Error::Malformed(format!(
+                "frame flags {:#x} on {op:?}",
+                h.flags.get()
+            )));
         }
         Ok((op, h))
     }
@@ -178,10 +185,17 @@ impl CtlPacket {
 
     /// Decodes a packet of exactly `CTL_PACKET` bytes carrying `nfds` descriptors.
     pub(crate) fn decode(raw: &[u8], nfds: usize) -> Result<(CtlOp, CtlPacket)> {
-        let p = CtlPacket::read_from_bytes(raw)
-            .map_err(|_| Error::Malformed(format!("control packet of {} bytes, expected {CTL_PACKET}", raw.len())))?;
+        let p = CtlPacket::read_from_bytes(raw).map_err(|_| {
+            Error::Malformed(format!(
+                "control packet of {} bytes, expected {CTL_PACKET}",
+                raw.len()
+            ))
+        })?;
         if p.magic.get() != MAGIC {
-            return Err(Error::Malformed(format!("control packet magic {:#010x}", p.magic.get())));
+            return Err(Error::Malformed(format!(
+                "control packet magic {:#010x}",
+                p.magic.get()
+            )));
         }
         if p.version.get() != VERSION {
             return Err(Error::Version {
@@ -217,17 +231,29 @@ mod tests {
 
         let mut bad = raw;
         bad[0] ^= 1;
-        assert!(matches!(FrameHeader::decode(&bad), Err(Error::Malformed(_))));
+        assert!(matches!(
+            FrameHeader::decode(&bad),
+            Err(Error::Malformed(_))
+        ));
         let mut bad = raw;
         bad[4] = 9;
-        assert!(matches!(FrameHeader::decode(&bad), Err(Error::Version { theirs: 9, .. })));
+        assert!(matches!(
+            FrameHeader::decode(&bad),
+            Err(Error::Version { theirs: 9, .. })
+        ));
         let mut bad = raw;
         bad[6] = 200;
-        assert!(matches!(FrameHeader::decode(&bad), Err(Error::Malformed(_))));
+        assert!(matches!(
+            FrameHeader::decode(&bad),
+            Err(Error::Malformed(_))
+        ));
         let mut h2 = FrameHeader::new(Op::Send);
         h2.flags = FLAG_IMM.into();
         let raw2: [u8; FRAME_HEADER] = h2.as_bytes().try_into().unwrap();
-        assert!(FrameHeader::decode(&raw2).is_err(), "imm flag only on writes");
+        assert!(
+            FrameHeader::decode(&raw2).is_err(),
+            "imm flag only on writes"
+        );
     }
 
     #[test]

@@ -42,7 +42,10 @@ pub fn next_message(cq: &CompletionQueue) -> Vec<u8> {
 pub fn wait_closed(cq: &CompletionQueue, link: u64) -> Option<falcon_transport::Error> {
     let start = Instant::now();
     loop {
-        assert!(start.elapsed() < T, "link {link} did not report Closed within {T:?}");
+        assert!(
+            start.elapsed() < T,
+            "link {link} did not report Closed within {T:?}"
+        );
         match cq.wait(Some(T)) {
             Ok(Completion::Closed { link: l, error }) if l == link => return error,
             Ok(_) => {}
@@ -60,9 +63,14 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 pub fn checksum(bytes: &[u8]) -> u64 {
     // FNV-1a: order-sensitive, enough to catch misplaced or torn bytes.
-    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
 }
 
 pub fn medium_from_env() -> Medium {
-    std::env::var("FALCON_TEST_MEDIUM").expect("medium").parse().expect("medium name")
+    std::env::var("FALCON_TEST_MEDIUM")
+        .expect("medium")
+        .parse()
+        .expect("medium name")
 }

@@ -38,7 +38,8 @@ fn ordering_of_writes_and_immediates(medium: Medium) {
     let writer = std::thread::spawn(move || {
         for i in 0..N {
             let off = (i * CHUNK) as u64;
-            ab.write(&src, off, &key, off, CHUNK as u64, Some(i as u32)).unwrap();
+            ab.write(&src, off, &key, off, CHUNK as u64, Some(i as u32))
+                .unwrap();
         }
         ab
     });
@@ -49,7 +50,11 @@ fn ordering_of_writes_and_immediates(medium: Medium) {
                 assert_eq!(link, ba.id());
                 assert_eq!(imm as usize, i, "immediates arrive in issue order");
                 target.read_at((i * CHUNK) as u64, &mut got).unwrap();
-                assert_eq!(got, data[i * CHUNK..(i + 1) * CHUNK], "chunk {i} visible at its immediate");
+                assert_eq!(
+                    got,
+                    data[i * CHUNK..(i + 1) * CHUNK],
+                    "chunk {i} visible at its immediate"
+                );
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -74,7 +79,11 @@ fn read_after_write(medium: Medium) {
         ab.read(&back, 0, &key, 4096 - off, len).unwrap();
         let mut got = vec![0u8; len as usize];
         back.read_at(0, &mut got).unwrap();
-        assert_eq!(got, data[off as usize..(off + len) as usize], "round {round}");
+        assert_eq!(
+            got,
+            data[off as usize..(off + len) as usize],
+            "round {round}"
+        );
     }
 }
 
@@ -94,7 +103,10 @@ fn zero_length(medium: Medium) {
     assert_eq!(next_message(b.cq()), Vec::<u8>::new());
     let err = ab.write(&src, 0, &key, 0, 1, None).unwrap_err();
     assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
-    assert!(ab.is_open(), "a locally rejected access leaves the link open");
+    assert!(
+        ab.is_open(),
+        "a locally rejected access leaves the link open"
+    );
 }
 
 /// 64 MiB each way, every byte checked; messages larger than any internal buffer.
@@ -142,7 +154,8 @@ fn many_threads_disjoint_ranges(medium: Medium) {
                     let slot = t * PER + i;
                     src.write_at(0, &pattern(slot as u64, CHUNK)).unwrap();
                     let off = (slot * CHUNK) as u64;
-                    ab.write(&src, 0, &key, off, CHUNK as u64, Some(slot as u32)).unwrap();
+                    ab.write(&src, 0, &key, off, CHUNK as u64, Some(slot as u32))
+                        .unwrap();
                 }
             })
         })
@@ -151,15 +164,23 @@ fn many_threads_disjoint_ranges(medium: Medium) {
     let mut last = [None::<usize>; THREADS];
     let mut got = vec![0u8; CHUNK];
     for _ in 0..THREADS * PER {
-        let Completion::WriteImm { imm, .. } = next(b.cq()) else { panic!("expected an immediate") };
+        let Completion::WriteImm { imm, .. } = next(b.cq()) else {
+            panic!("expected an immediate")
+        };
         let slot = imm as usize;
         assert!(!seen[slot], "immediate {slot} delivered twice");
         seen[slot] = true;
         let t = slot / PER;
-        assert!(last[t].is_none_or(|p| p < slot), "one thread's writes stay in order");
+        assert!(
+            last[t].is_none_or(|p| p < slot),
+            "one thread's writes stay in order"
+        );
         last[t] = Some(slot);
         remote.read_at((slot * CHUNK) as u64, &mut got).unwrap();
-        assert!(got == pattern(slot as u64, CHUNK), "slot {slot} intact at its immediate");
+        assert!(
+            got == pattern(slot as u64, CHUNK),
+            "slot {slot} intact at its immediate"
+        );
     }
     for h in handles {
         h.join().unwrap();
@@ -177,12 +198,24 @@ fn bounds_and_grants(medium: Medium) {
     let src = Region::new(16384).unwrap();
     src.fill(0x55);
     // Local checks: the key says 8192 bytes.
-    assert!(matches!(ab.write(&src, 0, &key, 8000, 4096, None), Err(Error::OutOfBounds { .. })));
-    assert!(matches!(ab.write(&src, 16000, &key, 0, 4096, None), Err(Error::OutOfBounds { .. })));
-    assert!(matches!(ab.read(&src, 0, &key, u64::MAX - 10, 20), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(
+        ab.write(&src, 0, &key, 8000, 4096, None),
+        Err(Error::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        ab.write(&src, 16000, &key, 0, 4096, None),
+        Err(Error::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        ab.read(&src, 0, &key, u64::MAX - 10, 20),
+        Err(Error::OutOfBounds { .. })
+    ));
     assert!(ab.is_open());
     // A forged key that lies about the length: the owner's checks hold.
-    let forged = RemoteKey { len: 1 << 20, ..key };
+    let forged = RemoteKey {
+        len: 1 << 20,
+        ..key
+    };
     let r = ab.write(&src, 0, &forged, 8192, 4096, Some(7));
     match medium {
         // shm checks against the mapping it received: refused at once, link stays usable.
@@ -201,7 +234,10 @@ fn bounds_and_grants(medium: Medium) {
     let r2 = Region::new(4096).unwrap();
     share(&ba2, &r2);
     let k2 = recv_key(&a2);
-    let bogus = RemoteKey { region: k2.region + 1000, ..k2 };
+    let bogus = RemoteKey {
+        region: k2.region + 1000,
+        ..k2
+    };
     let r = ab2.read(&src, 0, &bogus, 0, 16);
     assert!(r.is_err(), "read of an ungranted region must fail");
     // And revoking a grant ends access.
@@ -250,7 +286,12 @@ fn malformed_input_closes_only_that_link(medium: Medium) {
         assert!(
             matches!(
                 err,
-                Some(Error::Malformed(_) | Error::Version { .. } | Error::UnknownRegion(_) | Error::OutOfBounds { .. })
+                Some(
+                    Error::Malformed(_)
+                        | Error::Version { .. }
+                        | Error::UnknownRegion(_)
+                        | Error::OutOfBounds { .. }
+                )
             ),
             "seed {seed}: expected a typed input error, got {err:?}"
         );
@@ -260,7 +301,9 @@ fn malformed_input_closes_only_that_link(medium: Medium) {
         loop {
             match next(b.cq()) {
                 Completion::WriteImm { link, imm: 5 } if link == good_b.id() => break,
-                Completion::Closed { link, .. } if link == good_b.id() => panic!("good link closed"),
+                Completion::Closed { link, .. } if link == good_b.id() => {
+                    panic!("good link closed")
+                }
                 _ => {}
             }
         }
@@ -275,8 +318,14 @@ fn other_job_is_refused(medium: Medium) {
     let b = transport(1);
     let a = transport(2);
     let err = a.connect_with(b.address(), medium).unwrap_err();
-    assert!(matches!(err, Error::WrongJob { theirs: 1, ours: 2 }), "{err}");
-    assert!(matches!(b.accept(Some(Duration::from_millis(300))), Err(Error::Timeout(..))));
+    assert!(
+        matches!(err, Error::WrongJob { theirs: 1, ours: 2 }),
+        "{err}"
+    );
+    assert!(matches!(
+        b.accept(Some(Duration::from_millis(300))),
+        Err(Error::Timeout(..))
+    ));
 }
 
 /// An orderly close is reported to both sides without an error; later operations fail.
@@ -284,8 +333,15 @@ fn orderly_close(medium: Medium) {
     let (a, b, ab, ba) = pair(medium);
     ab.send(b"last words").unwrap();
     ab.close();
-    assert_eq!(next_message(b.cq()), b"last words", "messages before a close are delivered");
-    assert!(wait_closed(b.cq(), ba.id()).is_none(), "orderly close carries no error");
+    assert_eq!(
+        next_message(b.cq()),
+        b"last words",
+        "messages before a close are delivered"
+    );
+    assert!(
+        wait_closed(b.cq(), ba.id()).is_none(),
+        "orderly close carries no error"
+    );
     assert!(wait_closed(a.cq(), ab.id()).is_none());
     assert!(ab.send(b"x").is_err());
     assert!(ba.send(b"x").is_err());
@@ -299,8 +355,12 @@ fn idle_wait_burns_no_cpu(medium: Medium) {
     let r = b.cq().wait(Some(Duration::from_millis(1000)));
     assert!(matches!(r, Err(Error::Timeout(..))), "{r:?}");
     let after = cpu();
-    let used = (after.tv_sec - before.tv_sec) as f64 + (after.tv_nsec - before.tv_nsec) as f64 * 1e-9;
-    assert!(used < 0.05, "an idle 1 s wait used {used:.3} s of CPU: the queue must park, not spin");
+    let used =
+        (after.tv_sec - before.tv_sec) as f64 + (after.tv_nsec - before.tv_nsec) as f64 * 1e-9;
+    assert!(
+        used < 0.05,
+        "an idle 1 s wait used {used:.3} s of CPU: the queue must park, not spin"
+    );
 }
 
 // ---- cross-process cases ----
@@ -320,7 +380,9 @@ fn spawn_child(mode: &str, medium: Medium, peer: &PeerAddr) -> Child {
 /// The child side of the cross-process tests (a no-op in a normal run).
 #[test]
 fn child_main() {
-    let Ok(mode) = std::env::var("FALCON_TEST_CHILD") else { return };
+    let Ok(mode) = std::env::var("FALCON_TEST_CHILD") else {
+        return;
+    };
     let medium = medium_from_env();
     let peer: PeerAddr = std::env::var("FALCON_TEST_PEER").unwrap().parse().unwrap();
     let t = Transport::new(falcon_transport::TransportConfig {
@@ -385,7 +447,11 @@ fn cross_process_exchange(medium: Medium) {
         let reply = next_message(t.cq());
         assert_eq!(u32::from_le_bytes(reply[..4].try_into().unwrap()), i);
         let expect = checksum(&data[i as usize * (1 << 20)..(i as usize + 1) * (1 << 20)]);
-        assert_eq!(u64::from_le_bytes(reply[4..12].try_into().unwrap()), expect, "chunk {i} as seen by the child");
+        assert_eq!(
+            u64::from_le_bytes(reply[4..12].try_into().unwrap()),
+            expect,
+            "chunk {i} as seen by the child"
+        );
     }
     let back = Region::new(8 << 20).unwrap();
     link.read(&back, 0, &key, 0, 8 << 20).unwrap();
@@ -393,7 +459,10 @@ fn cross_process_exchange(medium: Medium) {
     back.read_at(0, &mut got).unwrap();
     assert!(got == data);
     link.send(b"bye").unwrap();
-    assert!(wait_closed(t.cq(), link.id()).is_none(), "child closed in order");
+    assert!(
+        wait_closed(t.cq(), link.id()).is_none(),
+        "child closed in order"
+    );
     assert!(child.wait().unwrap().success());
 }
 
@@ -411,7 +480,10 @@ fn peer_death_mid_transfer(medium: Medium) {
     child.kill().unwrap();
     child.wait().unwrap();
     let err = wait_closed(t.cq(), link.id());
-    assert!(matches!(err, Some(Error::Closed { .. })), "death is an error, not an orderly close: {err:?}");
+    assert!(
+        matches!(err, Some(Error::Closed { .. })),
+        "death is an error, not an orderly close: {err:?}"
+    );
     assert!(!link.is_open());
     assert!(link.send(b"anyone?").is_err());
     let r = Region::new(16).unwrap();

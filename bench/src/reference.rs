@@ -1,0 +1,151 @@
+//! Physical references: what the hardware and kernel do without falcon.
+
+use std::hint::black_box;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// memcpy of `len` bytes between two distinct buffers, `n` times; returns the elapsed time.
+pub fn memcpy(src: &[u8], dst: &mut [u8], n: usize) -> Duration {
+    let start = Instant::now();
+    for _ in 0..n {
+        dst.copy_from_slice(black_box(src));
+        black_box(&mut *dst);
+    }
+    start.elapsed()
+}
+
+/// A plain blocking TCP socket pair on loopback with a tiny server: the reference for the
+/// tcp medium. Ops: `W len` + payload (server reads it), `A` (server answers one byte),
+/// `R len` (server sends len bytes), `P len` + payload (server echoes it).
+pub struct PlainSocket {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl PlainSocket {
+    /// Starts the server thread and connects to it.
+    pub fn start(max_len: usize) -> std::io::Result<PlainSocket> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        std::thread::Builder::new()
+            .name("plain-socket-server".into())
+            .spawn(move || {
+                let Ok((mut s, _)) = listener.accept() else {
+                    return;
+                };
+                let _ = s.set_nodelay(true);
+                let mut buf = vec![0u8; max_len];
+                let mut hdr = [0u8; 9];
+                while s.read_exact(&mut hdr).is_ok() {
+                    let len = u64::from_le_bytes(hdr[1..].try_into().expect("8 bytes")) as usize;
+                    let ok = match hdr[0] {
+                        b'W' => s.read_exact(&mut buf[..len]),
+                        b'A' => s.write_all(&[1]),
+                        b'R' => s.write_all(&buf[..len]),
+                        b'P' => s
+                            .read_exact(&mut buf[..len])
+                            .and_then(|_| s.write_all(&buf[..len])),
+                        _ => return,
+                    };
+                    if ok.is_err() {
+                        return;
+                    }
+                }
+            })?;
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        Ok(PlainSocket {
+            stream,
+            buf: vec![0x3Cu8; max_len],
+        })
+    }
+
+    fn header(op: u8, len: usize) -> [u8; 9] {
+        let mut h = [op; 9];
+        h[1..].copy_from_slice(&(len as u64).to_le_bytes());
+        h
+    }
+
+    /// `n` writes of `len` bytes, then an acknowledged round trip (the data has arrived).
+    pub fn write_batch(&mut self, len: usize, n: usize) -> std::io::Result<Duration> {
+        let start = Instant::now();
+        for _ in 0..n {
+            let h = Self::header(b'W', len);
+            let mut bufs = [
+                std::io::IoSlice::new(&h),
+                std::io::IoSlice::new(&self.buf[..len]),
+            ];
+            write_all_vectored(&mut self.stream, &mut bufs)?;
+        }
+        self.stream.write_all(&Self::header(b'A', 0))?;
+        let mut one = [0u8; 1];
+        self.stream.read_exact(&mut one)?;
+        Ok(start.elapsed())
+    }
+
+    /// `n` request/response reads of `len` bytes.
+    pub fn read_batch(&mut self, len: usize, n: usize) -> std::io::Result<Duration> {
+        let start = Instant::now();
+        for _ in 0..n {
+            self.stream.write_all(&Self::header(b'R', len))?;
+            self.stream.read_exact(&mut self.buf[..len])?;
+        }
+        Ok(start.elapsed())
+    }
+
+    /// One ping-pong of `len` bytes each way.
+    pub fn round_trip(&mut self, len: usize) -> std::io::Result<Duration> {
+        let start = Instant::now();
+        let h = Self::header(b'P', len);
+        let mut bufs = [
+            std::io::IoSlice::new(&h),
+            std::io::IoSlice::new(&self.buf[..len]),
+        ];
+        write_all_vectored(&mut self.stream, &mut bufs)?;
+        self.stream.read_exact(&mut self.buf[..len])?;
+        Ok(start.elapsed())
+    }
+}
+
+fn write_all_vectored(
+    s: &mut TcpStream,
+    mut bufs: &mut [std::io::IoSlice<'_>],
+) -> std::io::Result<()> {
+    while !bufs.is_empty() {
+        let n = s.write_vectored(bufs)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
+
+/// Two threads bouncing a counter through one shared cache line: the floor of any cross-core
+/// hand-off, the reference for the shm round trip. Returns `n` per-round-trip latencies.
+pub fn atomic_ping_pong(n: usize) -> Vec<Duration> {
+    let word = Arc::new(AtomicU64::new(0));
+    let w2 = word.clone();
+    let echo = std::thread::spawn(move || {
+        for i in 0..n as u64 {
+            while w2.load(Ordering::Acquire) != 2 * i + 1 {
+                std::hint::spin_loop();
+            }
+            w2.store(2 * i + 2, Ordering::Release);
+        }
+    });
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n as u64 {
+        let start = Instant::now();
+        word.store(2 * i + 1, Ordering::Release);
+        while word.load(Ordering::Acquire) != 2 * i + 2 {
+            std::hint::spin_loop();
+        }
+        out.push(start.elapsed());
+    }
+    echo.join().expect("echo thread");
+    out
+}
