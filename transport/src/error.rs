@@ -91,6 +91,18 @@ pub enum Error {
         /// Why, with the fix where there is one.
         why: String,
     },
+    /// Memory registration for RDMA hit the locked-memory limit.
+    #[error(
+        "registering {needed} bytes for RDMA needs locked memory, but `ulimit -l` allows only {limit} bytes: \
+         raise the memlock limit (shell: `ulimit -l unlimited`; systemd: LimitMEMLOCK=infinity; \
+         docker: --ulimit memlock=-1; /etc/security/limits.conf: `* - memlock unlimited`)"
+    )]
+    Memlock {
+        /// Bytes the registration needed.
+        needed: u64,
+        /// The current limit in bytes.
+        limit: u64,
+    },
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -26,6 +26,8 @@ mod cq;
 mod error;
 mod link;
 mod memfd;
+#[cfg(feature = "rdma")]
+mod rdma;
 mod region;
 mod ring;
 mod shm;
@@ -39,3 +41,10 @@ pub use error::{Error, Result};
 pub use link::Link;
 pub use region::{Region, RemoteKey};
 pub use transport::{Transport, TransportConfig};
+
+/// RDMA device discovery, for diagnostics (`falcon doctor`).
+#[cfg(feature = "rdma")]
+pub use rdma::{PortInfo, memlock_limit, ports as rdma_ports};
+
+/// True when this build includes the rdma medium.
+pub const RDMA_BUILT: bool = cfg!(feature = "rdma");

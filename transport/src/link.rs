@@ -11,6 +11,8 @@ use crate::tcp::TcpLink;
 pub(crate) enum LinkImpl {
     Shm(ShmLink),
     Tcp(TcpLink),
+    #[cfg(feature = "rdma")]
+    Rdma(crate::rdma::RdmaLink),
 }
 
 /// A connection to one peer. Cheap to clone; every clone is the same link, usable from many
@@ -51,6 +53,8 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.id(),
             LinkImpl::Tcp(l) => l.id(),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.ctl.id(),
         }
     }
 
@@ -59,6 +63,8 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(_) => "shm",
             LinkImpl::Tcp(_) => "tcp",
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(_) => "rdma",
         }
     }
 
@@ -67,6 +73,8 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.peer(),
             LinkImpl::Tcp(l) => l.peer(),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.ctl.peer(),
         }
     }
 
@@ -75,6 +83,8 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.peer_node,
             LinkImpl::Tcp(l) => l.peer_node,
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.ctl.peer_node,
         }
     }
 
@@ -83,6 +93,8 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.is_open(),
             LinkImpl::Tcp(l) => l.is_open(),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.ctl.is_open() && l.qp.is_ok(),
         }
     }
 
@@ -91,26 +103,40 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.send(data),
             LinkImpl::Tcp(l) => l.send(data),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => {
+                self.check_open()?;
+                l.qp.send(data)
+            }
         }
     }
 
     /// Lets the peer read and write `region`; returns the key to send it.
     pub fn grant(&self, region: &Region) -> Result<RemoteKey> {
-        match &self.inner.imp {
-            LinkImpl::Shm(l) => l.grant(region)?,
-            LinkImpl::Tcp(l) => l.grant(region),
-        }
+        let (addr, rkey) = match &self.inner.imp {
+            LinkImpl::Shm(l) => {
+                l.grant(region)?;
+                (0, 0)
+            }
+            LinkImpl::Tcp(l) => {
+                l.grant(region);
+                (0, 0)
+            }
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.qp.device().grant(region)?,
+        };
         Ok(RemoteKey {
             owner: self.inner.node,
             region: region.id(),
             len: region.len(),
-            addr: 0,
-            rkey: 0,
+            addr,
+            rkey,
             reserved: 0,
         })
     }
 
-    /// Withdraws a grant; later accesses by the peer fail.
+    /// Withdraws a grant; later accesses by the peer fail. On rdma the registration (and so
+    /// the rkey) is per device: revoking withdraws the region from every peer.
     pub fn revoke(&self, region: &Region) -> Result<()> {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.revoke(region),
@@ -118,7 +144,23 @@ impl Link {
                 l.revoke(region);
                 Ok(())
             }
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => {
+                l.qp.device().revoke(region);
+                Ok(())
+            }
         }
+    }
+
+    #[cfg(feature = "rdma")]
+    fn check_open(&self) -> Result<()> {
+        if self.is_open() {
+            return Ok(());
+        }
+        Err(Error::Closed {
+            peer: self.peer().to_string(),
+            reason: "closed".into(),
+        })
     }
 
     fn check_key(&self, key: &RemoteKey) -> Result<()> {
@@ -151,6 +193,11 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.write(ptr, len, dst.region, dst_off, imm),
             LinkImpl::Tcp(l) => l.write(ptr, len, dst.region, dst_off, imm),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => {
+                self.check_open()?;
+                l.qp.write(src, ptr, len, dst.addr.wrapping_add(dst_off), dst.rkey, imm)
+            }
         }
     }
 
@@ -170,6 +217,11 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.read(ptr, len, src.region, src_off),
             LinkImpl::Tcp(l) => l.read(dst, ptr, len, src.region, src_off),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => {
+                self.check_open()?;
+                l.qp.read(dst, ptr, len, src.addr.wrapping_add(src_off), src.rkey)
+            }
         }
     }
 
@@ -178,6 +230,8 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.close(),
             LinkImpl::Tcp(l) => l.close(),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.ctl.close(),
         }
     }
 
@@ -187,6 +241,8 @@ impl Link {
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.send_raw(bytes),
             LinkImpl::Tcp(l) => l.send_raw(bytes),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.ctl.send_raw(bytes),
         }
     }
 }

@@ -104,6 +104,9 @@ struct Shared {
     closing: AtomicBool,
     failure: Mutex<Option<Error>>,
     max_message: u64,
+    /// Runs before `Closed` is delivered (an RDMA link drains its queue pair here, so every
+    /// completion the peer caused precedes the closure).
+    before_close: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 pub(crate) struct TcpLink {
@@ -163,8 +166,13 @@ fn tune(stream: &TcpStream, op_timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Exchanges hellos; returns the peer's node id.
-pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings) -> Result<u64> {
+/// What a hello asks the connection to become.
+pub(crate) const HELLO_TCP: u32 = 0;
+/// The tcp connection is the control link of an RDMA queue pair.
+pub(crate) const HELLO_RDMA: u32 = 1;
+
+/// Exchanges hellos; returns the peer's node id and what it asked for (`HELLO_*`).
+pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> Result<(u64, u32)> {
     tune(stream, cfg.op_timeout)?;
     stream
         .set_read_timeout(Some(cfg.handshake_timeout))
@@ -172,6 +180,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings) -> Result<u64
     let mut hello = FrameHeader::new(Op::Hello);
     hello.region = cfg.job.into();
     hello.offset = cfg.node.into();
+    hello.imm = ask.into();
     stream
         .write_all(hello.as_bytes())
         .map_err(|e| Error::io("send tcp hello", e))?;
@@ -204,10 +213,20 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings) -> Result<u64
             ours: cfg.job,
         });
     }
+    if h.imm.get() > HELLO_RDMA {
+        return Err(Error::Malformed(format!(
+            "hello asks for unknown medium {}",
+            h.imm.get()
+        )));
+    }
+    Ok((h.offset.get(), h.imm.get()))
+}
+
+/// Clears the handshake's read timeout once the connection is established.
+pub(crate) fn established(stream: &TcpStream) -> Result<()> {
     stream
         .set_read_timeout(None)
-        .map_err(|e| Error::io("clear handshake timeout", e))?;
-    Ok(h.offset.get())
+        .map_err(|e| Error::io("clear handshake timeout", e))
 }
 
 fn peer_name(s: &TcpStream) -> String {
@@ -225,6 +244,19 @@ impl TcpLink {
         cfg: &TcpSettings,
         cq: CompletionQueue,
     ) -> Result<TcpLink> {
+        Self::start_with(id, stream, peer_node, cfg, cq, None)
+    }
+
+    /// As `start`, with a hook run before `Closed` is delivered.
+    pub(crate) fn start_with(
+        id: LinkId,
+        stream: TcpStream,
+        peer_node: u64,
+        cfg: &TcpSettings,
+        cq: CompletionQueue,
+        before_close: Option<Box<dyn Fn() + Send + Sync>>,
+    ) -> Result<TcpLink> {
+        established(&stream)?;
         let peer = format!("tcp:{}", peer_name(&stream));
         let shared = Arc::new(Shared {
             id,
@@ -237,6 +269,7 @@ impl TcpLink {
             closing: AtomicBool::new(false),
             failure: Mutex::new(None),
             max_message: cfg.max_message,
+            before_close,
         });
         let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("clone tcp socket", e));
         let writer = Arc::new(Mutex::new(clone(&stream)?));
@@ -406,6 +439,21 @@ impl TcpLink {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
+    /// A handle that fails this link from elsewhere (an RDMA queue pair in error).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn failer(&self) -> Result<impl Fn(Error) + Send + Sync + 'static> {
+        let shared = self.shared.clone();
+        let stream = self
+            .stream
+            .try_clone()
+            .map_err(|e| Error::io("clone tcp socket", e))?;
+        Ok(move |err: Error| {
+            lock(&shared.failure).get_or_insert(err);
+            shared.open.store(false, Ordering::Release);
+            let _ = stream.shutdown(Shutdown::Both);
+        })
+    }
+
     pub(crate) fn close(&self) {
         if self.shared.closing.swap(true, Ordering::AcqRel) {
             return;
@@ -498,6 +546,10 @@ fn recv_loop(mut s: TcpStream, replies: Sender<Reply>, shared: Arc<Shared>) {
     for (_, p) in lock(&shared.pending).drain() {
         let _ = p.done.send(Err(fail.clone()));
     }
+    if let Some(hook) = &shared.before_close {
+        hook();
+    }
+    let error = lock(&shared.failure).clone().or(error);
     shared.cq.push(Completion::Closed {
         link: shared.id,
         error,

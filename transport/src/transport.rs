@@ -43,6 +43,10 @@ pub struct TransportConfig {
     pub ring_bytes: u64,
     /// The largest control message accepted from a peer.
     pub max_message: u64,
+    /// RDMA device to use (`None`: `$FALCON_RDMA_DEVICE`, else the first with an active port).
+    pub rdma_device: Option<String>,
+    /// GID index for RoCE (`None`: `$FALCON_RDMA_GID_INDEX`, else 0, which soft-RoCE needs).
+    pub rdma_gid_index: Option<i32>,
 }
 
 impl Default for TransportConfig {
@@ -59,6 +63,8 @@ impl Default for TransportConfig {
             spin: Duration::from_micros(50),
             ring_bytes: 1 << 20,
             max_message: 8 << 30,
+            rdma_device: None,
+            rdma_gid_index: None,
         }
     }
 }
@@ -89,6 +95,105 @@ struct Common {
     tcp: TcpSettings,
     shm: ShmSettings,
     local: String,
+    /// The RDMA device, or why there is none.
+    rdma: std::result::Result<RdmaDevice, Error>,
+}
+
+#[cfg(feature = "rdma")]
+type RdmaDevice = Arc<crate::rdma::Device>;
+#[cfg(not(feature = "rdma"))]
+type RdmaDevice = std::convert::Infallible;
+
+#[cfg(feature = "rdma")]
+fn open_rdma(
+    cfg: &TransportConfig,
+    cq: &CompletionQueue,
+) -> std::result::Result<RdmaDevice, Error> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let device = cfg
+        .rdma_device
+        .clone()
+        .or_else(|| env("FALCON_RDMA_DEVICE"));
+    let gid = match cfg.rdma_gid_index {
+        Some(g) => g,
+        None => match env("FALCON_RDMA_GID_INDEX") {
+            Some(v) => v.parse().map_err(|_| {
+                Error::Config(format!("FALCON_RDMA_GID_INDEX={v:?} is not a number"))
+            })?,
+            None => 0,
+        },
+    };
+    crate::rdma::Device::open(device.as_deref(), gid, cfg.spin, cq.clone())
+}
+
+#[cfg(not(feature = "rdma"))]
+fn open_rdma(_: &TransportConfig, _: &CompletionQueue) -> std::result::Result<RdmaDevice, Error> {
+    Err(Error::MediumUnavailable {
+        medium: "rdma",
+        why: "this build has no RDMA support; rebuild with `--features rdma`".into(),
+    })
+}
+
+/// Builds the RDMA half of a link on a tcp connection whose hellos asked for it.
+#[cfg(feature = "rdma")]
+fn rdma_link(common: &Common, mut stream: TcpStream, peer_node: u64) -> Result<Link> {
+    use crate::rdma::{self, RdmaLink, RdmaQp};
+    let id = common.link_id();
+    let qp = match &common.rdma {
+        Ok(dev) => Some(RdmaQp::create(
+            dev,
+            id,
+            common.tcp.max_message,
+            common.tcp.op_timeout,
+        )?),
+        Err(_) => None,
+    };
+    let ours = qp.as_ref().map_or_else(RdmaQp::refusal, |q| q.info());
+    let theirs = rdma::exchange(&mut stream, &ours)?;
+    let Some(qp) = qp else {
+        return Err(common
+            .rdma
+            .as_ref()
+            .err()
+            .cloned()
+            .expect("no qp means no device"));
+    };
+    qp.connect(&theirs)?;
+    rdma::ready(&mut stream)?;
+    let ctl = TcpLink::start_with(
+        id,
+        stream,
+        peer_node,
+        &common.tcp,
+        common.cq.clone(),
+        Some(qp.drainer()),
+    )?;
+    qp.on_fail(Box::new(ctl.failer()?));
+    Ok(Link::new(
+        LinkImpl::Rdma(RdmaLink { ctl, qp }),
+        common.tcp.node,
+    ))
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_link(common: &Common, _: TcpStream, _: u64) -> Result<Link> {
+    Err(common.rdma.clone().expect_err("no rdma in this build"))
+}
+
+/// The accepting side of a tcp connection: plain tcp, or the control link of an RDMA link.
+fn accepted_tcp(common: &Common, mut stream: TcpStream) -> Result<Link> {
+    let (node, ask) = tcp::handshake(&mut stream, &common.tcp, tcp::HELLO_TCP)?;
+    if ask == tcp::HELLO_RDMA {
+        return rdma_link(common, stream, node);
+    }
+    let link = TcpLink::start(
+        common.link_id(),
+        stream,
+        node,
+        &common.tcp,
+        common.cq.clone(),
+    )?;
+    Ok(Link::new(LinkImpl::Tcp(link), common.tcp.node))
 }
 
 impl Common {
@@ -116,6 +221,10 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.common.stopping.store(true, Ordering::Release);
+        #[cfg(feature = "rdma")]
+        if let Ok(dev) = &self.common.rdma {
+            dev.stop();
+        }
         if let Some(l) = &self.tcp_listener {
             let _ = rustix::net::shutdown(l, rustix::net::Shutdown::Both);
         }
@@ -140,6 +249,12 @@ impl Transport {
     pub fn new(cfg: TransportConfig) -> Result<Transport> {
         let node = random_u64();
         let cq = CompletionQueue::new(cfg.spin)?;
+        let rdma = open_rdma(&cfg, &cq);
+        if let Err(e) = &rdma
+            && crate::RDMA_BUILT
+        {
+            tracing::info!("rdma unavailable, peers on other hosts use tcp: {e}");
+        }
         let common = Arc::new(Common {
             cq,
             next_link: AtomicU64::new(1),
@@ -161,6 +276,7 @@ impl Transport {
                 max_message: cfg.max_message,
             },
             local: format!("node {node:#x}"),
+            rdma,
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut addr = PeerAddr {
@@ -269,16 +385,19 @@ impl Transport {
         self.connect_with(peer, self.inner.cfg.medium)
     }
 
-    /// Connects to a peer over a given medium (`Auto`: same host → shm, else tcp).
+    /// Connects to a peer over a given medium (`Auto`: same host → shm, else rdma when a
+    /// device is available, else tcp).
     pub fn connect_with(&self, peer: &PeerAddr, medium: Medium) -> Result<Link> {
         let same_host = peer.host == self.inner.addr.host;
         match medium {
             Medium::Shm => self.connect_shm(peer),
-            Medium::Tcp => self.connect_tcp(peer),
-            Medium::Rdma => Err(Error::MediumUnavailable {
-                medium: "rdma",
-                why: "this build has no RDMA support; rebuild with `--features rdma`".into(),
-            }),
+            Medium::Tcp => self.connect_tcp(peer, tcp::HELLO_TCP),
+            Medium::Rdma => {
+                if let Err(e) = &self.inner.common.rdma {
+                    return Err(e.clone());
+                }
+                self.connect_tcp(peer, tcp::HELLO_RDMA)
+            }
             Medium::Auto if same_host && peer.shm.is_some() && self.inner.cfg.shm => {
                 match self.connect_shm(peer) {
                     Ok(l) => Ok(l),
@@ -287,13 +406,33 @@ impl Transport {
                         tracing::warn!(
                             "shm connection to {peer} failed ({e}); falling back to tcp"
                         );
-                        self.connect_tcp(peer)
+                        self.connect_tcp(peer, tcp::HELLO_TCP)
                     }
                     Err(e) => Err(e),
                 }
             }
-            Medium::Auto => self.connect_tcp(peer),
+            Medium::Auto if self.inner.common.rdma.is_ok() => match self
+                .connect_tcp(peer, tcp::HELLO_RDMA)
+            {
+                Ok(l) => Ok(l),
+                Err(e @ Error::WrongJob { .. }) => Err(e),
+                Err(e) => {
+                    tracing::warn!("rdma connection to {peer} failed ({e}); falling back to tcp");
+                    self.connect_tcp(peer, tcp::HELLO_TCP)
+                }
+            },
+            Medium::Auto => self.connect_tcp(peer, tcp::HELLO_TCP),
         }
+    }
+
+    /// True when this transport can use the rdma medium.
+    pub fn rdma_available(&self) -> bool {
+        self.inner.common.rdma.is_ok()
+    }
+
+    /// Why the rdma medium is unavailable, if it is.
+    pub fn rdma_error(&self) -> Option<&Error> {
+        self.inner.common.rdma.as_ref().err()
     }
 
     fn connect_shm(&self, peer: &PeerAddr) -> Result<Link> {
@@ -321,11 +460,15 @@ impl Transport {
         Ok(Link::new(LinkImpl::Shm(link), self.inner.node))
     }
 
-    fn connect_tcp(&self, peer: &PeerAddr) -> Result<Link> {
+    fn connect_tcp(&self, peer: &PeerAddr, ask: u32) -> Result<Link> {
         let addr = peer.tcp.ok_or_else(|| Error::Unreachable {
-            medium: "tcp",
+            medium: if ask == tcp::HELLO_RDMA {
+                "rdma"
+            } else {
+                "tcp"
+            },
             peer: peer.to_string(),
-            why: "the peer does not listen on tcp".into(),
+            why: "the peer does not listen on tcp (its control link)".into(),
         })?;
         let c = &self.inner.common;
         let mut stream =
@@ -336,7 +479,10 @@ impl Transport {
                     why: e.to_string(),
                 }
             })?;
-        let peer_node = tcp::handshake(&mut stream, &c.tcp)?;
+        let (peer_node, _) = tcp::handshake(&mut stream, &c.tcp, ask)?;
+        if ask == tcp::HELLO_RDMA {
+            return rdma_link(c, stream, peer_node);
+        }
         let link = TcpLink::start(c.link_id(), stream, peer_node, &c.tcp, c.cq.clone())?;
         Ok(Link::new(LinkImpl::Tcp(link), self.inner.node))
     }
@@ -352,7 +498,7 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
 
 fn tcp_accept_loop(listener: TcpListener, common: Arc<Common>, tx: Sender<Result<Link>>) {
     loop {
-        let (mut stream, from) = match listener.accept() {
+        let (stream, from) = match listener.accept() {
             Ok(s) => s,
             Err(_) if common.stopping.load(Ordering::Acquire) => return,
             Err(e) => {
@@ -367,18 +513,9 @@ fn tcp_accept_loop(listener: TcpListener, common: Arc<Common>, tx: Sender<Result
         // Handshake off the accept thread, so a silent client cannot stall other peers.
         let (common, tx) = (common.clone(), tx.clone());
         let _ = spawn("falcon-tcp-handshake", move || {
-            let r = tcp::handshake(&mut stream, &common.tcp).and_then(|node| {
-                TcpLink::start(
-                    common.link_id(),
-                    stream,
-                    node,
-                    &common.tcp,
-                    common.cq.clone(),
-                )
-            });
-            match r {
+            match accepted_tcp(&common, stream) {
                 Ok(link) => {
-                    let _ = tx.send(Ok(Link::new(LinkImpl::Tcp(link), common.tcp.node)));
+                    let _ = tx.send(Ok(link));
                 }
                 Err(e) => tracing::warn!("{}: refused tcp peer {from}: {e}", common.local),
             }

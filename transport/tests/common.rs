@@ -74,3 +74,25 @@ pub fn medium_from_env() -> Medium {
         .parse()
         .expect("medium name")
 }
+
+/// Whether a test of `medium` must be skipped here, saying so on stderr. rdma runs wherever a
+/// device exists, and must run (never skip) when `RDMA_TEST_DEVICE` names one, as in the
+/// soft-RoCE guest that `tools/test.sh` boots.
+pub fn skip(medium: Medium) -> bool {
+    if medium != Medium::Rdma {
+        return false;
+    }
+    if std::env::var_os("RDMA_TEST_DEVICE").is_some() {
+        return false;
+    }
+    let t = transport(7);
+    match t.rdma_error() {
+        None => false,
+        Some(e) => {
+            eprintln!(
+                "SKIPPED (rdma): {e} — these tests run for real in the soft-RoCE guest (tools/rxe-vm.sh)"
+            );
+            true
+        }
+    }
+}

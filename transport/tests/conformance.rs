@@ -220,6 +220,15 @@ fn bounds_and_grants(medium: Medium) {
     match medium {
         // shm checks against the mapping it received: refused at once, link stays usable.
         Medium::Shm => assert!(matches!(r, Err(Error::OutOfBounds { .. })), "{r:?}"),
+        // rdma: the owner's adapter checks the registration and refuses the access; the queue
+        // pair is then in error, so the link fails on both sides.
+        Medium::Rdma => {
+            assert!(matches!(r, Err(Error::Remote(_))), "{r:?}");
+            assert!(
+                wait_closed(b.cq(), ba.id()).is_some(),
+                "the owner reports the failed link"
+            );
+        }
         // tcp: the owner refuses the frame and closes the link with a typed error.
         _ => {
             let err = wait_closed(b.cq(), ba.id()).expect("an error");
@@ -234,8 +243,11 @@ fn bounds_and_grants(medium: Medium) {
     let r2 = Region::new(4096).unwrap();
     share(&ba2, &r2);
     let k2 = recv_key(&a2);
+    // Every identity field forged: region id (tcp, shm) and address/rkey (rdma).
     let bogus = RemoteKey {
         region: k2.region + 1000,
+        rkey: k2.rkey ^ 0x5a5a_5a5a,
+        addr: k2.addr.wrapping_add(1 << 40),
         ..k2
     };
     let r = ab2.read(&src, 0, &bogus, 0, 16);
@@ -396,13 +408,15 @@ fn child_main() {
     match mode.as_str() {
         // Grants a region; for each immediate i, reports the checksum of chunk i.
         "echo" => {
-            let region = Region::new(8 << 20).unwrap();
+            let region = Region::new(XP_LEN as u64).unwrap();
             share(&link, &region);
-            let mut buf = vec![0u8; 1 << 20];
+            let mut buf = vec![0u8; XP_CHUNK];
             loop {
                 match next(t.cq()) {
                     Completion::WriteImm { imm, .. } => {
-                        region.read_at(imm as u64 * (1 << 20), &mut buf).unwrap();
+                        region
+                            .read_at((imm as usize * XP_CHUNK) as u64, &mut buf)
+                            .unwrap();
                         let mut reply = imm.to_le_bytes().to_vec();
                         reply.extend_from_slice(&checksum(&buf).to_le_bytes());
                         link.send(&reply).unwrap();
@@ -430,32 +444,40 @@ fn child_main() {
     }
 }
 
-/// Parent and child processes exchange writes, immediates, messages and reads.
+/// Size of the region the cross-process test moves, and of its chunks.
+const XP_LEN: usize = 64 << 20;
+const XP_CHUNK: usize = 8 << 20;
+
+/// Parent and child processes move a 64 MiB region with one-sided writes (each chunk's
+/// checksum confirmed by the child at its immediate) and one-sided reads; every byte checked.
 fn cross_process_exchange(medium: Medium) {
     let t = transport(7);
     let mut child = spawn_child("echo", medium, t.address());
     let link = t.accept(Some(T)).unwrap();
+    assert_eq!(link.medium(), medium.name());
     let key = recv_key(&t);
-    let src = Region::new(8 << 20).unwrap();
-    let data = pattern(77, 8 << 20);
+    let src = Region::new(XP_LEN as u64).unwrap();
+    let data = pattern(77, XP_LEN);
     src.write_at(0, &data).unwrap();
-    for i in 0..8u32 {
-        let off = i as u64 * (1 << 20);
-        link.write(&src, off, &key, off, 1 << 20, Some(i)).unwrap();
+    let chunks = (XP_LEN / XP_CHUNK) as u32;
+    for i in 0..chunks {
+        let off = (i as usize * XP_CHUNK) as u64;
+        link.write(&src, off, &key, off, XP_CHUNK as u64, Some(i))
+            .unwrap();
     }
-    for i in 0..8u32 {
+    for i in 0..chunks {
         let reply = next_message(t.cq());
         assert_eq!(u32::from_le_bytes(reply[..4].try_into().unwrap()), i);
-        let expect = checksum(&data[i as usize * (1 << 20)..(i as usize + 1) * (1 << 20)]);
+        let expect = checksum(&data[i as usize * XP_CHUNK..(i as usize + 1) * XP_CHUNK]);
         assert_eq!(
             u64::from_le_bytes(reply[4..12].try_into().unwrap()),
             expect,
             "chunk {i} as seen by the child"
         );
     }
-    let back = Region::new(8 << 20).unwrap();
-    link.read(&back, 0, &key, 0, 8 << 20).unwrap();
-    let mut got = vec![0u8; 8 << 20];
+    let back = Region::new(XP_LEN as u64).unwrap();
+    link.read(&back, 0, &key, 0, XP_LEN as u64).unwrap();
+    let mut got = vec![0u8; XP_LEN];
     back.read_at(0, &mut got).unwrap();
     assert!(got == data);
     link.send(b"bye").unwrap();
@@ -504,50 +526,86 @@ macro_rules! conformance {
             use super::*;
             #[test]
             fn ordering_of_writes_and_immediates() {
+                if skip($medium) {
+                    return;
+                }
                 super::ordering_of_writes_and_immediates($medium)
             }
             #[test]
             fn read_after_write() {
+                if skip($medium) {
+                    return;
+                }
                 super::read_after_write($medium)
             }
             #[test]
             fn zero_length() {
+                if skip($medium) {
+                    return;
+                }
                 super::zero_length($medium)
             }
             #[test]
             fn large_transfers() {
+                if skip($medium) {
+                    return;
+                }
                 super::large_transfers($medium)
             }
             #[test]
             fn many_threads_disjoint_ranges() {
+                if skip($medium) {
+                    return;
+                }
                 super::many_threads_disjoint_ranges($medium)
             }
             #[test]
             fn bounds_and_grants() {
+                if skip($medium) {
+                    return;
+                }
                 super::bounds_and_grants($medium)
             }
             #[test]
             fn malformed_input_closes_only_that_link() {
+                if skip($medium) {
+                    return;
+                }
                 super::malformed_input_closes_only_that_link($medium)
             }
             #[test]
             fn other_job_is_refused() {
+                if skip($medium) {
+                    return;
+                }
                 super::other_job_is_refused($medium)
             }
             #[test]
             fn orderly_close() {
+                if skip($medium) {
+                    return;
+                }
                 super::orderly_close($medium)
             }
             #[test]
             fn idle_wait_burns_no_cpu() {
+                if skip($medium) {
+                    return;
+                }
                 super::idle_wait_burns_no_cpu($medium)
             }
             #[test]
             fn cross_process_exchange() {
+                if skip($medium) {
+                    return;
+                }
                 super::cross_process_exchange($medium)
             }
             #[test]
             fn peer_death_mid_transfer() {
+                if skip($medium) {
+                    return;
+                }
                 super::peer_death_mid_transfer($medium)
             }
         }
@@ -556,6 +614,8 @@ macro_rules! conformance {
 
 conformance!(shm, Medium::Shm);
 conformance!(tcp, Medium::Tcp);
+#[cfg(feature = "rdma")]
+conformance!(rdma, Medium::Rdma);
 
 #[allow(dead_code)]
 fn _assert_send_sync() {
