@@ -274,9 +274,40 @@ fn doctor() -> Res {
     );
     let (soft, hard) = memlock();
     println!("  memlock (ulimit -l) soft {soft}, hard {hard}");
-    println!("  rdma               not built in (rebuild with --features rdma)");
+    rdma_report();
     println!("  cuda               not built in (rebuild with --features cuda)");
     Ok(())
+}
+
+#[cfg(feature = "rdma")]
+fn rdma_report() {
+    match falcon_transport::rdma_ports() {
+        Ok(ports) if ports.is_empty() => println!("  rdma               built in; no RDMA device found (tcp will be used between hosts)"),
+        Ok(ports) => {
+            println!("  rdma               built in; {} port(s):", ports.len());
+            for p in ports {
+                println!(
+                    "    {} port {}: {} · {} · MTU {} · LID {}",
+                    p.device, p.port, p.state, p.link_layer, p.mtu, p.lid
+                );
+                for (i, g) in p.gids {
+                    println!("      GID[{i}] {g}");
+                }
+            }
+        }
+        Err(e) => println!("  rdma               built in; unavailable: {e}"),
+    }
+    if let Some(limit) = falcon_transport::memlock_limit() {
+        println!(
+            "    memlock limit {} KiB: RDMA registers every region it moves; raise it if regions are larger (`ulimit -l unlimited`)",
+            limit / 1024
+        );
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_report() {
+    println!("  rdma               not built in (rebuild with --features rdma)");
 }
 
 fn memlock() -> (String, String) {
