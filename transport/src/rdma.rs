@@ -526,7 +526,8 @@ impl Device {
             .cloned();
         let Some(qp) = qp else { return };
         let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
-        let is_recv = wc.opcode & ibv_wc_opcode::IBV_WC_RECV != 0 || wc.wr_id & RECV_TAG != 0;
+        // `opcode` is undefined in an error completion: our receive ids carry RECV_TAG.
+        let is_recv = wc.wr_id & RECV_TAG != 0;
         if !ok {
             let err = wc_error(wc.status, &self.name);
             // Flushes after the first error add nothing.
@@ -601,6 +602,9 @@ impl Drop for Device {
 /// `IBV_LINK_LAYER_ETHERNET` from verbs.h (not in rdma-sys's bindings): RoCE.
 const LINK_LAYER_ETHERNET: u8 = 2;
 
+/// How a flushed work request's error begins.
+const FLUSHED: &str = "queue pair flushed";
+
 /// Tag on receive work-request ids.
 const RECV_TAG: u64 = 1 << 63;
 
@@ -623,7 +627,7 @@ fn wc_error(status: ibv_wc_status::Type, dev: &str) -> Error {
         }
         ibv_wc_status::IBV_WC_WR_FLUSH_ERR => Error::Closed {
             peer: dev.to_string(),
-            reason: "queue pair flushed after an error".into(),
+            reason: format!("{FLUSHED} after an error"),
         },
         s => Error::Remote(format!("RDMA work request failed: {}", wc_status_name(s))),
     }
@@ -677,9 +681,22 @@ impl QpState {
         Ok(())
     }
 
+    /// Records why the queue pair failed. The first specific cause wins; a flush (the echo of
+    /// an earlier error on every outstanding request) never hides the error that caused it.
+    fn record(&self, err: Error) {
+        let is_flush =
+            |e: &Error| matches!(e, Error::Closed { reason, .. } if reason.starts_with(FLUSHED));
+        let mut slot = lock(&self.error);
+        match slot.as_ref() {
+            None => *slot = Some(err),
+            Some(old) if is_flush(old) && !is_flush(&err) => *slot = Some(err),
+            Some(_) => {}
+        }
+    }
+
     fn complete(&self, id: u64, err: Option<Error>) {
         if let Some(e) = err {
-            lock(&self.error).get_or_insert(e);
+            self.record(e);
         }
         self.done.fetch_max(id, Ordering::AcqRel);
         if let Some(t) = lock(&self.waiter).as_ref() {
@@ -689,10 +706,11 @@ impl QpState {
 
     fn fail(&self, err: Error) {
         if self.failed.swap(true, Ordering::AcqRel) {
+            self.record(err);
             return;
         }
         tracing::warn!(link = self.link, "rdma link failed: {err}");
-        lock(&self.error).get_or_insert(err.clone());
+        self.record(err.clone());
         if let Some(t) = lock(&self.waiter).as_ref() {
             t.unpark();
         }

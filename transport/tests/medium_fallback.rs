@@ -17,11 +17,22 @@ fn auto_falls_back_to_tcp_and_rdma_says_why() {
     let link = a.connect_with(&elsewhere, Medium::Auto).unwrap();
     let _accepted = b.accept(Some(T)).unwrap();
     if a.rdma_available() {
-        assert_eq!(link.medium(), "rdma", "with a device, peers on other hosts use rdma");
+        assert_eq!(
+            link.medium(),
+            "rdma",
+            "with a device, peers on other hosts use rdma"
+        );
     } else {
-        assert_eq!(link.medium(), "tcp", "without a device, peers on other hosts use tcp");
+        assert_eq!(
+            link.medium(),
+            "tcp",
+            "without a device, peers on other hosts use tcp"
+        );
         let err = a.connect_with(b.address(), Medium::Rdma).unwrap_err();
-        assert!(matches!(err, Error::MediumUnavailable { medium: "rdma", .. }), "{err}");
+        assert!(
+            matches!(err, Error::MediumUnavailable { medium: "rdma", .. }),
+            "{err}"
+        );
         let text = err.to_string();
         assert!(
             text.contains("--features rdma") || text.contains("RDMA"),

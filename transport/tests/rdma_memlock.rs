@@ -40,5 +40,8 @@ fn memlock_too_low_is_explained() {
         other => panic!("expected a memlock error, got {other}"),
     }
     let text = err.to_string();
-    assert!(text.contains("memlock") && text.contains("ulimit -l"), "{text}");
+    assert!(
+        text.contains("memlock") && text.contains("ulimit -l"),
+        "{text}"
+    );
 }
