@@ -88,7 +88,10 @@ fn main() -> ExitCode {
             } else {
                 falcon_bench::transport::Effort::FULL
             };
-            let rows = falcon_bench::transport::summary(&[Medium::Shm, Medium::Tcp], effort);
+            let rows = falcon_bench::transport::summary(
+                &falcon_bench::transport::available_media(),
+                effort,
+            );
             println!("{}", falcon_bench::transport::markdown(&rows));
             Ok(())
         }
@@ -282,7 +285,9 @@ fn doctor() -> Res {
 #[cfg(feature = "rdma")]
 fn rdma_report() {
     match falcon_transport::rdma_ports() {
-        Ok(ports) if ports.is_empty() => println!("  rdma               built in; no RDMA device found (tcp will be used between hosts)"),
+        Ok(ports) if ports.is_empty() => println!(
+            "  rdma               built in; no RDMA device found (tcp will be used between hosts)"
+        ),
         Ok(ports) => {
             println!("  rdma               built in; {} port(s):", ports.len());
             for p in ports {

@@ -44,11 +44,9 @@ if ! dpkg -s $RDMA_PKGS >/dev/null 2>&1; then
     fi
 fi
 
-# Test executables of the transport built with `rdma` in release mode (TCG emulation in the
-# guest makes debug builds slow), by target name.
-rdma_test_bins() {
-    cargo test --release -p falcon-transport --features rdma --no-run --message-format=json 2>/dev/null |
-        python3 -c '
+# Reads cargo's JSON messages on stdin; prints the executables of the named test/bench targets.
+executables_named() {
+    python3 -c '
 import json, sys
 want = set(sys.argv[1:])
 for line in sys.stdin:
@@ -62,17 +60,23 @@ for line in sys.stdin:
 ' "$@"
 }
 
-# The guest suite: the conformance suite over rdma (shm and tcp too), the rdma error tests.
+# The guest suite: the conformance suite (rdma, and shm and tcp again), the rdma error tests and
+# the transport benchmarks in quick mode, all built with `rdma` in release mode (TCG emulation
+# makes debug builds slow). Under emulation the benchmarks show function, not speed.
 rdma_guest() {
     cargo test --release -p falcon-transport --features rdma --no-run || return 1
+    cargo bench -p falcon-bench --features rdma --no-run || return 1
     local bins
-    mapfile -t bins < <(rdma_test_bins conformance medium_fallback rdma_memlock rdma_port_down)
-    if [ "${#bins[@]}" -ne 4 ]; then
-        echo "expected 4 guest test binaries, found ${#bins[@]}"
+    mapfile -t bins < <({
+        cargo test --release -p falcon-transport --features rdma --no-run --message-format=json
+        cargo bench -p falcon-bench --features rdma --no-run --message-format=json
+    } 2>/dev/null | executables_named conformance medium_fallback rdma_memlock rdma_port_down transport)
+    if [ "${#bins[@]}" -ne 5 ]; then
+        echo "expected 5 guest executables, found ${#bins[@]}: ${bins[*]}"
         return 1
     fi
     local rc=0
-    tools/rxe-vm.sh --args "--test-threads=2" "${bins[@]}" || rc=$?
+    tools/rxe-vm.sh --env RUST_TEST_THREADS=2 --env FALCON_BENCH_QUICK=1 "${bins[@]}" || rc=$?
     if [ "$rc" = 77 ]; then
         echo "::: SKIPPED (visibly): the soft-RoCE guest could not be set up here; RDMA ran nowhere"
         return 0

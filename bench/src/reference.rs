@@ -149,3 +149,57 @@ pub fn atomic_ping_pong(n: usize) -> Vec<Duration> {
     echo.join().expect("echo thread");
     out
 }
+
+/// Runs a perftest tool (`ib_write_bw`, `ib_read_bw`, `ib_write_lat`) against itself on
+/// `device` and returns the numbers of its result line for `size`: for the bandwidth tools
+/// `[bytes, iterations, peak Gb/s, average Gb/s, Mpps]`, for the latency tool
+/// `[bytes, iterations, min, max, typical, avg, stdev, p99, p99.9]` in µs (one-way).
+/// `None` when perftest is not installed or the run fails.
+pub fn perftest(
+    tool: &str,
+    device: &str,
+    gid_index: i32,
+    size: u64,
+    iters: u32,
+) -> Option<Vec<f64>> {
+    use std::process::{Command, Stdio};
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let args = |extra: &[&str]| {
+        let mut a: Vec<String> = vec![
+            "-d".into(),
+            device.into(),
+            "-x".into(),
+            gid_index.to_string(),
+            "-s".into(),
+            size.to_string(),
+            "-n".into(),
+            iters.to_string(),
+            "-p".into(),
+            port.to_string(),
+            "-F".into(),
+        ];
+        if tool.ends_with("_bw") {
+            a.push("--report_gbits".into());
+        }
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let mut server = Command::new(tool)
+        .args(args(&[]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(Duration::from_millis(500));
+    let out = Command::new(tool).args(args(&["localhost"])).output();
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = out.ok()?;
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        let nums: Vec<f64> = l
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        (nums.len() >= 5 && nums[0] == size as f64).then_some(nums)
+    })
+}

@@ -147,14 +147,16 @@ fn echo_loop(b: Transport, ba: Link, _far: Region) {
     loop {
         match b.cq().wait(None) {
             Ok(Completion::WriteImm { imm: IMM_ACK, .. }) => {
-                if ba.send(&[]).is_err() {
+                if let Err(e) = ba.send(&[]) {
+                    eprintln!("bench echo: acknowledgement failed: {e}");
                     return;
                 }
             }
             Ok(Completion::WriteImm { imm: IMM_PING, .. }) => {
                 // Echo with the same size the ping had: the benchmark uses one size per run.
                 let len = PING_LEN.load(std::sync::atomic::Ordering::Relaxed);
-                if ba.write(&src, 0, &back, 0, len, Some(IMM_PONG)).is_err() {
+                if let Err(e) = ba.write(&src, 0, &back, 0, len, Some(IMM_PONG)) {
+                    eprintln!("bench echo: pong failed: {e}");
                     return;
                 }
             }
@@ -225,8 +227,40 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
+/// The media this machine can benchmark: shm and tcp, and rdma where a device answers.
+pub fn available_media() -> Vec<Medium> {
+    let mut media = vec![Medium::Shm, Medium::Tcp];
+    if Transport::new(TransportConfig::default()).is_ok_and(|t| t.rdma_available()) {
+        media.push(Medium::Rdma);
+    }
+    media
+}
+
+/// The RDMA device and GID index perftest should use, when perftest can be run.
+fn perftest_device() -> Option<(String, i32)> {
+    #[cfg(feature = "rdma")]
+    {
+        let port = falcon_transport::rdma_ports()
+            .ok()?
+            .into_iter()
+            .find(|p| p.state == "ACTIVE")?;
+        let gid = std::env::var("FALCON_RDMA_GID_INDEX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Some((
+            std::env::var("FALCON_RDMA_DEVICE").unwrap_or(port.device),
+            gid,
+        ))
+    }
+    #[cfg(not(feature = "rdma"))]
+    None
+}
+
 /// Runs the whole transport summary for `media`, interleaving falcon's batches with the
-/// reference's so drift affects both alike.
+/// reference's so drift affects both alike. References: memcpy (shm), a plain blocking
+/// loopback socket (tcp), and for rdma perftest's `ib_write_bw`/`ib_read_bw`/`ib_write_lat`
+/// when installed, else the plain socket (soft-RoCE runs over the kernel's network stack).
 pub fn summary(media: &[Medium], effort: Effort) -> Vec<Row> {
     let max = *SIZES.iter().max().expect("sizes");
     let mut rows = Vec::new();
@@ -235,10 +269,25 @@ pub fn summary(media: &[Medium], effort: Effort) -> Vec<Row> {
         let mut sock = PlainSocket::start(max as usize).expect("plain socket");
         let src = vec![0xA5u8; max as usize];
         let mut dst = vec![0u8; max as usize];
+        let perf = if medium == Medium::Rdma {
+            perftest_device()
+        } else {
+            None
+        };
         for &size in &SIZES {
             let n = (effort.bytes_per_rep / size).clamp(8, 100_000) as usize;
             let bytes = n as u64 * size;
             for op in ["write", "read"] {
+                let tool = if op == "write" {
+                    "ib_write_bw"
+                } else {
+                    "ib_read_bw"
+                };
+                // perftest's average Gb/s, measured once beside our repetitions.
+                let perftest = perf
+                    .as_ref()
+                    .and_then(|(d, g)| reference::perftest(tool, d, *g, size, n.min(5000) as u32))
+                    .map(|v| v[3] / 8.0);
                 let (mut f, mut r) = (Vec::new(), Vec::new());
                 for _ in 0..effort.reps {
                     let t = if op == "write" {
@@ -247,6 +296,9 @@ pub fn summary(media: &[Medium], effort: Effort) -> Vec<Row> {
                         bench.read_batch(size, n)
                     };
                     f.push(gbps(bytes, t));
+                    if perftest.is_some() {
+                        continue;
+                    }
                     let t = match medium {
                         Medium::Shm => {
                             reference::memcpy(&src[..size as usize], &mut dst[..size as usize], n)
@@ -256,17 +308,22 @@ pub fn summary(media: &[Medium], effort: Effort) -> Vec<Row> {
                     };
                     r.push(gbps(bytes, t));
                 }
-                let (fv, rv) = (median(&mut f), median(&mut r));
+                let fv = median(&mut f);
+                let (reference, rv) = match (medium, perftest) {
+                    (_, Some(v)) => (format!("perftest {tool}"), v),
+                    (Medium::Shm, None) => ("memcpy".to_string(), median(&mut r)),
+                    _ => (
+                        "plain blocking socket, loopback".to_string(),
+                        median(&mut r),
+                    ),
+                };
                 rows.push(Row {
                     medium: medium.name().into(),
                     op: op.into(),
                     size,
                     falcon: fv,
                     falcon_p99: None,
-                    reference: match medium {
-                        Medium::Shm => "memcpy".into(),
-                        _ => "plain blocking socket, loopback".into(),
-                    },
+                    reference,
                     reference_value: rv,
                     ratio: fv / rv,
                     unit: "GB/s".into(),
@@ -285,32 +342,46 @@ pub fn summary(media: &[Medium], effort: Effort) -> Vec<Row> {
             let mut f: Vec<f64> = (0..effort.round_trips)
                 .map(|_| bench.round_trip(size).as_secs_f64() * 1e6)
                 .collect();
-            let mut r: Vec<f64> = match medium {
-                Medium::Shm => reference::atomic_ping_pong(effort.round_trips)
-                    .iter()
-                    .map(|d| d.as_secs_f64() * 1e6)
-                    .collect(),
-                _ => (0..effort.round_trips)
-                    .map(|_| {
-                        sock.round_trip(size as usize)
-                            .expect("socket")
-                            .as_secs_f64()
-                            * 1e6
-                    })
-                    .collect(),
+            // ib_write_lat reports one-way latency: a round trip is twice its typical value.
+            let perftest = perf
+                .as_ref()
+                .and_then(|(d, g)| {
+                    reference::perftest("ib_write_lat", d, *g, size, effort.round_trips as u32)
+                })
+                .map(|v| 2.0 * v[4]);
+            let (reference, rv) = match (medium, perftest) {
+                (_, Some(v)) => ("perftest ib_write_lat × 2".to_string(), v),
+                (Medium::Shm, None) => {
+                    let mut r: Vec<f64> = reference::atomic_ping_pong(effort.round_trips)
+                        .iter()
+                        .map(|d| d.as_secs_f64() * 1e6)
+                        .collect();
+                    ("atomic ping-pong, 2 threads".to_string(), median(&mut r))
+                }
+                _ => {
+                    let mut r: Vec<f64> = (0..effort.round_trips)
+                        .map(|_| {
+                            sock.round_trip(size as usize)
+                                .expect("socket")
+                                .as_secs_f64()
+                                * 1e6
+                        })
+                        .collect();
+                    (
+                        "plain blocking socket ping-pong".to_string(),
+                        median(&mut r),
+                    )
+                }
             };
             let p99 = percentile(&mut f, 99.0);
-            let (fv, rv) = (median(&mut f), median(&mut r));
+            let fv = median(&mut f);
             rows.push(Row {
                 medium: medium.name().into(),
                 op: "round trip".into(),
                 size,
                 falcon: fv,
                 falcon_p99: Some(p99),
-                reference: match medium {
-                    Medium::Shm => "atomic ping-pong, 2 threads".into(),
-                    _ => "plain blocking socket ping-pong".into(),
-                },
+                reference,
                 reference_value: rv,
                 ratio: fv / rv,
                 unit: "µs p50".into(),

@@ -123,7 +123,7 @@ impl Link {
                 (0, 0)
             }
             #[cfg(feature = "rdma")]
-            LinkImpl::Rdma(l) => l.qp.device().grant(region)?,
+            LinkImpl::Rdma(l) => l.grant(region)?,
         };
         Ok(RemoteKey {
             owner: self.inner.node,
@@ -146,7 +146,7 @@ impl Link {
             }
             #[cfg(feature = "rdma")]
             LinkImpl::Rdma(l) => {
-                l.qp.device().revoke(region);
+                l.revoke(region);
                 Ok(())
             }
         }

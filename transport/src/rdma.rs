@@ -1133,6 +1133,22 @@ pub(crate) fn ready(stream: &mut TcpStream) -> Result<()> {
 pub(crate) struct RdmaLink {
     pub(crate) ctl: crate::tcp::TcpLink,
     pub(crate) qp: RdmaQp,
+    /// Regions granted on this link, kept alive (and so registered) until revoked, as on
+    /// every medium.
+    pub(crate) granted: Mutex<HashMap<u64, Region>>,
+}
+
+impl RdmaLink {
+    pub(crate) fn grant(&self, region: &Region) -> Result<(u64, u32)> {
+        let key = self.qp.device().grant(region)?;
+        lock(&self.granted).insert(region.id(), region.clone());
+        Ok(key)
+    }
+
+    pub(crate) fn revoke(&self, region: &Region) {
+        lock(&self.granted).remove(&region.id());
+        self.qp.device().revoke(region);
+    }
 }
 
 impl Device {

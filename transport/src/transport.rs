@@ -170,7 +170,11 @@ fn rdma_link(common: &Common, mut stream: TcpStream, peer_node: u64) -> Result<L
     )?;
     qp.on_fail(Box::new(ctl.failer()?));
     Ok(Link::new(
-        LinkImpl::Rdma(RdmaLink { ctl, qp }),
+        LinkImpl::Rdma(RdmaLink {
+            ctl,
+            qp,
+            granted: Default::default(),
+        }),
         common.tcp.node,
     ))
 }

@@ -267,6 +267,34 @@ fn bounds_and_grants(medium: Medium) {
     assert!(r.is_err(), "access after revoke must fail: {r:?}");
 }
 
+/// A grant keeps its region alive: the owner may drop its own handle, the peer's key stays
+/// good until the grant is revoked.
+fn grant_keeps_region_alive(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    let region = Region::new(1 << 20).unwrap();
+    region.fill(0x33);
+    share(&ba, &region);
+    drop(region);
+    let key = recv_key(&a);
+    // Other regions come and go meanwhile (on rdma: registrations are made and purged).
+    for _ in 0..4 {
+        let other = Region::new(1 << 20).unwrap();
+        let _ = ba.grant(&other).unwrap();
+        ba.revoke(&other).unwrap();
+    }
+    let buf = Region::new(1 << 20).unwrap();
+    ab.read(&buf, 0, &key, 0, 1 << 20).unwrap();
+    let mut got = vec![0u8; 1 << 20];
+    buf.read_at(0, &mut got).unwrap();
+    assert!(
+        got.iter().all(|&x| x == 0x33),
+        "the granted bytes are still there"
+    );
+    buf.fill(0x44);
+    ab.write(&buf, 0, &key, 0, 1 << 20, Some(3)).unwrap();
+    assert!(matches!(next(b.cq()), Completion::WriteImm { imm: 3, .. }));
+}
+
 /// Garbage from a peer closes that link with a typed error; other links keep working.
 fn malformed_input_closes_only_that_link(medium: Medium) {
     for seed in 0..8u64 {
@@ -565,6 +593,13 @@ macro_rules! conformance {
                     return;
                 }
                 super::bounds_and_grants($medium)
+            }
+            #[test]
+            fn grant_keeps_region_alive() {
+                if skip($medium) {
+                    return;
+                }
+                super::grant_keeps_region_alive($medium)
             }
             #[test]
             fn malformed_input_closes_only_that_link() {
