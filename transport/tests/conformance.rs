@@ -253,11 +253,20 @@ fn bounds_and_grants(medium: Medium) {
     let r = ab2.read(&src, 0, &bogus, 0, 16);
     assert!(r.is_err(), "read of an ungranted region must fail");
     // And revoking a grant ends access.
-    let (a3, _b3, ab3, ba3) = pair(medium);
+    let (a3, b3, ab3, ba3) = pair(medium);
     let r3 = Region::new(4096).unwrap();
     share(&ba3, &r3);
     let k3 = recv_key(&a3);
-    ab3.write(&src, 0, &k3, 0, 16, None).unwrap();
+    ab3.write(&src, 0, &k3, 0, 16, Some(1)).unwrap();
+    // The write has landed (its immediate is delivered) before the grant is withdrawn; a write
+    // still in flight when its region is revoked would fail the link instead.
+    loop {
+        if let Completion::WriteImm { link, imm: 1 } = next(b3.cq())
+            && link == ba3.id()
+        {
+            break;
+        }
+    }
     ba3.revoke(&r3).unwrap();
     // Revocation is asynchronous for the peer; a round trip through it orders it.
     ba3.send(b"sync").unwrap();
