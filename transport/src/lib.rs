@@ -31,6 +31,7 @@ mod rdma;
 mod region;
 mod ring;
 mod shm;
+mod state;
 mod tcp;
 mod transport;
 mod wire;

@@ -28,6 +28,7 @@ use crate::error::{Error, Result, check_bounds};
 use crate::memfd::SharedMap;
 use crate::region::Region;
 use crate::ring::{KIND_BLOB, KIND_IMM, KIND_MSG, Ring};
+use crate::state::LinkState;
 use crate::wire::{CTL_PACKET, CtlOp, CtlPacket};
 
 /// Settings an shm link needs.
@@ -41,9 +42,8 @@ pub(crate) struct ShmSettings {
     pub(crate) max_message: u64,
 }
 
-/// Creates a listening SEQPACKET socket at `path` (owner-only permissions).
-pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
-    let _ = std::fs::remove_file(path);
+/// A new SEQPACKET Unix socket and the address `path`.
+fn seqpacket(path: &Path) -> Result<(OwnedFd, SocketAddrUnix)> {
     let fd = rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
@@ -52,6 +52,13 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
     )
     .map_err(|e| Error::errno("create unix socket", e))?;
     let addr = SocketAddrUnix::new(path).map_err(|e| Error::errno("unix socket path", e))?;
+    Ok((fd, addr))
+}
+
+/// Creates a listening SEQPACKET socket at `path` (owner-only permissions).
+pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
+    let _ = std::fs::remove_file(path);
+    let (fd, addr) = seqpacket(path)?;
     rustix::net::bind(&fd, &addr).map_err(|e| Error::errno("bind unix socket", e))?;
     rustix::fs::chmod(path, rustix::fs::Mode::from_raw_mode(0o600))
         .map_err(|e| Error::errno("chmod unix socket", e))?;
@@ -61,14 +68,7 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd> {
 
 /// Connects to a peer's SEQPACKET socket.
 pub(crate) fn connect_socket(path: &Path) -> Result<OwnedFd> {
-    let fd = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map_err(|e| Error::errno("create unix socket", e))?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| Error::errno("unix socket path", e))?;
+    let (fd, addr) = seqpacket(path)?;
     rustix::net::connect(&fd, &addr).map_err(|e| Error::Unreachable {
         medium: "shm",
         peer: path.display().to_string(),
@@ -146,8 +146,7 @@ fn set_recv_timeout(fd: BorrowedFd<'_>, t: Option<Duration>) -> Result<()> {
 
 /// State shared by the link handle, its control thread and the completion queue.
 struct Shared {
-    id: LinkId,
-    peer: String,
+    st: LinkState,
     sock: OwnedFd,
     inbound: Ring,
     /// Regions the peer granted us, mapped.
@@ -157,17 +156,21 @@ struct Shared {
     acks: Mutex<HashMap<u64, crossbeam_channel::Sender<()>>>,
     /// Large messages received out of band, waiting for their place in the ring.
     blobs: Mutex<HashMap<u64, Vec<u8>>>,
-    open: AtomicBool,
-    closing: AtomicBool,
     peer_gone: AtomicBool,
-    failure: Mutex<Option<Error>>,
     own_bell: Arc<Doorbell>,
     max_message: u64,
 }
 
+impl std::ops::Deref for Shared {
+    type Target = LinkState;
+    fn deref(&self) -> &LinkState {
+        &self.st
+    }
+}
+
 impl Shared {
     fn fail(&self, e: Error) {
-        lock(&self.failure).get_or_insert(e);
+        self.record(e);
         self.open.store(false, Ordering::Release);
         let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
     }
@@ -326,18 +329,14 @@ impl ShmLink {
             .try_clone()
             .map_err(|e| Error::io("dup unix socket", e))?;
         let shared = Arc::new(Shared {
-            id,
-            peer,
+            st: LinkState::new(id, peer),
             sock,
             inbound,
             remote: RwLock::new(HashMap::new()),
             granted: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashMap::new()),
             blobs: Mutex::new(HashMap::new()),
-            open: AtomicBool::new(true),
-            closing: AtomicBool::new(false),
             peer_gone: AtomicBool::new(false),
-            failure: Mutex::new(None),
             own_bell: cq.doorbell().clone(),
             max_message: cfg.max_message,
         });
@@ -365,19 +364,11 @@ impl ShmLink {
     }
 
     pub(crate) fn is_open(&self) -> bool {
-        self.shared.open.load(Ordering::Acquire)
+        self.shared.is_open()
     }
 
     fn check_open(&self) -> Result<()> {
-        if self.is_open() {
-            return Ok(());
-        }
-        Err(lock(&self.shared.failure)
-            .clone()
-            .unwrap_or_else(|| Error::Closed {
-                peer: self.shared.peer.clone(),
-                reason: "closed".into(),
-            }))
+        self.shared.check_open()
     }
 
     /// Appends one record to the peer's ring, waiting (bounded) for room.
@@ -543,7 +534,7 @@ fn ctl_loop(sock: OwnedFd, shared: Arc<Shared>) {
         && !shared.closing.load(Ordering::Acquire)
     {
         tracing::warn!(link = shared.id, peer = %shared.peer, "shm link failed: {e}");
-        lock(&shared.failure).get_or_insert(e);
+        shared.record(e);
     }
     shared.open.store(false, Ordering::Release);
     lock(&shared.acks).clear();

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -20,6 +20,7 @@ use zerocopy::{FromBytes, IntoBytes};
 use crate::cq::{Completion, CompletionQueue, LinkId, lock, spin_for};
 use crate::error::{Error, Result, check_bounds};
 use crate::region::Region;
+use crate::state::LinkState;
 use crate::wire::{FLAG_IMM, FRAME_HEADER, FrameHeader, Op};
 
 /// Longest reason text an Error frame may carry.
@@ -94,19 +95,22 @@ enum Reply {
 }
 
 struct Shared {
-    id: LinkId,
-    peer: String,
+    st: LinkState,
     cq: CompletionQueue,
     grants: RwLock<HashMap<u64, Region>>,
     pending: Mutex<HashMap<u64, PendingRead>>,
     next_req: AtomicU64,
-    open: AtomicBool,
-    closing: AtomicBool,
-    failure: Mutex<Option<Error>>,
     max_message: u64,
     /// Runs before `Closed` is delivered (an RDMA link drains its queue pair here, so every
     /// completion the peer caused precedes the closure).
     before_close: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl std::ops::Deref for Shared {
+    type Target = LinkState;
+    fn deref(&self) -> &LinkState {
+        &self.st
+    }
 }
 
 pub(crate) struct TcpLink {
@@ -259,15 +263,11 @@ impl TcpLink {
         established(&stream)?;
         let peer = format!("tcp:{}", peer_name(&stream));
         let shared = Arc::new(Shared {
-            id,
-            peer,
+            st: LinkState::new(id, peer),
             cq,
             grants: RwLock::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
-            open: AtomicBool::new(true),
-            closing: AtomicBool::new(false),
-            failure: Mutex::new(None),
             max_message: cfg.max_message,
             before_close,
         });
@@ -307,19 +307,11 @@ impl TcpLink {
     }
 
     pub(crate) fn is_open(&self) -> bool {
-        self.shared.open.load(Ordering::Acquire)
+        self.shared.is_open()
     }
 
     fn check_open(&self) -> Result<()> {
-        if self.is_open() {
-            return Ok(());
-        }
-        Err(lock(&self.shared.failure)
-            .clone()
-            .unwrap_or_else(|| Error::Closed {
-                peer: self.shared.peer.clone(),
-                reason: "closed".into(),
-            }))
+        self.shared.check_open()
     }
 
     fn send_frame(&self, header: &FrameHeader, payload: &[u8]) -> Result<()> {
@@ -435,7 +427,7 @@ impl TcpLink {
     }
 
     fn fail(&self, err: Error) {
-        lock(&self.shared.failure).get_or_insert(err);
+        self.shared.record(err);
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
@@ -448,7 +440,7 @@ impl TcpLink {
             .try_clone()
             .map_err(|e| Error::io("clone tcp socket", e))?;
         Ok(move |err: Error| {
-            lock(&shared.failure).get_or_insert(err);
+            shared.record(err);
             shared.open.store(false, Ordering::Release);
             let _ = stream.shutdown(Shutdown::Both);
         })
@@ -536,7 +528,7 @@ fn recv_loop(mut s: TcpStream, replies: Sender<Reply>, shared: Arc<Shared>) {
     };
     let error = lock(&shared.failure).clone().or(error);
     if let Some(e) = &error {
-        lock(&shared.failure).get_or_insert(e.clone());
+        shared.record(e.clone());
     }
     let _ = s.shutdown(Shutdown::Both);
     let fail = error.clone().unwrap_or_else(|| Error::Closed {
