@@ -99,6 +99,8 @@ stage "cargo clippy (all targets, all features, -D warnings)" \
     cargo clippy --workspace --all-targets --all-features -- -D warnings
 stage "cargo test (workspace)" cargo test --workspace
 stage "cargo test (transport with rdma, host)" rdma_host
+stage "loom: shard meta seqlock and clocks" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+    cargo test -p falcon-engine --test loom_meta --release
 stage "benchmarks, quick mode" env FALCON_BENCH_QUICK=1 \
     cargo bench -p falcon-bench --bench transport -- --test
 stage "main command smoke run" cargo run --release -- train --iters 30

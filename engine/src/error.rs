@@ -1,0 +1,57 @@
+//! The engine's typed errors.
+
+use falcon_transport::Error as TransportError;
+
+/// An engine error. Transport errors keep their full context.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The data plane failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The scheduler refused this process (wrong token, duplicate rank, job full…).
+    #[error("refused by the scheduler: {0}")]
+    Refused(String),
+    /// No tensor of that name is registered.
+    #[error("unknown tensor {0:?}")]
+    UnknownTensor(String),
+    /// A buffer does not match the tensor it is used for.
+    #[error("tensor {tensor:?} has {expected} floats; the buffer has {got}")]
+    WrongLength {
+        /// The tensor.
+        tensor: String,
+        /// Its length in floats.
+        expected: u64,
+        /// The buffer's length in floats.
+        got: u64,
+    },
+    /// A clock that this worker cannot use now.
+    #[error("clock {got} is not valid here: {why}")]
+    BadClock {
+        /// The clock given.
+        got: u64,
+        /// Why not.
+        why: String,
+    },
+    /// A peer (scheduler, server, worker) failed or left.
+    #[error("{role} {rank} is gone: {why}")]
+    PeerGone {
+        /// `scheduler`, `server` or `worker`.
+        role: &'static str,
+        /// Its rank.
+        rank: u32,
+        /// What was observed.
+        why: String,
+    },
+    /// A control message could not be decoded.
+    #[error("malformed control message: {0}")]
+    Malformed(String),
+    /// Invalid configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// Something did not happen in time.
+    #[error("{0} timed out after {1:?}")]
+    Timeout(&'static str, std::time::Duration),
+}
+
+/// The engine's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,217 @@
+//! Keys: named tensors cut into shards and placed on servers.
+//!
+//! Placement is by size, least-loaded first, and deterministic: the same tensors and server
+//! count give the same map on every process. Round-robin placement is the hot-spot complaint
+//! users of TF and BytePS file most; placing the biggest shards first on the least-loaded
+//! server keeps the bytes per server within one shard of each other.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Default largest shard: 4 MiB.
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 4 << 20;
+
+/// A named tensor of f32 values.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Unique name.
+    pub name: String,
+    /// Length in f32 elements.
+    pub len: u64,
+}
+
+/// One shard: a contiguous range of one tensor, owned by one server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardSpec {
+    /// Global shard id (index into `KeyMap::shards`).
+    pub id: u32,
+    /// Index of its tensor in `KeyMap::tensors`.
+    pub tensor: u32,
+    /// First element within the tensor.
+    pub offset: u64,
+    /// Length in elements.
+    pub len: u64,
+    /// Owning server rank.
+    pub server: u32,
+}
+
+impl ShardSpec {
+    /// Length in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.len * 4
+    }
+}
+
+/// Every tensor and shard of a job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyMap {
+    /// The tensors, in registration order.
+    pub tensors: Vec<TensorSpec>,
+    /// The shards, grouped by tensor, in tensor order.
+    pub shards: Vec<ShardSpec>,
+    /// Number of servers.
+    pub servers: u32,
+}
+
+impl KeyMap {
+    /// Cuts `tensors` into shards of at most `max_shard_bytes` and places them on `servers`.
+    pub fn plan(tensors: Vec<TensorSpec>, servers: u32, max_shard_bytes: u64) -> Result<KeyMap> {
+        if servers == 0 {
+            return Err(Error::Config("a job needs at least one server".into()));
+        }
+        if max_shard_bytes < 4 {
+            return Err(Error::Config(
+                "the largest shard must hold at least one float".into(),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for t in &tensors {
+            if t.len == 0 {
+                return Err(Error::Config(format!("tensor {:?} is empty", t.name)));
+            }
+            if !seen.insert(&t.name) {
+                return Err(Error::Config(format!(
+                    "tensor {:?} is registered twice",
+                    t.name
+                )));
+            }
+        }
+        let max_elems = max_shard_bytes / 4;
+        let mut shards = Vec::new();
+        for (ti, t) in tensors.iter().enumerate() {
+            // Near-equal pieces: ceil(len / max) shards whose sizes differ by at most one.
+            let n = t.len.div_ceil(max_elems);
+            let (base, extra) = (t.len / n, t.len % n);
+            let mut offset = 0;
+            for k in 0..n {
+                let len = base + u64::from(k < extra);
+                shards.push(ShardSpec {
+                    id: shards.len() as u32,
+                    tensor: ti as u32,
+                    offset,
+                    len,
+                    server: 0,
+                });
+                offset += len;
+            }
+        }
+        // Biggest first (ties by id), each on the least-loaded server (ties by rank).
+        let mut order: Vec<usize> = (0..shards.len()).collect();
+        order.sort_by(|&a, &b| shards[b].len.cmp(&shards[a].len).then(a.cmp(&b)));
+        let mut load = vec![0u64; servers as usize];
+        for i in order {
+            let (server, _) = load
+                .iter()
+                .enumerate()
+                .min_by(|a, b| a.1.cmp(b.1).then(a.0.cmp(&b.0)))
+                .expect("servers > 0");
+            shards[i].server = server as u32;
+            load[server] += shards[i].bytes();
+        }
+        Ok(KeyMap {
+            tensors,
+            shards,
+            servers,
+        })
+    }
+
+    /// Bytes of parameters each server holds.
+    pub fn bytes_per_server(&self) -> Vec<u64> {
+        let mut b = vec![0u64; self.servers as usize];
+        for s in &self.shards {
+            b[s.server as usize] += s.bytes();
+        }
+        b
+    }
+
+    /// The tensor index of `name`.
+    pub fn tensor(&self, name: &str) -> Result<usize> {
+        self.tensors
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| Error::UnknownTensor(name.to_string()))
+    }
+
+    /// The shards of tensor `t`, in order.
+    pub fn shards_of(&self, t: usize) -> impl Iterator<Item = &ShardSpec> {
+        self.shards.iter().filter(move |s| s.tensor as usize == t)
+    }
+
+    /// The shards owned by `server`, in id order.
+    pub fn shards_on(&self, server: u32) -> impl Iterator<Item = &ShardSpec> {
+        self.shards.iter().filter(move |s| s.server == server)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, len: u64) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            len,
+        }
+    }
+
+    #[test]
+    fn shards_cover_every_element_once_and_respect_the_limit() {
+        let map = KeyMap::plan(
+            vec![t("a", 1_000_003), t("b", 7), t("c", 2_500_000)],
+            3,
+            1 << 20,
+        )
+        .unwrap();
+        for (ti, tensor) in map.tensors.iter().enumerate() {
+            let mut next = 0;
+            for s in map.shards_of(ti) {
+                assert_eq!(s.offset, next, "contiguous");
+                assert!(s.bytes() <= 1 << 20);
+                next += s.len;
+            }
+            assert_eq!(next, tensor.len, "covers the tensor");
+        }
+        assert_eq!(
+            map.bytes_per_server().iter().sum::<u64>(),
+            (1_000_003 + 7 + 2_500_000) * 4
+        );
+    }
+
+    #[test]
+    fn placement_is_balanced_and_deterministic() {
+        let tensors: Vec<_> = (0..20)
+            .map(|i| t(&format!("w{i}"), 1000 + i * 37_000))
+            .collect();
+        let a = KeyMap::plan(tensors.clone(), 4, 1 << 20).unwrap();
+        let b = KeyMap::plan(tensors, 4, 1 << 20).unwrap();
+        assert_eq!(a, b, "deterministic");
+        let loads = a.bytes_per_server();
+        let biggest = a.shards.iter().map(|s| s.bytes()).max().unwrap();
+        let (lo, hi) = (loads.iter().min().unwrap(), loads.iter().max().unwrap());
+        assert!(
+            hi - lo <= biggest,
+            "greedy by size keeps servers within one shard: {loads:?}"
+        );
+    }
+
+    #[test]
+    fn one_big_tensor_is_spread_over_every_server() {
+        // The round-robin failure mode: one large tensor on one server.
+        let map = KeyMap::plan(vec![t("embedding", 16 << 20), t("bias", 10)], 4, 4 << 20).unwrap();
+        assert!(
+            map.bytes_per_server().iter().all(|&b| b >= 15 << 20),
+            "{:?}",
+            map.bytes_per_server()
+        );
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        assert!(KeyMap::plan(vec![t("a", 1)], 0, 1024).is_err());
+        assert!(KeyMap::plan(vec![t("a", 0)], 1, 1024).is_err());
+        assert!(KeyMap::plan(vec![t("a", 1), t("a", 2)], 1, 1024).is_err());
+        let map = KeyMap::plan(vec![t("a", 1)], 1, 1024).unwrap();
+        assert!(matches!(map.tensor("nope"), Err(Error::UnknownTensor(_))));
+    }
+}

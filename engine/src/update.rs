@@ -1,0 +1,256 @@
+//! Update rules: how gradients become parameter changes on a server.
+//!
+//! Two modes: **aggregate-then-apply** (synchronous: the gradients of one clock from every
+//! live worker are summed in rank order, scaled, then applied once) and **apply-per-push**
+//! (asynchronous: each gradient is applied as it arrives). The exact arithmetic, which the
+//! bitwise BSP test mirrors: `g = ((g_0 + g_1) + …) + g_{n-1}` elementwise in rank order; for
+//! `Aggregate::Mean`, `g *= 1.0 / n` (one multiply by the reciprocal); then the optimizer.
+//!
+//! `GradientScale` is the seam for staleness-aware rules (DynSGD scales by 1/(d+1), ConSGD by
+//! a constant): it multiplies a gradient before it is applied, given its version staleness.
+
+use serde::{Deserialize, Serialize};
+
+/// When updates are applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UpdateMode {
+    /// Aggregate one clock's gradients from every live worker, then apply.
+    Sync,
+    /// Apply each gradient as it arrives.
+    Async,
+}
+
+/// How aggregated gradients are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Aggregate {
+    /// Sum.
+    Sum,
+    /// Mean (sum × 1/n).
+    Mean,
+}
+
+/// A server-side optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Optimizer {
+    /// `w -= lr · g`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+    },
+    /// `v = μ·v + g; w -= lr · v`.
+    Momentum {
+        /// Learning rate.
+        lr: f32,
+        /// Momentum μ.
+        mu: f32,
+    },
+    /// Adam (Kingma & Ba), bias-corrected.
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// β1.
+        beta1: f32,
+        /// β2.
+        beta2: f32,
+        /// ε.
+        eps: f32,
+    },
+}
+
+impl Optimizer {
+    /// The base learning rate.
+    pub fn lr(&self) -> f32 {
+        match *self {
+            Optimizer::Sgd { lr } | Optimizer::Momentum { lr, .. } | Optimizer::Adam { lr, .. } => {
+                lr
+            }
+        }
+    }
+}
+
+/// The learning-rate schedule hook: the rate for update number `step` (0-based).
+pub trait LrSchedule: Send + Sync {
+    /// The rate to use.
+    fn lr(&self, base: f32, step: u64) -> f32;
+}
+
+/// A constant rate.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Constant;
+
+impl LrSchedule for Constant {
+    fn lr(&self, base: f32, _step: u64) -> f32 {
+        base
+    }
+}
+
+/// Step decay: × `gamma` every `every` updates.
+#[derive(Clone, Copy, Debug)]
+pub struct StepDecay {
+    /// Updates per step.
+    pub every: u64,
+    /// Factor per step.
+    pub gamma: f32,
+}
+
+impl LrSchedule for StepDecay {
+    fn lr(&self, base: f32, step: u64) -> f32 {
+        base * self.gamma.powi((step / self.every.max(1)) as i32)
+    }
+}
+
+/// Scales a gradient by its staleness before it is applied (the DynSGD/ConSGD seam).
+pub trait GradientScale: Send + Sync {
+    /// The factor for a gradient computed `staleness` versions ago.
+    fn scale(&self, staleness: u64) -> f32;
+}
+
+/// No scaling.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Unscaled;
+
+impl GradientScale for Unscaled {
+    fn scale(&self, _staleness: u64) -> f32 {
+        1.0
+    }
+}
+
+/// One shard's optimizer state.
+pub struct ShardOptimizer {
+    opt: Optimizer,
+    schedule: std::sync::Arc<dyn LrSchedule>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    step: u64,
+}
+
+impl ShardOptimizer {
+    /// State for a shard of `len` parameters.
+    pub fn new(opt: Optimizer, schedule: std::sync::Arc<dyn LrSchedule>, len: usize) -> Self {
+        let (m, v) = match opt {
+            Optimizer::Sgd { .. } => (Vec::new(), Vec::new()),
+            Optimizer::Momentum { .. } => (vec![0.0; len], Vec::new()),
+            Optimizer::Adam { .. } => (vec![0.0; len], vec![0.0; len]),
+        };
+        ShardOptimizer {
+            opt,
+            schedule,
+            m,
+            v,
+            step: 0,
+        }
+    }
+
+    /// Updates applied so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Applies gradient `g` (already aggregated and scaled) to `w`.
+    pub fn apply(&mut self, w: &mut [f32], g: &[f32]) {
+        debug_assert_eq!(w.len(), g.len());
+        let lr = self.schedule.lr(self.opt.lr(), self.step);
+        self.step += 1;
+        match self.opt {
+            Optimizer::Sgd { .. } => {
+                for (wi, gi) in w.iter_mut().zip(g) {
+                    *wi -= lr * gi;
+                }
+            }
+            Optimizer::Momentum { mu, .. } => {
+                for ((wi, gi), vi) in w.iter_mut().zip(g).zip(&mut self.m) {
+                    *vi = mu * *vi + gi;
+                    *wi -= lr * *vi;
+                }
+            }
+            Optimizer::Adam {
+                beta1, beta2, eps, ..
+            } => {
+                let t = self.step as i32;
+                let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+                for (((wi, gi), mi), vi) in w.iter_mut().zip(g).zip(&mut self.m).zip(&mut self.v) {
+                    *mi = beta1 * *mi + (1.0 - beta1) * gi;
+                    *vi = beta2 * *vi + (1.0 - beta2) * gi * gi;
+                    *wi -= lr * (*mi / c1) / ((*vi / c2).sqrt() + eps);
+                }
+            }
+        }
+    }
+}
+
+/// Sums `grads` in the order given into `out`, then applies `agg` over `n` gradients: the
+/// exact arithmetic of aggregate-then-apply.
+pub fn aggregate<'a>(out: &mut [f32], grads: impl IntoIterator<Item = &'a [f32]>, agg: Aggregate) {
+    let mut n = 0u32;
+    for g in grads {
+        if n == 0 {
+            out.copy_from_slice(g);
+        } else {
+            for (o, x) in out.iter_mut().zip(g) {
+                *o += x;
+            }
+        }
+        n += 1;
+    }
+    if agg == Aggregate::Mean && n > 1 {
+        let inv = 1.0 / n as f32;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn optimizers_move_downhill_on_a_quadratic() {
+        // f(w) = ½‖w − 3‖²: gradient w − 3; every optimizer must approach 3.
+        for opt in [
+            Optimizer::Sgd { lr: 0.1 },
+            Optimizer::Momentum { lr: 0.05, mu: 0.9 },
+            Optimizer::Adam {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ] {
+            let mut w = vec![0.0f32; 4];
+            let mut o = ShardOptimizer::new(opt, Arc::new(Constant), 4);
+            for _ in 0..500 {
+                let g: Vec<f32> = w.iter().map(|x| x - 3.0).collect();
+                o.apply(&mut w, &g);
+            }
+            assert!(w.iter().all(|x| (x - 3.0).abs() < 1e-2), "{opt:?}: {w:?}");
+            assert_eq!(o.steps(), 500);
+        }
+    }
+
+    #[test]
+    fn aggregate_is_rank_ordered_sum_then_reciprocal() {
+        let (a, b, c) = (vec![1.0f32, 2.0], vec![3.0f32, 4.0], vec![5.0f32, 6.5]);
+        let mut out = vec![0.0; 2];
+        aggregate(&mut out, [a.as_slice(), &b, &c], Aggregate::Mean);
+        let inv = 1.0f32 / 3.0;
+        assert_eq!(
+            out,
+            vec![((1.0 + 3.0) + 5.0) * inv, ((2.0 + 4.0) + 6.5) * inv]
+        );
+        aggregate(&mut out, [a.as_slice(), &b], Aggregate::Sum);
+        assert_eq!(out, vec![4.0, 6.0]);
+    }
+
+    #[test]
+    fn step_decay_schedule() {
+        let s = StepDecay {
+            every: 10,
+            gamma: 0.5,
+        };
+        assert_eq!(s.lr(1.0, 9), 1.0);
+        assert_eq!(s.lr(1.0, 10), 0.5);
+        assert_eq!(s.lr(1.0, 25), 0.25);
+    }
+}
