@@ -117,7 +117,7 @@ impl<'a> Meta<'a> {
         loop {
             // Acquire: pairs with the writer's closing Release.
             let s1 = seq.load(Ordering::Acquire);
-            if s1 % 2 == 1 {
+            if !s1.is_multiple_of(2) {
                 spin();
                 continue;
             }
@@ -179,7 +179,7 @@ impl Snapshot {
 
     /// True unless a write was in progress.
     pub fn stable(&self) -> bool {
-        self.seq % 2 == 0
+        self.seq.is_multiple_of(2)
     }
 
     /// The smallest clock among live workers.

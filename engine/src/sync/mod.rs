@@ -141,7 +141,7 @@ impl PolicySpec {
     pub fn build(&self, workers: u32) -> Box<dyn SyncPolicy> {
         match *self {
             PolicySpec::Bsp => Box::new(Bsp::new(workers)),
-            PolicySpec::Asp => Box::new(Asp::default()),
+            PolicySpec::Asp => Box::new(Asp),
             PolicySpec::Ssp { s } => Box::new(Ssp::new(workers, s)),
         }
     }
