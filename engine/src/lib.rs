@@ -14,3 +14,14 @@ pub mod sync;
 pub mod update;
 
 pub use error::{Error, Result};
+pub mod config;
+pub mod local;
+pub mod proto;
+pub mod scheduler;
+pub mod server;
+pub mod worker;
+
+pub use config::JobConfig;
+pub use scheduler::{Scheduler, SchedulerReport};
+pub use server::{Server, ServerHooks, ServerReport};
+pub use worker::{Handle, Worker, WorkerStats};

@@ -402,19 +402,15 @@ impl Transport {
                 }
                 self.connect_tcp(peer, tcp::HELLO_RDMA)
             }
-            Medium::Auto if same_host && peer.shm.is_some() && self.inner.cfg.shm => {
-                match self.connect_shm(peer) {
-                    Ok(l) => Ok(l),
-                    Err(e @ Error::WrongJob { .. }) => Err(e),
-                    Err(e) if peer.tcp.is_some() => {
-                        tracing::warn!(
-                            "shm connection to {peer} failed ({e}); falling back to tcp"
-                        );
-                        self.connect_tcp(peer, tcp::HELLO_TCP)
-                    }
-                    Err(e) => Err(e),
+            Medium::Auto if same_host && peer.shm.is_some() => match self.connect_shm(peer) {
+                Ok(l) => Ok(l),
+                Err(e @ Error::WrongJob { .. }) => Err(e),
+                Err(e) if peer.tcp.is_some() => {
+                    tracing::warn!("shm connection to {peer} failed ({e}); falling back to tcp");
+                    self.connect_tcp(peer, tcp::HELLO_TCP)
                 }
-            }
+                Err(e) => Err(e),
+            },
             Medium::Auto if self.inner.common.rdma.is_ok() => match self
                 .connect_tcp(peer, tcp::HELLO_RDMA)
             {

@@ -1,0 +1,88 @@
+//! Job configuration.
+
+use std::time::Duration;
+
+use falcon_transport::{Medium, TransportConfig};
+
+use crate::keys::DEFAULT_MAX_SHARD_BYTES;
+use crate::sync::PolicySpec;
+use crate::update::{Aggregate, Optimizer, UpdateMode};
+
+/// Everything a node of a job needs to know before rendezvous.
+#[derive(Clone, Debug)]
+pub struct JobConfig {
+    /// Job id: processes of other jobs are refused by the transport.
+    pub job: String,
+    /// Secret token every node must present at rendezvous.
+    pub token: String,
+    /// Number of servers.
+    pub servers: u32,
+    /// Number of workers.
+    pub workers: u32,
+    /// The scheduler's address (`PeerAddr` text). Ignored by the scheduler itself.
+    pub scheduler: String,
+    /// Synchronization policy.
+    pub policy: PolicySpec,
+    /// Update mode (`None`: Sync for BSP, Async otherwise).
+    pub mode: Option<UpdateMode>,
+    /// How aggregated gradients combine.
+    pub aggregate: Aggregate,
+    /// Server-side optimizer.
+    pub optimizer: Optimizer,
+    /// Largest shard.
+    pub max_shard_bytes: u64,
+    /// Heartbeat interval; a node silent for 3 intervals is declared dead.
+    pub heartbeat: Duration,
+    /// How long rendezvous may take.
+    pub rendezvous_timeout: Duration,
+    /// The transport of this node.
+    pub transport: TransportConfig,
+}
+
+impl Default for JobConfig {
+    fn default() -> Self {
+        JobConfig {
+            job: "falcon".into(),
+            token: String::new(),
+            servers: 1,
+            workers: 1,
+            scheduler: String::new(),
+            policy: PolicySpec::Bsp,
+            mode: None,
+            aggregate: Aggregate::Mean,
+            optimizer: Optimizer::Sgd { lr: 0.1 },
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            heartbeat: Duration::from_secs(1),
+            rendezvous_timeout: Duration::from_secs(60),
+            transport: TransportConfig {
+                medium: Medium::Auto,
+                ..TransportConfig::default()
+            },
+        }
+    }
+}
+
+impl JobConfig {
+    /// The update mode in force.
+    pub fn update_mode(&self) -> UpdateMode {
+        self.mode.unwrap_or(match self.policy {
+            PolicySpec::Bsp => UpdateMode::Sync,
+            _ => UpdateMode::Async,
+        })
+    }
+
+    /// The transport configuration of a node of this job (job id hashed in).
+    pub fn transport_config(&self) -> TransportConfig {
+        TransportConfig {
+            job: job_hash(&self.job),
+            ..self.transport.clone()
+        }
+    }
+}
+
+/// The transport-level job id of a job name (FNV-1a: stable across builds and hosts).
+pub fn job_hash(job: &str) -> u64 {
+    job.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}

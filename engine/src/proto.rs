@@ -1,0 +1,247 @@
+//! Control messages between scheduler, servers and workers (bulk data never goes here: it
+//! moves by one-sided writes and reads). Encoded with postcard behind a 3-byte prefix (magic,
+//! version); decoding validates both and never panics on bad input.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::keys::{KeyMap, TensorSpec};
+use crate::sync::PolicySpec;
+use crate::update::{Aggregate, Optimizer, UpdateMode};
+
+const MAGIC: [u8; 2] = *b"FE";
+const VERSION: u8 = 1;
+
+/// A process's role in a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Role {
+    /// Rendezvous, barriers, heartbeats, membership.
+    Scheduler,
+    /// Owns shards.
+    Server,
+    /// Computes, pushes and pulls.
+    Worker,
+}
+
+impl Role {
+    /// The role's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Scheduler => "scheduler",
+            Role::Server => "server",
+            Role::Worker => "worker",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Role> {
+        match s.to_ascii_lowercase().as_str() {
+            "scheduler" => Ok(Role::Scheduler),
+            "server" => Ok(Role::Server),
+            "worker" => Ok(Role::Worker),
+            other => Err(Error::Config(format!(
+                "unknown role {other:?} (scheduler, server, worker)"
+            ))),
+        }
+    }
+}
+
+/// What every node learns at rendezvous.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Book {
+    /// This node's rank within its role.
+    pub rank: u32,
+    /// Server addresses, by rank.
+    pub servers: Vec<String>,
+    /// Number of workers.
+    pub workers: u32,
+    /// Tensors, shards and their servers.
+    pub keymap: KeyMap,
+    /// Synchronization policy (one instance per shard).
+    pub policy: PolicySpec,
+    /// When updates are applied.
+    pub mode: UpdateMode,
+    /// How aggregated gradients combine.
+    pub aggregate: Aggregate,
+    /// The server-side optimizer.
+    pub optimizer: Optimizer,
+}
+
+/// The keys a worker needs for one shard on its server.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardKeys {
+    /// Global shard id.
+    pub shard: u32,
+    /// The shard's parameters (read one-sided).
+    pub params: Vec<u8>,
+    /// The shard's meta block (read one-sided).
+    pub meta: Vec<u8>,
+    /// This worker's gradient slot (written one-sided).
+    pub slot: Vec<u8>,
+}
+
+/// A control message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Msg {
+    /// node → scheduler: join the job.
+    Hello {
+        /// The role.
+        role: Role,
+        /// A requested rank, if any.
+        rank: Option<u32>,
+        /// The job's secret token.
+        token: String,
+        /// Where this node accepts links (servers).
+        addr: String,
+        /// The tensors this worker trains (workers).
+        tensors: Vec<TensorSpec>,
+    },
+    /// scheduler → node: not admitted.
+    Refused {
+        /// Why.
+        reason: String,
+    },
+    /// scheduler → node: the address book.
+    Book(Book),
+    /// node → scheduler: alive.
+    Heartbeat,
+    /// worker → scheduler: arrived at barrier `seq`.
+    Barrier {
+        /// Barrier number.
+        seq: u64,
+    },
+    /// scheduler → worker: every live worker arrived at barrier `seq`.
+    BarrierDone {
+        /// Barrier number.
+        seq: u64,
+    },
+    /// scheduler → everyone: a node is gone.
+    Dead {
+        /// Its role.
+        role: Role,
+        /// Its rank.
+        rank: u32,
+    },
+    /// worker → scheduler: finished.
+    Done,
+    /// scheduler → servers: the job is over.
+    Shutdown,
+    /// worker → server: this link belongs to worker `rank`.
+    Attach {
+        /// The worker's rank.
+        rank: u32,
+        /// The job's secret token.
+        token: String,
+    },
+    /// server → worker: keys of every shard on this server.
+    Keys {
+        /// One entry per shard.
+        shards: Vec<ShardKeys>,
+    },
+    /// worker → server: a pull the lock-free check did not allow.
+    PullReq {
+        /// Global shard id.
+        shard: u32,
+        /// The worker's clock.
+        clock: u64,
+        /// Request id (echoed as the immediate of the answering write).
+        req: u32,
+        /// Where to write the values (a key granted by the worker).
+        dst: Vec<u8>,
+        /// Offset in `dst`.
+        dst_off: u64,
+    },
+    /// server → worker: a request was refused.
+    Failed {
+        /// The request (pull id) or shard (push) it concerns.
+        what: String,
+        /// Why.
+        reason: String,
+    },
+    /// server → worker: a push was consumed; its slot is free.
+    PushAck {
+        /// Global shard id.
+        shard: u32,
+        /// The push's clock.
+        clock: u64,
+    },
+}
+
+impl Msg {
+    /// Encodes the message.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![MAGIC[0], MAGIC[1], VERSION];
+        // Encoding plain data into a Vec cannot fail.
+        out.extend(postcard::to_stdvec(self).expect("encodable"));
+        out
+    }
+
+    /// Decodes a message, validating magic and version.
+    pub fn decode(bytes: &[u8]) -> Result<Msg> {
+        if bytes.len() < 3 || bytes[..2] != MAGIC {
+            return Err(Error::Malformed(format!(
+                "not an engine message ({} bytes)",
+                bytes.len()
+            )));
+        }
+        if bytes[2] != VERSION {
+            return Err(Error::Malformed(format!(
+                "engine protocol version {} (this build speaks {VERSION})",
+                bytes[2]
+            )));
+        }
+        postcard::from_bytes(&bytes[3..])
+            .map_err(|e| Error::Malformed(format!("engine message: {e}")))
+    }
+}
+
+/// The immediate of a push: kind in the top two bits, the shard's index on its server below.
+pub mod imm {
+    /// A gradient.
+    pub const PUSH: u32 = 0;
+    /// Initial values (the first one wins).
+    pub const INIT: u32 = 1;
+
+    /// Packs kind and local shard index.
+    pub fn pack(kind: u32, local: u32) -> u32 {
+        (kind << 30) | (local & 0x3FFF_FFFF)
+    }
+
+    /// Unpacks (kind, local shard index).
+    pub fn unpack(v: u32) -> (u32, u32) {
+        (v >> 30, v & 0x3FFF_FFFF)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_an_error() {
+        let m = Msg::Hello {
+            role: Role::Worker,
+            rank: Some(3),
+            token: "t".into(),
+            addr: String::new(),
+            tensors: vec![TensorSpec {
+                name: "w".into(),
+                len: 10,
+            }],
+        };
+        assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
+        let mut rng = fastrand::Rng::with_seed(1);
+        for _ in 0..20_000 {
+            let mut b = vec![0u8; rng.usize(0..64)];
+            rng.fill(&mut b);
+            if b.len() >= 3 && rng.bool() {
+                b[..3].copy_from_slice(&[b'F', b'E', 1]);
+            }
+            let _ = Msg::decode(&b);
+        }
+        assert!(Msg::decode(b"FE\x09").is_err());
+        assert_eq!(imm::unpack(imm::pack(imm::INIT, 12345)), (imm::INIT, 12345));
+    }
+}

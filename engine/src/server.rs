@@ -1,0 +1,531 @@
+//! A server: owns shards, applies updates, runs one sync-policy instance per shard.
+//!
+//! Each shard has three kinds of region, all granted to every worker: the parameters (read
+//! one-sided by workers whose lock-free check passes), the meta block (version and per-worker
+//! clocks under a seqlock, see `meta`), and one gradient slot per worker (written one-sided by
+//! that worker, with an immediate naming the shard). The event loop is single-threaded: it
+//! owns every shard, so no lock is taken on the data path.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use crossbeam_utils::CachePadded;
+use falcon_transport::{Completion, Link, LinkId, Region, RemoteKey, Transport};
+
+use crate::config::JobConfig;
+use crate::error::{Error, Result};
+use crate::keys::ShardSpec;
+use crate::meta::{Meta, meta_bytes};
+use crate::proto::{Book, Msg, Role, ShardKeys, imm};
+use crate::sync::{Action, Event, SyncPolicy};
+use crate::update::{
+    Aggregate, Constant, GradientScale, LrSchedule, ShardOptimizer, Unscaled, UpdateMode, aggregate,
+};
+
+/// Hooks an embedding program may set on a server.
+#[derive(Clone)]
+pub struct ServerHooks {
+    /// The learning-rate schedule.
+    pub schedule: Arc<dyn LrSchedule>,
+    /// The staleness scaling of gradients (DynSGD/ConSGD seam).
+    pub scale: Arc<dyn GradientScale>,
+}
+
+impl Default for ServerHooks {
+    fn default() -> Self {
+        ServerHooks {
+            schedule: Arc::new(Constant),
+            scale: Arc::new(Unscaled),
+        }
+    }
+}
+
+/// What a server did, returned when the job ends.
+#[derive(Clone, Debug, Default)]
+pub struct ServerReport {
+    /// This server's rank.
+    pub rank: u32,
+    /// Gradients applied (async) or aggregated into an update (sync), per shard.
+    pub gradients: u64,
+    /// Updates applied to parameters.
+    pub updates: u64,
+    /// Pulls that waited for the policy ("delayed pulls").
+    pub delayed_pulls: u64,
+    /// Pulls answered by the server (slow path).
+    pub answered_pulls: u64,
+    /// Final parameters of each shard, by global shard id.
+    pub params: BTreeMap<u32, Vec<f32>>,
+}
+
+struct Shard {
+    spec: ShardSpec,
+    params: Region,
+    meta: Region,
+    slots: Vec<Region>,
+    opt: ShardOptimizer,
+    policy: Box<dyn SyncPolicy>,
+    /// Gradients received per worker (the next push's clock).
+    pushes: Vec<u64>,
+    /// Sync mode: gradients waiting for their clock to complete, by clock, by worker.
+    pending: BTreeMap<u64, Vec<Option<Vec<f32>>>>,
+    next_apply: u64,
+    initialized: bool,
+}
+
+impl Shard {
+    fn meta(&self) -> Meta<'_> {
+        meta_of(&self.meta)
+    }
+
+    fn params_mut(&self) -> &mut [f32] {
+        f32s_mut(&self.params, self.spec.len)
+    }
+
+    fn slot(&self, w: usize) -> &[f32] {
+        // SAFETY: page-aligned region of `len` f32; the worker does not write it again before
+        // we acknowledge the push that filled it.
+        unsafe {
+            std::slice::from_raw_parts(self.slots[w].as_ptr() as *const f32, self.spec.len as usize)
+        }
+    }
+}
+
+/// The meta block in `region`.
+fn meta_of(region: &Region) -> Meta<'_> {
+    // SAFETY: the meta region is page-aligned, holds 2 + W lines of CachePadded<AtomicU64>
+    // (sized by `meta_bytes`) and lives as long as the borrow; atomics accept any bit pattern,
+    // and every access to these words, here or by peers, is atomic or a racy copy that the
+    // seqlock validates.
+    let words = unsafe {
+        std::slice::from_raw_parts(
+            region.as_ptr() as *const CachePadded<AtomicU64>,
+            region.len() as usize / std::mem::size_of::<CachePadded<AtomicU64>>(),
+        )
+    };
+    Meta::new(words)
+}
+
+/// The parameters in `region`, `len` floats.
+#[allow(clippy::mut_from_ref)]
+fn f32s_mut(region: &Region, len: u64) -> &mut [f32] {
+    // SAFETY: page-aligned region of at least `len` f32 owned by one shard; only the server
+    // thread writes it, inside a meta write section, through one such slice at a time; peers
+    // only read it (one-sided pulls), validated by the seqlock.
+    unsafe { std::slice::from_raw_parts_mut(region.as_ptr() as *mut f32, len as usize) }
+}
+
+struct ParkedPull {
+    link: LinkId,
+    shard: usize,
+    dst: RemoteKey,
+    dst_off: u64,
+    req: u32,
+}
+
+/// A server joined to its job, not yet serving.
+pub struct Server {
+    cfg: JobConfig,
+    t: Transport,
+    sched: Link,
+    book: Book,
+    hooks: ServerHooks,
+}
+
+impl Server {
+    /// Creates the server's transport and joins the job (blocks until rendezvous completes).
+    pub fn join(cfg: JobConfig, rank: Option<u32>, hooks: ServerHooks) -> Result<Server> {
+        let t = Transport::new(cfg.transport_config())?;
+        let (sched, book) = crate::worker::rendezvous(&t, &cfg, Role::Server, rank, Vec::new())?;
+        Ok(Server {
+            cfg,
+            t,
+            sched,
+            book,
+            hooks,
+        })
+    }
+
+    /// This server's rank.
+    pub fn rank(&self) -> u32 {
+        self.book.rank
+    }
+
+    /// Serves until the scheduler ends the job.
+    pub fn run(self) -> Result<ServerReport> {
+        let Server {
+            cfg,
+            t,
+            sched,
+            book,
+            hooks,
+        } = self;
+        let workers = book.workers as usize;
+        let mut shards = Vec::new();
+        let mut local_of: HashMap<u32, usize> = HashMap::new();
+        for spec in book.keymap.shards_on(book.rank) {
+            let bytes = spec.bytes();
+            local_of.insert(spec.id, shards.len());
+            shards.push(Shard {
+                spec: *spec,
+                params: Region::new(bytes)?,
+                meta: Region::new(meta_bytes(book.workers))?,
+                slots: (0..workers)
+                    .map(|_| Region::new(bytes))
+                    .collect::<Result<_, _>>()?,
+                opt: ShardOptimizer::new(book.optimizer, hooks.schedule.clone(), spec.len as usize),
+                policy: book.policy.build(book.workers),
+                pushes: vec![0; workers],
+                pending: BTreeMap::new(),
+                next_apply: 0,
+                initialized: false,
+            });
+        }
+        let token = cfg.token.clone();
+        let mut report = ServerReport {
+            rank: book.rank,
+            ..Default::default()
+        };
+        let mut links: HashMap<LinkId, Link> = HashMap::new();
+        let mut worker_of: HashMap<LinkId, u32> = HashMap::new();
+        let mut link_of: HashMap<u32, LinkId> = HashMap::new();
+        let mut parked: HashMap<u64, ParkedPull> = HashMap::new();
+        let mut actions = Vec::new();
+        let start = Instant::now();
+        let mut last_beat = Instant::now();
+        loop {
+            if last_beat.elapsed() >= cfg.heartbeat {
+                let _ = sched.send(&Msg::Heartbeat.encode());
+                last_beat = Instant::now();
+            }
+            while let Ok(l) = t.accept(Some(Duration::ZERO)) {
+                links.insert(l.id(), l);
+            }
+            let c = match t.cq().wait(Some(cfg.heartbeat)) {
+                Ok(c) => c,
+                Err(_) => continue,
+            };
+            let now = start.elapsed().as_nanos() as u64;
+            match c {
+                Completion::Message { link, data } if link == sched.id() => {
+                    match Msg::decode(&data) {
+                        Ok(Msg::Shutdown) => break,
+                        Ok(Msg::Dead {
+                            role: Role::Worker,
+                            rank,
+                        }) => {
+                            for s in &mut shards {
+                                s.policy.on_event(
+                                    Event::Leave {
+                                        worker: rank,
+                                        at: now,
+                                    },
+                                    &mut actions,
+                                );
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(
+                            "server {}: bad message from the scheduler: {e}",
+                            book.rank
+                        ),
+                    }
+                }
+                Completion::Message { link, data } => {
+                    let Some(l) = links
+                        .get(&link)
+                        .cloned()
+                        .or_else(|| await_link(&t, &mut links, link))
+                    else {
+                        continue;
+                    };
+                    let reply = |m: Msg| {
+                        let _ = l.send(&m.encode());
+                    };
+                    match Msg::decode(&data) {
+                        Ok(Msg::Attach { rank, token: tk }) => {
+                            if tk != token
+                                || rank as usize >= workers
+                                || link_of.contains_key(&rank)
+                            {
+                                reply(Msg::Failed {
+                                    what: "attach".into(),
+                                    reason: format!(
+                                        "worker {rank} refused (wrong token, bad or duplicate rank)"
+                                    ),
+                                });
+                                l.close();
+                                continue;
+                            }
+                            let mut keys = Vec::new();
+                            for s in &shards {
+                                keys.push(ShardKeys {
+                                    shard: s.spec.id,
+                                    params: l.grant(&s.params)?.to_bytes().to_vec(),
+                                    meta: l.grant(&s.meta)?.to_bytes().to_vec(),
+                                    slot: l.grant(&s.slots[rank as usize])?.to_bytes().to_vec(),
+                                });
+                            }
+                            worker_of.insert(link, rank);
+                            link_of.insert(rank, link);
+                            reply(Msg::Keys { shards: keys });
+                        }
+                        Ok(Msg::PullReq {
+                            shard,
+                            clock,
+                            req,
+                            dst,
+                            dst_off,
+                        }) => {
+                            let Some(&w) = worker_of.get(&link) else {
+                                continue;
+                            };
+                            let fail = |reason: String| Msg::Failed {
+                                what: format!("pull:{req}"),
+                                reason,
+                            };
+                            let Some(&i) = local_of.get(&shard) else {
+                                reply(fail(format!(
+                                    "shard {shard} is not on server {}",
+                                    book.rank
+                                )));
+                                continue;
+                            };
+                            let dst = match RemoteKey::from_bytes(&dst) {
+                                Ok(k)
+                                    if dst_off
+                                        .checked_add(shards[i].spec.bytes())
+                                        .is_some_and(|e| e <= k.len) =>
+                                {
+                                    k
+                                }
+                                _ => {
+                                    reply(fail(
+                                        "pull destination key is malformed or too short".into(),
+                                    ));
+                                    continue;
+                                }
+                            };
+                            if clock > shards[i].pushes[w as usize] {
+                                reply(fail(format!(
+                                    "clock {clock} is from the future: worker {w} has pushed {} gradients to shard {shard}",
+                                    shards[i].pushes[w as usize]
+                                )));
+                                continue;
+                            }
+                            let id = (u64::from(w) << 32) | u64::from(req);
+                            parked.insert(
+                                id,
+                                ParkedPull {
+                                    link,
+                                    shard: i,
+                                    dst,
+                                    dst_off,
+                                    req,
+                                },
+                            );
+                            shards[i].policy.on_event(
+                                Event::Pull {
+                                    worker: w,
+                                    clock,
+                                    req: id,
+                                    at: now,
+                                },
+                                &mut actions,
+                            );
+                            dispatch(&mut actions, &mut parked, &shards, &links, &mut report);
+                        }
+                        Ok(other) => tracing::warn!("server {}: unexpected {other:?}", book.rank),
+                        Err(e) => {
+                            tracing::warn!("server {}: {e}; closing that link", book.rank);
+                            l.close();
+                        }
+                    }
+                }
+                Completion::WriteImm { link, imm: v } => {
+                    let Some(&w) = worker_of.get(&link) else {
+                        continue;
+                    };
+                    let (kind, local) = imm::unpack(v);
+                    let Some(s) = shards.get_mut(local as usize) else {
+                        tracing::warn!("server {}: push to unknown local shard {local}", book.rank);
+                        continue;
+                    };
+                    let Some(l) = links.get(&link) else { continue };
+                    if kind == imm::INIT {
+                        if !s.initialized {
+                            let src = s.slot(w as usize).to_vec();
+                            let dst = s.params_mut();
+                            s.meta().write(|_| dst.copy_from_slice(&src));
+                            s.initialized = true;
+                        }
+                        let _ = l.send(
+                            &Msg::PushAck {
+                                shard: s.spec.id,
+                                clock: u64::MAX,
+                            }
+                            .encode(),
+                        );
+                        continue;
+                    }
+                    let clock = s.pushes[w as usize];
+                    s.pushes[w as usize] += 1;
+                    report.gradients += 1;
+                    match book.mode {
+                        UpdateMode::Async => {
+                            let factor = hooks.scale.scale(0);
+                            let mut g = s.slot(w as usize).to_vec();
+                            if factor != 1.0 {
+                                g.iter_mut().for_each(|x| *x *= factor);
+                            }
+                            // Acknowledge first: the slot is free once copied.
+                            let _ = l.send(
+                                &Msg::PushAck {
+                                    shard: s.spec.id,
+                                    clock,
+                                }
+                                .encode(),
+                            );
+                            let params = f32s_mut(&s.params, s.spec.len);
+                            let opt = &mut s.opt;
+                            meta_of(&s.meta).write(|m| {
+                                opt.apply(params, &g);
+                                m.set_clock(w as usize, clock + 1);
+                                m.bump_version();
+                            });
+                            report.updates += 1;
+                            s.policy.on_event(
+                                Event::Push {
+                                    worker: w,
+                                    clock,
+                                    at: now,
+                                },
+                                &mut actions,
+                            );
+                        }
+                        UpdateMode::Sync => {
+                            let g = s.slot(w as usize).to_vec();
+                            let _ = l.send(
+                                &Msg::PushAck {
+                                    shard: s.spec.id,
+                                    clock,
+                                }
+                                .encode(),
+                            );
+                            s.pending
+                                .entry(clock)
+                                .or_insert_with(|| vec![None; workers])
+                                [w as usize] = Some(g);
+                            apply_ready(s, book.aggregate, now, &mut actions, &mut report);
+                        }
+                    }
+                    dispatch(&mut actions, &mut parked, &shards, &links, &mut report);
+                }
+                Completion::Closed { link, .. } if link == sched.id() => {
+                    return Err(Error::PeerGone {
+                        role: "scheduler",
+                        rank: 0,
+                        why: "its link closed".into(),
+                    });
+                }
+                Completion::Closed { link, .. } => {
+                    links.remove(&link);
+                    if let Some(w) = worker_of.remove(&link) {
+                        link_of.remove(&w);
+                    }
+                    parked.retain(|_, p| p.link != link);
+                }
+            }
+            if !actions.is_empty() {
+                dispatch(&mut actions, &mut parked, &shards, &links, &mut report);
+            }
+        }
+        for s in &shards {
+            report.delayed_pulls += s.policy.delayed_total();
+            report.params.insert(s.spec.id, s.params_mut().to_vec());
+        }
+        Ok(report)
+    }
+}
+
+/// Sync mode: applies every clock whose gradients are all in, in clock order.
+fn apply_ready(
+    s: &mut Shard,
+    agg: Aggregate,
+    now: u64,
+    actions: &mut Vec<Action>,
+    report: &mut ServerReport,
+) {
+    let workers = s.pushes.len();
+    while let Some(grads) = s.pending.get(&s.next_apply) {
+        if grads.iter().any(Option::is_none) {
+            break;
+        }
+        let grads = s.pending.remove(&s.next_apply).expect("present");
+        let clock = s.next_apply;
+        let mut sum = vec![0f32; s.spec.len as usize];
+        aggregate(
+            &mut sum,
+            grads.iter().map(|g| g.as_deref().expect("all in")),
+            agg,
+        );
+        let params = f32s_mut(&s.params, s.spec.len);
+        let opt = &mut s.opt;
+        meta_of(&s.meta).write(|m| {
+            opt.apply(params, &sum);
+            for w in 0..workers {
+                m.set_clock(w, clock + 1);
+            }
+            m.bump_version();
+        });
+        report.updates += 1;
+        s.next_apply += 1;
+        for w in 0..workers as u32 {
+            s.policy.on_event(
+                Event::Push {
+                    worker: w,
+                    clock,
+                    at: now,
+                },
+                actions,
+            );
+        }
+    }
+}
+
+/// Carries out the policy's actions: released pulls get the latest values, written one-sided
+/// into the worker's destination with the request id as immediate.
+fn dispatch(
+    actions: &mut Vec<Action>,
+    parked: &mut HashMap<u64, ParkedPull>,
+    shards: &[Shard],
+    links: &HashMap<LinkId, Link>,
+    report: &mut ServerReport,
+) {
+    for a in actions.drain(..) {
+        if let Action::Release { req, .. } = a
+            && let Some(p) = parked.remove(&req)
+            && let Some(l) = links.get(&p.link)
+        {
+            let s = &shards[p.shard];
+            report.answered_pulls += 1;
+            if let Err(e) = l.write(&s.params, 0, &p.dst, p.dst_off, s.spec.bytes(), Some(p.req)) {
+                tracing::warn!("server: answering a pull failed: {e}");
+            }
+        }
+    }
+}
+
+fn await_link(t: &Transport, links: &mut HashMap<LinkId, Link>, id: LinkId) -> Option<Link> {
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        if let Ok(l) = t.accept(Some(Duration::from_millis(10))) {
+            links.insert(l.id(), l);
+        }
+        if let Some(l) = links.get(&id) {
+            return Some(l.clone());
+        }
+    }
+    None
+}

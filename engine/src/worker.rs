@@ -1,0 +1,772 @@
+//! The worker client: the API other trainers embed.
+//!
+//! `push(tensor, &grad, clock)` writes each shard's slice of `grad` one-sided into this
+//! worker's slot on the shard's server, with an immediate naming the shard; the server
+//! acknowledges once the slot is consumed. `pull(tensor, &out, clock)` first tries the
+//! lock-free path — read the shard's meta block one-sided, check the staleness predicate
+//! against its clocks, read the parameters one-sided, re-read the sequence word — and only if
+//! the policy does not allow it sends a request, which the server's policy may park; on
+//! release the server writes the *latest* values straight into `out`. Both have non-blocking
+//! variants returning a [`Handle`]. Buffers are [`Region`]s: push and pull are zero-copy.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use falcon_transport::{Completion, Link, LinkId, Region, RemoteKey, Transport, TransportConfig};
+
+use crate::config::JobConfig;
+use crate::error::{Error, Result};
+use crate::keys::{KeyMap, ShardSpec, TensorSpec};
+use crate::meta::{Snapshot, meta_bytes, within_staleness};
+use crate::proto::{Book, Msg, Role, imm};
+use crate::sync::FastPath;
+
+/// Joins a job at the scheduler: hello, then wait for the book (or a refusal).
+pub(crate) fn rendezvous(
+    t: &Transport,
+    cfg: &JobConfig,
+    role: Role,
+    rank: Option<u32>,
+    tensors: Vec<TensorSpec>,
+) -> Result<(Link, Book)> {
+    let addr = cfg
+        .scheduler
+        .parse()
+        .map_err(|e| Error::Config(format!("scheduler address {:?}: {e}", cfg.scheduler)))?;
+    let sched = t.connect(&addr)?;
+    sched.send(
+        &Msg::Hello {
+            role,
+            rank,
+            token: cfg.token.clone(),
+            addr: t.address().to_string(),
+            tensors,
+        }
+        .encode(),
+    )?;
+    let deadline = Instant::now() + cfg.rendezvous_timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(
+                "waiting for the scheduler's address book",
+                cfg.rendezvous_timeout,
+            ));
+        }
+        match t.cq().wait(Some(left)) {
+            Ok(Completion::Message { link, data }) if link == sched.id() => {
+                match Msg::decode(&data)? {
+                    Msg::Book(b) => return Ok((sched, b)),
+                    Msg::Refused { reason } => return Err(Error::Refused(reason)),
+                    other => tracing::debug!("rendezvous: ignoring {other:?}"),
+                }
+            }
+            Ok(Completion::Closed { link, error }) if link == sched.id() => {
+                return Err(Error::PeerGone {
+                    role: "scheduler",
+                    rank: 0,
+                    why: format!("closed during rendezvous: {error:?}"),
+                });
+            }
+            Ok(_) => {}
+            Err(_) => {}
+        }
+    }
+}
+
+/// Something a caller waits for.
+#[derive(Default)]
+struct Signal {
+    state: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl Signal {
+    fn set(&self, r: Result<()>) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.is_none() {
+            *s = Some(r);
+            self.cv.notify_all();
+        }
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = s.as_ref() {
+                return r.clone();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout("push/pull completion", timeout));
+            }
+            s = self
+                .cv
+                .wait_timeout(s, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A push or pull in flight. `wait` returns when every shard is done.
+#[must_use = "a push or pull is only known done after wait()"]
+pub struct Handle {
+    signals: Vec<Arc<Signal>>,
+    timeout: Duration,
+}
+
+impl Handle {
+    /// Waits for completion.
+    pub fn wait(self) -> Result<()> {
+        for s in &self.signals {
+            s.wait(self.timeout)?;
+        }
+        Ok(())
+    }
+}
+
+struct ShardRemote {
+    spec: ShardSpec,
+    server: usize,
+    local: u32,
+    params: RemoteKey,
+    meta: RemoteKey,
+    slot: RemoteKey,
+    /// Scratch for one-sided meta reads (one pull of this shard at a time).
+    scratch: Mutex<Region>,
+    /// Gradients pushed so far (the next push's clock).
+    pushes: AtomicU32,
+    /// The ack of the previous push: its slot must be free before the next write.
+    last_push: Mutex<Option<Arc<Signal>>>,
+}
+
+#[derive(Default)]
+struct Waits {
+    acks: HashMap<(u32, u64), Arc<Signal>>,
+    pulls: HashMap<(LinkId, u32), Arc<Signal>>,
+    barriers: HashMap<u64, Arc<Signal>>,
+}
+
+struct Inner {
+    t: Transport,
+    book: Book,
+    sched: Link,
+    servers: Vec<Link>,
+    shards: Vec<ShardRemote>,
+    waits: Mutex<Waits>,
+    dead: Mutex<HashSet<u32>>,
+    grants: Mutex<HashMap<(LinkId, u64), RemoteKey>>,
+    next_req: AtomicU32,
+    next_barrier: Mutex<u64>,
+    staging: Mutex<HashMap<usize, Region>>,
+    timeout: Duration,
+    stop: AtomicBool,
+    stats: Mutex<WorkerStats>,
+}
+
+/// Counters of one worker.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerStats {
+    /// Shard pulls served by one-sided reads after the lock-free check passed.
+    pub fast_pulls: u64,
+    /// Shard pulls that went to the server's policy.
+    pub slow_pulls: u64,
+    /// Shard pushes.
+    pub pushes: u64,
+}
+
+/// A worker of a job.
+#[derive(Clone)]
+pub struct Worker {
+    inner: Arc<Inner>,
+}
+
+impl Worker {
+    /// Joins the job as a worker that trains `tensors` (every worker declares the same).
+    pub fn join(cfg: &JobConfig, tensors: Vec<TensorSpec>, rank: Option<u32>) -> Result<Worker> {
+        let t = Transport::new(TransportConfig {
+            bind: None,
+            shm: false,
+            ..cfg.transport_config()
+        })?;
+        let (sched, book) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
+        let mut servers = Vec::new();
+        for (r, addr) in book.servers.iter().enumerate() {
+            let peer = addr
+                .parse()
+                .map_err(|e| Error::Config(format!("server {r} address {addr:?}: {e}")))?;
+            let link = t.connect(&peer).map_err(|e| Error::PeerGone {
+                role: "server",
+                rank: r as u32,
+                why: e.to_string(),
+            })?;
+            link.send(
+                &Msg::Attach {
+                    rank: book.rank,
+                    token: cfg.token.clone(),
+                }
+                .encode(),
+            )?;
+            servers.push(link);
+        }
+        // Collect every server's keys.
+        let mut keys: HashMap<u32, (RemoteKey, RemoteKey, RemoteKey)> = HashMap::new();
+        let mut got = 0;
+        let deadline = Instant::now() + cfg.rendezvous_timeout;
+        while got < servers.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout(
+                    "waiting for the servers' keys",
+                    cfg.rendezvous_timeout,
+                ));
+            }
+            match t.cq().wait(Some(left)) {
+                Ok(Completion::Message { link, data }) => match Msg::decode(&data)? {
+                    Msg::Keys { shards } => {
+                        for k in shards {
+                            keys.insert(
+                                k.shard,
+                                (
+                                    RemoteKey::from_bytes(&k.params)?,
+                                    RemoteKey::from_bytes(&k.meta)?,
+                                    RemoteKey::from_bytes(&k.slot)?,
+                                ),
+                            );
+                        }
+                        got += 1;
+                    }
+                    Msg::Failed { reason, .. } => return Err(Error::Refused(reason)),
+                    other => tracing::debug!("worker: ignoring {other:?} from link {link}"),
+                },
+                Ok(Completion::Closed { link, error }) => {
+                    let (role, rank) = match servers.iter().position(|l| l.id() == link) {
+                        Some(r) => ("server", r as u32),
+                        None => ("scheduler", 0),
+                    };
+                    return Err(Error::PeerGone {
+                        role,
+                        rank,
+                        why: format!("closed while attaching to the servers: {error:?}"),
+                    });
+                }
+                _ => {}
+            }
+        }
+        let mut shards = Vec::new();
+        let mut local_index = vec![0u32; book.servers.len()];
+        for spec in &book.keymap.shards {
+            let (params, meta, slot) = *keys.get(&spec.id).ok_or_else(|| Error::PeerGone {
+                role: "server",
+                rank: spec.server,
+                why: format!("sent no keys for shard {}", spec.id),
+            })?;
+            let local = local_index[spec.server as usize];
+            local_index[spec.server as usize] += 1;
+            shards.push(ShardRemote {
+                spec: *spec,
+                server: spec.server as usize,
+                local,
+                params,
+                meta,
+                slot,
+                scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
+                pushes: AtomicU32::new(0),
+                last_push: Mutex::new(None),
+            });
+        }
+        let timeout = cfg.transport.op_timeout;
+        let inner = Arc::new(Inner {
+            t,
+            book,
+            sched,
+            servers,
+            shards,
+            waits: Mutex::new(Waits::default()),
+            dead: Mutex::new(HashSet::new()),
+            grants: Mutex::new(HashMap::new()),
+            next_req: AtomicU32::new(1),
+            next_barrier: Mutex::new(0),
+            staging: Mutex::new(HashMap::new()),
+            timeout,
+            stop: AtomicBool::new(false),
+            stats: Mutex::new(WorkerStats::default()),
+        });
+        let weak = Arc::downgrade(&inner);
+        let heartbeat = cfg.heartbeat;
+        std::thread::Builder::new()
+            .name(format!("falcon-worker-{}", inner.book.rank))
+            .spawn(move || progress(weak, heartbeat))
+            .map_err(|e| Error::Config(format!("spawn worker progress thread: {e}")))?;
+        Ok(Worker { inner })
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.inner.book.rank
+    }
+
+    /// Number of workers in the job.
+    pub fn workers(&self) -> u32 {
+        self.inner.book.workers
+    }
+
+    /// The job's tensors and shards.
+    pub fn keymap(&self) -> &KeyMap {
+        &self.inner.book.keymap
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> WorkerStats {
+        lock(&self.inner.stats).clone()
+    }
+
+    /// A zero-filled region sized for `tensor`: push from it and pull into it without copies.
+    pub fn buffer(&self, tensor: &str) -> Result<Region> {
+        let t = self.tensor(tensor)?;
+        Ok(Region::new(self.inner.book.keymap.tensors[t].len * 4)?)
+    }
+
+    /// The worker's clock: the iteration it is on, i.e. the fewest gradients pushed to any
+    /// tensor it has pushed at all (tensors it never pushes do not hold it back).
+    pub fn clock(&self) -> u64 {
+        let mut per_tensor: HashMap<u32, u64> = HashMap::new();
+        for s in &self.inner.shards {
+            let n = u64::from(s.pushes.load(Ordering::Acquire));
+            per_tensor
+                .entry(s.spec.tensor)
+                .and_modify(|m| *m = (*m).min(n))
+                .or_insert(n);
+        }
+        per_tensor
+            .values()
+            .copied()
+            .filter(|&n| n > 0)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Gradients pushed to `tensor` so far (its next push's clock).
+    pub fn clock_of(&self, tensor: &str) -> Result<u64> {
+        let t = self.tensor(tensor)? as u32;
+        Ok(self
+            .inner
+            .shards
+            .iter()
+            .filter(|s| s.spec.tensor == t)
+            .map(|s| u64::from(s.pushes.load(Ordering::Acquire)))
+            .min()
+            .unwrap_or(0))
+    }
+
+    fn tensor(&self, name: &str) -> Result<usize> {
+        self.inner.book.keymap.tensor(name)
+    }
+
+    fn check_len(&self, t: usize, region: &Region) -> Result<()> {
+        let spec = &self.inner.book.keymap.tensors[t];
+        if region.len() != spec.len * 4 {
+            return Err(Error::WrongLength {
+                tensor: spec.name.clone(),
+                expected: spec.len,
+                got: region.len() / 4,
+            });
+        }
+        Ok(())
+    }
+
+    fn handle(&self, signals: Vec<Arc<Signal>>) -> Handle {
+        Handle {
+            signals,
+            timeout: self.inner.timeout,
+        }
+    }
+
+    /// Sets `tensor`'s initial values (the first initialization of each shard wins). Call it
+    /// from one worker before training.
+    pub fn init(&self, tensor: &str, values: &Region) -> Result<()> {
+        let t = self.tensor(tensor)?;
+        self.check_len(t, values)?;
+        let mut signals = Vec::new();
+        for s in self
+            .inner
+            .shards
+            .iter()
+            .filter(|s| s.spec.tensor as usize == t)
+        {
+            let sig = Arc::new(Signal::default());
+            self.wait_slot(s)?;
+            lock(&self.inner.waits)
+                .acks
+                .insert((s.spec.id, u64::MAX), sig.clone());
+            *lock(&s.last_push) = Some(sig.clone());
+            self.inner.servers[s.server].write(
+                values,
+                s.spec.offset * 4,
+                &s.slot,
+                0,
+                s.spec.bytes(),
+                Some(imm::pack(imm::INIT, s.local)),
+            )?;
+            signals.push(sig);
+        }
+        self.handle(signals).wait()
+    }
+
+    fn wait_slot(&self, s: &ShardRemote) -> Result<()> {
+        let prev = lock(&s.last_push).clone();
+        match prev {
+            Some(p) => p.wait(self.inner.timeout),
+            None => Ok(()),
+        }
+    }
+
+    /// Pushes `grad` (a region of the tensor's length) as this worker's gradient for `clock`.
+    pub fn push(&self, tensor: &str, grad: &Region, clock: u64) -> Result<()> {
+        self.push_async(tensor, grad, clock)?.wait()
+    }
+
+    /// Starts a push; `grad` may be reused once the handle's `wait` returns.
+    pub fn push_async(&self, tensor: &str, grad: &Region, clock: u64) -> Result<Handle> {
+        let t = self.tensor(tensor)?;
+        self.check_len(t, grad)?;
+        let shards: Vec<&ShardRemote> = self
+            .inner
+            .shards
+            .iter()
+            .filter(|s| s.spec.tensor as usize == t)
+            .collect();
+        for s in &shards {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock != made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "tensor {tensor:?} has {made} gradients pushed; the next push is clock {made}"
+                    ),
+                });
+            }
+        }
+        let mut signals = Vec::new();
+        for s in shards {
+            self.wait_slot(s)?;
+            let sig = Arc::new(Signal::default());
+            lock(&self.inner.waits)
+                .acks
+                .insert((s.spec.id, clock), sig.clone());
+            *lock(&s.last_push) = Some(sig.clone());
+            let link = &self.inner.servers[s.server];
+            if let Err(e) = link.write(
+                grad,
+                s.spec.offset * 4,
+                &s.slot,
+                0,
+                s.spec.bytes(),
+                Some(imm::pack(imm::PUSH, s.local)),
+            ) {
+                lock(&self.inner.waits).acks.remove(&(s.spec.id, clock));
+                return Err(self.server_error(s.server, e));
+            }
+            s.pushes.fetch_add(1, Ordering::AcqRel);
+            lock(&self.inner.stats).pushes += 1;
+            signals.push(sig);
+        }
+        Ok(self.handle(signals))
+    }
+
+    /// Pushes from a slice (copied into a staging region first).
+    pub fn push_slice(&self, tensor: &str, grad: &[f32], clock: u64) -> Result<()> {
+        let region = self.stage(tensor, grad)?;
+        self.push(tensor, &region, clock)
+    }
+
+    fn stage(&self, tensor: &str, data: &[f32]) -> Result<Region> {
+        let t = self.tensor(tensor)?;
+        let spec = &self.inner.book.keymap.tensors[t];
+        if data.len() as u64 != spec.len {
+            return Err(Error::WrongLength {
+                tensor: spec.name.clone(),
+                expected: spec.len,
+                got: data.len() as u64,
+            });
+        }
+        let mut staging = lock(&self.inner.staging);
+        let region = match staging.get(&t) {
+            Some(r) => r.clone(),
+            None => {
+                let r = Region::new(spec.len * 4)?;
+                staging.insert(t, r.clone());
+                r
+            }
+        };
+        region.write_at(0, f32_bytes(data))?;
+        Ok(region)
+    }
+
+    /// Pulls `tensor` into `out` for iteration `clock`: returns when `out` holds values the
+    /// policy allows this clock to see.
+    pub fn pull(&self, tensor: &str, out: &Region, clock: u64) -> Result<()> {
+        self.pull_async(tensor, out, clock)?.wait()
+    }
+
+    /// Pulls into a slice (through a staging region).
+    pub fn pull_slice(&self, tensor: &str, out: &mut [f32], clock: u64) -> Result<()> {
+        let t = self.tensor(tensor)?;
+        let region = self.buffer(&self.inner.book.keymap.tensors[t].name)?;
+        if out.len() as u64 != self.inner.book.keymap.tensors[t].len {
+            return Err(Error::WrongLength {
+                tensor: tensor.to_string(),
+                expected: self.inner.book.keymap.tensors[t].len,
+                got: out.len() as u64,
+            });
+        }
+        self.pull(tensor, &region, clock)?;
+        region.read_at(0, f32_bytes_mut(out))?;
+        Ok(())
+    }
+
+    /// Starts a pull; `out` is complete once the handle's `wait` returns.
+    pub fn pull_async(&self, tensor: &str, out: &Region, clock: u64) -> Result<Handle> {
+        let t = self.tensor(tensor)?;
+        self.check_len(t, out)?;
+        let fast = match self.inner.book.policy.build(1).fast_path() {
+            FastPath::Always => Some(u64::MAX),
+            FastPath::Within(s) => Some(s),
+            FastPath::Never => None,
+        };
+        let mut signals = Vec::new();
+        for s in self
+            .inner
+            .shards
+            .iter()
+            .filter(|s| s.spec.tensor as usize == t)
+        {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock > made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "a pull for a clock from the future: {made} gradients pushed to tensor {tensor:?}"
+                    ),
+                });
+            }
+            if let Some(bound) = fast
+                && self.pull_fast(s, out, clock, bound)?
+            {
+                lock(&self.inner.stats).fast_pulls += 1;
+                continue;
+            }
+            lock(&self.inner.stats).slow_pulls += 1;
+            signals.push(self.pull_slow(s, out, clock)?);
+        }
+        Ok(self.handle(signals))
+    }
+
+    /// The lock-free path: meta, check, parameters, sequence again. Ok(false) if the policy
+    /// does not allow it (or the shard kept changing under us).
+    fn pull_fast(&self, s: &ShardRemote, out: &Region, clock: u64, bound: u64) -> Result<bool> {
+        let link = &self.inner.servers[s.server];
+        let scratch = lock(&s.scratch);
+        let workers = self.inner.book.workers;
+        let dead = lock(&self.inner.dead).clone();
+        for _attempt in 0..4 {
+            link.read(&scratch, 0, &s.meta, 0, meta_bytes(workers))
+                .map_err(|e| self.server_error(s.server, e))?;
+            let mut raw = vec![0u8; meta_bytes(workers) as usize];
+            scratch.read_at(0, &mut raw)?;
+            let snap = Snapshot::parse(&raw, workers)?;
+            if !snap.stable() {
+                continue;
+            }
+            let min = snap.min_clock(|w| !dead.contains(&(w as u32)));
+            if bound != u64::MAX && !within_staleness(min, clock, bound) {
+                return Ok(false);
+            }
+            link.read(out, s.spec.offset * 4, &s.params, 0, s.spec.bytes())
+                .map_err(|e| self.server_error(s.server, e))?;
+            link.read(&scratch, 0, &s.meta, 0, 8)
+                .map_err(|e| self.server_error(s.server, e))?;
+            let mut seq = [0u8; 8];
+            scratch.read_at(0, &mut seq)?;
+            if Snapshot::seq_of(&seq) == snap.seq {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    fn pull_slow(&self, s: &ShardRemote, out: &Region, clock: u64) -> Result<Arc<Signal>> {
+        let link = &self.inner.servers[s.server];
+        let dst = {
+            let mut grants = lock(&self.inner.grants);
+            match grants.get(&(link.id(), out.id())) {
+                Some(k) => *k,
+                None => {
+                    let k = link
+                        .grant(out)
+                        .map_err(|e| self.server_error(s.server, e))?;
+                    grants.insert((link.id(), out.id()), k);
+                    k
+                }
+            }
+        };
+        let req = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let sig = Arc::new(Signal::default());
+        lock(&self.inner.waits)
+            .pulls
+            .insert((link.id(), req), sig.clone());
+        let msg = Msg::PullReq {
+            shard: s.spec.id,
+            clock,
+            req,
+            dst: dst.to_bytes().to_vec(),
+            dst_off: s.spec.offset * 4,
+        };
+        if let Err(e) = link.send(&msg.encode()) {
+            lock(&self.inner.waits).pulls.remove(&(link.id(), req));
+            return Err(self.server_error(s.server, e));
+        }
+        Ok(sig)
+    }
+
+    fn server_error(&self, server: usize, e: falcon_transport::Error) -> Error {
+        if e.is_fatal_for_link() {
+            Error::PeerGone {
+                role: "server",
+                rank: server as u32,
+                why: e.to_string(),
+            }
+        } else {
+            Error::Transport(e)
+        }
+    }
+
+    /// Waits until every live worker has reached this barrier.
+    pub fn barrier(&self) -> Result<()> {
+        let seq = {
+            let mut n = lock(&self.inner.next_barrier);
+            *n += 1;
+            *n
+        };
+        let sig = Arc::new(Signal::default());
+        lock(&self.inner.waits).barriers.insert(seq, sig.clone());
+        self.inner.sched.send(&Msg::Barrier { seq }.encode())?;
+        sig.wait(self.inner.timeout.max(Duration::from_secs(300)))
+    }
+
+    /// Tells the scheduler this worker is done (the job ends when every worker is).
+    pub fn finish(&self) -> Result<()> {
+        self.inner.sched.send(&Msg::Done.encode())?;
+        self.inner.stop.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// The worker's progress thread: routes acknowledgements, pull answers and scheduler news to
+/// waiting callers, and sends heartbeats.
+fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
+    let mut last = Instant::now();
+    loop {
+        let Some(w) = inner.upgrade() else { return };
+        if w.stop.load(Ordering::Acquire) {
+            return;
+        }
+        if last.elapsed() >= heartbeat {
+            let _ = w.sched.send(&Msg::Heartbeat.encode());
+            last = Instant::now();
+        }
+        let c = match w
+            .t
+            .cq()
+            .wait(Some(heartbeat.min(Duration::from_millis(200))))
+        {
+            Ok(c) => c,
+            Err(_) => continue,
+        };
+        match c {
+            Completion::WriteImm { link, imm } => {
+                if let Some(sig) = lock(&w.waits).pulls.remove(&(link, imm)) {
+                    sig.set(Ok(()));
+                }
+            }
+            Completion::Message { link, data } => match Msg::decode(&data) {
+                Ok(Msg::PushAck { shard, clock }) => {
+                    if let Some(sig) = lock(&w.waits).acks.remove(&(shard, clock)) {
+                        sig.set(Ok(()));
+                    }
+                }
+                Ok(Msg::Failed { what, reason }) => {
+                    let err = Error::Refused(format!("{what}: {reason}"));
+                    if let Some(req) = what.strip_prefix("pull:").and_then(|r| r.parse().ok())
+                        && let Some(sig) = lock(&w.waits).pulls.remove(&(link, req))
+                    {
+                        sig.set(Err(err));
+                    }
+                }
+                Ok(Msg::BarrierDone { seq }) => {
+                    if let Some(sig) = lock(&w.waits).barriers.remove(&seq) {
+                        sig.set(Ok(()));
+                    }
+                }
+                Ok(Msg::Dead {
+                    role: Role::Worker,
+                    rank,
+                }) => {
+                    lock(&w.dead).insert(rank);
+                }
+                Ok(Msg::Dead { role, rank }) => {
+                    fail_all(&w, role, rank, "declared dead by the scheduler")
+                }
+                Ok(Msg::Shutdown) => fail_all(&w, Role::Scheduler, 0, "the job was shut down"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("worker: {e}"),
+            },
+            Completion::Closed { link, error } => {
+                let (role, rank) = match w.servers.iter().position(|l| l.id() == link) {
+                    Some(r) => (Role::Server, r as u32),
+                    None => (Role::Scheduler, 0),
+                };
+                fail_all(&w, role, rank, &format!("link closed: {error:?}"));
+            }
+        }
+    }
+}
+
+/// Fails every waiting caller: a peer is gone, nothing they wait for will come.
+fn fail_all(w: &Inner, role: Role, rank: u32, why: &str) {
+    let err = Error::PeerGone {
+        role: role.name(),
+        rank,
+        why: why.to_string(),
+    };
+    let mut waits = lock(&w.waits);
+    for (_, s) in waits.acks.drain() {
+        s.set(Err(err.clone()));
+    }
+    for (_, s) in waits.pulls.drain() {
+        s.set(Err(err.clone()));
+    }
+    for (_, s) in waits.barriers.drain() {
+        s.set(Err(err.clone()));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The bytes of an f32 slice.
+pub fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding; u8 has alignment 1; the length is scaled.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// The bytes of an f32 slice, mutably.
+pub fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}

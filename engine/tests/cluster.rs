@@ -1,0 +1,319 @@
+//! In-process clusters (a scheduler and servers on threads, workers as handles) over the real
+//! transport: the engine's end-to-end contracts.
+
+use std::time::Duration;
+
+use falcon_engine::keys::TensorSpec;
+use falcon_engine::local::LocalCluster;
+use falcon_engine::sync::PolicySpec;
+use falcon_engine::update::{Aggregate, Optimizer, UpdateMode};
+use falcon_engine::{Error, JobConfig, Worker};
+
+fn cfg(servers: u32, workers: u32, policy: PolicySpec) -> JobConfig {
+    // Warnings (a node declared dead, a refused peer) show up in a failing test's output.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    JobConfig {
+        job: format!("test-{}", fastrand::u64(..)),
+        token: "secret".into(),
+        servers,
+        workers,
+        policy,
+        max_shard_bytes: 1024, // small shards: many per tensor, spread over the servers
+        heartbeat: Duration::from_secs(1),
+        rendezvous_timeout: Duration::from_secs(30),
+        ..JobConfig::default()
+    }
+}
+
+fn tensors() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec {
+            name: "w".into(),
+            len: 1000,
+        },
+        TensorSpec {
+            name: "b".into(),
+            len: 10,
+        },
+    ]
+}
+
+/// The gradient worker `w` computes at iteration `t` from parameters `p`: depends on all
+/// three, so a worker that saw other parameters would push other bits.
+fn grad(w: u32, t: u64, p: &[f32]) -> Vec<f32> {
+    p.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            0.05 * x + 0.001 * ((w + 1) as f32) * ((t + 1) as f32) + 0.0001 * (i % 7) as f32
+        })
+        .collect()
+}
+
+#[test]
+fn bsp_with_sgd_is_bitwise_equal_to_a_single_process_reference() {
+    const W: u32 = 3;
+    const ITERS: u64 = 6;
+    let lr = 0.1f32;
+    let mut c = cfg(2, W, PolicySpec::Bsp);
+    c.optimizer = Optimizer::Sgd { lr };
+    c.aggregate = Aggregate::Mean;
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let init: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+    let threads: Vec<_> = cluster
+        .workers
+        .iter()
+        .cloned()
+        .map(|worker: Worker| {
+            let init = init.clone();
+            std::thread::spawn(move || {
+                if worker.rank() == 0 {
+                    let buf = worker.buffer("w").unwrap();
+                    buf.write_at(0, falcon_engine::worker::f32_bytes(&init))
+                        .unwrap();
+                    worker.init("w", &buf).unwrap();
+                }
+                // Nobody pulls before the initial values are in.
+                worker.barrier().unwrap();
+                let mut p = vec![0f32; 1000];
+                for t in 0..ITERS {
+                    worker.pull_slice("w", &mut p, t).unwrap();
+                    let g = grad(worker.rank(), t, &p);
+                    worker.push_slice("w", &g, t).unwrap();
+                    // Jitter: BSP must not care who is fast.
+                    std::thread::sleep(Duration::from_micros(fastrand::u64(0..2000)));
+                }
+                worker.clock()
+            })
+        })
+        .collect();
+    for h in threads {
+        assert_eq!(h.join().unwrap(), ITERS);
+    }
+    let keymap = cluster.workers[0].keymap().clone();
+    let report = cluster.finish().unwrap();
+    let got = report.tensor(&keymap, "w").unwrap();
+    // The reference: same gradients, summed in rank order, × 1/W, then w -= lr·g.
+    let mut p = init.clone();
+    for t in 0..ITERS {
+        let gs: Vec<Vec<f32>> = (0..W).map(|w| grad(w, t, &p)).collect();
+        let inv = 1.0 / W as f32;
+        for i in 0..p.len() {
+            let mut s = gs[0][i];
+            for g in &gs[1..] {
+                s += g[i];
+            }
+            p[i] -= lr * (s * inv);
+        }
+    }
+    assert!(
+        got.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "BSP result differs from the reference"
+    );
+    assert_eq!(
+        report.scheduler.bytes_per_server.iter().sum::<u64>(),
+        1010 * 4
+    );
+}
+
+#[test]
+fn asp_applies_every_push_exactly_once() {
+    const W: u32 = 4;
+    const N: u64 = 25;
+    let mut c = cfg(2, W, PolicySpec::Asp);
+    c.optimizer = Optimizer::Sgd { lr: 1.0 };
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let threads: Vec<_> = cluster
+        .workers
+        .iter()
+        .cloned()
+        .map(|worker| {
+            std::thread::spawn(move || {
+                let mut p = vec![0f32; 10];
+                // Worker w pushes −(w+1) every time: w's pushes add (w+1) each to every element.
+                let g = vec![-((worker.rank() + 1) as f32); 10];
+                for t in 0..N {
+                    worker.pull_slice("b", &mut p, t).unwrap();
+                    worker.push_slice("b", &g, t).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().unwrap();
+    }
+    let keymap = cluster.workers[0].keymap().clone();
+    let report = cluster.finish().unwrap();
+    let b = report.tensor(&keymap, "b").unwrap();
+    let expect = (1..=W).map(|w| w as f32 * N as f32).sum::<f32>();
+    assert!(
+        b.iter().all(|&x| x == expect),
+        "every push applied exactly once: {b:?} vs {expect}"
+    );
+    let grads: u64 = report.servers.iter().map(|s| s.gradients).sum();
+    let shards_b = keymap.shards_of(1).count() as u64;
+    assert_eq!(grads, u64::from(W) * N * shards_b);
+}
+
+#[test]
+fn no_pull_ever_sees_a_shard_beyond_the_ssp_bound() {
+    // Parameters count pushes: worker w adds 1 to element w. A pull at clock c must then see
+    // every element ≥ c − s — checked on the values themselves, under random delays.
+    const W: u32 = 4;
+    const S: u64 = 2;
+    const N: u64 = 30;
+    let mut c = cfg(1, W, PolicySpec::Ssp { s: S });
+    c.optimizer = Optimizer::Sgd { lr: 1.0 };
+    c.mode = Some(UpdateMode::Async);
+    let counts = vec![TensorSpec {
+        name: "count".into(),
+        len: W as u64,
+    }];
+    let cluster = LocalCluster::start(c, counts).unwrap();
+    let threads: Vec<_> = cluster
+        .workers
+        .iter()
+        .cloned()
+        .map(|worker| {
+            std::thread::spawn(move || {
+                let me = worker.rank() as usize;
+                let slow = me == 0; // one persistent straggler
+                let mut p = vec![0f32; W as usize];
+                let mut g = vec![0f32; W as usize];
+                g[me] = -1.0;
+                let mut violations = 0;
+                for t in 0..N {
+                    worker.pull_slice("count", &mut p, t).unwrap();
+                    let min = p.iter().cloned().fold(f32::INFINITY, f32::min) as u64;
+                    if min + S < t {
+                        violations += 1;
+                    }
+                    let pause = if slow { 3000 } else { fastrand::u64(0..500) };
+                    std::thread::sleep(Duration::from_micros(pause));
+                    worker.push_slice("count", &g, t).unwrap();
+                }
+                (violations, worker.stats())
+            })
+        })
+        .collect();
+    let mut slow_pulls = 0;
+    for h in threads {
+        let (v, stats) = h.join().unwrap();
+        assert_eq!(v, 0, "a pull observed a shard beyond the staleness bound");
+        slow_pulls += stats.slow_pulls;
+    }
+    let report = cluster.finish().unwrap();
+    assert!(
+        slow_pulls > 0,
+        "the straggler must have made fast workers wait"
+    );
+    // A pull that failed the lock-free check may still be released at once if the straggler
+    // caught up before the request arrived: parked ≤ asked, and some were parked.
+    let delayed = report.servers[0].delayed_pulls;
+    assert!(
+        delayed > 0 && delayed <= slow_pulls,
+        "delayed {delayed}, slow {slow_pulls}"
+    );
+}
+
+#[test]
+fn bad_input_gets_typed_errors() {
+    let cluster = LocalCluster::start(cfg(1, 1, PolicySpec::Bsp), tensors()).unwrap();
+    let w = &cluster.workers[0];
+    let short = falcon_transport::Region::new(12).unwrap();
+    assert!(matches!(
+        w.push("w", &short, 0),
+        Err(Error::WrongLength {
+            expected: 1000,
+            got: 3,
+            ..
+        })
+    ));
+    assert!(matches!(
+        w.push_slice("nope", &[1.0], 0),
+        Err(Error::UnknownTensor(_))
+    ));
+    let mut out = vec![0f32; 10];
+    assert!(
+        matches!(
+            w.pull_slice("b", &mut out, 3),
+            Err(Error::BadClock { got: 3, .. })
+        ),
+        "a clock from the future"
+    );
+    assert!(
+        matches!(
+            w.push_slice("b", &out, 5),
+            Err(Error::BadClock { got: 5, .. })
+        ),
+        "pushes are consecutive"
+    );
+    // The worker is still fine.
+    w.pull_slice("b", &mut out, 0).unwrap();
+    w.push_slice("b", &out, 0).unwrap();
+    cluster.finish().unwrap();
+}
+
+#[test]
+fn rendezvous_refuses_wrong_tokens_and_duplicate_ranks() {
+    let mut c = cfg(1, 2, PolicySpec::Bsp);
+    let sched = falcon_engine::Scheduler::bind(c.clone()).unwrap();
+    c.scheduler = sched.address();
+    let s = std::thread::spawn(move || sched.run());
+    let server = {
+        let c = c.clone();
+        std::thread::spawn(move || falcon_engine::Server::join(c, None, Default::default())?.run())
+    };
+    // Another job's token.
+    let mut stale = c.clone();
+    stale.token = "previous-job".into();
+    let err = Worker::join(&stale, tensors(), None)
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&err, Error::Refused(r) if r.contains("token")),
+        "{err}"
+    );
+    // Rank 0 taken, then a second rank 0.
+    let first = {
+        let c = c.clone();
+        std::thread::spawn(move || Worker::join(&c, tensors(), Some(0)))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let err = Worker::join(&c, tensors(), Some(0)).err().expect("refused");
+    assert!(
+        matches!(&err, Error::Refused(r) if r.contains("duplicate rank")),
+        "{err}"
+    );
+    let second = Worker::join(&c, tensors(), Some(1)).unwrap();
+    let first = first.join().unwrap().unwrap();
+    first.finish().unwrap();
+    second.finish().unwrap();
+    let report = s.join().unwrap().unwrap();
+    assert_eq!(report.refused.len(), 2);
+    server.join().unwrap().unwrap();
+}
+
+#[test]
+fn an_unreachable_scheduler_is_a_prompt_error() {
+    let mut c = cfg(1, 1, PolicySpec::Bsp);
+    // A port nobody listens on.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    drop(l);
+    c.scheduler = format!("host=elsewhere;tcp=127.0.0.1:{port}");
+    let start = std::time::Instant::now();
+    let err = Worker::join(&c, tensors(), None).err().expect("fails");
+    assert!(
+        matches!(
+            err,
+            Error::Transport(falcon_transport::Error::Unreachable { .. })
+        ),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
