@@ -1,75 +1,75 @@
 //! The `falcon` command line.
 //!
-//! `falcon train` is the main job. Until the parameter-server engine lands it runs a real
-//! multi-process demo of the data plane: a server process holds a model in a region, worker
-//! processes pull it with one-sided reads and push gradients with one-sided writes carrying
-//! immediates, and the server averages them each iteration (synchronously).
+//! `falcon train` is the main job: an embedded local cluster (scheduler, servers and workers
+//! as separate processes on this host, over shared memory). Until the trainer lands (issue 6)
+//! its workers run a synthetic workload: each pulls the model, pushes the gradient of
+//! ½‖w − target_r‖² with its own target, and the job converges to the targets' mean.
 
-use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, ExitCode};
+use std::time::Instant;
 
 use clap::{Parser, Subcommand};
-use falcon_transport::{
-    Completion, Medium, PeerAddr, Region, RemoteKey, Transport, TransportConfig,
-};
+use falcon_engine::keys::TensorSpec;
+use falcon_engine::proto::Role;
+use falcon_engine::sync::PolicySpec;
+use falcon_engine::update::Optimizer;
+use falcon_engine::{JobConfig, Scheduler, Server, Worker};
+use falcon_transport::{Medium, Transport, TransportConfig};
 
 #[derive(Parser)]
 #[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = None)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Command_,
 }
 
 #[derive(Subcommand)]
-enum Command {
-    /// Run the main job on this host (for now: the data-plane demo).
-    Train(TrainArgs),
-    /// Run benchmarks and print them beside their physical references.
+enum Command_ {
+    /// The main job: a local cluster on this host (for now with the synthetic workload).
+    Train(LocalArgs),
+    /// An embedded local cluster: scheduler, servers and workers as processes on this host.
+    Local(LocalArgs),
+    /// One role of a job, configured from the environment (FALCON_*, or ps-lite's DMLC_*).
+    Role,
+    /// Benchmarks, each figure beside its physical reference.
     Bench {
         /// What to benchmark.
-        #[arg(value_parser = ["transport"], default_value = "transport")]
+        #[arg(value_parser = ["transport", "engine"], default_value = "transport")]
         what: String,
         /// A short smoke run instead of a full measurement.
         #[arg(long)]
         quick: bool,
     },
-    /// Explain this machine: host identity, media, memlock limit, shared-memory directory.
+    /// Explain this machine: host identity, media, RDMA devices, memlock limit.
     Doctor,
-    /// One worker process of `falcon train` (started by it).
-    #[command(hide = true)]
-    DemoWorker {
-        /// The server's address.
-        #[arg(long)]
-        server: String,
-        /// The worker's rank.
-        #[arg(long)]
-        rank: u32,
-        /// Iterations.
-        #[arg(long)]
-        iters: u32,
-        /// Medium.
-        #[arg(long)]
-        medium: String,
-        /// Job id.
-        #[arg(long)]
-        job: u64,
-    },
 }
 
-#[derive(clap::Args)]
-struct TrainArgs {
+#[derive(clap::Args, Clone)]
+struct LocalArgs {
+    /// Server processes.
+    #[arg(long, default_value_t = 1)]
+    servers: u32,
     /// Worker processes.
     #[arg(long, default_value_t = 2)]
     workers: u32,
-    /// Iterations (each: every worker pulls the model and pushes a gradient).
-    #[arg(long, default_value_t = 200)]
-    iters: u32,
+    /// Synchronization policy: bsp, asp, ssp(N).
+    #[arg(long, default_value = "bsp")]
+    policy: String,
+    /// Medium between processes: auto (shm on one host), shm, tcp, rdma.
+    #[arg(long, default_value = "auto")]
+    medium: String,
+    /// Iterations each worker runs.
+    #[arg(long, default_value_t = 100)]
+    iters: u64,
     /// Model size in f32 parameters.
     #[arg(long, default_value_t = 1 << 20)]
     floats: u64,
-    /// Medium between workers and the server: auto, shm or tcp.
-    #[arg(long, default_value = "auto")]
-    medium: String,
+    /// Learning rate of the server-side SGD.
+    #[arg(long, default_value_t = 0.5)]
+    lr: f32,
+    /// Largest shard in bytes (tensors are cut into shards spread over the servers).
+    #[arg(long, default_value_t = 4 << 20)]
+    shard_bytes: u64,
 }
 
 fn main() -> ExitCode {
@@ -81,28 +81,10 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let r = match cli.command {
-        Command::Train(a) => train(a),
-        Command::Bench { what: _, quick } => {
-            let effort = if quick {
-                falcon_bench::transport::Effort::QUICK
-            } else {
-                falcon_bench::transport::Effort::FULL
-            };
-            let rows = falcon_bench::transport::summary(
-                &falcon_bench::transport::available_media(),
-                effort,
-            );
-            println!("{}", falcon_bench::transport::markdown(&rows));
-            Ok(())
-        }
-        Command::Doctor => doctor(),
-        Command::DemoWorker {
-            server,
-            rank,
-            iters,
-            medium,
-            job,
-        } => demo_worker(&server, rank, iters, &medium, job),
+        Command_::Train(a) | Command_::Local(a) => local(a),
+        Command_::Role => role(),
+        Command_::Bench { what, quick } => bench(&what, quick),
+        Command_::Doctor => doctor(),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -115,147 +97,266 @@ fn main() -> ExitCode {
 
 type Res = Result<(), Box<dyn std::error::Error>>;
 
-const WAIT: Option<Duration> = Some(Duration::from_secs(30));
-
-fn train(a: TrainArgs) -> Res {
-    let medium: Medium = a.medium.parse()?;
-    if a.workers == 0 || a.floats == 0 {
-        return Err("--workers and --floats must be at least 1".into());
+fn bench(what: &str, quick: bool) -> Res {
+    if what == "engine" {
+        let rows = falcon_bench::engine::summary(quick)?;
+        println!("{}", falcon_bench::engine::markdown(&rows));
+        return Ok(());
     }
-    let job = std::process::id() as u64 ^ 0xFA1C_0000_0000;
-    let t = Transport::new(TransportConfig {
-        job,
-        ..Default::default()
-    })?;
-    let bytes = a.floats * 4;
-    let model = Region::new(bytes)?;
-    let grads: Vec<Region> = (0..a.workers)
-        .map(|_| Region::new(bytes))
-        .collect::<Result<_, _>>()?;
+    let effort = if quick {
+        falcon_bench::transport::Effort::QUICK
+    } else {
+        falcon_bench::transport::Effort::FULL
+    };
+    let rows =
+        falcon_bench::transport::summary(&falcon_bench::transport::available_media(), effort);
+    println!("{}", falcon_bench::transport::markdown(&rows));
+    Ok(())
+}
+
+/// Starts every role as a process of this binary, configured through the environment.
+fn local(a: LocalArgs) -> Res {
+    let _: PolicySpec = a.policy.parse()?;
+    let _: Medium = a.medium.parse()?;
+    if a.servers == 0 || a.workers == 0 || a.floats == 0 {
+        return Err("--servers, --workers and --floats must be at least 1".into());
+    }
+    // A free loopback port for the scheduler.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let job = format!("local-{}", std::process::id());
+    let token = format!(
+        "{:016x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos() as u64
+            ^ 0x5eed
+    );
     println!(
-        "falcon train: data-plane demo (the engine lands with issue 4): 1 server, {} workers, {} floats ({} MiB), {} iterations, medium {medium}",
+        "falcon: local cluster, {} server(s), {} worker(s), policy {}, medium {}, {} floats ({:.1} MiB), {} iterations",
+        a.servers,
         a.workers,
+        a.policy,
+        a.medium,
         a.floats,
-        bytes >> 20,
+        a.floats as f64 * 4.0 / (1 << 20) as f64,
         a.iters
     );
     let exe = std::env::current_exe()?;
-    let mut children = Vec::new();
-    for rank in 0..a.workers {
-        children.push(
-            std::process::Command::new(&exe)
-                .args(["demo-worker", "--server", &t.address().to_string()])
-                .args(["--rank", &rank.to_string(), "--iters", &a.iters.to_string()])
-                .args(["--medium", medium.name(), "--job", &job.to_string()])
-                .spawn()?,
-        );
-    }
-    // Accept every worker, grant it the model (read) and its gradient slot (write).
-    let mut links = Vec::new();
-    for _ in 0..a.workers {
-        links.push(t.accept(WAIT)?);
-    }
-    for (i, link) in links.iter().enumerate() {
-        let mk = link.grant(&model)?;
-        let gk = link.grant(&grads[i])?;
-        let mut msg = mk.to_bytes().to_vec();
-        msg.extend_from_slice(&gk.to_bytes());
-        link.send(&msg)?;
-    }
-    let mut w = vec![0f32; a.floats as usize];
-    let mut g = vec![0f32; a.floats as usize];
+    let spawn = |role: &str, rank: Option<u32>| -> std::io::Result<Child> {
+        let mut c = Command::new(&exe);
+        c.arg("role")
+            .env("FALCON_ROLE", role)
+            .env("FALCON_JOB", &job)
+            .env("FALCON_TOKEN", &token)
+            .env("FALCON_SCHEDULER_URI", "127.0.0.1")
+            .env("FALCON_SCHEDULER_PORT", port.to_string())
+            .env("FALCON_NUM_SERVER", a.servers.to_string())
+            .env("FALCON_NUM_WORKER", a.workers.to_string())
+            .env("FALCON_POLICY", &a.policy)
+            .env("FALCON_MEDIUM", &a.medium)
+            .env("FALCON_ITERS", a.iters.to_string())
+            .env("FALCON_FLOATS", a.floats.to_string())
+            .env("FALCON_LR", a.lr.to_string())
+            .env("FALCON_MAX_SHARD_BYTES", a.shard_bytes.to_string());
+        if let Some(r) = rank {
+            c.env("FALCON_RANK", r.to_string());
+        }
+        c.spawn()
+    };
     let start = Instant::now();
-    let lr = 0.5f32;
-    for it in 0..a.iters {
-        // Wait for every worker's push of this iteration (immediate = iteration).
-        let mut got = 0;
-        while got < a.workers {
-            match t.cq().wait(WAIT)? {
-                Completion::WriteImm { imm, .. } if imm == it => got += 1,
-                Completion::Closed { error, .. } => {
-                    return Err(format!("a worker left early: {error:?}").into());
-                }
-                other => return Err(format!("unexpected completion {other:?}").into()),
-            }
-        }
-        // Average the gradients into the model: w -= lr * mean(g).
-        for grad in &grads {
-            grad.read_at(0, bytemuck_f32(&mut g))?;
-            for (wi, gi) in w.iter_mut().zip(&g) {
-                *wi -= lr * gi / a.workers as f32;
-            }
-        }
-        model.write_at(0, bytemuck_f32(&mut w))?;
-        for link in &links {
-            link.send(&it.to_le_bytes())?;
-        }
-        if it % 50 == 0 || it + 1 == a.iters {
-            println!("  iteration {it:>4}: w[0] = {:.6}", w[0]);
+    let mut children = vec![("scheduler".to_string(), spawn("scheduler", None)?)];
+    for r in 0..a.servers {
+        children.push((format!("server {r}"), spawn("server", Some(r))?));
+    }
+    for r in 0..a.workers {
+        children.push((format!("worker {r}"), spawn("worker", Some(r))?));
+    }
+    let mut failed = Vec::new();
+    // Wait for all; if one fails, the others notice (links close) and exit on their own.
+    for (name, mut child) in children {
+        let status = child.wait()?;
+        if !status.success() {
+            failed.push(format!("{name} ({status})"));
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    for c in &mut children {
-        let s = c.wait()?;
-        if !s.success() {
-            return Err(format!("a worker exited with {s}").into());
-        }
+    if !failed.is_empty() {
+        return Err(format!("the job failed: {}", failed.join(", ")).into());
     }
-    // Each worker pushes gradient = (w - target) with target = rank + 1: w converges to the
-    // mean target.
-    let target = (1..=a.workers).map(|r| r as f32).sum::<f32>() / a.workers as f32;
-    let moved = 2.0 * a.workers as f64 * a.iters as f64 * bytes as f64;
-    println!(
-        "done: {:.1} iterations/s, {:.2} GB/s moved (pull + push), w[0] = {:.4} (expected → {target:.4})",
-        a.iters as f64 / secs,
-        moved / secs / 1e9,
-        w[0]
+    println!("falcon: job finished in {secs:.2} s");
+    Ok(())
+}
+
+/// Reads a variable by its falcon name or one of its aliases (ps-lite's DMLC_* names).
+fn env(names: &[&str]) -> Option<String> {
+    names
+        .iter()
+        .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
+}
+
+fn env_parse<T: std::str::FromStr>(names: &[&str], default: T) -> Result<T, String> {
+    match env(names) {
+        None => Ok(default),
+        Some(v) => v
+            .parse()
+            .map_err(|_| format!("{}={v:?} is not valid", names[0])),
+    }
+}
+
+/// The job configuration from the environment.
+fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::Error>> {
+    let role: Role = env(&["FALCON_ROLE", "DMLC_ROLE"])
+        .ok_or("FALCON_ROLE (or DMLC_ROLE) is not set: scheduler, server or worker")?
+        .parse()?;
+    let uri = env(&["FALCON_SCHEDULER_URI", "DMLC_PS_ROOT_URI"]);
+    let port: Option<u16> = env(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"])
+        .map(|p| {
+            p.parse()
+                .map_err(|_| format!("scheduler port {p:?} is not a port"))
+        })
+        .transpose()?;
+    let scheduler = match (env(&["FALCON_SCHEDULER"]), &uri, port) {
+        (Some(full), _, _) => full,
+        (None, Some(u), Some(p)) => format!("host=remote;tcp={u}:{p}"),
+        _ => return Err("set FALCON_SCHEDULER, or FALCON_SCHEDULER_URI and FALCON_SCHEDULER_PORT (DMLC_PS_ROOT_URI/PORT)".into()),
+    };
+    let mut cfg = JobConfig {
+        job: env(&["FALCON_JOB"]).unwrap_or_else(|| "falcon".into()),
+        token: env(&["FALCON_TOKEN"]).unwrap_or_default(),
+        servers: env_parse(&["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"], 1)?,
+        workers: env_parse(&["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"], 1)?,
+        scheduler,
+        policy: env(&["FALCON_POLICY"])
+            .unwrap_or_else(|| "bsp".into())
+            .parse()?,
+        optimizer: Optimizer::Sgd {
+            lr: env_parse(&["FALCON_LR"], 0.5)?,
+        },
+        max_shard_bytes: env_parse(
+            &["FALCON_MAX_SHARD_BYTES"],
+            falcon_engine::keys::DEFAULT_MAX_SHARD_BYTES,
+        )?,
+        ..JobConfig::default()
+    };
+    cfg.transport.medium = env(&["FALCON_MEDIUM"])
+        .unwrap_or_else(|| "auto".into())
+        .parse()?;
+    // The scheduler listens on the advertised scheduler address; other roles on any port of
+    // their interface (FALCON_BIND / DMLC_NODE_HOST), advertised as FALCON_ADVERTISE.
+    let host = env(&["FALCON_NODE_HOST", "DMLC_NODE_HOST"])
+        .unwrap_or_else(|| uri.clone().unwrap_or_else(|| "127.0.0.1".into()));
+    let bind = match (role, &uri, port) {
+        (Role::Scheduler, Some(u), Some(p)) => format!("{u}:{p}"),
+        _ => env(&["FALCON_BIND"]).unwrap_or_else(|| format!("{host}:0")),
+    };
+    cfg.transport.bind = Some(
+        bind.parse()
+            .map_err(|e| format!("bind address {bind:?}: {e}"))?,
     );
-    if (w[0] - target).abs() > 1e-2 && a.iters >= 50 {
-        return Err("the model did not converge to the workers' mean target".into());
+    if let Some(adv) = env(&["FALCON_ADVERTISE"]) {
+        cfg.transport.advertise = Some(
+            adv.parse()
+                .map_err(|e| format!("FALCON_ADVERTISE {adv:?}: {e}"))?,
+        );
+    }
+    let rank = env(&["FALCON_RANK"])
+        .map(|r| r.parse())
+        .transpose()
+        .map_err(|_| "FALCON_RANK is not a number")?;
+    Ok((cfg, role, rank))
+}
+
+fn role() -> Res {
+    let (cfg, role, rank) = job_from_env()?;
+    match role {
+        Role::Scheduler => {
+            let report = Scheduler::bind(cfg)?.run()?;
+            println!(
+                "scheduler: job done; bytes per server {:?}",
+                report.bytes_per_server
+            );
+        }
+        Role::Server => {
+            let report = Server::join(cfg, rank, Default::default())?.run()?;
+            println!(
+                "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls",
+                report.rank,
+                report.gradients,
+                report.updates,
+                report.delayed_pulls,
+                report.answered_pulls
+            );
+        }
+        Role::Worker => worker_workload(&cfg, rank)?,
     }
     Ok(())
 }
 
-fn bytemuck_f32(v: &mut [f32]) -> &mut [u8] {
-    // SAFETY: f32 has no invalid bit patterns and u8 has alignment 1; the length is scaled.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
-fn demo_worker(server: &str, rank: u32, iters: u32, medium: &str, job: u64) -> Res {
-    let peer: PeerAddr = server.parse()?;
-    let t = Transport::new(TransportConfig {
-        job,
-        bind: None,
-        shm: false,
-        ..Default::default()
-    })?;
-    let link = t.connect_with(&peer, medium.parse()?)?;
-    let keys = match t.cq().wait(WAIT)? {
-        Completion::Message { data, .. } if data.len() == 2 * RemoteKey::SIZE => data,
-        other => return Err(format!("worker {rank}: expected keys, got {other:?}").into()),
-    };
-    let mk = RemoteKey::from_bytes(&keys[..RemoteKey::SIZE])?;
-    let gk = RemoteKey::from_bytes(&keys[RemoteKey::SIZE..])?;
-    let params = Region::new(mk.len)?;
-    let grad = Region::new(gk.len)?;
-    let n = (mk.len / 4) as usize;
-    let (mut w, mut g) = (vec![0f32; n], vec![0f32; n]);
-    let target = (rank + 1) as f32;
-    for it in 0..iters {
-        link.read(&params, 0, &mk, 0, mk.len)?;
-        params.read_at(0, bytemuck_f32(&mut w))?;
-        for (gi, wi) in g.iter_mut().zip(&w) {
-            *gi = wi - target;
+/// The synthetic workload: minimise ½‖w − (rank+1)‖² together; under BSP with the mean the
+/// model converges to the mean of the targets.
+fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
+    let iters: u64 = env_parse(&["FALCON_ITERS"], 100)?;
+    let floats: u64 = env_parse(&["FALCON_FLOATS"], 1 << 20)?;
+    let tensors = vec![TensorSpec {
+        name: "model".into(),
+        len: floats,
+    }];
+    let w = Worker::join(cfg, tensors, rank)?;
+    let buf = w.buffer("model")?;
+    let grad = w.buffer("model")?;
+    let target = (w.rank() + 1) as f32;
+    let mut p = vec![0f32; floats as usize];
+    let mut g = vec![0f32; floats as usize];
+    w.barrier()?;
+    let start = Instant::now();
+    for t in 0..iters {
+        w.pull("model", &buf, t)?;
+        buf.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))?;
+        for (gi, pi) in g.iter_mut().zip(&p) {
+            *gi = pi - target;
         }
-        grad.write_at(0, bytemuck_f32(&mut g))?;
-        link.write(&grad, 0, &gk, 0, gk.len, Some(it))?;
-        // The server's go-ahead for the next iteration.
-        match t.cq().wait(WAIT)? {
-            Completion::Message { data, .. } if data == it.to_le_bytes() => {}
-            other => return Err(format!("worker {rank}: unexpected {other:?}").into()),
+        grad.write_at(0, falcon_engine::worker::f32_bytes(&g))?;
+        w.push("model", &grad, t)?;
+        if w.rank() == 0 && (t % 25 == 0 || t + 1 == iters) {
+            println!("  worker 0 iteration {t:>4}: w[0] = {:.5}", p[0]);
         }
     }
-    link.close();
+    let secs = start.elapsed().as_secs_f64();
+    w.barrier()?;
+    w.pull("model", &buf, iters)?;
+    buf.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))?;
+    let mean = (1..=w.workers()).map(|r| r as f32).sum::<f32>() / w.workers() as f32;
+    let stats = w.stats();
+    let bytes = 2.0 * iters as f64 * floats as f64 * 4.0;
+    println!(
+        "worker {}: {iters} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server",
+        w.rank(),
+        iters as f64 / secs,
+        bytes / secs / 1e9,
+        p[0],
+        stats.fast_pulls,
+        stats.slow_pulls
+    );
+    let lo = 1.0f32.min(mean) - 1e-3;
+    let hi = w.workers() as f32 + 1e-3;
+    if !p.iter().all(|x| x.is_finite() && *x >= lo && *x <= hi) {
+        return Err(format!(
+            "worker {}: the model left the targets' range [1, {}]",
+            w.rank(),
+            w.workers()
+        )
+        .into());
+    }
+    if cfg.policy == PolicySpec::Bsp && iters >= 30 && (p[0] - mean).abs() > 1e-3 {
+        return Err(format!(
+            "worker {}: BSP did not converge to the mean target",
+            w.rank()
+        )
+        .into());
+    }
+    w.finish()?;
     Ok(())
 }
 

@@ -6,6 +6,7 @@
 //!
 //! This crate knows how to measure; it must not contain the behaviour it measures.
 
+pub mod engine;
 pub mod reference;
 pub mod stats;
 pub mod transport;

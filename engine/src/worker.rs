@@ -35,7 +35,9 @@ pub(crate) fn rendezvous(
         .scheduler
         .parse()
         .map_err(|e| Error::Config(format!("scheduler address {:?}: {e}", cfg.scheduler)))?;
-    let sched = t.connect(&addr)?;
+    // The configured medium is for the data path; the control link to the scheduler takes
+    // whatever reaches it (its address may be a bare tcp endpoint from the environment).
+    let sched = t.connect_with(&addr, falcon_transport::Medium::Auto)?;
     sched.send(
         &Msg::Hello {
             role,
@@ -658,10 +660,15 @@ impl Worker {
         sig.wait(self.inner.timeout.max(Duration::from_secs(300)))
     }
 
-    /// Tells the scheduler this worker is done (the job ends when every worker is).
+    /// Tells the scheduler this worker is done (the job ends when every worker is) and closes
+    /// its links in order.
     pub fn finish(&self) -> Result<()> {
         self.inner.sched.send(&Msg::Done.encode())?;
         self.inner.stop.store(true, Ordering::Release);
+        for l in &self.inner.servers {
+            l.close();
+        }
+        self.inner.sched.close();
         Ok(())
     }
 }

@@ -563,7 +563,8 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Shared) -> R
                     reason: "connection closed without goodbye (peer died?)".into(),
                 });
             }
-            Err(_) if shared.closing.load(Ordering::Acquire) => return Ok(()),
+            // After a goodbye (ours or theirs) a reset is the peer closing with unread data.
+            Err(_) if said_bye || shared.closing.load(Ordering::Acquire) => return Ok(()),
             Err(e) => return Err(lost(shared, e)),
         }
         let (op, h) = FrameHeader::decode(&raw)?;
