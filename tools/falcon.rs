@@ -64,7 +64,8 @@ struct LocalArgs {
     /// Model size in f32 parameters.
     #[arg(long, default_value_t = 1 << 20)]
     floats: u64,
-    /// Learning rate of the server-side SGD.
+    /// Learning rate of the server-side SGD per round (async policies apply each worker's
+    /// gradient with lr / workers).
     #[arg(long, default_value_t = 0.5)]
     lr: f32,
     /// Largest shard in bytes (tensors are cut into shards spread over the servers).
@@ -240,6 +241,12 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         )?,
         ..JobConfig::default()
     };
+    // Async policies apply each worker's gradient on its own: lr / workers keeps the step of
+    // a round equal to BSP's (mean of W gradients) and delayed-gradient descent stable.
+    if cfg.update_mode() == falcon_engine::update::UpdateMode::Async {
+        let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
+        cfg.optimizer = Optimizer::Sgd { lr };
+    }
     cfg.transport.medium = env(&["FALCON_MEDIUM"])
         .unwrap_or_else(|| "auto".into())
         .parse()?;
@@ -339,15 +346,11 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
         stats.fast_pulls,
         stats.slow_pulls
     );
-    let lo = 1.0f32.min(mean) - 1e-3;
-    let hi = w.workers() as f32 + 1e-3;
-    if !p.iter().all(|x| x.is_finite() && *x >= lo && *x <= hi) {
-        return Err(format!(
-            "worker {}: the model left the targets' range [1, {}]",
-            w.rank(),
-            w.workers()
-        )
-        .into());
+    // Asynchronous policies apply stale gradients, which may overshoot the targets; only BSP
+    // has an exact answer. Every policy must keep the model finite and near the targets.
+    let bound = 4.0 * w.workers() as f32;
+    if !p.iter().all(|x| x.is_finite() && x.abs() <= bound) {
+        return Err(format!("worker {}: the model diverged (|w| > {bound})", w.rank()).into());
     }
     if cfg.policy == PolicySpec::Bsp && iters >= 30 && (p[0] - mean).abs() > 1e-3 {
         return Err(format!(

@@ -315,7 +315,7 @@ impl Scheduler {
                     };
                     seen.insert(node, Instant::now());
                     match Msg::decode(&data) {
-                        Ok(Msg::Heartbeat) => {}
+                        Ok(Msg::Heartbeat) => tracing::trace!("scheduler: heartbeat from {node:?}"),
                         Ok(Msg::Barrier { seq }) if node.0 == Role::Worker => {
                             barriers.entry(seq).or_default().insert(node.1);
                         }

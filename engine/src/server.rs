@@ -131,19 +131,23 @@ pub struct Server {
     sched: Link,
     book: Book,
     hooks: ServerHooks,
+    /// Completions that arrived before the book (workers attaching early).
+    early: Vec<Completion>,
 }
 
 impl Server {
     /// Creates the server's transport and joins the job (blocks until rendezvous completes).
     pub fn join(cfg: JobConfig, rank: Option<u32>, hooks: ServerHooks) -> Result<Server> {
         let t = Transport::new(cfg.transport_config())?;
-        let (sched, book) = crate::worker::rendezvous(&t, &cfg, Role::Server, rank, Vec::new())?;
+        let (sched, book, early) =
+            crate::worker::rendezvous(&t, &cfg, Role::Server, rank, Vec::new())?;
         Ok(Server {
             cfg,
             t,
             sched,
             book,
             hooks,
+            early,
         })
     }
 
@@ -160,7 +164,9 @@ impl Server {
             sched,
             book,
             hooks,
+            early,
         } = self;
+        let mut early = early.into_iter();
         let workers = book.workers as usize;
         let mut shards = Vec::new();
         let mut local_of: HashMap<u32, usize> = HashMap::new();
@@ -202,9 +208,12 @@ impl Server {
             while let Ok(l) = t.accept(Some(Duration::ZERO)) {
                 links.insert(l.id(), l);
             }
-            let c = match t.cq().wait(Some(cfg.heartbeat)) {
-                Ok(c) => c,
-                Err(_) => continue,
+            let c = match early.next() {
+                Some(c) => c,
+                None => match t.cq().wait(Some(cfg.heartbeat)) {
+                    Ok(c) => c,
+                    Err(_) => continue,
+                },
             };
             let now = start.elapsed().as_nanos() as u64;
             match c {
@@ -245,6 +254,7 @@ impl Server {
                     };
                     match Msg::decode(&data) {
                         Ok(Msg::Attach { rank, token: tk }) => {
+                            tracing::debug!("server {}: worker {rank} attaches", book.rank);
                             if tk != token
                                 || rank as usize >= workers
                                 || link_of.contains_key(&rank)

@@ -23,21 +23,39 @@ use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::proto::{Book, Msg, Role, imm};
 use crate::sync::FastPath;
 
-/// Joins a job at the scheduler: hello, then wait for the book (or a refusal).
+/// Joins a job at the scheduler: hello, then wait for the book (or a refusal). Completions
+/// from other peers that arrive meanwhile (a fast worker attaching to a server that has not
+/// read its own book yet) are returned, not dropped.
 pub(crate) fn rendezvous(
     t: &Transport,
     cfg: &JobConfig,
     role: Role,
     rank: Option<u32>,
     tensors: Vec<TensorSpec>,
-) -> Result<(Link, Book)> {
+) -> Result<(Link, Book, Vec<Completion>)> {
+    let mut early = Vec::new();
     let addr = cfg
         .scheduler
         .parse()
         .map_err(|e| Error::Config(format!("scheduler address {:?}: {e}", cfg.scheduler)))?;
     // The configured medium is for the data path; the control link to the scheduler takes
     // whatever reaches it (its address may be a bare tcp endpoint from the environment).
-    let sched = t.connect_with(&addr, falcon_transport::Medium::Auto)?;
+    // Roles start in any order: retry until the rendezvous deadline, like ps-lite.
+    let deadline = Instant::now() + cfg.rendezvous_timeout;
+    let mut pause = Duration::from_millis(20);
+    let sched = loop {
+        match t.connect_with(&addr, falcon_transport::Medium::Auto) {
+            Ok(l) => break l,
+            Err(e @ falcon_transport::Error::Unreachable { .. }) => {
+                if Instant::now() + pause > deadline {
+                    return Err(e.into());
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
     sched.send(
         &Msg::Hello {
             role,
@@ -60,7 +78,7 @@ pub(crate) fn rendezvous(
         match t.cq().wait(Some(left)) {
             Ok(Completion::Message { link, data }) if link == sched.id() => {
                 match Msg::decode(&data)? {
-                    Msg::Book(b) => return Ok((sched, b)),
+                    Msg::Book(b) => return Ok((sched, b, early)),
                     Msg::Refused { reason } => return Err(Error::Refused(reason)),
                     other => tracing::debug!("rendezvous: ignoring {other:?}"),
                 }
@@ -72,7 +90,7 @@ pub(crate) fn rendezvous(
                     why: format!("closed during rendezvous: {error:?}"),
                 });
             }
-            Ok(_) => {}
+            Ok(other) => early.push(other),
             Err(_) => {}
         }
     }
@@ -195,12 +213,13 @@ impl Worker {
             shm: false,
             ..cfg.transport_config()
         })?;
-        let (sched, book) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
+        let (sched, book, _early) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
         let mut servers = Vec::new();
         for (r, addr) in book.servers.iter().enumerate() {
             let peer = addr
                 .parse()
                 .map_err(|e| Error::Config(format!("server {r} address {addr:?}: {e}")))?;
+            tracing::debug!("worker {}: connecting to server {r} at {addr}", book.rank);
             let link = t.connect(&peer).map_err(|e| Error::PeerGone {
                 role: "server",
                 rank: r as u32,
@@ -213,6 +232,11 @@ impl Worker {
                 }
                 .encode(),
             )?;
+            tracing::debug!(
+                "worker {}: attached to server {r} over {}",
+                book.rank,
+                link.medium()
+            );
             servers.push(link);
         }
         // Collect every server's keys.

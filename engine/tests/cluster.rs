@@ -306,6 +306,8 @@ fn an_unreachable_scheduler_is_a_prompt_error() {
     let port = l.local_addr().unwrap().port();
     drop(l);
     c.scheduler = format!("host=elsewhere;tcp=127.0.0.1:{port}");
+    // Nodes retry an absent scheduler until their rendezvous deadline, then say why.
+    c.rendezvous_timeout = Duration::from_secs(2);
     let start = std::time::Instant::now();
     let err = Worker::join(&c, tensors(), None).err().expect("fails");
     assert!(

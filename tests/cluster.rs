@@ -1,0 +1,161 @@
+//! Multi-process clusters: every role a real process of the `falcon` binary.
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const FALCON: &str = env!("CARGO_BIN_EXE_falcon");
+
+fn local(policy: &str, medium: &str) -> Output {
+    Command::new(FALCON)
+        .args(["local", "--servers", "2", "--workers", "4", "--iters", "40"])
+        .args(["--floats", "100000", "--shard-bytes", "65536"])
+        .args(["--policy", policy, "--medium", medium])
+        .output()
+        .expect("run falcon local")
+}
+
+fn check(policy: &str, medium: &str) {
+    let out = local(policy, medium);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{policy} over {medium} failed:\n{stdout}\n{stderr}"
+    );
+    for w in 0..4 {
+        assert!(
+            stdout.contains(&format!("worker {w}: 40 iterations")),
+            "worker {w} missing:\n{stdout}"
+        );
+    }
+    for s in 0..2 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("server {s}:")))
+            .expect("server report");
+        // 100000 floats in 64 KiB shards, spread over both servers: each gets gradients.
+        assert!(!line.contains(" 0 gradients"), "server {s} idle: {line}");
+    }
+    assert!(stdout.contains("job finished"), "{stdout}");
+    assert!(
+        !stderr.contains("WARN"),
+        "a clean run logs no warning:\n{stderr}"
+    );
+}
+
+#[test]
+fn bsp_over_shm() {
+    check("bsp", "shm");
+}
+#[test]
+fn bsp_over_tcp() {
+    check("bsp", "tcp");
+}
+#[test]
+fn asp_over_shm() {
+    check("asp", "shm");
+}
+#[test]
+fn asp_over_tcp() {
+    check("asp", "tcp");
+}
+#[test]
+fn ssp_over_shm() {
+    check("ssp(2)", "shm");
+}
+#[test]
+fn ssp_over_tcp() {
+    check("ssp(2)", "tcp");
+}
+
+/// A free loopback port.
+fn port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One role started the way a multi-host launcher would: nothing but environment variables,
+/// with ps-lite's names.
+fn role(role: &str, port: u16, iters: u64, extra: &[(&str, &str)]) -> Child {
+    let mut c = Command::new(FALCON);
+    c.arg("role")
+        .env("DMLC_ROLE", role)
+        .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+        .env("DMLC_PS_ROOT_PORT", port.to_string())
+        .env("DMLC_NUM_SERVER", "1")
+        .env("DMLC_NUM_WORKER", "2")
+        .env("DMLC_NODE_HOST", "127.0.0.1")
+        .env("FALCON_JOB", format!("envjob-{port}"))
+        .env("FALCON_TOKEN", "t0ken")
+        .env("FALCON_ITERS", iters.to_string())
+        .env("FALCON_FLOATS", "50000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in extra {
+        c.env(k, v);
+    }
+    c.spawn().expect("spawn role")
+}
+
+fn wait_for(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn a_job_starts_from_environment_variables_alone() {
+    let p = port();
+    let mut procs = vec![role("scheduler", p, 20, &[]), role("server", p, 20, &[])];
+    procs.push(role("worker", p, 20, &[]));
+    procs.push(role("worker", p, 20, &[]));
+    for mut c in procs {
+        let status = wait_for(&mut c, Duration::from_secs(60)).expect("finishes");
+        let out = c.wait_with_output().unwrap();
+        assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn a_dead_server_is_a_prompt_typed_error_for_the_workers() {
+    let p = port();
+    let mut sched = role("scheduler", p, 100_000, &[]);
+    let mut server = role("server", p, 100_000, &[]);
+    let mut workers = vec![
+        role("worker", p, 100_000, &[]),
+        role("worker", p, 100_000, &[]),
+    ];
+    // Let the job get going, then kill the server outright.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        server.try_wait().unwrap().is_none(),
+        "the server is still running"
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let killed = Instant::now();
+    for w in workers.iter_mut() {
+        let status =
+            wait_for(w, Duration::from_secs(20)).expect("a worker notices within a bounded time");
+        assert!(!status.success(), "a worker whose server died must fail");
+    }
+    let noticed = killed.elapsed();
+    for w in workers {
+        let err = String::from_utf8_lossy(&w.wait_with_output().unwrap().stderr).into_owned();
+        assert!(
+            err.contains("server 0 is gone"),
+            "the error names the dead server: {err}"
+        );
+    }
+    let status = wait_for(&mut sched, Duration::from_secs(20)).expect("the scheduler ends too");
+    assert!(!status.success());
+    eprintln!("workers noticed the dead server within {noticed:?}");
+}
