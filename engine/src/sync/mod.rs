@@ -17,11 +17,21 @@
 
 mod asp;
 mod bsp;
+mod dssp;
+mod fluentps;
 mod ssp;
+mod syncopt;
+pub mod zipline;
 
 pub use asp::Asp;
 pub use bsp::Bsp;
+#[allow(unused_imports)]
+pub use dssp::*;
+#[allow(unused_imports)]
+pub use fluentps::*;
 pub use ssp::Ssp;
+#[allow(unused_imports)]
+pub use syncopt::*;
 
 use serde::{Deserialize, Serialize};
 
@@ -94,6 +104,13 @@ pub enum Action {
         worker: Worker,
         /// The request.
         req: u64,
+    },
+    /// Discard `worker`'s gradient for `clock` (it arrived too late to count; Sync-opt).
+    DropGradient {
+        /// The worker.
+        worker: Worker,
+        /// The gradient's iteration.
+        clock: u64,
     },
 }
 
