@@ -60,19 +60,19 @@ for line in sys.stdin:
 ' "$@"
 }
 
-# The guest suite: the conformance suite (rdma, and shm and tcp again), the rdma error tests and
-# the transport benchmarks in quick mode, all built with `rdma` in release mode (TCG emulation
+# The guest suite: the conformance suite (rdma, and shm and tcp again), the rdma error tests, the
+# engine's cluster smoke test over rdma, and the transport benchmarks in quick mode, all built with `rdma` in release mode (TCG emulation
 # makes debug builds slow). Under emulation the benchmarks show function, not speed.
 rdma_guest() {
-    cargo test --release -p falcon-transport --features rdma --no-run || return 1
+    cargo test --release -p falcon-transport -p falcon-engine --features rdma --no-run || return 1
     cargo bench -p falcon-bench --features rdma --no-run || return 1
     local bins
     mapfile -t bins < <({
-        cargo test --release -p falcon-transport --features rdma --no-run --message-format=json
+        cargo test --release -p falcon-transport -p falcon-engine --features rdma --no-run --message-format=json
         cargo bench -p falcon-bench --features rdma --no-run --message-format=json
-    } 2>/dev/null | executables_named conformance medium_fallback rdma_memlock rdma_port_down transport)
-    if [ "${#bins[@]}" -ne 5 ]; then
-        echo "expected 5 guest executables, found ${#bins[@]}: ${bins[*]}"
+    } 2>/dev/null | executables_named conformance medium_fallback rdma_memlock rdma_port_down rdma_cluster transport)
+    if [ "${#bins[@]}" -ne 6 ]; then
+        echo "expected 6 guest executables, found ${#bins[@]}: ${bins[*]}"
         return 1
     fi
     local rc=0

@@ -346,6 +346,11 @@ impl Worker {
         &self.inner.book.keymap
     }
 
+    /// The medium of the link to each server, by server rank.
+    pub fn server_media(&self) -> Vec<&'static str> {
+        self.inner.servers.iter().map(|l| l.medium()).collect()
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> WorkerStats {
         lock(&self.inner.stats).clone()
