@@ -1,1 +1,210 @@
-//! (being written)
+//! Synchronous SGD with backup workers ("Sync-opt"; Chen, Pan, Monga, Bengio, Jozefowicz,
+//! 2016, "Revisiting distributed synchronous SGD").
+//!
+//! `N + b` workers run; for each iteration (clock) the first `N` gradients to arrive count and
+//! the `b` that arrive later are dropped, so a step costs the `N`-th fastest worker's time, not
+//! the slowest's. In TensorFlow this is `SyncReplicasOptimizer(replicas_to_aggregate = N,
+//! total_num_replicas = N + b)`.
+//!
+//! # Event semantics this policy expects
+//!
+//! - [`Event::Push`]`{worker, clock}` means *`worker`'s gradient for iteration `clock` arrived
+//!   at the server and has not been applied yet*, unlike the other policies, which are told
+//!   after the fact. The policy answers [`Action::DropGradient`]`{worker, clock}` for a gradient
+//!   that does not count, and the server must then discard it; a push answered without
+//!   `DropGradient` counts and the server applies it. A gradient counts iff fewer than `N`
+//!   gradients for `clock` have counted so far (and this worker has not already pushed
+//!   `clock`, or a later clock: repeats are dropped too). Gradients for a clock whose step is
+//!   already complete are therefore always dropped ("stale": computed for an old version).
+//! - The *version* `v` ([`SyncOpt::version`]) is the number of steps complete: clocks
+//!   `0..v` each have their `N` counted gradients. [`Event::Pull`]`{clock: c}` is released iff
+//!   `c <= v`, i.e. once clock `c − 1` (and every clock before it) has its `N` gradients;
+//!   otherwise it is parked and released, in clock order, by the push that completes the step.
+//!   A worker that lags (a backup) is never held: its pulls are for old clocks and are
+//!   answered at once with the latest values, and its late gradients are dropped.
+//! - [`Event::Leave`]: a departed worker no longer counts toward the quorum. While fewer than
+//!   `N` workers are live a step completes with as many gradients as there are live workers
+//!   (gradients a worker pushed before it left still count), so training does not deadlock.
+//!   [`Event::Join`]`{clock}` marks the worker live again; its pushes for clocks below `clock`
+//!   are treated as repeats. [`Event::Tick`] does nothing. Events about unknown workers are
+//!   ignored (no action at all: the server must not feed gradients from ranks it does not
+//!   know).
+//! - Each shard runs its own instance, so on different shards different workers may be among
+//!   the first `N` of a step, as with TensorFlow's one accumulator per variable.
+//!
+//! Fast path: `Within(0)`. A one-sided pull at `c` then needs every live worker's applied
+//! count `≥ c`, i.e. every live worker pushed clock `c − 1`, so the step is complete and the
+//! policy would have released it too (whether or not the shard counts dropped gradients in its
+//! clocks). With backups it rarely passes (the backups lag), and such pulls reach the policy.
+//!
+//! With `b = 0` this is BSP action for action (a property test checks it against
+//! [`super::Bsp`]).
+
+use std::collections::VecDeque;
+
+use super::{Action, Event, FastPath, SyncPolicy, Worker};
+
+/// Sync-opt: `N` counted gradients per step out of `N + b` workers.
+#[derive(Clone, Debug)]
+pub struct SyncOpt {
+    /// `N`: gradients that count per step.
+    quorum: u32,
+    backups: u32,
+    /// Per worker: one past the highest clock it pushed (or joined with).
+    next: Vec<u64>,
+    live: Vec<bool>,
+    /// Completed steps (the version).
+    version: u64,
+    /// Counted gradients for clocks `version, version + 1, …`.
+    counted: VecDeque<u32>,
+    /// Parked pulls: (clock, req, worker).
+    waiting: Vec<(u64, u64, Worker)>,
+    delayed: u64,
+    dropped: u64,
+}
+
+impl SyncOpt {
+    /// Sync-opt for `workers_total = N + b` workers of which `backups = b` are backups: each
+    /// step aggregates the first `N = workers_total − backups` gradients.
+    ///
+    /// # Panics
+    /// If `backups >= workers_total` (a step needs at least one gradient).
+    pub fn new(workers_total: u32, backups: u32) -> SyncOpt {
+        assert!(
+            backups < workers_total,
+            "Sync-opt needs fewer backups ({backups}) than workers ({workers_total})"
+        );
+        SyncOpt {
+            quorum: workers_total - backups,
+            backups,
+            next: vec![0; workers_total as usize],
+            live: vec![true; workers_total as usize],
+            version: 0,
+            counted: VecDeque::new(),
+            waiting: Vec::new(),
+            delayed: 0,
+            dropped: 0,
+        }
+    }
+
+    /// `N`: the gradients that count per step.
+    pub fn quorum(&self) -> u32 {
+        self.quorum
+    }
+
+    /// `b`: the backup workers.
+    pub fn backups(&self) -> u32 {
+        self.backups
+    }
+
+    /// Steps complete: every clock below this has its `N` counted gradients.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Gradients dropped so far (answered with [`Action::DropGradient`]).
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Gradients a step needs now: `N`, or the live workers when fewer are live.
+    fn needed(&self) -> u32 {
+        let live = self.live.iter().filter(|l| **l).count() as u32;
+        self.quorum.min(live)
+    }
+
+    /// Advances the version over every complete step; true if it moved.
+    fn advance(&mut self) -> bool {
+        let needed = self.needed();
+        let mut moved = false;
+        while needed > 0 && self.counted.front().is_some_and(|&n| n >= needed) {
+            self.counted.pop_front();
+            self.version += 1;
+            moved = true;
+        }
+        moved
+    }
+
+    fn release_ready(&mut self, out: &mut Vec<Action>) {
+        let v = self.version;
+        self.waiting.sort_unstable();
+        let n = self.waiting.partition_point(|&(clock, ..)| clock <= v);
+        out.extend(
+            self.waiting
+                .drain(..n)
+                .map(|(_, req, worker)| Action::Release { worker, req }),
+        );
+    }
+
+    fn on_push(&mut self, worker: Worker, clock: u64, out: &mut Vec<Action>) {
+        let w = worker as usize;
+        let repeat = clock < self.next[w];
+        self.next[w] = self.next[w].max(clock.saturating_add(1));
+        let slot = clock
+            .checked_sub(self.version)
+            .and_then(|i| usize::try_from(i).ok());
+        let counts =
+            !repeat && slot.is_some_and(|i| self.counted.get(i).is_none_or(|&n| n < self.quorum));
+        if !counts {
+            self.dropped += 1;
+            out.push(Action::DropGradient { worker, clock });
+            return;
+        }
+        let i = slot.expect("counted gradients have a slot");
+        if self.counted.len() <= i {
+            self.counted.resize(i + 1, 0);
+        }
+        self.counted[i] += 1;
+        if self.advance() {
+            self.release_ready(out);
+        }
+    }
+}
+
+impl SyncPolicy for SyncOpt {
+    fn name(&self) -> String {
+        format!("syncopt({}+{})", self.quorum, self.backups)
+    }
+
+    fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
+        let known = |w: Worker| (w as usize) < self.next.len();
+        match ev {
+            Event::Push { worker, clock, .. } if known(worker) => self.on_push(worker, clock, out),
+            Event::Pull {
+                worker, clock, req, ..
+            } if known(worker) => {
+                if clock <= self.version {
+                    out.push(Action::Release { worker, req });
+                } else {
+                    self.waiting.push((clock, req, worker));
+                    self.delayed += 1;
+                    out.push(Action::Park { worker, req });
+                }
+            }
+            Event::Leave { worker, .. } if known(worker) => {
+                self.live[worker as usize] = false;
+                if self.advance() {
+                    self.release_ready(out);
+                }
+            }
+            Event::Join { worker, clock, .. } if known(worker) => {
+                let w = worker as usize;
+                self.live[w] = true;
+                self.next[w] = self.next[w].max(clock);
+            }
+            _ => {}
+        }
+    }
+
+    fn fast_path(&self) -> FastPath {
+        FastPath::Within(0)
+    }
+
+    fn parked(&self) -> usize {
+        self.waiting.len()
+    }
+
+    fn delayed_total(&self) -> u64 {
+        self.delayed
+    }
+}
