@@ -67,6 +67,14 @@ fn ssp_over_shm() {
 fn ssp_over_tcp() {
     check("ssp(2)", "tcp");
 }
+#[test]
+fn dssp_over_shm() {
+    check("dssp(2,6)", "shm");
+}
+#[test]
+fn fluentps_sigmoid_over_shm() {
+    check("fluentps(2,sigmoid)", "shm");
+}
 
 /// A free loopback port.
 fn port() -> u16 {

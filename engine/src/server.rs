@@ -181,7 +181,7 @@ impl Server {
                     .map(|_| Region::new(bytes))
                     .collect::<Result<_, _>>()?,
                 opt: ShardOptimizer::new(book.optimizer, hooks.schedule.clone(), spec.len as usize),
-                policy: book.policy.build(book.workers),
+                policy: book.policy.build_for(book.workers, spec.id),
                 pushes: vec![0; workers],
                 pending: BTreeMap::new(),
                 next_apply: 0,

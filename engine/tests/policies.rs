@@ -215,3 +215,55 @@ fn a_departed_worker_no_longer_holds_the_others() {
         &mut out,
     );
 }
+
+#[test]
+fn policy_specs_parse_and_build() {
+    use falcon_engine::sync::{PauseSpec, PolicySpec};
+    let cases = [
+        ("bsp", PolicySpec::Bsp),
+        ("ASP", PolicySpec::Asp),
+        ("ssp(3)", PolicySpec::Ssp { s: 3 }),
+        (
+            "dssp(3, 15)",
+            PolicySpec::Dssp {
+                s_lower: 3,
+                s_upper: 15,
+            },
+        ),
+        (
+            "fluentps(3)",
+            PolicySpec::FluentPs {
+                s: 3,
+                pause: PauseSpec::RawSsp,
+            },
+        ),
+        (
+            "fluentps(3,p=0.5)",
+            PolicySpec::FluentPs {
+                s: 3,
+                pause: PauseSpec::Fastest { permille: 500 },
+            },
+        ),
+        (
+            "fluentps(3,sigmoid)",
+            PolicySpec::FluentPs {
+                s: 3,
+                pause: PauseSpec::Sigmoid,
+            },
+        ),
+    ];
+    for (text, spec) in cases {
+        assert_eq!(text.parse::<PolicySpec>().unwrap(), spec, "{text}");
+        assert!(!spec.build_for(4, 7).name().is_empty());
+    }
+    for bad in [
+        "ssp",
+        "ssp(x)",
+        "dssp(5,3)",
+        "fluentps(3,p=2)",
+        "zz",
+        "elastic()",
+    ] {
+        assert!(bad.parse::<PolicySpec>().is_err(), "{bad} must be refused");
+    }
+}

@@ -25,13 +25,12 @@ pub mod zipline;
 
 pub use asp::Asp;
 pub use bsp::Bsp;
-#[allow(unused_imports)]
 pub use dssp::*;
-#[allow(unused_imports)]
 pub use fluentps::*;
 pub use ssp::Ssp;
 #[allow(unused_imports)]
 pub use syncopt::*;
+pub use zipline::ElasticBsp;
 
 use serde::{Deserialize, Serialize};
 
@@ -43,7 +42,8 @@ pub type Nanos = u64;
 /// What a policy is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// `worker`'s gradient for iteration `clock` was applied to the shard.
+    /// `worker`'s gradient for iteration `clock` was applied to the shard (for policies that
+    /// may drop gradients, Sync-opt: it arrived and is not applied yet; see `SyncOpt`).
     Push {
         /// The worker.
         worker: Worker,
@@ -151,38 +151,146 @@ pub enum PolicySpec {
         /// The staleness bound.
         s: u64,
     },
+    /// Dynamic SSP with its threshold chosen in `[s_lower, s_upper]`.
+    Dssp {
+        /// s_L.
+        s_lower: u64,
+        /// s_U.
+        s_upper: u64,
+    },
+    /// FluentPS with bound `s` and a pausing variant.
+    FluentPs {
+        /// The staleness bound.
+        s: u64,
+        /// How the fastest worker is paused.
+        pause: PauseSpec,
+    },
+}
+// ElasticBSP (`zipline::ElasticBsp`) is not a `PolicySpec` yet: its barrier plan must be one
+// for the whole job, but each shard runs its own instance and plans from its own timings, so
+// shards would disagree on a worker's barrier and can deadlock (seen in a 4×2 cluster). It
+// needs the scheduler to run ZipLine and broadcast the plan (issue 5).
+
+/// FluentPS's pausing variant, as configured (`p` in thousandths so the spec stays `Eq`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PauseSpec {
+    /// Every pull past the bound waits.
+    RawSsp,
+    /// Only the fastest, with probability `permille / 1000`.
+    Fastest {
+        /// The probability in thousandths.
+        permille: u32,
+    },
+    /// Sigmoid in the gap, any worker.
+    Sigmoid,
+    /// Sigmoid in the gap, the fastest only.
+    FastestSigmoid,
 }
 
 impl PolicySpec {
     /// A fresh instance for a shard of a job with `workers` workers.
     pub fn build(&self, workers: u32) -> Box<dyn SyncPolicy> {
+        self.build_for(workers, 0)
+    }
+
+    /// A fresh instance for shard `shard` (randomized policies seed from it, so shards do not
+    /// draw the same sequence).
+    pub fn build_for(&self, workers: u32, shard: u32) -> Box<dyn SyncPolicy> {
         match *self {
             PolicySpec::Bsp => Box::new(Bsp::new(workers)),
             PolicySpec::Asp => Box::new(Asp),
             PolicySpec::Ssp { s } => Box::new(Ssp::new(workers, s)),
+            PolicySpec::Dssp { s_lower, s_upper } => Box::new(Dssp::new(workers, s_lower, s_upper)),
+            PolicySpec::FluentPs { s, pause } => {
+                let pause = match pause {
+                    PauseSpec::RawSsp => Pause::RawSsp,
+                    PauseSpec::Fastest { permille } => Pause::Fastest {
+                        p: f64::from(permille) / 1000.0,
+                    },
+                    PauseSpec::Sigmoid => Pause::Sigmoid,
+                    PauseSpec::FastestSigmoid => Pause::FastestSigmoid,
+                };
+                let seed =
+                    0x9E37_79B9_7F4A_7C15u64 ^ u64::from(shard).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                Box::new(FluentPs::new(pause, s, workers, seed))
+            }
         }
     }
 }
 
+fn args_of<'a>(l: &'a str, name: &str) -> Option<Vec<&'a str>> {
+    let rest = l.strip_prefix(name)?;
+    let inner = rest.trim().strip_prefix('(')?.strip_suffix(')')?;
+    Some(
+        inner
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .collect(),
+    )
+}
+
 impl std::str::FromStr for PolicySpec {
     type Err = crate::Error;
+    /// `bsp`, `asp`, `ssp(3)`, `dssp(3,15)`, `fluentps(3)` (raw SSP),
+    /// `fluentps(3,p=0.5)` (fastest only), `fluentps(3,sigmoid)`, `fluentps(3,fastest-sigmoid)`.
     fn from_str(s: &str) -> Result<Self, crate::Error> {
-        let l = s.trim().to_ascii_lowercase();
-        if l == "bsp" {
-            return Ok(PolicySpec::Bsp);
+        let l = s.trim().to_ascii_lowercase().replace(' ', "");
+        let bad = || {
+            crate::Error::Config(format!(
+                "cannot read policy {s:?}: bsp, asp, ssp(N), dssp(L,U), fluentps(N[,p=P|sigmoid|fastest-sigmoid])"
+            ))
+        };
+        let num = |a: &str| a.parse::<u64>().map_err(|_| bad());
+        match l.as_str() {
+            "bsp" => return Ok(PolicySpec::Bsp),
+            "asp" => return Ok(PolicySpec::Asp),
+            _ => {}
         }
-        if l == "asp" {
-            return Ok(PolicySpec::Asp);
+        if let Some(a) = args_of(&l, "ssp") {
+            return match a.as_slice() {
+                [n] => Ok(PolicySpec::Ssp { s: num(n)? }),
+                _ => Err(bad()),
+            };
         }
-        if let Some(rest) = l.strip_prefix("ssp") {
-            let n = rest.trim_matches(|c| c == '(' || c == ')' || c == ':' || c == '=');
-            return n.parse().map(|s| PolicySpec::Ssp { s }).map_err(|_| {
-                crate::Error::Config(format!("ssp needs a bound, e.g. ssp(3), not {s:?}"))
+        if let Some(a) = args_of(&l, "dssp") {
+            return match a.as_slice() {
+                [lo, hi] if num(lo)? <= num(hi)? => Ok(PolicySpec::Dssp {
+                    s_lower: num(lo)?,
+                    s_upper: num(hi)?,
+                }),
+                _ => Err(bad()),
+            };
+        }
+        if let Some(a) = args_of(&l, "fluentps") {
+            let (n, variant) = match a.as_slice() {
+                [n] => (num(n)?, PauseSpec::RawSsp),
+                [n, "sigmoid"] => (num(n)?, PauseSpec::Sigmoid),
+                [n, "fastest-sigmoid"] => (num(n)?, PauseSpec::FastestSigmoid),
+                [n, p] => {
+                    let p: f64 = p
+                        .strip_prefix("p=")
+                        .ok_or_else(bad)?
+                        .parse()
+                        .map_err(|_| bad())?;
+                    if !(0.0..=1.0).contains(&p) {
+                        return Err(bad());
+                    }
+                    (
+                        num(n)?,
+                        PauseSpec::Fastest {
+                            permille: (p * 1000.0).round() as u32,
+                        },
+                    )
+                }
+                _ => return Err(bad()),
+            };
+            return Ok(PolicySpec::FluentPs {
+                s: n,
+                pause: variant,
             });
         }
-        Err(crate::Error::Config(format!(
-            "unknown policy {s:?} (bsp, asp, ssp(N))"
-        )))
+        Err(bad())
     }
 }
 
