@@ -68,6 +68,31 @@ fn ssp_over_tcp() {
     check("ssp(2)", "tcp");
 }
 #[test]
+fn syncopt_with_one_backup_drops_one_gradient_per_step() {
+    let out = local("syncopt(1)", "shm");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in stdout.lines().filter(|l| l.starts_with("server ")) {
+        // "server r: G gradients, U updates, …, D dropped gradients": with 4 workers and one
+        // backup, each step of each shard counts 3 gradients and drops the 4th.
+        let num = |tag: &str| -> u64 {
+            let before = &line[..line.find(tag).expect(tag)];
+            before
+                .rsplit(|c: char| !c.is_ascii_digit())
+                .find(|w| !w.is_empty())
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(num(" dropped gradients"), num(" updates"), "{line}");
+        assert_eq!(num(" gradients,"), 4 * num(" updates"), "{line}");
+    }
+}
+#[test]
 fn dssp_over_shm() {
     check("dssp(2,6)", "shm");
 }

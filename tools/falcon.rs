@@ -288,12 +288,13 @@ fn role() -> Res {
         Role::Server => {
             let report = Server::join(cfg, rank, Default::default())?.run()?;
             println!(
-                "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls",
+                "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients",
                 report.rank,
                 report.gradients,
                 report.updates,
                 report.delayed_pulls,
-                report.answered_pulls
+                report.answered_pulls,
+                report.dropped_gradients
             );
         }
         Role::Worker => worker_workload(&cfg, rank)?,

@@ -66,7 +66,7 @@ impl JobConfig {
     /// The update mode in force.
     pub fn update_mode(&self) -> UpdateMode {
         self.mode.unwrap_or(match self.policy {
-            PolicySpec::Bsp => UpdateMode::Sync,
+            PolicySpec::Bsp | PolicySpec::SyncOpt { .. } => UpdateMode::Sync,
             _ => UpdateMode::Async,
         })
     }

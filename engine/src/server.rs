@@ -55,6 +55,8 @@ pub struct ServerReport {
     pub delayed_pulls: u64,
     /// Pulls answered by the server (slow path).
     pub answered_pulls: u64,
+    /// Gradients the policy dropped (Sync-opt: late ones).
+    pub dropped_gradients: u64,
     /// Final parameters of each shard, by global shard id.
     pub params: BTreeMap<u32, Vec<f32>>,
 }
@@ -197,6 +199,7 @@ impl Server {
         let mut worker_of: HashMap<LinkId, u32> = HashMap::new();
         let mut link_of: HashMap<u32, LinkId> = HashMap::new();
         let mut parked: HashMap<u64, ParkedPull> = HashMap::new();
+        let mut dead: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut actions = Vec::new();
         let start = Instant::now();
         let mut last_beat = Instant::now();
@@ -224,6 +227,8 @@ impl Server {
                             role: Role::Worker,
                             rank,
                         }) => {
+                            dead.insert(rank);
+                            let live = book.workers - dead.len() as u32;
                             for s in &mut shards {
                                 s.policy.on_event(
                                     Event::Leave {
@@ -231,6 +236,15 @@ impl Server {
                                         at: now,
                                     },
                                     &mut actions,
+                                );
+                                // Its missing gradients no longer hold a synchronous step back.
+                                apply_ready(
+                                    s,
+                                    book.aggregate,
+                                    live,
+                                    now,
+                                    &mut actions,
+                                    &mut report,
                                 );
                             }
                         }
@@ -423,11 +437,42 @@ impl Server {
                                 }
                                 .encode(),
                             );
-                            s.pending
-                                .entry(clock)
-                                .or_insert_with(|| vec![None; workers])
-                                [w as usize] = Some(g);
-                            apply_ready(s, book.aggregate, now, &mut actions, &mut report);
+                            // A policy that judges arrivals (Sync-opt) says now whether it counts.
+                            let mut counts = true;
+                            if s.policy.judges_arrivals() {
+                                let mut judged = Vec::new();
+                                s.policy.on_event(
+                                    Event::Push {
+                                        worker: w,
+                                        clock,
+                                        at: now,
+                                    },
+                                    &mut judged,
+                                );
+                                for a in judged {
+                                    match a {
+                                        Action::DropGradient { worker, clock: c }
+                                            if worker == w && c == clock =>
+                                        {
+                                            counts = false
+                                        }
+                                        other => actions.push(other),
+                                    }
+                                }
+                            }
+                            if counts {
+                                s.pending
+                                    .entry(clock)
+                                    .or_insert_with(|| vec![None; workers])
+                                    [w as usize] = Some(g);
+                            } else {
+                                // Dropped: the shard is done with this worker's gradient.
+                                meta_of(&s.meta).write(|m| {
+                                    m.set_clock(w as usize, m.clock(w as usize).max(clock + 1))
+                                });
+                            }
+                            let live = book.workers - dead.len() as u32;
+                            apply_ready(s, book.aggregate, live, now, &mut actions, &mut report);
                         }
                     }
                     dispatch(&mut actions, &mut parked, &shards, &links, &mut report);
@@ -453,53 +498,58 @@ impl Server {
         }
         for s in &shards {
             report.delayed_pulls += s.policy.delayed_total();
+            report.dropped_gradients += s.policy.dropped();
             report.params.insert(s.spec.id, s.params_mut().to_vec());
         }
         Ok(report)
     }
 }
 
-/// Sync mode: applies every clock whose gradients are all in, in clock order.
+/// Sync mode: applies every clock that has its quorum of gradients (every live worker's, or
+/// what the policy asks for), in clock order, summing the present ones in rank order.
 fn apply_ready(
     s: &mut Shard,
     agg: Aggregate,
+    live: u32,
     now: u64,
     actions: &mut Vec<Action>,
     report: &mut ServerReport,
 ) {
-    let workers = s.pushes.len();
+    let quorum = s.policy.step_quorum(live).max(1) as usize;
     while let Some(grads) = s.pending.get(&s.next_apply) {
-        if grads.iter().any(Option::is_none) {
+        if grads.iter().filter(|g| g.is_some()).count() < quorum {
             break;
         }
         let grads = s.pending.remove(&s.next_apply).expect("present");
         let clock = s.next_apply;
         let mut sum = vec![0f32; s.spec.len as usize];
-        aggregate(
-            &mut sum,
-            grads.iter().map(|g| g.as_deref().expect("all in")),
-            agg,
-        );
+        aggregate(&mut sum, grads.iter().flatten().map(Vec::as_slice), agg);
         let params = f32s_mut(&s.params, s.spec.len);
         let opt = &mut s.opt;
         meta_of(&s.meta).write(|m| {
             opt.apply(params, &sum);
-            for w in 0..workers {
-                m.set_clock(w, clock + 1);
+            for (w, g) in grads.iter().enumerate() {
+                if g.is_some() {
+                    m.set_clock(w, clock + 1);
+                }
             }
             m.bump_version();
         });
         report.updates += 1;
         s.next_apply += 1;
-        for w in 0..workers as u32 {
-            s.policy.on_event(
-                Event::Push {
-                    worker: w,
-                    clock,
-                    at: now,
-                },
-                actions,
-            );
+        if !s.policy.judges_arrivals() {
+            for (w, g) in grads.iter().enumerate() {
+                if g.is_some() {
+                    s.policy.on_event(
+                        Event::Push {
+                            worker: w as u32,
+                            clock,
+                            at: now,
+                        },
+                        actions,
+                    );
+                }
+            }
         }
     }
 }

@@ -28,7 +28,6 @@ pub use bsp::Bsp;
 pub use dssp::*;
 pub use fluentps::*;
 pub use ssp::Ssp;
-#[allow(unused_imports)]
 pub use syncopt::*;
 pub use zipline::ElasticBsp;
 
@@ -137,6 +136,20 @@ pub trait SyncPolicy: Send + std::fmt::Debug {
     fn parked(&self) -> usize;
     /// Pulls ever parked ("delayed" in FluentPS's terms).
     fn delayed_total(&self) -> u64;
+    /// True if the policy decides which gradients count (Sync-opt): the server feeds `Push` on
+    /// arrival, before applying, and discards gradients answered with `DropGradient`.
+    fn judges_arrivals(&self) -> bool {
+        false
+    }
+    /// How many gradients complete one clock of aggregate-then-apply when `live` workers are
+    /// live (every live worker's, unless the policy needs fewer).
+    fn step_quorum(&self, live: u32) -> u32 {
+        live
+    }
+    /// Gradients dropped so far.
+    fn dropped(&self) -> u64 {
+        0
+    }
 }
 
 /// A policy by name, as configured.
@@ -164,6 +177,12 @@ pub enum PolicySpec {
         s: u64,
         /// How the fastest worker is paused.
         pause: PauseSpec,
+    },
+    /// Synchronous SGD with `backups` backup workers: the first `workers − backups` gradients
+    /// of a clock count, later ones are dropped.
+    SyncOpt {
+        /// b.
+        backups: u32,
     },
 }
 // ElasticBSP (`zipline::ElasticBsp`) is not a `PolicySpec` yet: its barrier plan must be one
@@ -201,6 +220,10 @@ impl PolicySpec {
             PolicySpec::Asp => Box::new(Asp),
             PolicySpec::Ssp { s } => Box::new(Ssp::new(workers, s)),
             PolicySpec::Dssp { s_lower, s_upper } => Box::new(Dssp::new(workers, s_lower, s_upper)),
+            PolicySpec::SyncOpt { backups } => Box::new(SyncOpt::new(
+                workers,
+                backups.min(workers.saturating_sub(1)),
+            )),
             PolicySpec::FluentPs { s, pause } => {
                 let pause = match pause {
                     PauseSpec::RawSsp => Pause::RawSsp,
@@ -232,13 +255,13 @@ fn args_of<'a>(l: &'a str, name: &str) -> Option<Vec<&'a str>> {
 
 impl std::str::FromStr for PolicySpec {
     type Err = crate::Error;
-    /// `bsp`, `asp`, `ssp(3)`, `dssp(3,15)`, `fluentps(3)` (raw SSP),
+    /// `bsp`, `asp`, `ssp(3)`, `dssp(3,15)`, `syncopt(1)`, `fluentps(3)` (raw SSP),
     /// `fluentps(3,p=0.5)` (fastest only), `fluentps(3,sigmoid)`, `fluentps(3,fastest-sigmoid)`.
     fn from_str(s: &str) -> Result<Self, crate::Error> {
         let l = s.trim().to_ascii_lowercase().replace(' ', "");
         let bad = || {
             crate::Error::Config(format!(
-                "cannot read policy {s:?}: bsp, asp, ssp(N), dssp(L,U), fluentps(N[,p=P|sigmoid|fastest-sigmoid])"
+                "cannot read policy {s:?}: bsp, asp, ssp(N), dssp(L,U), syncopt(B), fluentps(N[,p=P|sigmoid|fastest-sigmoid])"
             ))
         };
         let num = |a: &str| a.parse::<u64>().map_err(|_| bad());
@@ -258,6 +281,14 @@ impl std::str::FromStr for PolicySpec {
                 [lo, hi] if num(lo)? <= num(hi)? => Ok(PolicySpec::Dssp {
                     s_lower: num(lo)?,
                     s_upper: num(hi)?,
+                }),
+                _ => Err(bad()),
+            };
+        }
+        if let Some(a) = args_of(&l, "syncopt") {
+            return match a.as_slice() {
+                [b] => Ok(PolicySpec::SyncOpt {
+                    backups: num(b)?.min(u64::from(u32::MAX)) as u32,
                 }),
                 _ => Err(bad()),
             };

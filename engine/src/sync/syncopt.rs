@@ -162,6 +162,18 @@ impl SyncOpt {
 }
 
 impl SyncPolicy for SyncOpt {
+    fn judges_arrivals(&self) -> bool {
+        true
+    }
+
+    fn step_quorum(&self, live: u32) -> u32 {
+        self.quorum().min(live)
+    }
+
+    fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
     fn name(&self) -> String {
         format!("syncopt({}+{})", self.quorum, self.backups)
     }
