@@ -122,10 +122,6 @@ fn local(a: LocalArgs) -> Res {
     if a.servers == 0 || a.workers == 0 || a.floats == 0 {
         return Err("--servers, --workers and --floats must be at least 1".into());
     }
-    // A free loopback port for the scheduler.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
     let job = format!("local-{}", std::process::id());
     let token = format!(
         "{:016x}",
@@ -145,14 +141,12 @@ fn local(a: LocalArgs) -> Res {
         a.iters
     );
     let exe = std::env::current_exe()?;
-    let spawn = |role: &str, rank: Option<u32>| -> std::io::Result<Child> {
+    let spawn = |role: &str, rank: Option<u32>| -> Command {
         let mut c = Command::new(&exe);
         c.arg("role")
             .env("FALCON_ROLE", role)
             .env("FALCON_JOB", &job)
             .env("FALCON_TOKEN", &token)
-            .env("FALCON_SCHEDULER_URI", "127.0.0.1")
-            .env("FALCON_SCHEDULER_PORT", port.to_string())
             .env("FALCON_NUM_SERVER", a.servers.to_string())
             .env("FALCON_NUM_WORKER", a.workers.to_string())
             .env("FALCON_POLICY", &a.policy)
@@ -164,15 +158,31 @@ fn local(a: LocalArgs) -> Res {
         if let Some(r) = rank {
             c.env("FALCON_RANK", r.to_string());
         }
-        c.spawn()
+        c
     };
     let start = Instant::now();
-    let mut children = vec![("scheduler".to_string(), spawn("scheduler", None)?)];
+    // The scheduler binds a free port itself (no window in which another process could take
+    // it) and announces its full address, which the other roles are given.
+    let sched_env = [
+        ("FALCON_SCHEDULER_URI", "127.0.0.1".to_string()),
+        ("FALCON_SCHEDULER_PORT", "0".to_string()),
+        ("FALCON_ANNOUNCE", "1".to_string()),
+    ];
+    let mut scheduler = spawn_with(&spawn, "scheduler", None, &sched_env)?;
+    let (addr, forward) = read_announcement(&mut scheduler)?;
+    let mut children = vec![("scheduler".to_string(), scheduler)];
+    let others = [("FALCON_SCHEDULER", addr)];
     for r in 0..a.servers {
-        children.push((format!("server {r}"), spawn("server", Some(r))?));
+        children.push((
+            format!("server {r}"),
+            spawn_with(&spawn, "server", Some(r), &others)?,
+        ));
     }
     for r in 0..a.workers {
-        children.push((format!("worker {r}"), spawn("worker", Some(r))?));
+        children.push((
+            format!("worker {r}"),
+            spawn_with(&spawn, "worker", Some(r), &others)?,
+        ));
     }
     let mut failed = Vec::new();
     // Wait for all; if one fails, the others notice (links close) and exit on their own.
@@ -182,12 +192,60 @@ fn local(a: LocalArgs) -> Res {
             failed.push(format!("{name} ({status})"));
         }
     }
+    let _ = forward.join();
     let secs = start.elapsed().as_secs_f64();
     if !failed.is_empty() {
         return Err(format!("the job failed: {}", failed.join(", ")).into());
     }
     println!("falcon: job finished in {secs:.2} s");
     Ok(())
+}
+
+/// Spawns a role with extra environment (the scheduler's output piped, for its announcement).
+fn spawn_with(
+    make: &dyn Fn(&str, Option<u32>) -> Command,
+    role: &str,
+    rank: Option<u32>,
+    env: &[(&str, String)],
+) -> std::io::Result<Child> {
+    let mut c = make(role, rank);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    if role == "scheduler" {
+        c.stdout(std::process::Stdio::piped());
+    }
+    c.spawn()
+}
+
+/// Marks the line with which a scheduler started by `falcon local` announces its address.
+const ANNOUNCE: &str = "falcon-scheduler-address: ";
+
+/// Reads the scheduler's announcement, then forwards the rest of its output.
+fn read_announcement(
+    child: &mut Child,
+) -> Result<(String, std::thread::JoinHandle<()>), Box<dyn std::error::Error>> {
+    use std::io::BufRead;
+    let out = child
+        .stdout
+        .take()
+        .ok_or("the scheduler's output is not piped")?;
+    let mut lines = std::io::BufReader::new(out).lines();
+    let addr = loop {
+        match lines.next() {
+            Some(Ok(l)) => match l.strip_prefix(ANNOUNCE) {
+                Some(a) => break a.to_string(),
+                None => println!("{l}"),
+            },
+            _ => return Err("the scheduler exited before announcing its address".into()),
+        }
+    };
+    let forward = std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            println!("{l}");
+        }
+    });
+    Ok((addr, forward))
 }
 
 /// Reads a variable by its falcon name or one of its aliases (ps-lite's DMLC_* names).
@@ -279,7 +337,13 @@ fn role() -> Res {
     let (cfg, role, rank) = job_from_env()?;
     match role {
         Role::Scheduler => {
-            let report = Scheduler::bind(cfg)?.run()?;
+            let sched = Scheduler::bind(cfg)?;
+            if env(&["FALCON_ANNOUNCE"]).is_some() {
+                use std::io::Write;
+                println!("{ANNOUNCE}{}", sched.address());
+                std::io::stdout().flush()?;
+            }
+            let report = sched.run()?;
             println!(
                 "scheduler: job done; bytes per server {:?}",
                 report.bytes_per_server
