@@ -71,6 +71,9 @@ struct LocalArgs {
     /// Largest shard in bytes (tensors are cut into shards spread over the servers).
     #[arg(long, default_value_t = 4 << 20)]
     shard_bytes: u64,
+    /// Staleness scaling of asynchronously applied gradients: none, dynsgd, consgd(F).
+    #[arg(long, default_value = "none")]
+    scale: String,
 }
 
 fn main() -> ExitCode {
@@ -118,6 +121,7 @@ fn bench(what: &str, quick: bool) -> Res {
 /// Starts every role as a process of this binary, configured through the environment.
 fn local(a: LocalArgs) -> Res {
     let _: PolicySpec = a.policy.parse()?;
+    let _: falcon_engine::update::ScaleSpec = a.scale.parse()?;
     let _: Medium = a.medium.parse()?;
     if a.servers == 0 || a.workers == 0 || a.floats == 0 {
         return Err("--servers, --workers and --floats must be at least 1".into());
@@ -154,7 +158,8 @@ fn local(a: LocalArgs) -> Res {
             .env("FALCON_ITERS", a.iters.to_string())
             .env("FALCON_FLOATS", a.floats.to_string())
             .env("FALCON_LR", a.lr.to_string())
-            .env("FALCON_MAX_SHARD_BYTES", a.shard_bytes.to_string());
+            .env("FALCON_MAX_SHARD_BYTES", a.shard_bytes.to_string())
+            .env("FALCON_SCALE", &a.scale);
         if let Some(r) = rank {
             c.env("FALCON_RANK", r.to_string());
         }
@@ -297,6 +302,9 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
             &["FALCON_MAX_SHARD_BYTES"],
             falcon_engine::keys::DEFAULT_MAX_SHARD_BYTES,
         )?,
+        scale: env(&["FALCON_SCALE"])
+            .unwrap_or_else(|| "none".into())
+            .parse()?,
         ..JobConfig::default()
     };
     // Async policies apply each worker's gradient on its own: lr / workers keeps the step of

@@ -6,7 +6,7 @@ use falcon_transport::{Medium, TransportConfig};
 
 use crate::keys::DEFAULT_MAX_SHARD_BYTES;
 use crate::sync::PolicySpec;
-use crate::update::{Aggregate, Optimizer, UpdateMode};
+use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 /// Everything a node of a job needs to know before rendezvous.
 #[derive(Clone, Debug)]
@@ -29,6 +29,8 @@ pub struct JobConfig {
     pub aggregate: Aggregate,
     /// Server-side optimizer.
     pub optimizer: Optimizer,
+    /// Staleness scaling of asynchronously applied gradients (DynSGD, ConSGD).
+    pub scale: ScaleSpec,
     /// Largest shard.
     pub max_shard_bytes: u64,
     /// Heartbeat interval; a node silent for 3 intervals is declared dead.
@@ -51,6 +53,7 @@ impl Default for JobConfig {
             mode: None,
             aggregate: Aggregate::Mean,
             optimizer: Optimizer::Sgd { lr: 0.1 },
+            scale: ScaleSpec::Unscaled,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             heartbeat: Duration::from_secs(1),
             rendezvous_timeout: Duration::from_secs(60),

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, TensorSpec};
 use crate::sync::PolicySpec;
-use crate::update::{Aggregate, Optimizer, UpdateMode};
+use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
 const VERSION: u8 = 1;
@@ -67,6 +67,8 @@ pub struct Book {
     pub aggregate: Aggregate,
     /// The server-side optimizer.
     pub optimizer: Optimizer,
+    /// Staleness scaling of asynchronously applied gradients.
+    pub scale: ScaleSpec,
 }
 
 /// The keys a worker needs for one shard on its server.

@@ -235,6 +235,7 @@ impl Scheduler {
                 mode: cfg.update_mode(),
                 aggregate: cfg.aggregate,
                 optimizer: cfg.optimizer,
+                scale: cfg.scale,
             };
             link.send(&Msg::Book(book).encode())
                 .map_err(|e| Error::PeerGone {

@@ -57,6 +57,10 @@ pub struct ServerReport {
     pub answered_pulls: u64,
     /// Gradients the policy dropped (Sync-opt: late ones).
     pub dropped_gradients: u64,
+    /// Asynchronously applied gradients: the sum and the maximum of their version staleness.
+    pub staleness_sum: u64,
+    /// The largest version staleness of an applied gradient.
+    pub staleness_max: u64,
     /// Final parameters of each shard, by global shard id.
     pub params: BTreeMap<u32, Vec<f32>>,
 }
@@ -74,6 +78,8 @@ struct Shard {
     pending: BTreeMap<u64, Vec<Option<Vec<f32>>>>,
     next_apply: u64,
     initialized: bool,
+    /// Per worker, the version of the values last sent to it by a released pull.
+    sent_version: Vec<u64>,
 }
 
 impl Shard {
@@ -83,6 +89,18 @@ impl Shard {
 
     fn params_mut(&self) -> &mut [f32] {
         f32s_mut(&self.params, self.spec.len)
+    }
+
+    /// The version a worker's pushed gradient was computed from (its slot's trailer).
+    fn pulled_version(&self, w: usize) -> u64 {
+        let mut b = [0u8; 8];
+        if self.slots[w].read_at(self.spec.bytes(), &mut b).is_err() {
+            return self.sent_version[w];
+        }
+        match u64::from_le_bytes(b) {
+            u64::MAX => self.sent_version[w],
+            v => v,
+        }
     }
 
     fn slot(&self, w: usize) -> &[f32] {
@@ -169,6 +187,11 @@ impl Server {
             early,
         } = self;
         let mut early = early.into_iter();
+        // The job's rule (from the book) unless it is none and the embedder set one.
+        let scale = match book.scale {
+            crate::update::ScaleSpec::Unscaled => hooks.scale.clone(),
+            spec => spec.build(),
+        };
         let workers = book.workers as usize;
         let mut shards = Vec::new();
         let mut local_of: HashMap<u32, usize> = HashMap::new();
@@ -179,8 +202,10 @@ impl Server {
                 spec: *spec,
                 params: Region::new(bytes)?,
                 meta: Region::new(meta_bytes(book.workers))?,
+                // Each slot holds the gradient and an 8-byte trailer: the version of the
+                // parameters it was computed from (u64::MAX: the one this server last sent).
                 slots: (0..workers)
-                    .map(|_| Region::new(bytes))
+                    .map(|_| Region::new(bytes + 8))
                     .collect::<Result<_, _>>()?,
                 opt: ShardOptimizer::new(book.optimizer, hooks.schedule.clone(), spec.len as usize),
                 policy: book.policy.build_for(book.workers, spec.id),
@@ -188,6 +213,7 @@ impl Server {
                 pending: BTreeMap::new(),
                 next_apply: 0,
                 initialized: false,
+                sent_version: vec![0; workers],
             });
         }
         let token = cfg.token.clone();
@@ -358,7 +384,7 @@ impl Server {
                                 },
                                 &mut actions,
                             );
-                            dispatch(&mut actions, &mut parked, &shards, &links, &mut report);
+                            dispatch(&mut actions, &mut parked, &mut shards, &links, &mut report);
                         }
                         Ok(other) => tracing::warn!("server {}: unexpected {other:?}", book.rank),
                         Err(e) => {
@@ -398,7 +424,11 @@ impl Server {
                     report.gradients += 1;
                     match book.mode {
                         UpdateMode::Async => {
-                            let factor = hooks.scale.scale(0);
+                            let version = meta_of(&s.meta).version();
+                            let d = version.saturating_sub(s.pulled_version(w as usize));
+                            report.staleness_sum += d;
+                            report.staleness_max = report.staleness_max.max(d);
+                            let factor = scale.scale(d);
                             let mut g = s.slot(w as usize).to_vec();
                             if factor != 1.0 {
                                 g.iter_mut().for_each(|x| *x *= factor);
@@ -475,7 +505,7 @@ impl Server {
                             apply_ready(s, book.aggregate, live, now, &mut actions, &mut report);
                         }
                     }
-                    dispatch(&mut actions, &mut parked, &shards, &links, &mut report);
+                    dispatch(&mut actions, &mut parked, &mut shards, &links, &mut report);
                 }
                 Completion::Closed { link, .. } if link == sched.id() => {
                     return Err(Error::PeerGone {
@@ -493,7 +523,7 @@ impl Server {
                 }
             }
             if !actions.is_empty() {
-                dispatch(&mut actions, &mut parked, &shards, &links, &mut report);
+                dispatch(&mut actions, &mut parked, &mut shards, &links, &mut report);
             }
         }
         for s in &shards {
@@ -559,7 +589,7 @@ fn apply_ready(
 fn dispatch(
     actions: &mut Vec<Action>,
     parked: &mut HashMap<u64, ParkedPull>,
-    shards: &[Shard],
+    shards: &mut [Shard],
     links: &HashMap<LinkId, Link>,
     report: &mut ServerReport,
 ) {
@@ -568,8 +598,11 @@ fn dispatch(
             && let Some(p) = parked.remove(&req)
             && let Some(l) = links.get(&p.link)
         {
-            let s = &shards[p.shard];
+            let s = &mut shards[p.shard];
             report.answered_pulls += 1;
+            if let Some(w) = s.sent_version.get_mut((req >> 32) as usize) {
+                *w = meta_of(&s.meta).version();
+            }
             if let Err(e) = l.write(&s.params, 0, &p.dst, p.dst_off, s.spec.bytes(), Some(p.req)) {
                 tracing::warn!("server: answering a pull failed: {e}");
             }

@@ -115,6 +115,78 @@ impl GradientScale for Unscaled {
     }
 }
 
+/// DynSGD (Jiang et al., SIGMOD 2017): a gradient `d` versions stale is scaled by 1/(d+1).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DynSgd;
+
+impl GradientScale for DynSgd {
+    fn scale(&self, staleness: u64) -> f32 {
+        1.0 / (staleness as f32 + 1.0)
+    }
+}
+
+/// ConSGD: every gradient scaled by one constant server-side factor.
+#[derive(Clone, Copy, Debug)]
+pub struct ConSgd {
+    /// The factor.
+    pub factor: f32,
+}
+
+impl GradientScale for ConSgd {
+    fn scale(&self, _staleness: u64) -> f32 {
+        self.factor
+    }
+}
+
+/// The gradient scaling of a job, as configured (it travels in the address book).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub enum ScaleSpec {
+    /// None.
+    #[default]
+    Unscaled,
+    /// DynSGD: 1/(d+1).
+    DynSgd,
+    /// ConSGD with a constant factor.
+    ConSgd {
+        /// The factor.
+        factor: f32,
+    },
+}
+
+impl ScaleSpec {
+    /// The rule.
+    pub fn build(&self) -> std::sync::Arc<dyn GradientScale> {
+        match *self {
+            ScaleSpec::Unscaled => std::sync::Arc::new(Unscaled),
+            ScaleSpec::DynSgd => std::sync::Arc::new(DynSgd),
+            ScaleSpec::ConSgd { factor } => std::sync::Arc::new(ConSgd { factor }),
+        }
+    }
+}
+
+impl std::str::FromStr for ScaleSpec {
+    type Err = crate::Error;
+    /// `none`, `dynsgd`, `consgd(0.5)`.
+    fn from_str(s: &str) -> Result<Self, crate::Error> {
+        let l = s.trim().to_ascii_lowercase();
+        match l.as_str() {
+            "none" | "unscaled" => return Ok(ScaleSpec::Unscaled),
+            "dynsgd" => return Ok(ScaleSpec::DynSgd),
+            _ => {}
+        }
+        l.strip_prefix("consgd(")
+            .and_then(|r| r.strip_suffix(')'))
+            .and_then(|f| f.trim().parse::<f32>().ok())
+            .filter(|f| f.is_finite() && *f > 0.0)
+            .map(|factor| ScaleSpec::ConSgd { factor })
+            .ok_or_else(|| {
+                crate::Error::Config(format!(
+                    "unknown gradient scaling {s:?} (none, dynsgd, consgd(F))"
+                ))
+            })
+    }
+}
+
 /// One shard's optimizer state.
 pub struct ShardOptimizer {
     opt: Optimizer,
@@ -241,6 +313,20 @@ mod tests {
         );
         aggregate(&mut out, [a.as_slice(), &b], Aggregate::Sum);
         assert_eq!(out, vec![4.0, 6.0]);
+    }
+
+    #[test]
+    fn staleness_scaling_rules() {
+        assert_eq!(DynSgd.scale(0), 1.0);
+        assert_eq!(DynSgd.scale(3), 0.25);
+        assert_eq!(ConSgd { factor: 0.5 }.scale(9), 0.5);
+        assert_eq!("dynsgd".parse::<ScaleSpec>().unwrap(), ScaleSpec::DynSgd);
+        assert_eq!(
+            "consgd(0.5)".parse::<ScaleSpec>().unwrap(),
+            ScaleSpec::ConSgd { factor: 0.5 }
+        );
+        assert!("consgd(-1)".parse::<ScaleSpec>().is_err());
+        assert!("bogus".parse::<ScaleSpec>().is_err());
     }
 
     #[test]

@@ -162,6 +162,9 @@ struct ShardRemote {
     pushes: AtomicU32,
     /// The ack of the previous push: its slot must be free before the next write.
     last_push: Mutex<Option<Arc<Signal>>>,
+    /// The version of the values last pulled (u64::MAX: pulled through the server, which
+    /// remembers what it sent); sent with each push so the server knows its staleness.
+    pulled_version: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -303,6 +306,7 @@ impl Worker {
                 scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
                 pushes: AtomicU32::new(0),
                 last_push: Mutex::new(None),
+                pulled_version: std::sync::atomic::AtomicU64::new(0),
             });
         }
         let timeout = cfg.transport.op_timeout;
@@ -491,6 +495,14 @@ impl Worker {
                 .insert((s.spec.id, clock), sig.clone());
             *lock(&s.last_push) = Some(sig.clone());
             let link = &self.inner.servers[s.server];
+            // The trailer first (same link, so it lands before the gradient's immediate).
+            {
+                let scratch = lock(&s.scratch);
+                let v = s.pulled_version.load(Ordering::Acquire);
+                scratch.write_at(0, &v.to_le_bytes())?;
+                link.write(&scratch, 0, &s.slot, s.spec.bytes(), 8, None)
+                    .map_err(|e| self.server_error(s.server, e))?;
+            }
             if let Err(e) = link.write(
                 grad,
                 s.spec.offset * 4,
@@ -624,6 +636,7 @@ impl Worker {
             let mut seq = [0u8; 8];
             scratch.read_at(0, &mut seq)?;
             if Snapshot::seq_of(&seq) == snap.seq {
+                s.pulled_version.store(snap.version, Ordering::Release);
                 return Ok(true);
             }
         }
@@ -647,6 +660,7 @@ impl Worker {
         };
         let req = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let sig = Arc::new(Signal::default());
+        s.pulled_version.store(u64::MAX, Ordering::Release);
         lock(&self.inner.waits)
             .pulls
             .insert((link.id(), req), sig.clone());

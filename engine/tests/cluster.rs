@@ -319,3 +319,33 @@ fn an_unreachable_scheduler_is_a_prompt_error() {
     );
     assert!(start.elapsed() < Duration::from_secs(10));
 }
+
+#[test]
+fn dynsgd_scales_a_stale_gradient_by_one_over_staleness_plus_one() {
+    let mut c = cfg(1, 2, PolicySpec::Asp);
+    c.optimizer = Optimizer::Sgd { lr: 1.0 };
+    c.scale = falcon_engine::update::ScaleSpec::DynSgd;
+    let counts = vec![TensorSpec {
+        name: "x".into(),
+        len: 1,
+    }];
+    let cluster = LocalCluster::start(c, counts).unwrap();
+    let (w0, w1) = (&cluster.workers[0], &cluster.workers[1]);
+    let mut v = [0f32];
+    // Worker 0 reads version 0, then worker 1 makes three fresh updates of +1 each.
+    w0.pull_slice("x", &mut v, 0).unwrap();
+    for t in 0..3 {
+        w1.pull_slice("x", &mut v, t).unwrap();
+        w1.push_slice("x", &[-1.0], t).unwrap();
+    }
+    // Worker 0's gradient is 3 versions stale: DynSGD applies it × 1/4.
+    w0.push_slice("x", &[-1.0], 0).unwrap();
+    let keymap = cluster.workers[0].keymap().clone();
+    let report = cluster.finish().unwrap();
+    assert_eq!(report.tensor(&keymap, "x").unwrap(), vec![3.25]);
+    assert_eq!(report.servers[0].staleness_max, 3);
+    assert_eq!(
+        report.servers[0].staleness_sum, 3,
+        "worker 1's updates were fresh"
+    );
+}
