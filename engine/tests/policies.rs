@@ -1,98 +1,11 @@
 //! Property tests of the staleness policies over random per-worker delays.
 
-use falcon_engine::meta::within_staleness;
+mod common;
+
+use common::run;
+
 use falcon_engine::sync::{Action, Asp, Bsp, Event, Ssp, SyncPolicy};
 use proptest::prelude::*;
-
-/// Simulates `workers` workers doing `iters` iterations (pull, then push) against `policy`,
-/// the next worker to act chosen by `picks` (random delays), and checks every release against
-/// the bound. Returns the event trace and the actions each event produced.
-fn run(
-    policy: &mut dyn SyncPolicy,
-    workers: u32,
-    s: Option<u64>,
-    iters: u64,
-    picks: &[u32],
-) -> Vec<(Event, Vec<Action>)> {
-    #[derive(Clone, Copy, PartialEq, Debug)]
-    enum St {
-        WantPull,
-        Parked(u64),
-        WantPush,
-        Done,
-    }
-    let mut st = vec![St::WantPull; workers as usize];
-    let mut clock = vec![0u64; workers as usize];
-    let mut applied = vec![0u64; workers as usize];
-    let mut trace = Vec::new();
-    let mut req = 0u64;
-    let mut i = 0usize;
-    let mut t = 0u64;
-    while st.iter().any(|s| *s != St::Done) {
-        let ready: Vec<usize> = (0..workers as usize)
-            .filter(|&w| matches!(st[w], St::WantPull | St::WantPush))
-            .collect();
-        assert!(
-            !ready.is_empty(),
-            "deadlock: every unfinished worker is parked"
-        );
-        let w = ready[picks[i % picks.len()] as usize % ready.len()];
-        i += 1;
-        t += 1;
-        let ev = match st[w] {
-            St::WantPull => {
-                req += 1;
-                Event::Pull {
-                    worker: w as u32,
-                    clock: clock[w],
-                    req,
-                    at: t,
-                }
-            }
-            St::WantPush => Event::Push {
-                worker: w as u32,
-                clock: clock[w],
-                at: t,
-            },
-            _ => unreachable!(),
-        };
-        if let Event::Push { .. } = ev {
-            applied[w] = clock[w] + 1;
-            clock[w] += 1;
-            st[w] = if clock[w] == iters {
-                St::Done
-            } else {
-                St::WantPull
-            };
-        }
-        let mut out = Vec::new();
-        policy.on_event(ev, &mut out);
-        if let Event::Pull { req: r, .. } = ev {
-            st[w] = St::Parked(r);
-        }
-        for a in &out {
-            if let Action::Release { worker, req: r } = *a {
-                let wk = worker as usize;
-                assert_eq!(
-                    st[wk],
-                    St::Parked(r),
-                    "release of a pull that is not waiting"
-                );
-                if let Some(s) = s {
-                    let min = *applied.iter().min().unwrap();
-                    assert!(
-                        within_staleness(min, clock[wk], s),
-                        "worker {wk} at clock {} released with min applied {min}, bound {s}",
-                        clock[wk]
-                    );
-                }
-                st[wk] = St::WantPush;
-            }
-        }
-        trace.push((ev, out));
-    }
-    trace
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
@@ -100,14 +13,17 @@ proptest! {
     #[test]
     fn ssp_never_violates_its_bound(workers in 1u32..6, s in 0u64..4, picks in prop::collection::vec(0u32..1000, 1..200)) {
         let mut p = Ssp::new(workers, s);
-        run(&mut p, workers, Some(s), 12, &picks);
+        run(&mut p, workers, Some(s), 12, &picks, false);
+        // With the workers' lock-free check in front: the policy must agree with it.
+        let mut q = Ssp::new(workers, s);
+        run(&mut q, workers, Some(s), 12, &picks, true);
         prop_assert_eq!(p.parked(), 0);
     }
 
     #[test]
     fn ssp_zero_is_bsp_action_for_action(workers in 1u32..6, picks in prop::collection::vec(0u32..1000, 1..200)) {
         let mut ssp = Ssp::new(workers, 0);
-        let trace = run(&mut ssp, workers, Some(0), 10, &picks);
+        let trace = run(&mut ssp, workers, Some(0), 10, &picks, false);
         let mut bsp = Bsp::new(workers);
         for (ev, expected) in trace {
             let mut out = Vec::new();
@@ -119,7 +35,7 @@ proptest! {
     #[test]
     fn asp_never_parks(workers in 1u32..6, picks in prop::collection::vec(0u32..1000, 1..100)) {
         let mut p = Asp;
-        let trace = run(&mut p, workers, None, 8, &picks);
+        let trace = run(&mut p, workers, None, 8, &picks, false);
         let all_released = trace.iter().all(|(_, a)| a.iter().all(|x| matches!(x, Action::Release { .. })));
         prop_assert!(all_released);
         prop_assert_eq!(p.delayed_total(), 0);
