@@ -112,16 +112,24 @@ impl Signal {
         }
     }
 
-    fn wait(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+    /// Waits for the outcome; `None` waits as long as the peers live (a dead peer fails every
+    /// waiter through the progress thread, so this never hangs on one).
+    fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.map(|t| Instant::now() + t);
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(r) = s.as_ref() {
                 return r.clone();
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()),
+                None => Duration::from_secs(3600),
+            };
             if left.is_zero() {
-                return Err(Error::Timeout("push/pull completion", timeout));
+                return Err(Error::Timeout(
+                    "push acknowledgement",
+                    timeout.unwrap_or_default(),
+                ));
             }
             s = self
                 .cv
@@ -136,7 +144,10 @@ impl Signal {
 #[must_use = "a push or pull is only known done after wait()"]
 pub struct Handle {
     signals: Vec<Arc<Signal>>,
-    timeout: Duration,
+    /// Pushes: the operation timeout (the server acknowledges on receipt). Pulls: none — a pull
+    /// may rightly wait as long as the policy holds it (a straggler under BSP); peer death,
+    /// not a clock, ends it.
+    timeout: Option<Duration>,
 }
 
 impl Handle {
@@ -398,6 +409,15 @@ impl Worker {
             .unwrap_or(0))
     }
 
+    fn check_running(&self) -> Result<()> {
+        if self.inner.stop.load(Ordering::Acquire) {
+            return Err(Error::Config(
+                "this worker has finished; it can no longer push or pull".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn tensor(&self, name: &str) -> Result<usize> {
         self.inner.book.keymap.tensor(name)
     }
@@ -414,11 +434,8 @@ impl Worker {
         Ok(())
     }
 
-    fn handle(&self, signals: Vec<Arc<Signal>>) -> Handle {
-        Handle {
-            signals,
-            timeout: self.inner.timeout,
-        }
+    fn handle(&self, signals: Vec<Arc<Signal>>, timeout: Option<Duration>) -> Handle {
+        Handle { signals, timeout }
     }
 
     /// Sets `tensor`'s initial values (the first initialization of each shard wins). Call it
@@ -449,13 +466,13 @@ impl Worker {
             )?;
             signals.push(sig);
         }
-        self.handle(signals).wait()
+        self.handle(signals, Some(self.inner.timeout)).wait()
     }
 
     fn wait_slot(&self, s: &ShardRemote) -> Result<()> {
         let prev = lock(&s.last_push).clone();
         match prev {
-            Some(p) => p.wait(self.inner.timeout),
+            Some(p) => p.wait(Some(self.inner.timeout)),
             None => Ok(()),
         }
     }
@@ -467,6 +484,7 @@ impl Worker {
 
     /// Starts a push; `grad` may be reused once the handle's `wait` returns.
     pub fn push_async(&self, tensor: &str, grad: &Region, clock: u64) -> Result<Handle> {
+        self.check_running()?;
         let t = self.tensor(tensor)?;
         self.check_len(t, grad)?;
         let shards: Vec<&ShardRemote> = self
@@ -518,7 +536,7 @@ impl Worker {
             lock(&self.inner.stats).pushes += 1;
             signals.push(sig);
         }
-        Ok(self.handle(signals))
+        Ok(self.handle(signals, Some(self.inner.timeout)))
     }
 
     /// Pushes from a slice (copied into a staging region first).
@@ -574,6 +592,7 @@ impl Worker {
 
     /// Starts a pull; `out` is complete once the handle's `wait` returns.
     pub fn pull_async(&self, tensor: &str, out: &Region, clock: u64) -> Result<Handle> {
+        self.check_running()?;
         let t = self.tensor(tensor)?;
         self.check_len(t, out)?;
         let fast = match self.inner.book.policy.build(1).fast_path() {
@@ -606,7 +625,7 @@ impl Worker {
             lock(&self.inner.stats).slow_pulls += 1;
             signals.push(self.pull_slow(s, out, clock)?);
         }
-        Ok(self.handle(signals))
+        Ok(self.handle(signals, None))
     }
 
     /// The lock-free path: meta, check, parameters, sequence again. Ok(false) if the policy
@@ -700,7 +719,7 @@ impl Worker {
         let sig = Arc::new(Signal::default());
         lock(&self.inner.waits).barriers.insert(seq, sig.clone());
         self.inner.sched.send(&Msg::Barrier { seq }.encode())?;
-        sig.wait(self.inner.timeout.max(Duration::from_secs(300)))
+        sig.wait(None)
     }
 
     /// Tells the scheduler this worker is done (the job ends when every worker is) and closes
@@ -708,6 +727,13 @@ impl Worker {
     pub fn finish(&self) -> Result<()> {
         self.inner.sched.send(&Msg::Done.encode())?;
         self.inner.stop.store(true, Ordering::Release);
+        // Nobody will route completions any more: fail whatever still waits.
+        fail_all(
+            &self.inner,
+            Role::Worker,
+            self.rank(),
+            "this worker has finished",
+        );
         for l in &self.inner.servers {
             l.close();
         }

@@ -349,3 +349,35 @@ fn dynsgd_scales_a_stale_gradient_by_one_over_staleness_plus_one() {
         "worker 1's updates were fresh"
     );
 }
+
+#[test]
+fn a_pull_waits_for_a_straggler_longer_than_the_operation_timeout() {
+    // The operation timeout bounds a single transfer; a BSP pull rightly waits as long as the
+    // slowest worker takes. Liveness (heartbeats, closed links) ends waits, not a clock.
+    let mut c = cfg(1, 2, PolicySpec::Bsp);
+    c.transport.op_timeout = Duration::from_secs(1);
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let (w0, w1) = (cluster.workers[0].clone(), cluster.workers[1].clone());
+    let mut b = vec![0f32; 10];
+    w0.pull_slice("b", &mut b, 0).unwrap();
+    w0.push_slice("b", &b, 0).unwrap();
+    let straggler = std::thread::spawn(move || {
+        let mut b = vec![0f32; 10];
+        w1.pull_slice("b", &mut b, 0).unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        w1.push_slice("b", &b, 0).unwrap();
+    });
+    let start = std::time::Instant::now();
+    w0.pull_slice("b", &mut b, 1).unwrap();
+    assert!(
+        start.elapsed() >= Duration::from_secs(2),
+        "the pull waited for the straggler"
+    );
+    straggler.join().unwrap();
+    let w = cluster.workers[0].clone();
+    cluster.finish().unwrap();
+    assert!(
+        matches!(w.pull_slice("b", &mut b, 1), Err(Error::Config(_))),
+        "no pulls after finish"
+    );
+}
