@@ -192,3 +192,56 @@ fn a_dead_server_is_a_prompt_typed_error_for_the_workers() {
     assert!(!status.success());
     eprintln!("workers noticed the dead server within {noticed:?}");
 }
+
+/// Starts `world` processes with one launcher's variables only (no FALCON_ROLE): rank 0 is
+/// the scheduler, rank 1 the server, the rest workers.
+fn launch(world: u32, vars: impl Fn(u32) -> Vec<(String, String)>) {
+    let mut procs = Vec::new();
+    for rank in 0..world {
+        let mut c = Command::new(FALCON);
+        c.arg("role")
+            .env("FALCON_JOB", format!("launcher-{}", std::process::id()))
+            .env("FALCON_ITERS", "15")
+            .env("FALCON_FLOATS", "20000")
+            .env("FALCON_NODE_HOST", "127.0.0.1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in vars(rank) {
+            c.env(k, v);
+        }
+        procs.push(c.spawn().expect("spawn"));
+    }
+    for mut c in procs {
+        let status = wait_for(&mut c, Duration::from_secs(60)).expect("finishes");
+        let out = c.wait_with_output().unwrap();
+        assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn a_job_starts_from_torchrun_variables() {
+    let p = port();
+    launch(4, |rank| {
+        vec![
+            ("RANK".into(), rank.to_string()),
+            ("WORLD_SIZE".into(), "4".into()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), p.to_string()),
+        ]
+    });
+}
+
+#[test]
+fn a_job_starts_from_slurm_variables() {
+    // Slurm names hosts, not addresses, and no port: "localhost" resolves; the port is
+    // falcon's default unless FALCON_SCHEDULER_PORT is given (it is here, to run in parallel).
+    let p = port();
+    launch(4, |rank| {
+        vec![
+            ("SLURM_PROCID".into(), rank.to_string()),
+            ("SLURM_NTASKS".into(), "4".into()),
+            ("SLURM_NODELIST".into(), "localhost".into()),
+            ("FALCON_SCHEDULER_PORT".into(), p.to_string()),
+        ]
+    });
+}

@@ -270,27 +270,132 @@ fn env_parse<T: std::str::FromStr>(names: &[&str], default: T) -> Result<T, Stri
 }
 
 /// The job configuration from the environment.
+/// One launcher line for every process (Slurm's `srun`, torchrun, mpirun): the role comes
+/// from the global rank — 0 is the scheduler, the next `servers` ranks the servers, the rest
+/// the workers — and the scheduler's host from MASTER_ADDR or the first node of
+/// SLURM_NODELIST.
+fn launcher_layout(servers: u32) -> Result<Option<Launch>, String> {
+    let (rank, world, host) = if let (Some(r), Some(w)) = (env(&["RANK"]), env(&["WORLD_SIZE"])) {
+        (r, w, env(&["MASTER_ADDR"]))
+    } else if let (Some(r), Some(w)) = (env(&["SLURM_PROCID"]), env(&["SLURM_NTASKS"])) {
+        (
+            r,
+            w,
+            env(&["SLURM_NODELIST", "SLURM_JOB_NODELIST"]).map(|l| first_host(&l)),
+        )
+    } else if let (Some(r), Some(w)) = (
+        env(&["OMPI_COMM_WORLD_RANK"]),
+        env(&["OMPI_COMM_WORLD_SIZE"]),
+    ) {
+        (r, w, None)
+    } else {
+        return Ok(None);
+    };
+    let rank: u32 = rank
+        .parse()
+        .map_err(|_| format!("launcher rank {rank:?} is not a number"))?;
+    let world: u32 = world
+        .parse()
+        .map_err(|_| format!("launcher world size {world:?} is not a number"))?;
+    if world < servers + 2 || rank >= world {
+        return Err(format!(
+            "a launch of {world} processes cannot hold a scheduler, {servers} server(s) and a worker (rank {rank})"
+        ));
+    }
+    let (role, r) = match rank {
+        0 => (Role::Scheduler, 0),
+        r if r <= servers => (Role::Server, r - 1),
+        r => (Role::Worker, r - 1 - servers),
+    };
+    Ok(Some(Launch {
+        role,
+        rank: r,
+        world,
+        host,
+    }))
+}
+
+/// Where a launcher put this process.
+struct Launch {
+    role: Role,
+    /// Rank within the role.
+    rank: u32,
+    /// Processes in the launch.
+    world: u32,
+    /// The scheduler's host, if the launcher names it.
+    host: Option<String>,
+}
+
+/// The scheduler's port when a launcher names none.
+const DEFAULT_SCHEDULER_PORT: u16 = 9091;
+
+/// Resolves `host:port` (a name or an address) to a socket address.
+fn resolve(host: &str, port: u16) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {host}:{port}: {e}"))?
+        .find(|a| a.is_ipv4())
+        .or_else(|| (host, port).to_socket_addrs().ok()?.next())
+        .ok_or_else(|| format!("{host} has no address"))
+}
+
+/// The first host of a Slurm node list: `node[01-04,07],gpu5` → `node01`.
+fn first_host(list: &str) -> String {
+    let first = match list.find('[') {
+        Some(open) if list[..open].find(',').is_none() => {
+            let inner = &list[open + 1..list[open..].find(']').map_or(list.len(), |c| open + c)];
+            let token = inner.split([',', '-']).next().unwrap_or("");
+            format!("{}{token}", &list[..open])
+        }
+        _ => list.split(',').next().unwrap_or("").to_string(),
+    };
+    first.trim().to_string()
+}
+
+/// The job configuration from the environment.
 fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::Error>> {
-    let role: Role = env(&["FALCON_ROLE", "DMLC_ROLE"])
-        .ok_or("FALCON_ROLE (or DMLC_ROLE) is not set: scheduler, server or worker")?
-        .parse()?;
-    let uri = env(&["FALCON_SCHEDULER_URI", "DMLC_PS_ROOT_URI"]);
-    let port: Option<u16> = env(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"])
+    let servers: u32 = env_parse(&["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"], 1)?;
+    let explicit = env(&["FALCON_ROLE", "DMLC_ROLE"]);
+    let layout = if explicit.is_none() {
+        launcher_layout(servers)?
+    } else {
+        None
+    };
+    let (role, launcher_rank, world, launcher_host): (
+        Role,
+        Option<u32>,
+        Option<u32>,
+        Option<String>,
+    ) = match (explicit, layout) {
+        (Some(r), _) => (r.parse()?, None, None, None),
+        (None, Some(l)) => (l.role, Some(l.rank), Some(l.world), l.host),
+        (None, None) => {
+            return Err("set FALCON_ROLE (or DMLC_ROLE), or launch with srun, torchrun or mpirun (RANK/WORLD_SIZE, SLURM_PROCID/SLURM_NTASKS)".into());
+        }
+    };
+    let uri = env(&["FALCON_SCHEDULER_URI", "DMLC_PS_ROOT_URI"]).or(launcher_host);
+    let port: Option<u16> = env(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"])
         .map(|p| {
             p.parse()
                 .map_err(|_| format!("scheduler port {p:?} is not a port"))
         })
         .transpose()?;
+    // Launched by Slurm or mpirun, which name no port: falcon's default.
+    let port = port.or(world.map(|_| DEFAULT_SCHEDULER_PORT));
     let scheduler = match (env(&["FALCON_SCHEDULER"]), &uri, port) {
         (Some(full), _, _) => full,
-        (None, Some(u), Some(p)) => format!("host=remote;tcp={u}:{p}"),
+        (None, Some(u), Some(p)) => format!("host=remote;tcp={}", resolve(u, p)?),
         _ => return Err("set FALCON_SCHEDULER, or FALCON_SCHEDULER_URI and FALCON_SCHEDULER_PORT (DMLC_PS_ROOT_URI/PORT)".into()),
     };
     let mut cfg = JobConfig {
         job: env(&["FALCON_JOB"]).unwrap_or_else(|| "falcon".into()),
         token: env(&["FALCON_TOKEN"]).unwrap_or_default(),
-        servers: env_parse(&["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"], 1)?,
-        workers: env_parse(&["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"], 1)?,
+        servers,
+        workers: match world {
+            Some(w) => w - 1 - servers,
+            None => env_parse(&["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"], 1)?,
+        },
         scheduler,
         policy: env(&["FALCON_POLICY"])
             .unwrap_or_else(|| "bsp".into())
@@ -324,20 +429,27 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         (Role::Scheduler, Some(u), Some(p)) => format!("{u}:{p}"),
         _ => env(&["FALCON_BIND"]).unwrap_or_else(|| format!("{host}:0")),
     };
-    cfg.transport.bind = Some(
-        bind.parse()
-            .map_err(|e| format!("bind address {bind:?}: {e}"))?,
-    );
+    cfg.transport.bind = Some(match bind.rsplit_once(':') {
+        Some((h, p)) => resolve(
+            h,
+            p.parse()
+                .map_err(|_| format!("bind address {bind:?}: bad port"))?,
+        )?,
+        None => return Err(format!("bind address {bind:?} has no port").into()),
+    });
     if let Some(adv) = env(&["FALCON_ADVERTISE"]) {
         cfg.transport.advertise = Some(
             adv.parse()
                 .map_err(|e| format!("FALCON_ADVERTISE {adv:?}: {e}"))?,
         );
     }
-    let rank = env(&["FALCON_RANK"])
-        .map(|r| r.parse())
-        .transpose()
-        .map_err(|_| "FALCON_RANK is not a number")?;
+    let rank = match launcher_rank {
+        Some(r) => Some(r),
+        None => env(&["FALCON_RANK"])
+            .map(|r| r.parse())
+            .transpose()
+            .map_err(|_| "FALCON_RANK is not a number")?,
+    };
     Ok((cfg, role, rank))
 }
 
@@ -510,4 +622,17 @@ fn rustix_limit() -> (Option<u64>, Option<u64>) {
         }
     }
     (None, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_host;
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(first_host("node[01-04,07],gpu5"), "node01");
+        assert_eq!(first_host("gpu5,node[1-2]"), "gpu5");
+        assert_eq!(first_host("single"), "single");
+        assert_eq!(first_host("n[7]"), "n7");
+    }
 }
