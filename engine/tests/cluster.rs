@@ -335,7 +335,15 @@ fn dynsgd_scales_a_stale_gradient_by_one_over_staleness_plus_one() {
     // Worker 0 reads version 0, then worker 1 makes three fresh updates of +1 each.
     w0.pull_slice("x", &mut v, 0).unwrap();
     for t in 0..3 {
-        w1.pull_slice("x", &mut v, t).unwrap();
+        // A push is acknowledged on receipt and applied just after: pull until worker 1 sees
+        // its own previous updates, so the gradient it pushes is fresh (d = 0).
+        loop {
+            w1.pull_slice("x", &mut v, t).unwrap();
+            if v[0] == t as f32 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         w1.push_slice("x", &[-1.0], t).unwrap();
     }
     // Worker 0's gradient is 3 versions stale: DynSGD applies it × 1/4.
