@@ -306,6 +306,15 @@ impl Scheduler {
                 broadcast(&live, &Msg::Shutdown);
                 // Give the servers a moment to read it before our links close.
                 std::thread::sleep(Duration::from_millis(50));
+                // Workers that died are tolerated while others finish; a job whose every
+                // worker left before finishing has failed.
+                if done.is_empty() {
+                    return Err(Error::PeerGone {
+                        role: "worker",
+                        rank: 0,
+                        why: "every worker left before finishing".into(),
+                    });
+                }
                 return Ok(report);
             }
             let mut gone = Vec::new();
