@@ -136,7 +136,7 @@ impl Scheduler {
                     let Some(l) = links
                         .get(&link)
                         .cloned()
-                        .or_else(|| self.await_link(&mut links, link))
+                        .or_else(|| crate::worker::await_link(&self.t, &mut links, link))
                     else {
                         continue;
                     };
@@ -245,20 +245,6 @@ impl Scheduler {
                 })?;
         }
         Ok(nodes)
-    }
-
-    /// A message from a link the accept queue has not handed over yet: wait for it briefly.
-    fn await_link(&self, links: &mut HashMap<LinkId, Link>, id: LinkId) -> Option<Link> {
-        let until = Instant::now() + Duration::from_secs(2);
-        while Instant::now() < until {
-            if let Ok(l) = self.t.accept(Some(Duration::from_millis(10))) {
-                links.insert(l.id(), l);
-            }
-            if let Some(l) = links.get(&id) {
-                return Some(l.clone());
-            }
-        }
-        None
     }
 
     fn serve(

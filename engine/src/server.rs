@@ -285,7 +285,7 @@ impl Server {
                     let Some(l) = links
                         .get(&link)
                         .cloned()
-                        .or_else(|| await_link(&t, &mut links, link))
+                        .or_else(|| crate::worker::await_link(&t, &mut links, link))
                     else {
                         continue;
                     };
@@ -608,17 +608,4 @@ fn dispatch(
             }
         }
     }
-}
-
-fn await_link(t: &Transport, links: &mut HashMap<LinkId, Link>, id: LinkId) -> Option<Link> {
-    let until = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < until {
-        if let Ok(l) = t.accept(Some(Duration::from_millis(10))) {
-            links.insert(l.id(), l);
-        }
-        if let Some(l) = links.get(&id) {
-            return Some(l.clone());
-        }
-    }
-    None
 }

@@ -68,13 +68,11 @@ pub(crate) fn rendezvous(
     )?;
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::Timeout(
-                "waiting for the scheduler's address book",
-                cfg.rendezvous_timeout,
-            ));
-        }
+        let left = time_left(
+            deadline,
+            "waiting for the scheduler's address book",
+            cfg.rendezvous_timeout,
+        )?;
         match t.cq().wait(Some(left)) {
             Ok(Completion::Message { link, data }) if link == sched.id() => {
                 match Msg::decode(&data)? {
@@ -94,6 +92,34 @@ pub(crate) fn rendezvous(
             Err(_) => {}
         }
     }
+}
+
+/// A message came from link `id`, which the accept queue has not handed over yet (its
+/// progress thread can deliver before the acceptor does): wait for it briefly.
+pub(crate) fn await_link(
+    t: &Transport,
+    links: &mut HashMap<LinkId, Link>,
+    id: LinkId,
+) -> Option<Link> {
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        if let Ok(l) = t.accept(Some(Duration::from_millis(10))) {
+            links.insert(l.id(), l);
+        }
+        if let Some(l) = links.get(&id) {
+            return Some(l.clone());
+        }
+    }
+    None
+}
+
+/// Time left before `deadline`, or the timeout error for `what`.
+fn time_left(deadline: Instant, what: &'static str, timeout: Duration) -> Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(Error::Timeout(what, timeout));
+    }
+    Ok(left)
 }
 
 /// Something a caller waits for.
@@ -258,13 +284,11 @@ impl Worker {
         let mut got = 0;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         while got < servers.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout(
-                    "waiting for the servers' keys",
-                    cfg.rendezvous_timeout,
-                ));
-            }
+            let left = time_left(
+                deadline,
+                "waiting for the servers' keys",
+                cfg.rendezvous_timeout,
+            )?;
             match t.cq().wait(Some(left)) {
                 Ok(Completion::Message { link, data }) => match Msg::decode(&data)? {
                     Msg::Keys { shards } => {
