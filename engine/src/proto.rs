@@ -10,7 +10,8 @@ use crate::sync::PolicySpec;
 use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
-const VERSION: u8 = 1;
+/// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`).
+const VERSION: u8 = 2;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -169,6 +170,19 @@ pub enum Msg {
         /// The push's clock.
         clock: u64,
     },
+    /// worker → scheduler (ElasticBSP): at my barrier, about to start iteration `clock`.
+    Superstep {
+        /// The iteration the worker is about to start.
+        clock: u64,
+        /// Its estimated iteration interval in nanoseconds (0: unknown).
+        interval_ns: u64,
+    },
+    /// scheduler → worker (ElasticBSP): run the iterations `< until`, then wait at the next
+    /// barrier.
+    Plan {
+        /// The clock of the worker's next barrier.
+        until: u64,
+    },
 }
 
 impl Msg {
@@ -239,11 +253,24 @@ mod tests {
             let mut b = vec![0u8; rng.usize(0..64)];
             rng.fill(&mut b);
             if b.len() >= 3 && rng.bool() {
-                b[..3].copy_from_slice(&[b'F', b'E', 1]);
+                b[..3].copy_from_slice(&[b'F', b'E', VERSION]);
             }
             let _ = Msg::decode(&b);
         }
         assert!(Msg::decode(b"FE\x09").is_err());
+        for m in [
+            Msg::Superstep {
+                clock: 7,
+                interval_ns: 1_500_000,
+            },
+            Msg::Plan { until: 11 },
+        ] {
+            assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
+        }
+        // A message of another protocol version is refused, not misread.
+        let mut old = Msg::Plan { until: 1 }.encode();
+        old[2] = VERSION - 1;
+        assert!(Msg::decode(&old).is_err());
         assert_eq!(imm::unpack(imm::pack(imm::INIT, 12345)), (imm::INIT, 12345));
     }
 }

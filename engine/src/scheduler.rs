@@ -1,5 +1,12 @@
 //! The scheduler: rendezvous (ranks, address book, key map, job token), barriers, heartbeats
 //! and membership. One per job; it moves no parameters.
+//!
+//! Under ElasticBSP (`PolicySpec::job_barriers`) it also plans the job-wide superstep
+//! barriers: each worker reports at its barrier ([`Msg::Superstep`]) with its clock and
+//! estimated iteration interval; once every live worker that has not finished is there, the
+//! scheduler runs ZipLine over their predicted iteration end times ([`plan_superstep`]) and
+//! tells each its next barrier ([`Msg::Plan`]). One planner for the whole job, so every shard
+//! and worker agrees on the barriers (per-shard planning disagreed and could deadlock).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -10,6 +17,7 @@ use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, TensorSpec};
 use crate::proto::{Book, Msg, Role};
+use crate::sync::zipline::{predict, zipline};
 
 /// What the scheduler saw, returned when the job ends.
 #[derive(Clone, Debug, Default)]
@@ -20,6 +28,74 @@ pub struct SchedulerReport {
     pub refused: Vec<String>,
     /// Nodes declared dead (role, rank).
     pub dead: Vec<(Role, u32)>,
+    /// ElasticBSP supersteps planned (barriers that fell); 0 under other policies.
+    pub supersteps: u64,
+    /// The last ElasticBSP plan, one entry per worker that took part, by rank.
+    pub last_plan: Vec<SuperstepPlan>,
+}
+
+/// One worker's part of an ElasticBSP superstep plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SuperstepPlan {
+    /// The worker's rank.
+    pub worker: u32,
+    /// The clock it reported at its barrier (the iteration it is about to start).
+    pub clock: u64,
+    /// The interval estimate the plan used for it, in nanoseconds (0: nobody's was known, so
+    /// everyone runs one iteration).
+    pub interval_ns: u64,
+    /// Its next barrier: it runs iterations `clock..until` (`1 ≤ until − clock ≤ R`).
+    pub until: u64,
+}
+
+/// Plans one ElasticBSP superstep for the workers at the barrier, given as
+/// `(rank, clock, interval_ns)` with `interval_ns` 0 when unknown. Every worker starts now, so
+/// worker `w`'s next `r` iterations end at `j·I_w`, `j = 1..=r`; ZipLine picks one end time per
+/// worker minimizing the spread and worker `w` runs `picks[w] + 1` iterations. A worker without
+/// an estimate is given the mean of the known ones; if none is known, everyone runs one
+/// iteration. `r` is taken as at least 1. The result is in the order of `arrivals`.
+pub fn plan_superstep(arrivals: &[(u32, u64, u64)], r: u32) -> Vec<SuperstepPlan> {
+    let known: Vec<u64> = arrivals.iter().map(|a| a.2).filter(|&i| i > 0).collect();
+    let one_each = || {
+        arrivals
+            .iter()
+            .map(|&(worker, clock, _)| SuperstepPlan {
+                worker,
+                clock,
+                interval_ns: 0,
+                until: clock.saturating_add(1),
+            })
+            .collect()
+    };
+    if known.is_empty() {
+        return one_each();
+    }
+    let sum: u128 = known.iter().map(|&i| u128::from(i)).sum();
+    // The mean of values that fit a u64 fits a u64.
+    let mean = u64::try_from(sum / known.len() as u128).unwrap_or(u64::MAX);
+    let intervals: Vec<u64> = arrivals
+        .iter()
+        .map(|a| if a.2 > 0 { a.2 } else { mean.max(1) })
+        .collect();
+    let r = r.max(1) as usize;
+    let candidates: Vec<Vec<u64>> = intervals.iter().map(|&i| predict(0, i, r)).collect();
+    let Some(zip) = zipline(&candidates) else {
+        // Only when there is nobody to plan for.
+        return one_each();
+    };
+    arrivals
+        .iter()
+        .zip(&intervals)
+        .zip(&zip.picks)
+        .map(
+            |((&(worker, clock, _), &interval_ns), &pick)| SuperstepPlan {
+                worker,
+                clock,
+                interval_ns,
+                until: clock.saturating_add(pick as u64 + 1),
+            },
+        )
+        .collect()
 }
 
 /// A scheduler bound to its address, not yet running.
@@ -259,6 +335,9 @@ impl Scheduler {
             nodes.keys().map(|k| (*k, Instant::now())).collect();
         let mut done: HashSet<u32> = HashSet::new();
         let mut barriers: BTreeMap<u64, HashSet<u32>> = BTreeMap::new();
+        // ElasticBSP: R, and the workers at their barrier: rank → (clock, interval_ns).
+        let elastic = self.cfg.policy.job_barriers();
+        let mut arrivals: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
         let silence = self.cfg.heartbeat * 3;
         let broadcast = |live: &HashSet<(Role, u32)>, m: &Msg| {
             let bytes = m.encode();
@@ -288,6 +367,45 @@ impl Scheduler {
                     let _ = nodes[&(Role::Worker, *w)].send(&Msg::BarrierDone { seq }.encode());
                 }
             }
+            // The ElasticBSP barrier falls when every live worker that has not finished is at
+            // it (a worker that died or finished no longer holds it). A worker waiting at a
+            // job barrier (`Worker::barrier`) does not hold it either: it waits for the others,
+            // who could otherwise never reach that barrier. It reports at its next pull.
+            if let Some(r) = elastic {
+                arrivals.retain(|w, _| live_workers.contains(w) && !done.contains(w));
+                let at_job_barrier = |w: &u32| barriers.values().any(|a| a.contains(w));
+                if !arrivals.is_empty()
+                    && live_workers
+                        .iter()
+                        .all(|w| arrivals.contains_key(w) || done.contains(w) || at_job_barrier(w))
+                {
+                    let at: Vec<(u32, u64, u64)> =
+                        arrivals.iter().map(|(&w, &(c, i))| (w, c, i)).collect();
+                    arrivals.clear();
+                    let plan = plan_superstep(&at, r);
+                    report.supersteps += 1;
+                    tracing::debug!(
+                        "scheduler: superstep {} (R = {r}): {}",
+                        report.supersteps,
+                        plan.iter()
+                            .map(|p| format!(
+                                "worker {} clock {} interval {:.3} ms → until {}",
+                                p.worker,
+                                p.clock,
+                                p.interval_ns as f64 / 1e6,
+                                p.until
+                            ))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    for p in &plan {
+                        if let Some(l) = nodes.get(&(Role::Worker, p.worker)) {
+                            let _ = l.send(&Msg::Plan { until: p.until }.encode());
+                        }
+                    }
+                    report.last_plan = plan;
+                }
+            }
             if live_workers.iter().all(|w| done.contains(w)) {
                 broadcast(&live, &Msg::Shutdown);
                 // Give the servers a moment to read it before our links close.
@@ -314,6 +432,11 @@ impl Scheduler {
                         Ok(Msg::Heartbeat) => tracing::trace!("scheduler: heartbeat from {node:?}"),
                         Ok(Msg::Barrier { seq }) if node.0 == Role::Worker => {
                             barriers.entry(seq).or_default().insert(node.1);
+                        }
+                        Ok(Msg::Superstep { clock, interval_ns })
+                            if node.0 == Role::Worker && elastic.is_some() =>
+                        {
+                            arrivals.insert(node.1, (clock, interval_ns));
                         }
                         Ok(Msg::Done) if node.0 == Role::Worker => {
                             done.insert(node.1);
@@ -368,6 +491,61 @@ impl Scheduler {
                             rank: node.1,
                             why: "it died during the job".into(),
                         });
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn untils(plan: &[SuperstepPlan]) -> Vec<u64> {
+        plan.iter().map(|p| p.until).collect()
+    }
+
+    #[test]
+    fn superstep_plans_equalize_the_barrier_and_stay_within_r() {
+        // 1, 2 and 4 ms per iteration, R = 4: all three can end together at 4 ms.
+        let ms = 1_000_000;
+        let plan = plan_superstep(&[(0, 10, ms), (1, 7, 2 * ms), (2, 3, 4 * ms)], 4);
+        assert_eq!(untils(&plan), vec![14, 9, 4]);
+        // Unknown intervals take the mean of the known ones (here 2 ms for worker 2).
+        let plan = plan_superstep(&[(0, 5, ms), (1, 5, 3 * ms), (2, 5, 0)], 3);
+        assert_eq!(plan[2].interval_ns, 2 * ms);
+        // Nobody known: one iteration each.
+        let plan = plan_superstep(&[(0, 5, 0), (1, 9, 0)], 8);
+        assert_eq!(untils(&plan), vec![6, 10]);
+        assert!(plan_superstep(&[], 4).is_empty());
+        // Predictions saturate rather than overflow.
+        let plan = plan_superstep(&[(0, 3, u64::MAX), (1, 4, u64::MAX / 3)], 5);
+        assert!(plan.iter().all(|p| (1..=5).contains(&(p.until - p.clock))));
+        // Always 1 ≤ until − clock ≤ R, whatever the intervals (R = 0 is taken as 1).
+        let mut rng = fastrand::Rng::with_seed(5);
+        for _ in 0..500 {
+            let r = rng.u32(0..9);
+            let at: Vec<(u32, u64, u64)> = (0..rng.u32(1..7))
+                .map(|w| {
+                    (
+                        w,
+                        rng.u64(0..1000),
+                        rng.u64(0..5) * rng.u64(0..100) * [1, 1_000, 1_000_000][rng.usize(0..3)],
+                    )
+                })
+                .collect();
+            let plan = plan_superstep(&at, r);
+            assert_eq!(plan.len(), at.len());
+            for (p, a) in plan.iter().zip(&at) {
+                assert_eq!((p.worker, p.clock), (a.0, a.1));
+                assert!((1..=u64::from(r.max(1))).contains(&(p.until - p.clock)));
+            }
+            // A faster worker is never planned fewer iterations than a slower one.
+            for p in &plan {
+                for q in &plan {
+                    if p.interval_ns < q.interval_ns {
+                        assert!(p.until - p.clock >= q.until - q.clock, "{p:?} vs {q:?}");
                     }
                 }
             }

@@ -63,6 +63,41 @@ pub struct ServerReport {
     pub staleness_max: u64,
     /// Final parameters of each shard, by global shard id.
     pub params: BTreeMap<u32, Vec<f32>>,
+    /// Per worker (by rank), what the policies of this server's shards did to it.
+    pub per_worker: Vec<WorkerCounters>,
+    /// Per shard of this server.
+    pub per_shard: Vec<ShardCounters>,
+}
+
+/// What a server's policies did to one worker (summed over the server's shards).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerCounters {
+    /// Its pulls that were parked ("delayed").
+    pub parked_pulls: u64,
+    /// Its gradients dropped (Sync-opt: late).
+    pub dropped_gradients: u64,
+    /// Extra iterations granted to it (DSSP).
+    pub grants: u64,
+    /// Task transfers offered to it as the helper (EPSP, FlexRR).
+    pub transfers_offered: u64,
+    /// The version staleness of its asynchronously applied gradients: staleness → count.
+    pub staleness: BTreeMap<u64, u64>,
+}
+
+/// Traffic of one shard.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardCounters {
+    /// Global shard id.
+    pub shard: u32,
+    /// Gradient bytes received (pushes).
+    pub bytes_in: u64,
+    /// Parameter bytes the server wrote to answer pulls (one-sided fast-path reads by the
+    /// workers are counted by them, in `WorkerStats`).
+    pub bytes_out: u64,
+    /// Gradients received.
+    pub gradients: u64,
+    /// Pulls the server answered.
+    pub answered_pulls: u64,
 }
 
 struct Shard {
@@ -219,6 +254,14 @@ impl Server {
         let token = cfg.token.clone();
         let mut report = ServerReport {
             rank: book.rank,
+            per_worker: vec![WorkerCounters::default(); workers],
+            per_shard: shards
+                .iter()
+                .map(|s| ShardCounters {
+                    shard: s.spec.id,
+                    ..Default::default()
+                })
+                .collect(),
             ..Default::default()
         };
         let mut links: HashMap<LinkId, Link> = HashMap::new();
@@ -422,12 +465,19 @@ impl Server {
                     let clock = s.pushes[w as usize];
                     s.pushes[w as usize] += 1;
                     report.gradients += 1;
+                    let traffic = &mut report.per_shard[local as usize];
+                    traffic.gradients += 1;
+                    traffic.bytes_in += s.spec.bytes();
                     match book.mode {
                         UpdateMode::Async => {
                             let version = meta_of(&s.meta).version();
                             let d = version.saturating_sub(s.pulled_version(w as usize));
                             report.staleness_sum += d;
                             report.staleness_max = report.staleness_max.max(d);
+                            *report.per_worker[w as usize]
+                                .staleness
+                                .entry(d)
+                                .or_default() += 1;
                             let factor = scale.scale(d);
                             let mut g = s.slot(w as usize).to_vec();
                             if factor != 1.0 {
@@ -484,7 +534,8 @@ impl Server {
                                         Action::DropGradient { worker, clock: c }
                                             if worker == w && c == clock =>
                                         {
-                                            counts = false
+                                            counts = false;
+                                            report.per_worker[w as usize].dropped_gradients += 1;
                                         }
                                         other => actions.push(other),
                                     }
@@ -527,6 +578,9 @@ impl Server {
             }
         }
         for s in &shards {
+            for (w, c) in report.per_worker.iter_mut().enumerate() {
+                c.grants += s.policy.grants(w as u32);
+            }
             report.delayed_pulls += s.policy.delayed_total();
             report.dropped_gradients += s.policy.dropped();
             report.params.insert(s.spec.id, s.params_mut().to_vec());
@@ -594,12 +648,20 @@ fn dispatch(
     report: &mut ServerReport,
 ) {
     for a in actions.drain(..) {
+        if let Action::Park { worker, .. } = a
+            && let Some(c) = report.per_worker.get_mut(worker as usize)
+        {
+            c.parked_pulls += 1;
+        }
         if let Action::Release { req, .. } = a
             && let Some(p) = parked.remove(&req)
             && let Some(l) = links.get(&p.link)
         {
             let s = &mut shards[p.shard];
             report.answered_pulls += 1;
+            let traffic = &mut report.per_shard[p.shard];
+            traffic.answered_pulls += 1;
+            traffic.bytes_out += s.spec.bytes();
             if let Some(w) = s.sent_version.get_mut((req >> 32) as usize) {
                 *w = meta_of(&s.meta).version();
             }

@@ -8,8 +8,17 @@
 //! the policy does not allow it sends a request, which the server's policy may park; on
 //! release the server writes the *latest* values straight into `out`. Both have non-blocking
 //! variants returning a [`Handle`]. Buffers are [`Region`]s: push and pull are zero-copy.
+//!
+//! Under ElasticBSP (`PolicySpec::job_barriers`) the worker also holds a *gate*: a pull at a
+//! clock at or past its barrier first reports to the scheduler ([`Msg::Superstep`], with the
+//! mean of its last few iteration intervals) and waits for the scheduler's plan
+//! ([`Msg::Plan`]), which moves the barrier. The first barrier is at clock 1 (the first
+//! superstep is one iteration: no interval is known yet). An interval sample is the time from
+//! the start of an iteration (the previous iteration's first push, or the plan's arrival, so
+//! the wait at a barrier is not counted as compute, or the very first pull) to the iteration's
+//! first push. Other policies have no gate and pay nothing for it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -204,6 +213,47 @@ struct ShardRemote {
     pulled_version: std::sync::atomic::AtomicU64,
 }
 
+/// How many recent interval samples the ElasticBSP estimate averages.
+const INTERVAL_WINDOW: usize = 4;
+
+/// ElasticBSP's gate on this worker (see the [module docs](self)).
+struct Gate {
+    /// Pulls at clocks below this pass; one at or above it waits for the next plan.
+    barrier: u64,
+    /// When the current iteration started (None until the first pull or push).
+    mark: Option<Instant>,
+    /// The next clock whose first push records an interval sample.
+    next_sample: u64,
+    /// The most recent interval samples, in nanoseconds (at most [`INTERVAL_WINDOW`]).
+    samples: VecDeque<u64>,
+    /// The superstep report in flight: what its waiters wait on, and when it was sent.
+    pending: Option<(Arc<Signal>, Instant)>,
+    /// Set once no plan can come (a peer is gone, the job is over, this worker finished).
+    broken: Option<Error>,
+}
+
+impl Gate {
+    fn new() -> Gate {
+        Gate {
+            barrier: 1,
+            mark: None,
+            next_sample: 0,
+            samples: VecDeque::new(),
+            pending: None,
+            broken: None,
+        }
+    }
+
+    /// The mean of the recent samples in nanoseconds, 0 if there is none.
+    fn interval_ns(&self) -> u64 {
+        if self.samples.is_empty() {
+            return 0;
+        }
+        let sum: u128 = self.samples.iter().map(|&n| u128::from(n)).sum();
+        u64::try_from(sum / self.samples.len() as u128).unwrap_or(u64::MAX)
+    }
+}
+
 #[derive(Default)]
 struct Waits {
     acks: HashMap<(u32, u64), Arc<Signal>>,
@@ -226,6 +276,8 @@ struct Inner {
     timeout: Duration,
     stop: AtomicBool,
     stats: Mutex<WorkerStats>,
+    /// ElasticBSP's gate; None under every other policy.
+    gate: Option<Mutex<Gate>>,
 }
 
 /// Counters of one worker.
@@ -237,6 +289,10 @@ pub struct WorkerStats {
     pub slow_pulls: u64,
     /// Shard pushes.
     pub pushes: u64,
+    /// Time spent waiting at ElasticBSP barriers (from the report to the plan's arrival).
+    pub barrier_wait: Duration,
+    /// ElasticBSP supersteps this worker took part in (plans received).
+    pub supersteps: u64,
 }
 
 /// A worker of a job.
@@ -345,6 +401,7 @@ impl Worker {
             });
         }
         let timeout = cfg.transport.op_timeout;
+        let gate = book.policy.job_barriers().map(|_| Mutex::new(Gate::new()));
         let inner = Arc::new(Inner {
             t,
             book,
@@ -360,6 +417,7 @@ impl Worker {
             timeout,
             stop: AtomicBool::new(false),
             stats: Mutex::new(WorkerStats::default()),
+            gate,
         });
         let weak = Arc::downgrade(&inner);
         let heartbeat = cfg.heartbeat;
@@ -393,6 +451,20 @@ impl Worker {
     /// Counters so far.
     pub fn stats(&self) -> WorkerStats {
         lock(&self.inner.stats).clone()
+    }
+
+    /// Under ElasticBSP, the clock of this worker's next barrier: pulls at clocks below it
+    /// pass, the first at or above it waits for the scheduler's next plan. None under other
+    /// policies.
+    pub fn superstep_until(&self) -> Option<u64> {
+        self.inner.gate.as_ref().map(|g| lock(g).barrier)
+    }
+
+    /// Under ElasticBSP, the iteration interval this worker would report at a barrier now (the
+    /// mean of its last few samples). None under other policies or before the first sample.
+    pub fn interval_estimate(&self) -> Option<Duration> {
+        let ns = lock(self.inner.gate.as_ref()?).interval_ns();
+        (ns > 0).then(|| Duration::from_nanos(ns))
     }
 
     /// A zero-filled region sized for `tensor`: push from it and pull into it without copies.
@@ -528,6 +600,7 @@ impl Worker {
                 });
             }
         }
+        self.sample_interval(clock);
         let mut signals = Vec::new();
         for s in shards {
             self.wait_slot(s)?;
@@ -624,13 +697,13 @@ impl Worker {
             FastPath::Within(s) => Some(s),
             FastPath::Never => None,
         };
-        let mut signals = Vec::new();
-        for s in self
-            .inner
-            .shards
-            .iter()
-            .filter(|s| s.spec.tensor as usize == t)
-        {
+        let shards = || {
+            self.inner
+                .shards
+                .iter()
+                .filter(move |s| s.spec.tensor as usize == t)
+        };
+        for s in shards() {
             let made = u64::from(s.pushes.load(Ordering::Acquire));
             if clock > made {
                 return Err(Error::BadClock {
@@ -640,6 +713,10 @@ impl Worker {
                     ),
                 });
             }
+        }
+        self.pass_gate(clock)?;
+        let mut signals = Vec::new();
+        for s in shards() {
             if let Some(bound) = fast
                 && self.pull_fast(s, out, clock, bound)?
             {
@@ -650,6 +727,72 @@ impl Worker {
             signals.push(self.pull_slow(s, out, clock)?);
         }
         Ok(self.handle(signals, None))
+    }
+
+    /// ElasticBSP: returns at once below the barrier; at or past it, reports to the scheduler
+    /// (once, however many threads pull at this clock) and waits for the plan. No timeout:
+    /// the plan comes when every other live worker has reached its barrier or finished, and
+    /// a dead peer or the job's end fails the wait (through [`fail_all`]). Without ElasticBSP
+    /// it does nothing.
+    fn pass_gate(&self, clock: u64) -> Result<()> {
+        let Some(gate) = &self.inner.gate else {
+            return Ok(());
+        };
+        loop {
+            let sig = {
+                let mut g = lock(gate);
+                if let Some(e) = &g.broken {
+                    return Err(e.clone());
+                }
+                if g.mark.is_none() {
+                    g.mark = Some(Instant::now());
+                }
+                if clock < g.barrier {
+                    return Ok(());
+                }
+                match &g.pending {
+                    Some((sig, _)) => sig.clone(),
+                    None => {
+                        let interval_ns = g.interval_ns();
+                        // Sent under the gate's lock: the plan's handler takes it too, so it
+                        // finds `pending` set.
+                        self.inner
+                            .sched
+                            .send(&Msg::Superstep { clock, interval_ns }.encode())
+                            .map_err(|e| Error::PeerGone {
+                                role: "scheduler",
+                                rank: 0,
+                                why: e.to_string(),
+                            })?;
+                        let sig = Arc::new(Signal::default());
+                        g.pending = Some((sig.clone(), Instant::now()));
+                        sig
+                    }
+                }
+            };
+            sig.wait(None)?;
+        }
+    }
+
+    /// ElasticBSP: the first push of a new clock closes an iteration: one interval sample.
+    fn sample_interval(&self, clock: u64) {
+        let Some(gate) = &self.inner.gate else {
+            return;
+        };
+        let now = Instant::now();
+        let mut g = lock(gate);
+        if clock < g.next_sample {
+            return;
+        }
+        if let Some(mark) = g.mark {
+            let ns = u64::try_from(now.duration_since(mark).as_nanos()).unwrap_or(u64::MAX);
+            g.samples.push_back(ns.max(1));
+            while g.samples.len() > INTERVAL_WINDOW {
+                g.samples.pop_front();
+            }
+        }
+        g.mark = Some(now);
+        g.next_sample = clock + 1;
     }
 
     /// The lock-free path: meta, check, parameters, sequence again. Ok(false) if the policy
@@ -733,7 +876,8 @@ impl Worker {
         }
     }
 
-    /// Waits until every live worker has reached this barrier.
+    /// Waits until every live worker has reached this barrier. Under ElasticBSP a worker
+    /// waiting here does not hold the others' superstep barrier (they could never get here).
     pub fn barrier(&self) -> Result<()> {
         let seq = {
             let mut n = lock(&self.inner.next_barrier);
@@ -747,8 +891,14 @@ impl Worker {
     }
 
     /// Tells the scheduler this worker is done (the job ends when every worker is) and closes
-    /// its links in order.
+    /// its links in order. A second call does nothing (a worker may finish itself as soon as
+    /// its work is done, which under barrier policies it should: a worker that neither
+    /// finishes nor reaches the barrier holds everyone else back; `LocalCluster::finish`
+    /// then finishes the rest).
     pub fn finish(&self) -> Result<()> {
+        if self.inner.stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
         self.inner.sched.send(&Msg::Done.encode())?;
         self.inner.stop.store(true, Ordering::Release);
         // Nobody will route completions any more: fail whatever still waits.
@@ -812,6 +962,23 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                         sig.set(Ok(()));
                     }
                 }
+                Ok(Msg::Plan { until }) => {
+                    if let Some(gate) = &w.gate {
+                        let now = Instant::now();
+                        let mut g = lock(gate);
+                        // Only an answer to a report moves the barrier (a stray plan does not).
+                        if let Some((sig, sent)) = g.pending.take() {
+                            g.barrier = g.barrier.max(until);
+                            // The next iteration starts now: the wait is not compute.
+                            g.mark = Some(now);
+                            let mut stats = lock(&w.stats);
+                            stats.supersteps += 1;
+                            stats.barrier_wait += now.saturating_duration_since(sent);
+                            drop(stats);
+                            sig.set(Ok(()));
+                        }
+                    }
+                }
                 Ok(Msg::Dead {
                     role: Role::Worker,
                     rank,
@@ -852,6 +1019,16 @@ fn fail_all(w: &Inner, role: Role, rank: u32, why: &str) {
     }
     for (_, s) in waits.barriers.drain() {
         s.set(Err(err.clone()));
+    }
+    drop(waits);
+    if let Some(gate) = &w.gate {
+        let mut g = lock(gate);
+        if g.broken.is_none() {
+            g.broken = Some(err.clone());
+        }
+        if let Some((s, _)) = g.pending.take() {
+            s.set(Err(err));
+        }
     }
 }
 

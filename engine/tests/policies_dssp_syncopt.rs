@@ -80,6 +80,8 @@ proptest! {
         let mut p = Dssp::new(workers, s_lower, s_lower + r_max);
         run(&mut p, workers, Some(s_lower + r_max), 16, &picks, fast);
         prop_assert_eq!(p.parked(), 0);
+        // Per-worker grants add up to the controller's total.
+        prop_assert_eq!((0..workers).map(|w| p.grants(w)).sum::<u64>(), p.extra_granted_total());
     }
 
     #[test]

@@ -85,6 +85,8 @@ pub struct Dssp {
     delayed: u64,
     controller_calls: u64,
     extra_granted: u64,
+    /// Per worker, the sum of the `r*` granted to it.
+    granted: Vec<u64>,
 }
 
 impl Dssp {
@@ -110,6 +112,7 @@ impl Dssp {
             delayed: 0,
             controller_calls: 0,
             extra_granted: 0,
+            granted: vec![0; n],
         }
     }
 
@@ -214,6 +217,7 @@ impl Dssp {
         };
         if r > 0 {
             self.extra_granted += r;
+            self.granted[p] += r;
             self.grant[p] = r - 1;
             self.ok_through[p] = self.ok_through[p].max(next);
         }
@@ -289,5 +293,9 @@ impl SyncPolicy for Dssp {
 
     fn delayed_total(&self) -> u64 {
         self.delayed
+    }
+
+    fn grants(&self, worker: Worker) -> u64 {
+        self.granted.get(worker as usize).copied().unwrap_or(0)
     }
 }

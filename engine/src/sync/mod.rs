@@ -18,7 +18,10 @@
 mod asp;
 mod bsp;
 mod dssp;
+pub mod epsp;
+pub mod flexrr;
 mod fluentps;
+pub mod projection;
 mod ssp;
 mod syncopt;
 pub mod zipline;
@@ -26,10 +29,12 @@ pub mod zipline;
 pub use asp::Asp;
 pub use bsp::Bsp;
 pub use dssp::*;
+pub use epsp::*;
+pub use flexrr::*;
 pub use fluentps::*;
 pub use ssp::Ssp;
 pub use syncopt::*;
-pub use zipline::ElasticBsp;
+pub use zipline::{ElasticBsp, ElasticBspShard};
 
 use serde::{Deserialize, Serialize};
 
@@ -111,6 +116,17 @@ pub enum Action {
         /// The gradient's iteration.
         clock: u64,
     },
+    /// Offer `helper` unprocessed tasks of `straggler`'s iteration `clock` (EPSP, FlexRR).
+    /// An offer, not an order: the task side (the trainer, through the scheduler) hands each
+    /// task out once, so an offer may find nothing left to take.
+    Transfer {
+        /// The worker with time to spare.
+        helper: Worker,
+        /// The worker behind.
+        straggler: Worker,
+        /// The straggler's iteration whose tasks are offered.
+        clock: u64,
+    },
 }
 
 /// Whether a worker may pull without asking the server.
@@ -150,6 +166,15 @@ pub trait SyncPolicy: Send + std::fmt::Debug {
     fn dropped(&self) -> u64 {
         0
     }
+    /// Extra iterations granted to `worker` so far (DSSP's controller).
+    fn grants(&self, worker: Worker) -> u64 {
+        let _ = worker;
+        0
+    }
+    /// Task transfers offered so far.
+    fn transfers(&self) -> u64 {
+        0
+    }
 }
 
 /// A policy by name, as configured.
@@ -184,11 +209,32 @@ pub enum PolicySpec {
         /// b.
         backups: u32,
     },
+    /// Falcon's EPSP (our design, see [`Epsp`]).
+    Epsp {
+        /// The largest slack bound; with `adaptive` off, the fixed bound.
+        s_max: u64,
+        /// Switch between enforced and slack from the straggler projection's verdict.
+        adaptive: bool,
+        /// Offer a blocked pioneer the tasks of the straggler with the most remaining work.
+        transfer: bool,
+    },
+    /// FlexRR: SSP with a small slack plus reassignment of a slow worker's work to helpers.
+    FlexRr {
+        /// The staleness bound.
+        s: u64,
+        /// Help is offered to a worker at least this many iterations behind (≥ 1).
+        theta: u64,
+        /// Helper groups of this many consecutive ranks (0: one group of everyone).
+        group: u32,
+    },
+    /// ElasticBSP with ZipLine barriers, `r` iterations ahead. The barrier plan is one for the
+    /// whole job: the scheduler runs ZipLine and each worker waits at its own barrier; the
+    /// shards apply pushes as they arrive ([`ElasticBspShard`]).
+    ElasticBsp {
+        /// R, the look-ahead.
+        r: u32,
+    },
 }
-// ElasticBSP (`zipline::ElasticBsp`) is not a `PolicySpec` yet: its barrier plan must be one
-// for the whole job, but each shard runs its own instance and plans from its own timings, so
-// shards would disagree on a worker's barrier and can deadlock (seen in a 4×2 cluster). It
-// needs the scheduler to run ZipLine and broadcast the plan (issue 5).
 
 /// FluentPS's pausing variant, as configured (`p` in thousandths so the spec stays `Eq`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,6 +283,31 @@ impl PolicySpec {
                     0x9E37_79B9_7F4A_7C15u64 ^ u64::from(shard).wrapping_mul(0xBF58_476D_1CE4_E5B9);
                 Box::new(FluentPs::new(pause, s, workers, seed))
             }
+            PolicySpec::Epsp {
+                s_max,
+                adaptive,
+                transfer,
+            } => Box::new(Epsp::new(
+                workers,
+                EpspConfig {
+                    s_max,
+                    adaptive,
+                    transfer,
+                    ..EpspConfig::default()
+                },
+            )),
+            PolicySpec::FlexRr { s, theta, group } => {
+                Box::new(FlexRr::new(workers, s, theta, group))
+            }
+            PolicySpec::ElasticBsp { r } => Box::new(ElasticBspShard::new(r)),
+        }
+    }
+
+    /// True when workers wait at job-wide barriers planned by the scheduler (ElasticBSP).
+    pub fn job_barriers(&self) -> Option<u32> {
+        match *self {
+            PolicySpec::ElasticBsp { r } => Some(r.max(1)),
+            _ => None,
         }
     }
 }
@@ -256,12 +327,15 @@ fn args_of<'a>(l: &'a str, name: &str) -> Option<Vec<&'a str>> {
 impl std::str::FromStr for PolicySpec {
     type Err = crate::Error;
     /// `bsp`, `asp`, `ssp(3)`, `dssp(3,15)`, `syncopt(1)`, `fluentps(3)` (raw SSP),
-    /// `fluentps(3,p=0.5)` (fastest only), `fluentps(3,sigmoid)`, `fluentps(3,fastest-sigmoid)`.
+    /// `fluentps(3,p=0.5)` (fastest only), `fluentps(3,sigmoid)`, `fluentps(3,fastest-sigmoid)`,
+    /// `epsp` (= `epsp(4)`: slack up to 4, adaptive, transfer), `epsp(4,fixed)` (always slack 4;
+    /// `epsp(0,fixed)` is always enforced), `epsp(4,no-transfer)`, `flexrr` (= `flexrr(1)`),
+    /// `flexrr(1,theta=2,group=4)`, `elasticbsp` (= `elasticbsp(15)`), `elasticbsp(R)`.
     fn from_str(s: &str) -> Result<Self, crate::Error> {
         let l = s.trim().to_ascii_lowercase().replace(' ', "");
         let bad = || {
             crate::Error::Config(format!(
-                "cannot read policy {s:?}: bsp, asp, ssp(N), dssp(L,U), syncopt(B), fluentps(N[,p=P|sigmoid|fastest-sigmoid])"
+                "cannot read policy {s:?}: bsp, asp, ssp(N), dssp(L,U), syncopt(B), fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])], flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)]"
             ))
         };
         let num = |a: &str| a.parse::<u64>().map_err(|_| bad());
@@ -292,6 +366,51 @@ impl std::str::FromStr for PolicySpec {
                 }),
                 _ => Err(bad()),
             };
+        }
+        if let Some(a) = args_of(&l, "elasticbsp") {
+            return match a.as_slice() {
+                [r] if (1..=100_000).contains(&num(r)?) => {
+                    Ok(PolicySpec::ElasticBsp { r: num(r)? as u32 })
+                }
+                _ => Err(bad()),
+            };
+        }
+        if l == "elasticbsp" {
+            return Ok(PolicySpec::ElasticBsp { r: 15 });
+        }
+        if l == "epsp" || l == "flexrr" {
+            return format!("{l}()").parse();
+        }
+        if let Some(a) = args_of(&l, "epsp") {
+            let mut spec = (4u64, true, true);
+            for (i, arg) in a.iter().enumerate() {
+                match *arg {
+                    "fixed" => spec.1 = false,
+                    "no-transfer" => spec.2 = false,
+                    n if i == 0 => spec.0 = num(n)?,
+                    _ => return Err(bad()),
+                }
+            }
+            return Ok(PolicySpec::Epsp {
+                s_max: spec.0,
+                adaptive: spec.1,
+                transfer: spec.2,
+            });
+        }
+        if let Some(a) = args_of(&l, "flexrr") {
+            let (mut s, mut theta, mut group) = (1u64, 1u64, 0u32);
+            for (i, arg) in a.iter().enumerate() {
+                if let Some(t) = arg.strip_prefix("theta=") {
+                    theta = num(t)?.max(1);
+                } else if let Some(g) = arg.strip_prefix("group=") {
+                    group = num(g)?.min(u64::from(u32::MAX)) as u32;
+                } else if i == 0 {
+                    s = num(arg)?;
+                } else {
+                    return Err(bad());
+                }
+            }
+            return Ok(PolicySpec::FlexRr { s, theta, group });
         }
         if let Some(a) = args_of(&l, "fluentps") {
             let (n, variant) = match a.as_slice() {

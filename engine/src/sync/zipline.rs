@@ -372,6 +372,47 @@ impl SyncPolicy for ElasticBsp {
     }
 }
 
+/// ElasticBSP's shard side in a real job: pushes are applied as they arrive and pulls are
+/// answered at once (the worker only pulls once the job-wide barrier let it through). The
+/// barriers themselves are planned by the scheduler, which runs ZipLine over every worker's
+/// estimated interval, so all shards agree on them ([`ElasticBsp`] is the same algorithm as one
+/// state machine, for the simulator).
+#[derive(Clone, Debug)]
+pub struct ElasticBspShard {
+    r: u32,
+}
+
+impl ElasticBspShard {
+    /// The shard side of ElasticBSP with look-ahead `r`.
+    pub fn new(r: u32) -> ElasticBspShard {
+        ElasticBspShard { r: r.max(1) }
+    }
+}
+
+impl SyncPolicy for ElasticBspShard {
+    fn name(&self) -> String {
+        format!("elasticbsp({})", self.r)
+    }
+
+    fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
+        if let Event::Pull { worker, req, .. } = ev {
+            out.push(Action::Release { worker, req });
+        }
+    }
+
+    fn fast_path(&self) -> FastPath {
+        FastPath::Always
+    }
+
+    fn parked(&self) -> usize {
+        0
+    }
+
+    fn delayed_total(&self) -> u64 {
+        0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,6 +2,9 @@
 #![allow(dead_code)]
 
 use falcon_engine::meta::within_staleness;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
 use falcon_engine::sync::{Action, Event, FastPath, SyncPolicy};
 
 /// Simulates `workers` workers doing `iters` iterations (pull, then push) against `policy`,
@@ -119,4 +122,119 @@ pub fn run(
         trace.push((ev, out));
     }
     trace
+}
+
+/// A deterministic per-(worker, iteration) compute time: `base[w]` plus up to 20% jitter.
+pub fn compute_time(base: &[u64], w: usize, c: u64, seed: u64) -> u64 {
+    let mut z = seed ^ ((w as u64) << 32) ^ c;
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    base[w] + z % (base[w] / 5 + 1)
+}
+
+/// A time-driven run: worker `w`'s iteration `c` takes `compute_time(base, w, c, seed)`; it
+/// pushes, then pulls the next clock at once; a released pull starts the next iteration; a
+/// worker leaves after `iters` iterations. Returns the finish time.
+pub fn timed_run(policy: &mut dyn SyncPolicy, base: &[u64], iters: u64, seed: u64) -> u64 {
+    timed_run_with(policy, base, iters, seed, &mut |_, _, _| {})
+}
+
+/// [`timed_run_with`] with `base.len()` workers whose iteration times come from `base` and
+/// `seed` (as [`compute_time`]).
+pub fn timed_run_with(
+    policy: &mut dyn SyncPolicy,
+    base: &[u64],
+    iters: u64,
+    seed: u64,
+    hook: &mut dyn FnMut(&dyn SyncPolicy, &Event, &[Action]),
+) -> u64 {
+    timed_run_times(
+        policy,
+        base.len(),
+        &|w, c| compute_time(base, w, c, seed),
+        iters,
+        hook,
+    )
+}
+
+/// A time-driven run of `workers` workers, iteration `c` of worker `w` taking `time(w, c)`,
+/// calling `hook(policy, event, actions)` after every event.
+pub fn timed_run_times(
+    policy: &mut dyn SyncPolicy,
+    workers: usize,
+    time: &dyn Fn(usize, u64) -> u64,
+    iters: u64,
+    hook: &mut dyn FnMut(&dyn SyncPolicy, &Event, &[Action]),
+) -> u64 {
+    struct Sim<'a> {
+        time: &'a dyn Fn(usize, u64) -> u64,
+        queue: BinaryHeap<Reverse<(u64, usize, u64)>>, // (push time, worker, clock)
+        waiting: HashMap<u64, (usize, u64)>,           // req → (worker, clock)
+        req: u64,
+        out: Vec<Action>,
+        hook: &'a mut dyn FnMut(&dyn SyncPolicy, &Event, &[Action]),
+    }
+    impl Sim<'_> {
+        /// Feeds `ev` at time `t`; each released pull starts its iteration at `t`.
+        fn feed(&mut self, policy: &mut dyn SyncPolicy, ev: Event, t: u64) {
+            policy.on_event(ev, &mut self.out);
+            (self.hook)(&*policy, &ev, &self.out);
+            for a in std::mem::take(&mut self.out) {
+                if let Action::Release { req, .. } = a {
+                    let (w, c) = self.waiting.remove(&req).expect("a waiting pull");
+                    let done = t + (self.time)(w, c);
+                    self.queue.push(Reverse((done, w, c)));
+                }
+            }
+        }
+        fn pull(&mut self, policy: &mut dyn SyncPolicy, w: usize, c: u64, t: u64) {
+            self.req += 1;
+            self.waiting.insert(self.req, (w, c));
+            let ev = Event::Pull {
+                worker: w as u32,
+                clock: c,
+                req: self.req,
+                at: t,
+            };
+            self.feed(policy, ev, t);
+        }
+    }
+    let mut sim = Sim {
+        time,
+        queue: BinaryHeap::new(),
+        waiting: HashMap::new(),
+        req: 0,
+        out: Vec::new(),
+        hook,
+    };
+    for w in 0..workers {
+        sim.pull(policy, w, 0, 0);
+    }
+    let mut end = 0;
+    while let Some(Reverse((t, w, c))) = sim.queue.pop() {
+        end = t;
+        let worker = w as u32;
+        sim.feed(
+            policy,
+            Event::Push {
+                worker,
+                clock: c,
+                at: t,
+            },
+            t,
+        );
+        if c + 1 == iters {
+            sim.feed(policy, Event::Leave { worker, at: t }, t);
+        } else {
+            sim.pull(policy, w, c + 1, t);
+        }
+    }
+    assert!(
+        sim.waiting.is_empty(),
+        "pulls left parked: {:?}",
+        sim.waiting
+    );
+    end
 }

@@ -1,0 +1,285 @@
+//! EPSP, Falcon's elastic parallel synchronization (Zhou et al., IEEE TC 2021) — **our
+//! design**. Falcon's full text is not public; every published fact is in
+//! `reference/algorithms.md` §7 and the rules below are built on them (DESIGN.md, "EPSP").
+//!
+//! # Rules
+//!
+//! EPSP has one staleness knob `s` and two schemes:
+//!
+//! - **enforced** (`s = 0`): a barrier per iteration, exactly BSP: a pull at clock `c` is
+//!   released once every live worker has `≥ c` gradients applied;
+//! - **slack** (`s > 0`): the SSP bound, released once every live worker has `≥ c − s` applied
+//!   ([`crate::meta::within_staleness`], `≥` as everywhere in falcon).
+//!
+//! **The switch** (mechanism 1, `adaptive`). After every push the policy asks its
+//! [`Projection`] for a verdict. While it sees only pioneers and *transient* stragglers (or
+//! knows too little) EPSP runs enforced: transient episodes on different workers cost one
+//! barrier wait each, and bounded staleness would not make them cheaper than a barrier that
+//! waits for them once. As soon as it sees a *persistent* straggler, EPSP runs slack with
+//! `s = clamp(⌈spread⌉ − 1, 1, s_max)`, `spread` being the slowest predicted iteration time
+//! over the fastest: while the straggler does one iteration a pioneer does `spread`, so that
+//! bound lets pioneers run through one straggler iteration without blocking on each. When the
+//! persistent straggler is gone (it left, or its window shows it caught up), EPSP goes back to
+//! enforced. With `adaptive` off, `s` stays `s_max` (`s_max = 0`: always enforced).
+//!
+//! Lowering `s` never revokes a release already given; it only judges later pulls, and the
+//! pulls still parked are judged at the next push with the bound then in force.
+//!
+//! **Task transfer** (mechanism 2, `transfer`). When a pull is parked, its worker is a pioneer
+//! that would block. The policy then offers it tasks of the straggler with the most remaining
+//! work: [`Action::Transfer`]`{ helper, straggler, clock }`, `straggler` being, among the live
+//! workers holding the pull back (applied `< c − s`), the one furthest behind (smallest applied
+//! count), ties broken by the latest projected end of its current iteration (its start plus
+//! its predicted iteration time; unknown counts as latest), then by the lowest rank; `clock`
+//! is the straggler's current iteration (its applied count). One offer per parked pull. The
+//! task side (the trainer, via the scheduler) moves unprocessed tasks of that iteration to the
+//! helper, which computes them on its own weights and pushes the gradient credited to the
+//! straggler's clock; the straggler skips them, and each task is counted once there.
+//!
+//! Mechanism 3, elastic parallelism control, lives in the trainer (it changes thread counts,
+//! not synchronization); it is switched off there.
+//!
+//! # Iteration times
+//!
+//! The projection is fed *compute* times: an iteration of worker `w` starts at its previous
+//! push, or, if its pull was parked, at the event that released it; it ends at its push. So a
+//! pioneer that waits at every barrier still looks fast (its push intervals alone would equal
+//! the straggler's). Only pushes that advance a worker's applied count are samples.
+//!
+//! # Fast path
+//!
+//! `Within(0)` when adaptive (a pull within 0 is released under any bound, so the workers'
+//! one-sided check never disagrees with the policy; pulls past it reach the policy, which
+//! knows the bound in force) and `Within(s_max)` when not.
+//!
+//! Events about unknown workers are ignored. `Leave` releases what the departed worker held
+//! back; `Join` forgets the worker's projection history.
+
+use super::projection::{Projection, ProjectionConfig, Verdict};
+use super::{Action, Clocks, Event, FastPath, Nanos, SyncPolicy, Worker};
+use crate::meta::within_staleness;
+
+/// EPSP's knobs (see the [module docs](self)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EpspConfig {
+    /// The largest slack bound (with `adaptive` off: the bound).
+    pub s_max: u64,
+    /// Switch between enforced and slack from the projection's verdict.
+    pub adaptive: bool,
+    /// Offer parked pioneers the tasks of the straggler with the most remaining work.
+    pub transfer: bool,
+    /// The straggler projection's knobs.
+    pub projection: ProjectionConfig,
+}
+
+impl Default for EpspConfig {
+    fn default() -> Self {
+        EpspConfig {
+            s_max: 4,
+            adaptive: true,
+            transfer: true,
+            projection: ProjectionConfig::default(),
+        }
+    }
+}
+
+/// EPSP for one shard (see the [module docs](self)).
+#[derive(Clone, Debug)]
+pub struct Epsp {
+    cfg: EpspConfig,
+    s: u64,
+    clocks: Clocks,
+    projection: Projection,
+    /// Parked pulls: (clock, req, worker).
+    parked: Vec<(u64, u64, Worker)>,
+    delayed: u64,
+    transfers: u64,
+    switches: u64,
+}
+
+impl Epsp {
+    /// EPSP for `workers` workers.
+    pub fn new(workers: u32, cfg: EpspConfig) -> Epsp {
+        Epsp {
+            cfg,
+            s: if cfg.adaptive { 0 } else { cfg.s_max },
+            clocks: Clocks::new(workers),
+            projection: Projection::new(workers, cfg.projection),
+            parked: Vec::new(),
+            delayed: 0,
+            transfers: 0,
+            switches: 0,
+        }
+    }
+
+    /// The bound in force (0: enforced).
+    pub fn staleness(&self) -> u64 {
+        self.s
+    }
+
+    /// True while enforced.
+    pub fn enforced(&self) -> bool {
+        self.s == 0
+    }
+
+    /// How many times the scheme switched (enforced ↔ slack or slack bound changed).
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+
+    /// The projection's current verdict.
+    pub fn verdict(&self) -> Verdict {
+        self.projection.verdict()
+    }
+
+    /// The projection.
+    pub fn projection(&self) -> &Projection {
+        &self.projection
+    }
+
+    /// The slack bound the verdict asks for.
+    fn bound_for(&self, v: &Verdict) -> u64 {
+        if !v.any_persistent() {
+            return 0;
+        }
+        let s = (v.spread.ceil() as u64).saturating_sub(1);
+        s.clamp(1, self.cfg.s_max.max(1)).min(self.cfg.s_max)
+    }
+
+    fn adapt(&mut self) {
+        if !self.cfg.adaptive {
+            return;
+        }
+        let s = self.bound_for(&self.projection.verdict());
+        if s != self.s {
+            self.s = s;
+            self.switches += 1;
+        }
+    }
+
+    /// The straggler whose tasks a pioneer pulling at `clock` should take, if any.
+    fn straggler_for(&self, helper: Worker, clock: u64) -> Option<(Worker, u64)> {
+        let threshold = clock.saturating_sub(self.s);
+        let n = self.clocks.applied.len();
+        (0..n)
+            .filter(|&w| self.clocks.live[w] && w != helper as usize)
+            .filter(|&w| self.clocks.applied[w] < threshold)
+            .map(|w| {
+                let end = match (
+                    self.projection.started(w as Worker),
+                    self.projection.predicted(w as Worker),
+                ) {
+                    (Some(s), Some(p)) => s.saturating_add(p),
+                    _ => Nanos::MAX,
+                };
+                (w, self.clocks.applied[w], end)
+            })
+            .min_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0)))
+            .map(|(w, applied, _)| (w as Worker, applied))
+    }
+
+    fn release_ready(&mut self, at: Nanos, out: &mut Vec<Action>) {
+        let min = self.clocks.min_live();
+        let s = self.s;
+        let projection = &mut self.projection;
+        self.parked.sort_unstable();
+        self.parked.retain(|&(clock, req, worker)| {
+            if within_staleness(min, clock, s) {
+                out.push(Action::Release { worker, req });
+                projection.start(worker, at);
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
+
+impl SyncPolicy for Epsp {
+    fn name(&self) -> String {
+        let mut n = format!("epsp({}", self.cfg.s_max);
+        if !self.cfg.adaptive {
+            n.push_str(",fixed");
+        }
+        if !self.cfg.transfer {
+            n.push_str(",no-transfer");
+        }
+        n.push(')');
+        n
+    }
+
+    fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
+        let before = match ev {
+            Event::Push { worker, .. } => self.clocks.applied.get(worker as usize).copied(),
+            _ => None,
+        };
+        if !self.clocks.observe(&ev) {
+            return;
+        }
+        match ev {
+            Event::Pull {
+                worker,
+                clock,
+                req,
+                at,
+            } => {
+                if within_staleness(self.clocks.min_live(), clock, self.s) {
+                    self.projection.start(worker, at);
+                    out.push(Action::Release { worker, req });
+                } else {
+                    self.parked.push((clock, req, worker));
+                    self.delayed += 1;
+                    out.push(Action::Park { worker, req });
+                    if self.cfg.transfer
+                        && let Some((straggler, sclock)) = self.straggler_for(worker, clock)
+                    {
+                        self.transfers += 1;
+                        out.push(Action::Transfer {
+                            helper: worker,
+                            straggler,
+                            clock: sclock,
+                        });
+                    }
+                }
+            }
+            Event::Push { worker, at, .. } => {
+                if before.is_some_and(|b| self.clocks.applied[worker as usize] > b) {
+                    self.projection.finish(worker, at);
+                    self.adapt();
+                }
+                self.release_ready(at, out);
+            }
+            Event::Leave { worker, at } => {
+                self.projection.leave(worker);
+                self.adapt();
+                self.release_ready(at, out);
+            }
+            Event::Join { worker, at, .. } => {
+                self.projection.join(worker);
+                self.adapt();
+                self.release_ready(at, out);
+            }
+            Event::Tick { .. } => {}
+        }
+    }
+
+    fn fast_path(&self) -> FastPath {
+        if self.cfg.adaptive {
+            FastPath::Within(0)
+        } else {
+            FastPath::Within(self.cfg.s_max)
+        }
+    }
+
+    fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    fn delayed_total(&self) -> u64 {
+        self.delayed
+    }
+
+    fn transfers(&self) -> u64 {
+        self.transfers
+    }
+}

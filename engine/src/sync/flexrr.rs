@@ -1,0 +1,158 @@
+//! FlexRR (Harlap et al., SoCC 2016): a small staleness slack plus reassignment of a slow
+//! worker's unprocessed work to a faster helper. The full text was not retrieved; the
+//! mechanism below follows `reference/algorithms.md` §10 (a secondary description) and is
+//! labelled as our reading where it had to be filled in.
+//!
+//! - **Temporal slack**: the SSP bound `s` (default 1): a pull at clock `c` is released once
+//!   every live worker has `≥ c − s` gradients applied, so helpers finish their own iteration
+//!   early and can help before the bound stops them.
+//! - **Helper groups**: workers are wired into groups of `group` consecutive ranks (0: one
+//!   group of everyone); a worker helps only workers of its group (peer to peer in FlexRR, no
+//!   central manager).
+//! - **Reassignment**: FlexRR workers report progress at checkpoints within an iteration and a
+//!   helper offers help to a helpee behind by more than a threshold. The policy sees
+//!   iterations (pushes), not checkpoints, so the threshold `theta` is in iterations (our
+//!   reading): after each push of worker `h`, and when `h`'s pull is parked, `h` is offered
+//!   the work of the group member `j` furthest behind (smallest applied count, lowest rank on
+//!   ties) if `applied[h] − applied[j] ≥ theta`: [`Action::Transfer`]`{ helper: h, straggler:
+//!   j, clock: applied[j] }`. A helper is offered one helpee iteration once (no repeat offer
+//!   for the same `(j, clock)`). The task side hands over the tail of `j`'s unprocessed items,
+//!   the helper pushes their gradient credited to `j`'s clock, `j` skips them.
+//!
+//! The difference from EPSP's transfer ([`super::Epsp`]): FlexRR helps whoever is behind
+//! within a group as soon as a helper is `theta` ahead, under a fixed slack; EPSP offers only
+//! to a pioneer that would block, takes from the straggler with the most remaining work
+//! job-wide, and switches its bound from the straggler projection.
+//!
+//! Fast path `Within(s)`: offers are decided on pushes and parked pulls, both of which reach
+//! the policy. Events about unknown workers are ignored.
+
+use super::{Action, Clocks, Event, FastPath, SyncPolicy, Worker};
+use crate::meta::within_staleness;
+
+/// FlexRR for one shard (see the [module docs](self)).
+#[derive(Clone, Debug)]
+pub struct FlexRr {
+    s: u64,
+    theta: u64,
+    group: u32,
+    clocks: Clocks,
+    parked: Vec<(u64, u64, Worker)>,
+    /// Per helper, the last helpee iteration it was offered.
+    offered: Vec<Option<(Worker, u64)>>,
+    delayed: u64,
+    transfers: u64,
+}
+
+impl FlexRr {
+    /// FlexRR for `workers` workers with slack `s`, help threshold `theta` iterations (≥ 1)
+    /// and helper groups of `group` ranks (0: everyone).
+    pub fn new(workers: u32, s: u64, theta: u64, group: u32) -> FlexRr {
+        FlexRr {
+            s,
+            theta: theta.max(1),
+            group,
+            clocks: Clocks::new(workers),
+            parked: Vec::new(),
+            offered: vec![None; workers as usize],
+            delayed: 0,
+            transfers: 0,
+        }
+    }
+
+    fn same_group(&self, a: usize, b: usize) -> bool {
+        self.group == 0 || a / self.group as usize == b / self.group as usize
+    }
+
+    fn offer(&mut self, helper: Worker, out: &mut Vec<Action>) {
+        let h = helper as usize;
+        if h >= self.offered.len() || !self.clocks.live[h] {
+            return;
+        }
+        let mine = self.clocks.applied[h];
+        let Some(j) = (0..self.clocks.applied.len())
+            .filter(|&j| j != h && self.clocks.live[j] && self.same_group(h, j))
+            .min_by_key(|&j| (self.clocks.applied[j], j))
+        else {
+            return;
+        };
+        let theirs = self.clocks.applied[j];
+        if mine.saturating_sub(theirs) < self.theta
+            || self.offered[h] == Some((j as Worker, theirs))
+        {
+            return;
+        }
+        self.offered[h] = Some((j as Worker, theirs));
+        self.transfers += 1;
+        out.push(Action::Transfer {
+            helper,
+            straggler: j as Worker,
+            clock: theirs,
+        });
+    }
+
+    fn release_ready(&mut self, out: &mut Vec<Action>) {
+        let min = self.clocks.min_live();
+        let s = self.s;
+        self.parked.sort_unstable();
+        self.parked.retain(|&(clock, req, worker)| {
+            if within_staleness(min, clock, s) {
+                out.push(Action::Release { worker, req });
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
+
+impl SyncPolicy for FlexRr {
+    fn name(&self) -> String {
+        format!(
+            "flexrr({},theta={},group={})",
+            self.s, self.theta, self.group
+        )
+    }
+
+    fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
+        if !self.clocks.observe(&ev) {
+            return;
+        }
+        match ev {
+            Event::Pull {
+                worker, clock, req, ..
+            } => {
+                if within_staleness(self.clocks.min_live(), clock, self.s) {
+                    out.push(Action::Release { worker, req });
+                } else {
+                    self.parked.push((clock, req, worker));
+                    self.delayed += 1;
+                    out.push(Action::Park { worker, req });
+                    self.offer(worker, out);
+                }
+            }
+            Event::Push { worker, .. } => {
+                self.release_ready(out);
+                self.offer(worker, out);
+            }
+            Event::Leave { .. } | Event::Join { .. } => self.release_ready(out),
+            Event::Tick { .. } => {}
+        }
+    }
+
+    fn fast_path(&self) -> FastPath {
+        FastPath::Within(self.s)
+    }
+
+    fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    fn delayed_total(&self) -> u64 {
+        self.delayed
+    }
+
+    fn transfers(&self) -> u64 {
+        self.transfers
+    }
+}
