@@ -76,7 +76,10 @@ fn syncopt_with_one_backup_drops_one_gradient_per_step() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for line in stdout.lines().filter(|l| l.starts_with("server ")) {
+    for line in stdout
+        .lines()
+        .filter(|l| l.starts_with("server ") && l.contains(" updates,"))
+    {
         // "server r: G gradients, U updates, …, D dropped gradients": with 4 workers and one
         // backup, each step of each shard counts 3 gradients and drops the 4th.
         let num = |tag: &str| -> u64 {
@@ -99,6 +102,26 @@ fn dssp_over_shm() {
 #[test]
 fn fluentps_sigmoid_over_shm() {
     check("fluentps(2,sigmoid)", "shm");
+}
+#[test]
+fn epsp_over_shm() {
+    check("epsp", "shm");
+}
+#[test]
+fn epsp_over_tcp() {
+    check("epsp(2,no-transfer)", "tcp");
+}
+#[test]
+fn flexrr_over_shm() {
+    check("flexrr", "shm");
+}
+#[test]
+fn elasticbsp_over_shm() {
+    check("elasticbsp(4)", "shm");
+}
+#[test]
+fn elasticbsp_over_tcp() {
+    check("elasticbsp(4)", "tcp");
 }
 
 /// A free loopback port.

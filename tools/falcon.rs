@@ -52,7 +52,9 @@ struct LocalArgs {
     /// Worker processes.
     #[arg(long, default_value_t = 2)]
     workers: u32,
-    /// Synchronization policy: bsp, asp, ssp(N).
+    /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B),
+    /// fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])],
+    /// flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)].
     #[arg(long, default_value = "bsp")]
     policy: String,
     /// Medium between processes: auto (shm on one host), shm, tcp, rdma.
@@ -480,6 +482,29 @@ fn role() -> Res {
                 report.answered_pulls,
                 report.dropped_gradients
             );
+            for (w, c) in report.per_worker.iter().enumerate() {
+                let n: u64 = c.staleness.values().sum();
+                let sum: u64 = c.staleness.iter().map(|(d, k)| d * k).sum();
+                let max = c.staleness.keys().next_back().copied().unwrap_or(0);
+                println!(
+                    "server {}:   worker {w}: {} parked pulls, staleness mean {:.2} max {max}, {} grants, {} transfer offers, {} dropped",
+                    report.rank,
+                    c.parked_pulls,
+                    if n == 0 { 0.0 } else { sum as f64 / n as f64 },
+                    c.grants,
+                    c.transfers_offered,
+                    c.dropped_gradients
+                );
+            }
+            let (bytes_in, bytes_out) = report
+                .per_shard
+                .iter()
+                .fold((0, 0), |(i, o), c| (i + c.bytes_in, o + c.bytes_out));
+            println!(
+                "server {}:   {} shards, {bytes_in} bytes in, {bytes_out} bytes out (answered pulls)",
+                report.rank,
+                report.per_shard.len()
+            );
         }
         Role::Worker => worker_workload(&cfg, rank)?,
     }
@@ -523,13 +548,16 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let stats = w.stats();
     let bytes = 2.0 * iters as f64 * floats as f64 * 4.0;
     println!(
-        "worker {}: {iters} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server",
+        "worker {}: {iters} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server, blocked {:.1} ms in pulls, {:.1} ms at superstep barriers, {} task offers",
         w.rank(),
         iters as f64 / secs,
         bytes / secs / 1e9,
         p[0],
         stats.fast_pulls,
-        stats.slow_pulls
+        stats.slow_pulls,
+        stats.pull_wait.as_secs_f64() * 1e3,
+        stats.barrier_wait.as_secs_f64() * 1e3,
+        stats.offers
     );
     // Asynchronous policies apply stale gradients, which may overshoot the targets; only BSP
     // has an exact answer. Every policy must keep the model finite and near the targets.

@@ -31,6 +31,6 @@ pub use config::JobConfig;
 #[cfg(not(loom))]
 pub use scheduler::{Scheduler, SchedulerReport};
 #[cfg(not(loom))]
-pub use server::{Server, ServerHooks, ServerReport};
+pub use server::{Server, ServerHooks, ServerReport, ShardCounters, WorkerCounters};
 #[cfg(not(loom))]
-pub use worker::{Handle, Worker, WorkerStats};
+pub use worker::{Handle, Offer, Worker, WorkerStats};

@@ -183,6 +183,14 @@ pub enum Msg {
         /// The clock of the worker's next barrier.
         until: u64,
     },
+    /// server → worker (EPSP, FlexRR): you would block, or are ahead; take unprocessed tasks
+    /// of `straggler`'s iteration `clock` if any are left.
+    Offer {
+        /// The worker behind.
+        straggler: u32,
+        /// Its iteration.
+        clock: u64,
+    },
 }
 
 impl Msg {
@@ -264,6 +272,10 @@ mod tests {
                 interval_ns: 1_500_000,
             },
             Msg::Plan { until: 11 },
+            Msg::Offer {
+                straggler: 2,
+                clock: 9,
+            },
         ] {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
         }

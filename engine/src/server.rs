@@ -268,6 +268,8 @@ impl Server {
         let mut worker_of: HashMap<LinkId, u32> = HashMap::new();
         let mut link_of: HashMap<u32, LinkId> = HashMap::new();
         let mut parked: HashMap<u64, ParkedPull> = HashMap::new();
+        // Per helper, the last task-transfer offer sent to it.
+        let mut offered: HashMap<u32, (u32, u64)> = HashMap::new();
         let mut dead: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut actions = Vec::new();
         let start = Instant::now();
@@ -427,7 +429,14 @@ impl Server {
                                 },
                                 &mut actions,
                             );
-                            dispatch(&mut actions, &mut parked, &mut shards, &links, &mut report);
+                            dispatch(
+                                &mut actions,
+                                &mut parked,
+                                &mut shards,
+                                (&links, &link_of),
+                                &mut offered,
+                                &mut report,
+                            );
                         }
                         Ok(other) => tracing::warn!("server {}: unexpected {other:?}", book.rank),
                         Err(e) => {
@@ -556,7 +565,14 @@ impl Server {
                             apply_ready(s, book.aggregate, live, now, &mut actions, &mut report);
                         }
                     }
-                    dispatch(&mut actions, &mut parked, &mut shards, &links, &mut report);
+                    dispatch(
+                        &mut actions,
+                        &mut parked,
+                        &mut shards,
+                        (&links, &link_of),
+                        &mut offered,
+                        &mut report,
+                    );
                 }
                 Completion::Closed { link, .. } if link == sched.id() => {
                     return Err(Error::PeerGone {
@@ -574,7 +590,14 @@ impl Server {
                 }
             }
             if !actions.is_empty() {
-                dispatch(&mut actions, &mut parked, &mut shards, &links, &mut report);
+                dispatch(
+                    &mut actions,
+                    &mut parked,
+                    &mut shards,
+                    (&links, &link_of),
+                    &mut offered,
+                    &mut report,
+                );
             }
         }
         for s in &shards {
@@ -644,10 +667,27 @@ fn dispatch(
     actions: &mut Vec<Action>,
     parked: &mut HashMap<u64, ParkedPull>,
     shards: &mut [Shard],
-    links: &HashMap<LinkId, Link>,
+    (links, link_of): (&HashMap<LinkId, Link>, &HashMap<u32, LinkId>),
+    offered: &mut HashMap<u32, (u32, u64)>,
     report: &mut ServerReport,
 ) {
     for a in actions.drain(..) {
+        if let Action::Transfer {
+            helper,
+            straggler,
+            clock,
+        } = a
+            && offered.get(&helper) != Some(&(straggler, clock))
+        {
+            // Each shard's policy may make the same offer: the worker hears it once.
+            offered.insert(helper, (straggler, clock));
+            if let Some(c) = report.per_worker.get_mut(helper as usize) {
+                c.transfers_offered += 1;
+            }
+            if let Some(l) = link_of.get(&helper).and_then(|id| links.get(id)) {
+                let _ = l.send(&Msg::Offer { straggler, clock }.encode());
+            }
+        }
         if let Action::Park { worker, .. } = a
             && let Some(c) = report.per_worker.get_mut(worker as usize)
         {

@@ -257,7 +257,8 @@ impl Gate {
 #[derive(Default)]
 struct Waits {
     acks: HashMap<(u32, u64), Arc<Signal>>,
-    pulls: HashMap<(LinkId, u32), Arc<Signal>>,
+    /// Pulls sent to a server, with when they were sent.
+    pulls: HashMap<(LinkId, u32), (Arc<Signal>, Instant)>,
     barriers: HashMap<u64, Arc<Signal>>,
 }
 
@@ -278,6 +279,21 @@ struct Inner {
     stats: Mutex<WorkerStats>,
     /// ElasticBSP's gate; None under every other policy.
     gate: Option<Mutex<Gate>>,
+    /// Task-transfer offers not yet taken by the embedder.
+    offers: Mutex<VecDeque<Offer>>,
+    /// Every offer received (so the same one from several shards is kept once).
+    taken: Mutex<HashSet<Offer>>,
+}
+
+/// A task-transfer offer (EPSP, FlexRR): this worker may take unprocessed tasks of
+/// `straggler`'s iteration `clock`. The task side (the trainer) asks for the tasks and pushes
+/// their gradient credited to the straggler; the offer may find none left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Offer {
+    /// The worker behind.
+    pub straggler: u32,
+    /// Its iteration.
+    pub clock: u64,
 }
 
 /// Counters of one worker.
@@ -293,6 +309,13 @@ pub struct WorkerStats {
     pub barrier_wait: Duration,
     /// ElasticBSP supersteps this worker took part in (plans received).
     pub supersteps: u64,
+    /// Time its slow-path pulls spent between request and answer (parked by the policy,
+    /// then written): the time the policy blocked it, plus one transfer each.
+    pub pull_wait: Duration,
+    /// Parameter bytes read one-sided by fast-path pulls.
+    pub fast_pull_bytes: u64,
+    /// Task-transfer offers received (each distinct offer once).
+    pub offers: u64,
 }
 
 /// A worker of a job.
@@ -418,6 +441,8 @@ impl Worker {
             stop: AtomicBool::new(false),
             stats: Mutex::new(WorkerStats::default()),
             gate,
+            offers: Mutex::new(VecDeque::new()),
+            taken: Mutex::new(HashSet::new()),
         });
         let weak = Arc::downgrade(&inner);
         let heartbeat = cfg.heartbeat;
@@ -451,6 +476,12 @@ impl Worker {
     /// Counters so far.
     pub fn stats(&self) -> WorkerStats {
         lock(&self.inner.stats).clone()
+    }
+
+    /// Takes the task-transfer offers received since the last call (EPSP, FlexRR), oldest
+    /// first. Each distinct offer is returned once however many shards made it.
+    pub fn offers(&self) -> Vec<Offer> {
+        lock(&self.inner.offers).drain(..).collect()
     }
 
     /// Under ElasticBSP, the clock of this worker's next barrier: pulls at clocks below it
@@ -720,7 +751,9 @@ impl Worker {
             if let Some(bound) = fast
                 && self.pull_fast(s, out, clock, bound)?
             {
-                lock(&self.inner.stats).fast_pulls += 1;
+                let mut stats = lock(&self.inner.stats);
+                stats.fast_pulls += 1;
+                stats.fast_pull_bytes += s.spec.bytes();
                 continue;
             }
             lock(&self.inner.stats).slow_pulls += 1;
@@ -849,7 +882,7 @@ impl Worker {
         s.pulled_version.store(u64::MAX, Ordering::Release);
         lock(&self.inner.waits)
             .pulls
-            .insert((link.id(), req), sig.clone());
+            .insert((link.id(), req), (sig.clone(), Instant::now()));
         let msg = Msg::PullReq {
             shard: s.spec.id,
             clock,
@@ -939,7 +972,8 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
         };
         match c {
             Completion::WriteImm { link, imm } => {
-                if let Some(sig) = lock(&w.waits).pulls.remove(&(link, imm)) {
+                if let Some((sig, sent)) = lock(&w.waits).pulls.remove(&(link, imm)) {
+                    lock(&w.stats).pull_wait += sent.elapsed();
                     sig.set(Ok(()));
                 }
             }
@@ -952,7 +986,7 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                 Ok(Msg::Failed { what, reason }) => {
                     let err = Error::Refused(format!("{what}: {reason}"));
                     if let Some(req) = what.strip_prefix("pull:").and_then(|r| r.parse().ok())
-                        && let Some(sig) = lock(&w.waits).pulls.remove(&(link, req))
+                        && let Some((sig, _)) = lock(&w.waits).pulls.remove(&(link, req))
                     {
                         sig.set(Err(err));
                     }
@@ -977,6 +1011,15 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                             drop(stats);
                             sig.set(Ok(()));
                         }
+                    }
+                }
+                Ok(Msg::Offer { straggler, clock }) => {
+                    // Every shard's policy may make the same offer: keep one.
+                    let offer = Offer { straggler, clock };
+                    let mut offers = lock(&w.offers);
+                    if !offers.contains(&offer) && lock(&w.taken).insert(offer) {
+                        offers.push_back(offer);
+                        lock(&w.stats).offers += 1;
                     }
                 }
                 Ok(Msg::Dead {
@@ -1014,7 +1057,7 @@ fn fail_all(w: &Inner, role: Role, rank: u32, why: &str) {
     for (_, s) in waits.acks.drain() {
         s.set(Err(err.clone()));
     }
-    for (_, s) in waits.pulls.drain() {
+    for (_, (s, _)) in waits.pulls.drain() {
         s.set(Err(err.clone()));
     }
     for (_, s) in waits.barriers.drain() {

@@ -1,0 +1,197 @@
+//! Policies in a real in-process cluster: EPSP's and FlexRR's task-transfer offers reach the
+//! helper workers, and the per-worker and per-shard counters add up.
+
+use std::time::Duration;
+
+use falcon_engine::keys::TensorSpec;
+use falcon_engine::local::{LocalCluster, LocalReport};
+use falcon_engine::{JobConfig, Offer, Worker, WorkerStats};
+
+const W: u32 = 3;
+const ITERS: u64 = 12;
+const LEN: u64 = 600;
+
+fn cfg(policy: &str) -> JobConfig {
+    JobConfig {
+        job: format!("test-{}", fastrand::u64(..)),
+        token: "secret".into(),
+        servers: 2,
+        workers: W,
+        policy: policy.parse().unwrap(),
+        max_shard_bytes: 1024,
+        heartbeat: Duration::from_secs(1),
+        rendezvous_timeout: Duration::from_secs(30),
+        ..JobConfig::default()
+    }
+}
+
+/// Worker 2 is a persistent straggler (15 ms per iteration); 0 and 1 do not sleep.
+fn train(policy: &str) -> (Vec<(WorkerStats, Vec<Offer>)>, LocalReport, u64) {
+    let tensors = vec![TensorSpec {
+        name: "w".into(),
+        len: LEN,
+    }];
+    let cluster = LocalCluster::start(cfg(policy), tensors).unwrap();
+    let threads: Vec<_> = cluster
+        .workers
+        .iter()
+        .cloned()
+        .map(|worker: Worker| {
+            std::thread::spawn(move || {
+                let mut p = vec![0f32; LEN as usize];
+                let g = vec![0.001f32; LEN as usize];
+                let mut offers = Vec::new();
+                for t in 0..ITERS {
+                    worker.pull_slice("w", &mut p, t).unwrap();
+                    if worker.rank() == 2 {
+                        std::thread::sleep(Duration::from_millis(15));
+                    }
+                    worker.push_slice("w", &g, t).unwrap();
+                    offers.extend(worker.offers());
+                }
+                offers.extend(worker.offers());
+                (worker.stats(), offers)
+            })
+        })
+        .collect();
+    let per_worker: Vec<_> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    let shards = cluster.workers[0].keymap().shards_of(0).count() as u64;
+    let report = cluster.finish().unwrap();
+    (per_worker, report, shards)
+}
+
+/// Counters that must add up whatever the policy: bytes in per shard, bytes out (server
+/// answers plus one-sided reads) per pull, staleness samples per applied gradient.
+fn check_counters(per_worker: &[(WorkerStats, Vec<Offer>)], report: &LocalReport, shards: u64) {
+    let bytes_in: u64 = report
+        .servers
+        .iter()
+        .flat_map(|s| &s.per_shard)
+        .map(|c| c.bytes_in)
+        .sum();
+    assert_eq!(bytes_in, u64::from(W) * ITERS * LEN * 4);
+    let grads: u64 = report
+        .servers
+        .iter()
+        .flat_map(|s| &s.per_shard)
+        .map(|c| c.gradients)
+        .sum();
+    assert_eq!(grads, u64::from(W) * ITERS * shards);
+    let bytes_out: u64 = report
+        .servers
+        .iter()
+        .flat_map(|s| &s.per_shard)
+        .map(|c| c.bytes_out)
+        .sum();
+    let fast: u64 = per_worker.iter().map(|(s, _)| s.fast_pull_bytes).sum();
+    assert_eq!(
+        bytes_out + fast,
+        u64::from(W) * ITERS * LEN * 4,
+        "every pulled byte is counted once, by the server or by the reader"
+    );
+    for w in 0..W as usize {
+        let staleness: u64 = report
+            .servers
+            .iter()
+            .flat_map(|s| s.per_worker[w].staleness.values())
+            .sum();
+        assert_eq!(
+            staleness,
+            ITERS * shards,
+            "worker {w}: one sample per gradient"
+        );
+        let parked: u64 = report
+            .servers
+            .iter()
+            .map(|s| s.per_worker[w].parked_pulls)
+            .sum();
+        assert!(
+            parked <= per_worker[w].0.slow_pulls,
+            "parked pulls are slow pulls"
+        );
+    }
+}
+
+/// At the start every worker may be behind for a moment (threads start in any order); from
+/// then on the offers name the persistent straggler, through most of the run.
+fn assert_mostly_the_straggler(offers: &[Offer]) {
+    let to_2: Vec<&Offer> = offers.iter().filter(|o| o.straggler == 2).collect();
+    assert!(
+        to_2.len() * 5 >= offers.len() * 4,
+        "most offers must name the straggler: {offers:?}"
+    );
+    assert!(
+        to_2.iter().any(|o| o.clock >= ITERS / 2) && offers.iter().all(|o| o.clock < ITERS),
+        "{offers:?}"
+    );
+}
+
+#[test]
+fn epsp_offers_the_straggler_s_tasks_to_the_blocked_pioneers() {
+    let (per_worker, report, shards) = train("epsp(4)");
+    check_counters(&per_worker, &report, shards);
+    for (w, (stats, offers)) in per_worker.iter().enumerate() {
+        if w == 2 {
+            assert!(offers.is_empty(), "the straggler is nobody's helper");
+            continue;
+        }
+        assert!(!offers.is_empty(), "pioneer {w} blocked and got no offer");
+        assert_mostly_the_straggler(offers);
+        let mut distinct = offers.clone();
+        distinct.sort_by_key(|o| (o.straggler, o.clock));
+        distinct.dedup();
+        assert_eq!(distinct.len(), offers.len(), "each offer once");
+        assert_eq!(stats.offers, offers.len() as u64);
+        assert!(stats.pull_wait > Duration::ZERO && stats.slow_pulls > 0);
+        let parked: u64 = report
+            .servers
+            .iter()
+            .map(|s| s.per_worker[w].parked_pulls)
+            .sum();
+        assert!(parked > 0, "pioneer {w} was never held back");
+    }
+    let offered: u64 = report
+        .servers
+        .iter()
+        .flat_map(|s| &s.per_worker)
+        .map(|c| c.transfers_offered)
+        .sum();
+    assert!(offered >= per_worker.iter().map(|(_, o)| o.len() as u64).sum());
+}
+
+#[test]
+fn epsp_without_transfer_and_ssp_make_no_offers() {
+    for policy in ["epsp(4,no-transfer)", "ssp(1)"] {
+        let (per_worker, report, shards) = train(policy);
+        check_counters(&per_worker, &report, shards);
+        assert!(
+            per_worker
+                .iter()
+                .all(|(s, o)| o.is_empty() && s.offers == 0),
+            "{policy} made offers"
+        );
+    }
+}
+
+#[test]
+fn flexrr_offers_reach_helpers_ahead_of_the_straggler() {
+    let (per_worker, report, shards) = train("flexrr(1)");
+    check_counters(&per_worker, &report, shards);
+    let offers: Vec<Offer> = per_worker[..2]
+        .iter()
+        .flat_map(|(_, o)| o.clone())
+        .collect();
+    assert_mostly_the_straggler(&offers);
+    assert!(per_worker[2].1.is_empty());
+}
+
+#[test]
+fn dssp_grants_are_reported_per_worker() {
+    let (per_worker, report, shards) = train("dssp(0,3)");
+    check_counters(&per_worker, &report, shards);
+    let grants: Vec<u64> = (0..W as usize)
+        .map(|w| report.servers.iter().map(|s| s.per_worker[w].grants).sum())
+        .collect();
+    // Only a fastest worker is ever granted; the straggler never is.
+    assert_eq!(grants[2], 0, "{grants:?}");
+}
