@@ -191,6 +191,32 @@ pub enum Msg {
         /// Its iteration.
         clock: u64,
     },
+    /// helper → scheduler → straggler (task transfer): give `helper` up to `want` unprocessed
+    /// tasks of your iteration `clock` (the scheduler fills `helper` from the link it came on).
+    Steal {
+        /// The worker asked.
+        straggler: u32,
+        /// The worker asking.
+        helper: u32,
+        /// The straggler's iteration.
+        clock: u64,
+        /// The most tasks wanted.
+        want: u32,
+    },
+    /// straggler → scheduler → helper: tasks `start..end` of `straggler`'s iteration `clock`
+    /// are now the helper's (empty: none left, or the straggler is gone).
+    Tasks {
+        /// The worker the tasks were taken from.
+        straggler: u32,
+        /// The worker they go to.
+        helper: u32,
+        /// The straggler's iteration.
+        clock: u64,
+        /// First task.
+        start: u32,
+        /// One past the last task.
+        end: u32,
+    },
 }
 
 impl Msg {
@@ -227,6 +253,9 @@ pub mod imm {
     pub const PUSH: u32 = 0;
     /// Initial values (the first one wins).
     pub const INIT: u32 = 1;
+    /// A gradient of tasks taken from another worker (task transfer): applied, not counted
+    /// in the pusher's clock.
+    pub const HELP: u32 = 2;
 
     /// Packs kind and local shard index.
     pub fn pack(kind: u32, local: u32) -> u32 {
@@ -275,6 +304,19 @@ mod tests {
             Msg::Offer {
                 straggler: 2,
                 clock: 9,
+            },
+            Msg::Steal {
+                straggler: 1,
+                helper: 0,
+                clock: 4,
+                want: 8,
+            },
+            Msg::Tasks {
+                straggler: 1,
+                helper: 0,
+                clock: 4,
+                start: 8,
+                end: 16,
             },
         ] {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);

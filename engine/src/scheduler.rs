@@ -32,6 +32,10 @@ pub struct SchedulerReport {
     pub supersteps: u64,
     /// The last ElasticBSP plan, one entry per worker that took part, by rank.
     pub last_plan: Vec<SuperstepPlan>,
+    /// Task-transfer steals relayed (or answered "none").
+    pub steals: u64,
+    /// Tasks moved from stragglers to helpers.
+    pub tasks_transferred: u64,
 }
 
 /// One worker's part of an ElasticBSP superstep plan.
@@ -440,6 +444,63 @@ impl Scheduler {
                         }
                         Ok(Msg::Done) if node.0 == Role::Worker => {
                             done.insert(node.1);
+                        }
+                        // Task transfer: relay a helper's steal to the straggler, or answer
+                        // "none" at once when the straggler cannot give any.
+                        Ok(Msg::Steal {
+                            straggler,
+                            clock,
+                            want,
+                            ..
+                        }) if node.0 == Role::Worker => {
+                            let to = (Role::Worker, straggler);
+                            let open = straggler != node.1
+                                && live.contains(&to)
+                                && !done.contains(&straggler);
+                            let (dest, msg) = if open {
+                                (
+                                    to,
+                                    Msg::Steal {
+                                        straggler,
+                                        helper: node.1,
+                                        clock,
+                                        want,
+                                    },
+                                )
+                            } else {
+                                (
+                                    node,
+                                    Msg::Tasks {
+                                        straggler,
+                                        helper: node.1,
+                                        clock,
+                                        start: 0,
+                                        end: 0,
+                                    },
+                                )
+                            };
+                            report.steals += 1;
+                            let _ = nodes[&dest].send(&msg.encode());
+                        }
+                        Ok(Msg::Tasks {
+                            helper,
+                            clock,
+                            start,
+                            end,
+                            ..
+                        }) if node.0 == Role::Worker => {
+                            let to = (Role::Worker, helper);
+                            if live.contains(&to) {
+                                report.tasks_transferred += u64::from(end.saturating_sub(start));
+                                let m = Msg::Tasks {
+                                    straggler: node.1,
+                                    helper,
+                                    clock,
+                                    start,
+                                    end,
+                                };
+                                let _ = nodes[&to].send(&m.encode());
+                            }
                         }
                         Ok(other) => {
                             tracing::warn!("scheduler: unexpected {other:?} from {node:?}")

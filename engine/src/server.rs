@@ -42,6 +42,9 @@ impl Default for ServerHooks {
     }
 }
 
+/// The clock a server acknowledges a transferred-task push with.
+pub const HELP_ACK: u64 = u64::MAX - 1;
+
 /// What a server did, returned when the job ends.
 #[derive(Clone, Debug, Default)]
 pub struct ServerReport {
@@ -80,6 +83,8 @@ pub struct WorkerCounters {
     pub grants: u64,
     /// Task transfers offered to it as the helper (EPSP, FlexRR).
     pub transfers_offered: u64,
+    /// Gradients of transferred tasks it pushed as the helper (one per shard).
+    pub help_pushes: u64,
     /// The version staleness of its asynchronously applied gradients: staleness → count.
     pub staleness: BTreeMap<u64, u64>,
 }
@@ -471,12 +476,47 @@ impl Server {
                         );
                         continue;
                     }
+                    let traffic = &mut report.per_shard[local as usize];
+                    traffic.bytes_in += s.spec.bytes();
+                    if kind == imm::HELP {
+                        // Task transfer: tasks taken from another worker, computed on this
+                        // worker's values. Applied like an asynchronous gradient; the pusher's
+                        // clock does not move and the policy sees no push (the straggler's own
+                        // push completes its iteration).
+                        let ack = Msg::PushAck {
+                            shard: s.spec.id,
+                            clock: HELP_ACK,
+                        };
+                        if book.mode == UpdateMode::Sync {
+                            tracing::warn!(
+                                "server {}: worker {w} pushed transferred tasks under synchronous updates; ignored",
+                                book.rank
+                            );
+                            let _ = l.send(&ack.encode());
+                            continue;
+                        }
+                        let version = meta_of(&s.meta).version();
+                        let d = version.saturating_sub(s.pulled_version(w as usize));
+                        let factor = scale.scale(d);
+                        let mut g = s.slot(w as usize).to_vec();
+                        if factor != 1.0 {
+                            g.iter_mut().for_each(|x| *x *= factor);
+                        }
+                        let _ = l.send(&ack.encode());
+                        let params = f32s_mut(&s.params, s.spec.len);
+                        let opt = &mut s.opt;
+                        meta_of(&s.meta).write(|m| {
+                            opt.apply(params, &g);
+                            m.bump_version();
+                        });
+                        report.updates += 1;
+                        report.per_worker[w as usize].help_pushes += 1;
+                        continue;
+                    }
                     let clock = s.pushes[w as usize];
                     s.pushes[w as usize] += 1;
                     report.gradients += 1;
-                    let traffic = &mut report.per_shard[local as usize];
-                    traffic.gradients += 1;
-                    traffic.bytes_in += s.spec.bytes();
+                    report.per_shard[local as usize].gradients += 1;
                     match book.mode {
                         UpdateMode::Async => {
                             let version = meta_of(&s.meta).version();

@@ -19,6 +19,7 @@
 //! first push. Other policies have no gate and pay nothing for it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -30,7 +31,9 @@ use crate::error::{Error, Result};
 use crate::keys::{KeyMap, ShardSpec, TensorSpec};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::proto::{Book, Msg, Role, imm};
+use crate::server::HELP_ACK;
 use crate::sync::FastPath;
+use crate::update::UpdateMode;
 
 /// Joins a job at the scheduler: hello, then wait for the book (or a refusal). Completions
 /// from other peers that arrive meanwhile (a fast worker attaching to a server that has not
@@ -139,6 +142,13 @@ struct Signal {
 }
 
 impl Signal {
+    fn done(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
     fn set(&self, r: Result<()>) {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if s.is_none() {
@@ -186,6 +196,11 @@ pub struct Handle {
 }
 
 impl Handle {
+    /// True once every part has completed (successfully or not): `wait` will not block.
+    pub fn ready(&self) -> bool {
+        self.signals.iter().all(|s| s.done())
+    }
+
     /// Waits for completion.
     pub fn wait(self) -> Result<()> {
         for s in &self.signals {
@@ -281,9 +296,20 @@ struct Inner {
     gate: Option<Mutex<Gate>>,
     /// Task-transfer offers not yet taken by the embedder.
     offers: Mutex<VecDeque<Offer>>,
+    /// Answers a helper's steal: (iteration, most tasks) → the task range given away.
+    steal_hook: Mutex<Option<StealHook>>,
+    /// Steals in flight: (straggler, clock) → the answer, once it came.
+    steals: Mutex<HashMap<(u32, u64), PendingSteal>>,
     /// Every offer received (so the same one from several shards is kept once).
     taken: Mutex<HashSet<Offer>>,
 }
+
+/// A steal in flight: its signal, and the answer once it came.
+type PendingSteal = (Arc<Signal>, Option<Range<u32>>);
+
+/// How a worker gives tasks away: called with (iteration, most tasks wanted), returns the
+/// range of task indices now the helper's (empty: none).
+pub type StealHook = Arc<dyn Fn(u64, u32) -> Range<u32> + Send + Sync>;
 
 /// A task-transfer offer (EPSP, FlexRR): this worker may take unprocessed tasks of
 /// `straggler`'s iteration `clock`. The task side (the trainer) asks for the tasks and pushes
@@ -316,6 +342,8 @@ pub struct WorkerStats {
     pub fast_pull_bytes: u64,
     /// Task-transfer offers received (each distinct offer once).
     pub offers: u64,
+    /// Shard pushes of transferred tasks' gradients ([`Worker::push_for`]).
+    pub help_pushes: u64,
 }
 
 /// A worker of a job.
@@ -442,6 +470,8 @@ impl Worker {
             stats: Mutex::new(WorkerStats::default()),
             gate,
             offers: Mutex::new(VecDeque::new()),
+            steal_hook: Mutex::new(None),
+            steals: Mutex::new(HashMap::new()),
             taken: Mutex::new(HashSet::new()),
         });
         let weak = Arc::downgrade(&inner);
@@ -476,6 +506,81 @@ impl Worker {
     /// Counters so far.
     pub fn stats(&self) -> WorkerStats {
         lock(&self.inner.stats).clone()
+    }
+
+    /// Sets how this worker gives tasks away when a helper asks (task transfer): `hook(clock,
+    /// want)` takes up to `want` unprocessed tasks of its iteration `clock` off its own queue
+    /// and returns their range (the trainer's exactly-once claim point). Without a hook this
+    /// worker gives nothing away.
+    pub fn on_steal(&self, hook: impl Fn(u64, u32) -> Range<u32> + Send + Sync + 'static) {
+        *lock(&self.inner.steal_hook) = Some(Arc::new(hook));
+    }
+
+    /// Asks `straggler` (through the scheduler) for up to `want` unprocessed tasks of its
+    /// iteration `clock`. Returns the range now this worker's to compute and push with
+    /// [`Worker::push_for`]; empty when none is left, the straggler is gone or does not answer
+    /// within the operation timeout.
+    pub fn steal(&self, straggler: u32, clock: u64, want: u32) -> Result<Range<u32>> {
+        self.check_running()?;
+        if straggler >= self.workers() || straggler == self.rank() {
+            return Err(Error::Config(format!(
+                "worker {} cannot take tasks from worker {straggler}",
+                self.rank()
+            )));
+        }
+        let sig = Arc::new(Signal::default());
+        lock(&self.inner.steals).insert((straggler, clock), (sig.clone(), None));
+        let msg = Msg::Steal {
+            straggler,
+            helper: self.rank(),
+            clock,
+            want,
+        };
+        let sent = self.inner.sched.send(&msg.encode());
+        let waited = sent
+            .map_err(|e| Error::PeerGone {
+                role: "scheduler",
+                rank: 0,
+                why: e.to_string(),
+            })
+            .and_then(|_| sig.wait(Some(self.inner.timeout)));
+        let got = lock(&self.inner.steals).remove(&(straggler, clock));
+        match waited {
+            Ok(()) => Ok(got.and_then(|(_, r)| r).unwrap_or(0..0)),
+            Err(Error::Timeout(..)) => Ok(0..0),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Pushes the gradient of tasks taken from `straggler`'s iteration `clock` (task
+    /// transfer): applied by the servers like an asynchronous gradient, without moving this
+    /// worker's clock. Needs asynchronous updates (EPSP, FlexRR, SSP…): under a policy that
+    /// aggregates per clock (BSP, Sync-opt) it is refused.
+    pub fn push_for(&self, tensor: &str, grad: &Region, straggler: u32, clock: u64) -> Result<()> {
+        self.check_running()?;
+        if self.inner.book.mode == UpdateMode::Sync {
+            return Err(Error::Config(format!(
+                "transferred tasks need asynchronous updates; policy {:?} aggregates per clock",
+                self.inner.book.policy
+            )));
+        }
+        if straggler >= self.workers() {
+            return Err(Error::Config(format!("no worker {straggler}")));
+        }
+        let _ = clock;
+        let t = self.tensor(tensor)?;
+        self.check_len(t, grad)?;
+        let mut signals = Vec::new();
+        for s in self
+            .inner
+            .shards
+            .iter()
+            .filter(|s| s.spec.tensor as usize == t)
+        {
+            signals.push(self.write_slot(s, grad, HELP_ACK, imm::HELP)?);
+        }
+        lock(&self.inner.stats).help_pushes += signals.len() as u64;
+        self.handle(signals, Some(self.inner.timeout)).wait()
     }
 
     /// Takes the task-transfer offers received since the last call (EPSP, FlexRR), oldest
@@ -634,37 +739,49 @@ impl Worker {
         self.sample_interval(clock);
         let mut signals = Vec::new();
         for s in shards {
-            self.wait_slot(s)?;
-            let sig = Arc::new(Signal::default());
-            lock(&self.inner.waits)
-                .acks
-                .insert((s.spec.id, clock), sig.clone());
-            *lock(&s.last_push) = Some(sig.clone());
-            let link = &self.inner.servers[s.server];
-            // The trailer first (same link, so it lands before the gradient's immediate).
-            {
-                let scratch = lock(&s.scratch);
-                let v = s.pulled_version.load(Ordering::Acquire);
-                scratch.write_at(0, &v.to_le_bytes())?;
-                link.write(&scratch, 0, &s.slot, s.spec.bytes(), 8, None)
-                    .map_err(|e| self.server_error(s.server, e))?;
-            }
-            if let Err(e) = link.write(
-                grad,
-                s.spec.offset * 4,
-                &s.slot,
-                0,
-                s.spec.bytes(),
-                Some(imm::pack(imm::PUSH, s.local)),
-            ) {
-                lock(&self.inner.waits).acks.remove(&(s.spec.id, clock));
-                return Err(self.server_error(s.server, e));
-            }
+            signals.push(self.write_slot(s, grad, clock, imm::PUSH)?);
             s.pushes.fetch_add(1, Ordering::AcqRel);
             lock(&self.inner.stats).pushes += 1;
-            signals.push(sig);
         }
         Ok(self.handle(signals, Some(self.inner.timeout)))
+    }
+
+    /// Writes `grad`'s part for shard `s` into this worker's slot with immediate `kind`, once
+    /// the previous push left the slot; returns the signal of the ack (keyed `ack`).
+    fn write_slot(
+        &self,
+        s: &ShardRemote,
+        grad: &Region,
+        ack: u64,
+        kind: u32,
+    ) -> Result<Arc<Signal>> {
+        self.wait_slot(s)?;
+        let sig = Arc::new(Signal::default());
+        lock(&self.inner.waits)
+            .acks
+            .insert((s.spec.id, ack), sig.clone());
+        *lock(&s.last_push) = Some(sig.clone());
+        let link = &self.inner.servers[s.server];
+        // The trailer first (same link, so it lands before the gradient's immediate).
+        {
+            let scratch = lock(&s.scratch);
+            let v = s.pulled_version.load(Ordering::Acquire);
+            scratch.write_at(0, &v.to_le_bytes())?;
+            link.write(&scratch, 0, &s.slot, s.spec.bytes(), 8, None)
+                .map_err(|e| self.server_error(s.server, e))?;
+        }
+        if let Err(e) = link.write(
+            grad,
+            s.spec.offset * 4,
+            &s.slot,
+            0,
+            s.spec.bytes(),
+            Some(imm::pack(kind, s.local)),
+        ) {
+            lock(&self.inner.waits).acks.remove(&(s.spec.id, ack));
+            return Err(self.server_error(s.server, e));
+        }
+        Ok(sig)
     }
 
     /// Pushes from a slice (copied into a staging region first).
@@ -1011,6 +1128,38 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                             drop(stats);
                             sig.set(Ok(()));
                         }
+                    }
+                }
+                Ok(Msg::Steal {
+                    helper,
+                    clock,
+                    want,
+                    ..
+                }) => {
+                    let hook = lock(&w.steal_hook).clone();
+                    let r = match hook {
+                        Some(h) => h(clock, want),
+                        None => 0..0,
+                    };
+                    let reply = Msg::Tasks {
+                        straggler: w.book.rank,
+                        helper,
+                        clock,
+                        start: r.start,
+                        end: r.end.max(r.start),
+                    };
+                    let _ = w.sched.send(&reply.encode());
+                }
+                Ok(Msg::Tasks {
+                    straggler,
+                    clock,
+                    start,
+                    end,
+                    ..
+                }) => {
+                    if let Some((sig, got)) = lock(&w.steals).get_mut(&(straggler, clock)) {
+                        *got = Some(start..end.max(start));
+                        sig.set(Ok(()));
                     }
                 }
                 Ok(Msg::Offer { straggler, clock }) => {

@@ -195,3 +195,120 @@ fn dssp_grants_are_reported_per_worker() {
     // Only a fastest worker is ever granted; the straggler never is.
     assert_eq!(grants[2], 0, "{grants:?}");
 }
+
+/// Task transfer end to end: every iteration is `M` tasks, each adding exactly 1 to every
+/// parameter (SGD with lr 1 on a gradient of −1 per task). The straggler's tasks are slow;
+/// blocked pioneers take tasks off its queue through the scheduler and push them with
+/// `push_for`. Every task must be processed exactly once: the ledger sees each (worker,
+/// iteration, task) once and the parameters count every task once.
+#[test]
+fn transferred_tasks_are_processed_exactly_once() {
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+    const M: u32 = 8;
+    let mut c = cfg("epsp(2)");
+    c.optimizer = falcon_engine::update::Optimizer::Sgd { lr: 1.0 };
+    let tensors = vec![TensorSpec {
+        name: "w".into(),
+        len: 10,
+    }];
+    let cluster = LocalCluster::start(c, tensors).unwrap();
+    let done: Arc<Mutex<HashSet<(u32, u64, u32)>>> = Arc::default();
+    let threads: Vec<_> = cluster
+        .workers
+        .iter()
+        .cloned()
+        .map(|worker: Worker| {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                let me = worker.rank();
+                // This worker's queue for its current iteration: (clock, next, end).
+                let queue = Arc::new(Mutex::new((u64::MAX, 0u32, 0u32)));
+                let q = queue.clone();
+                worker.on_steal(move |clock, want| {
+                    let mut g = q.lock().unwrap();
+                    if g.0 != clock || g.2 <= g.1 {
+                        return 0..0;
+                    }
+                    let k = want.min(g.2 - g.1);
+                    g.2 -= k;
+                    g.2..g.2 + k
+                });
+                let mut p = vec![0f32; 10];
+                let mut stolen = 0u64;
+                for t in 0..ITERS {
+                    let out = worker.buffer("w").unwrap();
+                    let h = worker.pull_async("w", &out, t).unwrap();
+                    while !h.ready() {
+                        for o in worker.offers() {
+                            let r = worker.steal(o.straggler, o.clock, 3).unwrap();
+                            if r.is_empty() {
+                                continue;
+                            }
+                            for task in r.clone() {
+                                assert!(
+                                    done.lock().unwrap().insert((o.straggler, o.clock, task)),
+                                    "task {task} of worker {} iteration {} done twice",
+                                    o.straggler,
+                                    o.clock
+                                );
+                            }
+                            stolen += u64::from(r.end - r.start);
+                            let g = vec![-((r.end - r.start) as f32); 10];
+                            let region = worker.buffer("w").unwrap();
+                            region
+                                .write_at(0, falcon_engine::worker::f32_bytes(&g))
+                                .unwrap();
+                            worker.push_for("w", &region, o.straggler, o.clock).unwrap();
+                        }
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                    h.wait().unwrap();
+                    out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))
+                        .unwrap();
+                    *queue.lock().unwrap() = (t, 0, M);
+                    let mut mine = 0u32;
+                    loop {
+                        let task = {
+                            let mut g = queue.lock().unwrap();
+                            if g.1 >= g.2 {
+                                break;
+                            }
+                            g.1 += 1;
+                            g.1 - 1
+                        };
+                        if me == 2 {
+                            std::thread::sleep(Duration::from_millis(2));
+                        }
+                        assert!(done.lock().unwrap().insert((me, t, task)));
+                        mine += 1;
+                    }
+                    worker
+                        .push_slice("w", &vec![-(mine as f32); 10], t)
+                        .unwrap();
+                }
+                stolen
+            })
+        })
+        .collect();
+    let stolen: Vec<u64> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    let keymap = cluster.workers[0].keymap().clone();
+    let report = cluster.finish().unwrap();
+    let total = u64::from(W) * ITERS * u64::from(M);
+    assert_eq!(done.lock().unwrap().len() as u64, total, "every task once");
+    let w = report.tensor(&keymap, "w").unwrap();
+    assert!(
+        w.iter().all(|&x| x == total as f32),
+        "every task applied once: {w:?} vs {total}"
+    );
+    assert_eq!(stolen[2], 0, "the straggler helps nobody");
+    assert_eq!(
+        report.scheduler.tasks_transferred,
+        stolen.iter().sum::<u64>(),
+        "the scheduler relayed what the helpers got"
+    );
+    assert!(
+        stolen.iter().sum::<u64>() > 0,
+        "blocked pioneers took none of the straggler's tasks"
+    );
+}
