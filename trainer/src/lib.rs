@@ -3,10 +3,6 @@
 //! transfer. It talks to the parameter server only through `falcon_engine::Worker`, and does
 //! not know about media, regions' wire formats or how policies decide.
 
-pub mod data;
 pub mod error;
-pub mod hetero;
-pub mod model;
-pub mod pool;
 
 pub use error::{Error, Result};
