@@ -34,13 +34,14 @@ for comp in rustfmt clippy; do
     fi
 done
 # The `rdma` feature binds the system libibverbs (rdma-sys + bindgen): its headers and libclang.
-RDMA_PKGS="libibverbs-dev librdmacm-dev libclang-dev pkg-config"
+# dataset-fashion-mnist: the full Fashion-MNIST (MIT), for the trainer's full-set tests.
+RDMA_PKGS="libibverbs-dev librdmacm-dev libclang-dev pkg-config dataset-fashion-mnist"
 if ! dpkg -s $RDMA_PKGS >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "::: installing $RDMA_PKGS"
         (apt-get install -y -q $RDMA_PKGS || { apt-get update -q && apt-get install -y -q $RDMA_PKGS; }) >/dev/null
     else
-        echo "::: WARNING: cannot install $RDMA_PKGS (not root or no apt): the rdma feature will not build"
+        echo "::: WARNING: cannot install $RDMA_PKGS (not root or no apt): the rdma feature will not build, full-dataset tests skip"
     fi
 fi
 

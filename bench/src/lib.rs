@@ -7,6 +7,7 @@
 //! This crate knows how to measure; it must not contain the behaviour it measures.
 
 pub mod engine;
+pub mod plot;
 pub mod reference;
 pub mod stats;
 pub mod transport;

@@ -203,3 +203,71 @@ pub fn perftest(
         (nums.len() >= 5 && nums[0] == size as f64).then_some(nums)
     })
 }
+
+/// `n` uncontended atomic `fetch_add`s on one word that stays in this core's cache: the cost of
+/// the cheapest shared-state update. Returns the elapsed time.
+pub fn atomic_fetch_add(n: usize) -> Duration {
+    let word = AtomicU64::new(0);
+    let start = Instant::now();
+    for _ in 0..n {
+        black_box(&word).fetch_add(1, Ordering::AcqRel);
+    }
+    let elapsed = start.elapsed();
+    black_box(word.load(Ordering::Relaxed));
+    elapsed
+}
+
+/// A dependent chain of random reads over a buffer much larger than the caches: each read's
+/// address comes from the previous read, so every read pays a whole cache (and TLB) miss.
+pub struct RandomReads {
+    next: Vec<u64>,
+    at: u64,
+}
+
+impl RandomReads {
+    /// One random cycle through the `bytes / 8` words of a buffer of `bytes` bytes (Sattolo's
+    /// shuffle, seeded: the same cycle every run).
+    pub fn new(bytes: usize) -> RandomReads {
+        let len = (bytes / 8).max(2);
+        let mut next: Vec<u64> = (0..len as u64).collect();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for i in (1..len).rev() {
+            // xorshift64, then a multiply-shift into 0..i.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let j = ((u128::from(x) * i as u128) >> 64) as usize;
+            next.swap(i, j);
+        }
+        RandomReads { next, at: 0 }
+    }
+
+    /// `n` dependent random reads; returns the elapsed time.
+    pub fn run(&mut self, n: usize) -> Duration {
+        let mut at = self.at;
+        let start = Instant::now();
+        for _ in 0..n {
+            at = self.next[at as usize];
+        }
+        let elapsed = start.elapsed();
+        self.at = black_box(at);
+        elapsed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_reads_visit_every_word_once_per_cycle() {
+        let mut r = RandomReads::new(8 * 1000);
+        let mut seen = vec![false; 1000];
+        for _ in 0..1000 {
+            assert!(!std::mem::replace(&mut seen[r.at as usize], true));
+            r.run(1);
+        }
+        assert!(seen.iter().all(|&s| s) && r.at == 0);
+        assert!(atomic_fetch_add(10) < Duration::from_secs(1));
+    }
+}

@@ -175,8 +175,12 @@ impl Dssp {
     }
 
     fn may_pull(&self, worker: Worker, clock: u64) -> bool {
-        within_staleness(self.clocks.min_live(), clock, self.s_lower)
-            || clock <= self.ok_through[worker as usize]
+        self.may_pull_at(self.clocks.min_live(), worker, clock)
+    }
+
+    /// As `may_pull`, with the live minimum already known (one scan per release pass).
+    fn may_pull_at(&self, min: u64, worker: Worker, clock: u64) -> bool {
+        within_staleness(min, clock, self.s_lower) || clock <= self.ok_through[worker as usize]
     }
 
     /// The paper's push handler: decides whether `p` may run iteration `next` (= `t[p]`).
@@ -226,8 +230,9 @@ impl Dssp {
     fn release_ready(&mut self, out: &mut Vec<Action>) {
         self.parked.sort_unstable();
         let mut parked = std::mem::take(&mut self.parked);
+        let min = self.clocks.min_live();
         parked.retain(|&(clock, req, worker)| {
-            if self.may_pull(worker, clock) {
+            if self.may_pull_at(min, worker, clock) {
                 out.push(Action::Release { worker, req });
                 false
             } else {

@@ -11,7 +11,8 @@
 //! - **slack** (`s > 0`): the SSP bound, released once every live worker has `≥ c − s` applied
 //!   ([`crate::meta::within_staleness`], `≥` as everywhere in falcon).
 //!
-//! **The switch** (mechanism 1, `adaptive`). After every push the policy asks its
+//! **The switch** (mechanism 1, `adaptive`). After every push (every `⌈live/8⌉` pushes
+//! beyond 8 workers, to keep the cost per push independent of the job's size) the policy asks its
 //! [`Projection`] for a verdict. While it sees only pioneers and *transient* stragglers (or
 //! knows too little) EPSP runs enforced: transient episodes on different workers cost one
 //! barrier wait each, and bounded staleness would not make them cheaper than a barrier that
@@ -95,6 +96,8 @@ pub struct Epsp {
     delayed: u64,
     transfers: u64,
     switches: u64,
+    /// Pushes since the last verdict.
+    since_verdict: u64,
 }
 
 impl Epsp {
@@ -109,6 +112,7 @@ impl Epsp {
             delayed: 0,
             transfers: 0,
             switches: 0,
+            since_verdict: 0,
         }
     }
 
@@ -146,7 +150,19 @@ impl Epsp {
         s.clamp(1, self.cfg.s_max.max(1)).min(self.cfg.s_max)
     }
 
+    /// Re-judges the scheme from a fresh verdict. A verdict costs `O(workers × window)`, so
+    /// on pushes it is taken once every `⌈live / 8⌉` pushes (every push up to 8 workers):
+    /// `O(window)` amortized per push; membership changes always take one.
+    fn adapt_on_push(&mut self) {
+        self.since_verdict += 1;
+        let live = self.clocks.live.iter().filter(|&&l| l).count() as u64;
+        if self.since_verdict >= live.div_ceil(8).max(1) {
+            self.adapt();
+        }
+    }
+
     fn adapt(&mut self) {
+        self.since_verdict = 0;
         if !self.cfg.adaptive {
             return;
         }
@@ -245,7 +261,7 @@ impl SyncPolicy for Epsp {
             Event::Push { worker, at, .. } => {
                 if before.is_some_and(|b| self.clocks.applied[worker as usize] > b) {
                     self.projection.finish(worker, at);
-                    self.adapt();
+                    self.adapt_on_push();
                 }
                 self.release_ready(at, out);
             }

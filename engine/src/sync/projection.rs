@@ -28,6 +28,8 @@
 //! prediction over the fastest, which EPSP turns into its slack bound.
 //!
 //! Deterministic: no clock reads; `Nanos` come from the caller (wall clock or simulated).
+//! Cost: a sample is `O(window log window)` (its median is kept up to date); a verdict is
+//! `O(workers × window)`.
 
 use std::collections::VecDeque;
 
@@ -101,6 +103,8 @@ impl Verdict {
 pub struct Projection {
     cfg: ProjectionConfig,
     samples: Vec<VecDeque<Nanos>>,
+    /// The median of each window, kept up to date on every sample.
+    medians: Vec<Option<Nanos>>,
     started: Vec<Option<Nanos>>,
     live: Vec<bool>,
     /// Straggling samples seen, per worker, ever.
@@ -128,6 +132,7 @@ impl Projection {
         Projection {
             cfg,
             samples: vec![VecDeque::new(); n],
+            medians: vec![None; n],
             started: vec![None; n],
             live: vec![true; n],
             episodes: vec![0; n],
@@ -164,6 +169,7 @@ impl Projection {
             while v.len() > self.cfg.window {
                 v.pop_front();
             }
+            self.medians[w] = median(v);
         }
         self.started[w] = Some(at);
     }
@@ -181,6 +187,7 @@ impl Projection {
         if w < self.live.len() {
             self.live[w] = true;
             self.samples[w].clear();
+            self.medians[w] = None;
             self.started[w] = None;
         }
     }
@@ -191,15 +198,17 @@ impl Projection {
 
     /// The fastest live worker's typical iteration time (smallest median), if any is known.
     pub fn reference(&self) -> Option<Nanos> {
-        (0..self.samples.len())
-            .filter(|&w| self.live[w])
-            .filter_map(|w| median(&self.samples[w]))
+        self.medians
+            .iter()
+            .zip(&self.live)
+            .filter(|(_, l)| **l)
+            .filter_map(|(m, _)| *m)
             .min()
     }
 
     /// `worker`'s predicted next iteration time (the median of its window).
     pub fn predicted(&self, worker: Worker) -> Option<Nanos> {
-        self.samples.get(worker as usize).and_then(median)
+        self.medians.get(worker as usize).copied().flatten()
     }
 
     /// When `worker`'s current iteration started, as far as the projection knows.
@@ -214,14 +223,19 @@ impl Projection {
 
     /// `worker`'s class now.
     pub fn class(&self, worker: Worker) -> Class {
+        match self.reference() {
+            Some(r) => self.class_against(worker, r),
+            None => Class::Unknown,
+        }
+    }
+
+    /// `worker`'s class against a given reference (one reference per verdict: `O(window)`).
+    fn class_against(&self, worker: Worker, reference: Nanos) -> Class {
         let w = worker as usize;
         if w >= self.samples.len() || !self.live[w] {
             return Class::Unknown;
         }
         let v = &self.samples[w];
-        let Some(reference) = self.reference() else {
-            return Class::Unknown;
-        };
         if v.len() < self.cfg.min_samples {
             return Class::Unknown;
         }
@@ -238,13 +252,19 @@ impl Projection {
     /// The verdict on every worker.
     pub fn verdict(&self) -> Verdict {
         let n = self.samples.len();
-        let classes = (0..n).map(|w| self.class(w as Worker)).collect();
-        let preds: Vec<Nanos> = (0..n)
-            .filter(|&w| self.live[w])
-            .filter_map(|w| self.predicted(w as Worker))
-            .collect();
-        let spread = match (preds.iter().min(), preds.iter().max()) {
-            (Some(&lo), Some(&hi)) if lo > 0 => hi as f64 / lo as f64,
+        let classes = match self.reference() {
+            Some(r) => (0..n).map(|w| self.class_against(w as Worker, r)).collect(),
+            None => vec![Class::Unknown; n],
+        };
+        let live = || {
+            self.medians
+                .iter()
+                .zip(&self.live)
+                .filter(|(_, l)| **l)
+                .filter_map(|(m, _)| *m)
+        };
+        let spread = match (live().min(), live().max()) {
+            (Some(lo), Some(hi)) if lo > 0 => hi as f64 / lo as f64,
             _ => 1.0,
         };
         Verdict { classes, spread }
