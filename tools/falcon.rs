@@ -1,9 +1,12 @@
 //! The `falcon` command line.
 //!
-//! `falcon train` is the main job: an embedded local cluster (scheduler, servers and workers
-//! as separate processes on this host, over shared memory). Until the trainer lands (issue 6)
-//! its workers run a synthetic workload: each pulls the model, pushes the gradient of
-//! ½‖w − target_r‖² with its own target, and the job converges to the targets' mean.
+//! `falcon train` is the main job: real training (Fashion-MNIST) on an embedded local cluster
+//! in this process (see `train_cmd.rs`). `falcon local` starts a cluster as separate
+//! processes on this host (over shared memory) whose workers run a synthetic workload: each
+//! pulls the model, pushes the gradient of ½‖w − target_r‖² with its own target, and the job
+//! converges to the targets' mean.
+
+mod train_cmd;
 
 use std::process::{Child, Command, ExitCode};
 use std::time::Instant;
@@ -25,8 +28,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command_ {
-    /// The main job: a local cluster on this host (for now with the synthetic workload).
-    Train(LocalArgs),
+    /// The main job: train a model on Fashion-MNIST with an embedded local cluster (one
+    /// worker slowed by default), with any policy; a progress bar, a JSON report and a plot.
+    Train(train_cmd::TrainArgs),
     /// An embedded local cluster: scheduler, servers and workers as processes on this host.
     Local(LocalArgs),
     /// One role of a job, configured from the environment (FALCON_*, or ps-lite's DMLC_*).
@@ -87,7 +91,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let r = match cli.command {
-        Command_::Train(a) | Command_::Local(a) => local(a),
+        Command_::Train(a) => train_cmd::train(a),
+        Command_::Local(a) => local(a),
         Command_::Role => role(),
         Command_::Bench { what, quick } => bench(&what, quick),
         Command_::Doctor => doctor(),

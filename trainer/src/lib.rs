@@ -3,6 +3,13 @@
 //! transfer. It talks to the parameter server only through `falcon_engine::Worker`, and does
 //! not know about media, regions' wire formats or how policies decide.
 
+pub mod data;
 pub mod error;
+pub mod hetero;
+pub mod job;
+pub mod manager;
+pub mod model;
+pub mod pool;
+pub mod train;
 
 pub use error::{Error, Result};

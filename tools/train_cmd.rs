@@ -1,0 +1,322 @@
+//! `falcon train`: real training on an embedded local cluster (scheduler, servers and one
+//! thread per worker in this process, over the real transport), on Fashion-MNIST (the full
+//! set when Debian's `dataset-fashion-mnist` is installed, else the bundled sample, or
+//! `--data DIR`). Prints a progress bar, writes a JSON report and a PNG plot of accuracy
+//! against time. `--compare` runs several configurations one after the other on the same
+//! data and prints time-to-accuracy ratios against the first.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use falcon_engine::sync::PolicySpec;
+use falcon_trainer::data::Dataset;
+use falcon_trainer::hetero::Hetero;
+use falcon_trainer::job::{JobReport, JobSpec, run_local};
+use falcon_trainer::model::ModelSpec;
+use falcon_trainer::train::TrainConfig;
+use falcon_transport::Medium;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Options of `falcon train`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// Worker threads (each a falcon worker with its own pool).
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// Parameter servers.
+    #[arg(long, default_value_t = 2)]
+    servers: u32,
+    /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B),
+    /// fluentps(N[,…]), epsp[(S[,fixed][,no-transfer])], flexrr[(S,…)], elasticbsp[(R)].
+    #[arg(long, default_value = "epsp")]
+    policy: String,
+    /// Several configurations, comma-separated at the top level, run one after the other:
+    /// each a policy, optionally `+static` (parallelism control off), e.g.
+    /// `bsp,ssp(3),epsp,epsp(4,no-transfer),epsp+static`.
+    #[arg(long)]
+    compare: Option<String>,
+    /// Model: mlp:784-256-10, mlp:784-512-256-10, cnn, cnn:C1-C2.
+    #[arg(long, default_value = "mlp:784-256-10")]
+    model: String,
+    /// Dataset directory (IDX files); default: Debian's Fashion-MNIST, else the bundled
+    /// sample.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Epochs over each worker's share of the training set.
+    #[arg(long, default_value_t = 10.0)]
+    epochs: f64,
+    /// Iterations per worker (overrides --epochs).
+    #[arg(long)]
+    iters: Option<u64>,
+    /// Examples per worker per iteration.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Tasks (micro-batches) per iteration.
+    #[arg(long, default_value_t = 4)]
+    tasks: u32,
+    /// Server-side SGD learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    lr: f32,
+    /// Initial pool threads per worker.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Heterogeneity of a worker, RANK:SPEC (h=0.25, gauss(5,2), episodes(10,3,4),
+    /// contention(2), none); repeatable. Default: the last worker at h=0.25.
+    #[arg(long)]
+    hetero: Vec<String>,
+    /// No heterogeneity at all.
+    #[arg(long)]
+    uniform: bool,
+    /// Target test accuracy for the time-to-accuracy figure.
+    #[arg(long, default_value_t = 0.75)]
+    target: f64,
+    /// Evaluate every this many iterations (worker 0).
+    #[arg(long, default_value_t = 10)]
+    eval_every: u64,
+    /// Medium between the nodes: auto, shm, tcp, rdma.
+    #[arg(long, default_value = "auto")]
+    medium: String,
+    /// Where the JSON report and the PNG plot go.
+    #[arg(long, default_value = "target/falcon-train")]
+    out: PathBuf,
+    /// Shuffling and initialization seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// Splits on commas outside parentheses.
+fn top_level_split(s: &str) -> Vec<String> {
+    let (mut out, mut cur, mut depth) = (Vec::new(), String::new(), 0i32);
+    for ch in s.chars() {
+        match ch {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(std::mem::take(&mut cur));
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(ch);
+    }
+    out.push(cur);
+    out.into_iter()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn spec_for(a: &TrainArgs, entry: &str, data: &Dataset) -> Res<JobSpec> {
+    let (policy, elastic) = match entry.strip_suffix("+static") {
+        Some(p) => (p, false),
+        None => (entry, true),
+    };
+    let policy: PolicySpec = policy.parse()?;
+    let model: ModelSpec = a.model.parse()?;
+    if a.workers == 0 || a.servers == 0 {
+        return Err("--workers and --servers must be at least 1".into());
+    }
+    let share = data.train.len() / a.workers as usize;
+    let per_epoch = (share / a.batch.max(1)).max(1) as f64;
+    let iters = a
+        .iters
+        .unwrap_or_else(|| (a.epochs * per_epoch).ceil().max(1.0) as u64);
+    let mut hetero = vec![Hetero::None; a.workers as usize];
+    if !a.uniform {
+        if a.hetero.is_empty() {
+            if a.workers > 1 {
+                hetero[a.workers as usize - 1] = Hetero::parse("h=0.25")?;
+            }
+        } else {
+            for h in &a.hetero {
+                let (rank, spec) = h
+                    .split_once(':')
+                    .ok_or_else(|| format!("--hetero {h:?}: expected RANK:SPEC"))?;
+                let rank: usize = rank
+                    .parse()
+                    .map_err(|_| format!("--hetero {h:?}: bad rank"))?;
+                let slot = hetero
+                    .get_mut(rank)
+                    .ok_or_else(|| format!("--hetero {h:?}: no worker {rank}"))?;
+                *slot = Hetero::parse(spec)?;
+            }
+        }
+    }
+    Ok(JobSpec {
+        workers: a.workers,
+        servers: a.servers,
+        policy,
+        model,
+        train: TrainConfig {
+            batch: a.batch,
+            tasks: a.tasks,
+            iters,
+            seed: a.seed,
+            eval_every: a.eval_every,
+            eval_examples: 1000,
+            transfer: true,
+        },
+        lr: a.lr,
+        threads: a.threads,
+        elastic,
+        budget: 0,
+        hetero,
+        medium: a.medium.parse::<Medium>()?,
+        target: a.target,
+    })
+}
+
+fn run_one(a: &TrainArgs, entry: &str, data: &Arc<Dataset>) -> Res<JobReport> {
+    let spec = spec_for(a, entry, data)?;
+    let total = u64::from(spec.workers) * spec.train.iters;
+    let bar = if a.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>24} [{bar:30}] {pos}/{len} it {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(entry.to_string());
+    let report = run_local(&spec, data, |p| {
+        bar.set_position(p.iterations);
+        let acc = p.last.as_ref().map_or(String::from("–"), |e| {
+            format!("{:.1}%", 100.0 * e.accuracy)
+        });
+        bar.set_message(format!(
+            "acc {acc}, {:.0} it/s",
+            p.iterations as f64 / p.secs.max(1e-9)
+        ));
+    })?;
+    bar.finish_and_clear();
+    Ok(report)
+}
+
+fn print_report(r: &JobReport, entry: &str) {
+    println!(
+        "{entry}: {} on {} — {} workers, {} servers, {:.2} s, final accuracy {:.2}% (loss {:.3}), time to {:.0}%: {}",
+        r.model,
+        r.data,
+        r.workers,
+        r.servers,
+        r.secs,
+        100.0 * r.final_accuracy,
+        r.final_loss,
+        100.0 * r.target,
+        r.time_to_target
+            .map_or("not reached".into(), |t| format!("{t:.2} s"))
+    );
+    for w in &r.per_worker {
+        println!(
+            "  worker {} [{}]: {} it in {:.2} s, compute {:.2} s, blocked {:.2} s, injected {:.2} s, tasks own {} / given {} / helped {}, threads {:?}",
+            w.rank,
+            r.hetero.get(w.rank as usize).map_or("none", |s| s.as_str()),
+            w.iterations,
+            w.secs,
+            w.compute_secs,
+            w.blocked_secs,
+            w.injected_secs,
+            w.tasks_own,
+            w.tasks_given,
+            w.tasks_helped,
+            compress(&w.threads)
+        );
+    }
+    println!(
+        "  parked pulls {}, transfer offers {}, tasks transferred {}, parallelism plans {}",
+        r.parked_pulls, r.transfers_offered, r.tasks_transferred, r.parallelism_plans
+    );
+}
+
+/// `[1, 1, 1, 2, 2]` → `1×3 2×2`.
+fn compress(v: &[usize]) -> String {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let j = v[i..].iter().take_while(|&&x| x == v[i]).count();
+        out.push(format!("{}×{j}", v[i]));
+        i += j;
+    }
+    out.join(" ")
+}
+
+fn file_name(entry: &str) -> String {
+    entry
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
+/// Runs `falcon train`.
+pub fn train(a: TrainArgs) -> Res {
+    let data = Arc::new(Dataset::find(a.data.as_deref())?);
+    let entries = match &a.compare {
+        Some(c) => top_level_split(c),
+        None => vec![a.policy.clone()],
+    };
+    if entries.is_empty() {
+        return Err("--compare: no configuration".into());
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let mut reports = Vec::new();
+    for entry in &entries {
+        let r = run_one(&a, entry, &data)?;
+        print_report(&r, entry);
+        let json = a.out.join(format!("{}.json", file_name(entry)));
+        std::fs::write(&json, r.json())?;
+        reports.push((entry.clone(), r));
+        // Let the previous job's threads wind down before the next starts.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let series: Vec<(String, Vec<(f64, f64)>)> = reports
+        .iter()
+        .map(|(e, r)| {
+            (
+                e.clone(),
+                r.curve
+                    .iter()
+                    .map(|p| (p.secs, 100.0 * p.accuracy))
+                    .collect(),
+            )
+        })
+        .collect();
+    let png = a.out.join(if entries.len() == 1 {
+        format!("{}.png", file_name(&entries[0]))
+    } else {
+        "compare.png".into()
+    });
+    falcon_bench::plot::line_chart(&png, "test accuracy (%) against time (s)", &series)?;
+    println!(
+        "report: {} (JSON per run), plot: {}",
+        a.out.display(),
+        png.display()
+    );
+    if reports.len() > 1 {
+        let (base_name, base) = &reports[0];
+        println!(
+            "\ntime to {:.0}% test accuracy, against {base_name}:",
+            100.0 * a.target
+        );
+        for (e, r) in &reports {
+            let ratio = match (r.time_to_target, base.time_to_target) {
+                (Some(t), Some(b)) if b > 0.0 => format!("{:.2}×", t / b),
+                _ => "–".into(),
+            };
+            println!(
+                "  {e:<28} {:>10}  {ratio:>7}  final {:.2}%",
+                r.time_to_target
+                    .map_or("not reached".into(), |t| format!("{t:.2} s")),
+                100.0 * r.final_accuracy
+            );
+        }
+    }
+    Ok(())
+}

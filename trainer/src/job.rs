@@ -1,0 +1,292 @@
+//! A whole training job on an embedded local cluster: a scheduler, servers and one thread
+//! per worker in this process, over the real transport (what `falcon train` runs).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use falcon_engine::JobConfig;
+use falcon_engine::keys::TensorSpec;
+use falcon_engine::local::LocalCluster;
+use falcon_engine::sync::PolicySpec;
+use falcon_engine::update::{Aggregate, Optimizer};
+use falcon_engine::worker::f32_bytes;
+use falcon_transport::Medium;
+use serde::Serialize;
+
+use crate::data::Dataset;
+use crate::hetero::{Hetero, Injector};
+use crate::manager::{Manager, ManagerConfig};
+use crate::model::{Model, ModelSpec};
+use crate::train::{EvalPoint, TENSOR, TrainConfig, Trainer, WorkerSummary, evaluate};
+use crate::{Error, Result};
+
+/// A local training job.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    /// Workers.
+    pub workers: u32,
+    /// Servers.
+    pub servers: u32,
+    /// Synchronization policy.
+    pub policy: PolicySpec,
+    /// The model.
+    pub model: ModelSpec,
+    /// Per-worker training knobs.
+    pub train: TrainConfig,
+    /// Server-side SGD learning rate (gradients of a clock are summed under synchronous
+    /// policies, applied one by one otherwise: the same step per gradient either way).
+    pub lr: f32,
+    /// Initial pool threads per worker.
+    pub threads: usize,
+    /// Let the parallelism manager change thread counts.
+    pub elastic: bool,
+    /// Threads the host can run at once (the manager's budget; 0: the host's cores).
+    pub budget: usize,
+    /// Heterogeneity of each worker (missing: none).
+    pub hetero: Vec<Hetero>,
+    /// Medium between the nodes.
+    pub medium: Medium,
+    /// The test accuracy whose first crossing is reported as time to accuracy.
+    pub target: f64,
+}
+
+impl Default for JobSpec {
+    fn default() -> Self {
+        JobSpec {
+            workers: 4,
+            servers: 2,
+            policy: PolicySpec::Bsp,
+            model: ModelSpec::Mlp {
+                sizes: vec![784, 256, 10],
+            },
+            train: TrainConfig::default(),
+            lr: 0.05,
+            threads: 1,
+            elastic: true,
+            budget: 0,
+            hetero: Vec::new(),
+            medium: Medium::Auto,
+            target: 0.75,
+        }
+    }
+}
+
+/// What a job did.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobReport {
+    /// The policy, as named by the engine.
+    pub policy: String,
+    /// The model.
+    pub model: String,
+    /// Where the data came from.
+    pub data: String,
+    /// Workers and servers.
+    pub workers: u32,
+    /// Servers.
+    pub servers: u32,
+    /// Heterogeneity per worker.
+    pub hetero: Vec<String>,
+    /// Wall seconds of training (rendezvous excluded).
+    pub secs: f64,
+    /// Worker 0's evaluations over time.
+    pub curve: Vec<EvalPoint>,
+    /// Test accuracy of the final parameters on the whole test split.
+    pub final_accuracy: f64,
+    /// Their mean test loss.
+    pub final_loss: f64,
+    /// The target accuracy.
+    pub target: f64,
+    /// Seconds until worker 0 first evaluated at or above the target (None: never).
+    pub time_to_target: Option<f64>,
+    /// Per worker.
+    pub per_worker: Vec<WorkerSummary>,
+    /// Parked pulls (all servers).
+    pub parked_pulls: u64,
+    /// Task transfers offered.
+    pub transfers_offered: u64,
+    /// Tasks moved from stragglers to helpers.
+    pub tasks_transferred: u64,
+    /// Times the parallelism manager re-planned.
+    pub parallelism_plans: u64,
+}
+
+impl JobReport {
+    /// The report as pretty JSON.
+    pub fn json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Progress a job reports while it runs.
+#[derive(Clone, Debug)]
+pub struct Progress {
+    /// Iterations done by all workers together.
+    pub iterations: u64,
+    /// Of how many.
+    pub total: u64,
+    /// Seconds since training started.
+    pub secs: f64,
+    /// The latest evaluation, if any.
+    pub last: Option<EvalPoint>,
+}
+
+/// Runs `spec` on `data`; `progress` is called now and then (from the calling thread).
+pub fn run_local(
+    spec: &JobSpec,
+    data: &Arc<Dataset>,
+    mut progress: impl FnMut(&Progress),
+) -> Result<JobReport> {
+    let model: Arc<dyn Model> = spec.model.build()?.into();
+    let mut cfg = JobConfig {
+        job: format!("train-{}", fastrand::u64(..)),
+        token: format!("{:016x}", fastrand::u64(..)),
+        servers: spec.servers.max(1),
+        workers: spec.workers.max(1),
+        policy: spec.policy,
+        optimizer: Optimizer::Sgd { lr: spec.lr },
+        aggregate: Aggregate::Sum,
+        ..JobConfig::default()
+    };
+    cfg.transport.medium = spec.medium;
+    let tensors = vec![TensorSpec {
+        name: TENSOR.into(),
+        len: model.num_params() as u64,
+    }];
+    let cluster = LocalCluster::start(cfg, tensors)?;
+    // Initial values from worker 0, before anyone pulls.
+    let w0 = &cluster.workers[0];
+    let init = w0.buffer(TENSOR)?;
+    init.write_at(0, f32_bytes(&model.init_vec(spec.train.seed)))?;
+    w0.init(TENSOR, &init)?;
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let budget = if spec.budget == 0 { cores } else { spec.budget };
+    let manager = Arc::new(Manager::new(ManagerConfig {
+        enabled: spec.elastic,
+        initial: spec.threads.max(1),
+        ..ManagerConfig::one_host(
+            spec.workers.max(1),
+            budget.max(spec.workers as usize),
+            budget.max(1),
+            spec.train.tasks,
+        )
+    }));
+    let done = Arc::new(AtomicU64::new(0));
+    let curve: Arc<Mutex<Vec<EvalPoint>>> = Arc::default();
+    let start = Instant::now();
+    let results: Vec<Result<WorkerSummary>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = cluster
+            .workers
+            .iter()
+            .map(|worker| {
+                let (model, data, manager, done, curve) = (
+                    model.clone(),
+                    data.clone(),
+                    manager.clone(),
+                    done.clone(),
+                    curve.clone(),
+                );
+                let hetero = spec
+                    .hetero
+                    .get(worker.rank() as usize)
+                    .cloned()
+                    .unwrap_or(Hetero::None);
+                let train = spec.train.clone();
+                scope.spawn(move || -> Result<WorkerSummary> {
+                    let injector = Injector::new(hetero, u64::from(worker.rank()) + 17)?;
+                    let mut t = Trainer::new(
+                        worker.clone(),
+                        model,
+                        data,
+                        train,
+                        spec.threads,
+                        Some(manager),
+                        injector,
+                    )?;
+                    let out = t.run(|p| {
+                        curve.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                    });
+                    done.fetch_add(1, Ordering::Relaxed);
+                    // Leave at once: under barrier policies the others must not wait for us.
+                    let _ = worker.finish();
+                    out
+                })
+            })
+            .collect();
+        let total = u64::from(spec.workers) * spec.train.iters;
+        while done.load(Ordering::Relaxed) < u64::from(spec.workers) {
+            std::thread::sleep(Duration::from_millis(100));
+            let iterations = cluster
+                .workers
+                .iter()
+                .map(|w| w.clock_of(TENSOR).unwrap_or(0))
+                .sum();
+            let last = curve
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .last()
+                .cloned();
+            progress(&Progress {
+                iterations,
+                total,
+                secs: start.elapsed().as_secs_f64(),
+                last,
+            });
+        }
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Config("a worker thread panicked".into())))
+            })
+            .collect()
+    });
+    let secs = start.elapsed().as_secs_f64();
+    let keymap = cluster.workers[0].keymap().clone();
+    let report = cluster.finish()?;
+    let per_worker = results.into_iter().collect::<Result<Vec<_>>>()?;
+    let params = report.tensor(&keymap, TENSOR)?;
+    let (final_accuracy, final_loss) = evaluate(&*model, &params, &data.test, 0)?;
+    let curve = Arc::try_unwrap(curve)
+        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
+        .unwrap_or_default();
+    let time_to_target = curve
+        .iter()
+        .find(|p| p.accuracy >= spec.target)
+        .map(|p| p.secs);
+    let sum = |f: &dyn Fn(&falcon_engine::WorkerCounters) -> u64| -> u64 {
+        report
+            .servers
+            .iter()
+            .flat_map(|s| &s.per_worker)
+            .map(f)
+            .sum()
+    };
+    Ok(JobReport {
+        policy: spec.policy.build(spec.workers).name(),
+        model: model.name(),
+        data: data.source.clone(),
+        workers: spec.workers,
+        servers: spec.servers,
+        hetero: (0..spec.workers as usize)
+            .map(|w| spec.hetero.get(w).map_or("none".into(), |h| h.to_string()))
+            .collect(),
+        secs,
+        curve,
+        final_accuracy,
+        final_loss,
+        target: spec.target,
+        time_to_target,
+        per_worker,
+        parked_pulls: sum(&|c| c.parked_pulls),
+        transfers_offered: sum(&|c| c.transfers_offered),
+        tasks_transferred: report.scheduler.tasks_transferred,
+        parallelism_plans: manager.plans(),
+    })
+}
+
+/// Where reports go by default.
+pub fn default_out_dir() -> PathBuf {
+    PathBuf::from("target/falcon-train")
+}
