@@ -185,6 +185,15 @@ impl Hetero {
         }
     }
 
+    /// True for the multiplicative slowdowns ([`Hetero::Ratio`], [`Hetero::Episodes`]): the
+    /// trainer applies them to each task (a slow machine computes every task slowly, so its
+    /// unprocessed tasks wait in its queue where helpers can take them), the others once per
+    /// iteration. `delay` is linear in `compute` for these, so the iteration's total sleep is
+    /// the same either way.
+    pub fn per_task(&self) -> bool {
+        matches!(self, Hetero::Ratio { .. } | Hetero::Episodes { .. })
+    }
+
     /// The sleep injected after iteration `iter` whose compute took `compute`, for a worker
     /// seeded with `seed`. Pure: the same arguments always give the same delay, whatever was
     /// asked before. [`Hetero::Contention`] and [`Hetero::None`] give zero.

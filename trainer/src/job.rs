@@ -42,7 +42,8 @@ pub struct JobSpec {
     pub threads: usize,
     /// Let the parallelism manager change thread counts.
     pub elastic: bool,
-    /// Threads the host can run at once (the manager's budget; 0: the host's cores).
+    /// Threads each worker's machine can run at once (the manager's budget and knee; 0: this
+    /// host's cores).
     pub budget: usize,
     /// Heterogeneity of each worker (missing: none).
     pub hetero: Vec<Hetero>,
@@ -162,15 +163,13 @@ pub fn run_local(
     w0.init(TENSOR, &init)?;
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let budget = if spec.budget == 0 { cores } else { spec.budget };
+    // Each worker of the embedded cluster stands for one machine of `budget` threads (on a
+    // real cluster each worker has its own host); the knee is the same budget.
     let manager = Arc::new(Manager::new(ManagerConfig {
         enabled: spec.elastic,
         initial: spec.threads.max(1),
-        ..ManagerConfig::one_host(
-            spec.workers.max(1),
-            budget.max(spec.workers as usize),
-            budget.max(1),
-            spec.train.tasks,
-        )
+        hosts: (0..spec.workers.max(1)).collect(),
+        ..ManagerConfig::one_host(spec.workers.max(1), budget, budget, spec.train.tasks)
     }));
     let done = Arc::new(AtomicU64::new(0));
     let curve: Arc<Mutex<Vec<EvalPoint>>> = Arc::default();

@@ -22,11 +22,12 @@
 //! (its cores, or the knee's total); workers sharing a host share it.
 //!
 //! Every `every` reports the manager re-plans (applied by each worker at its next iteration
-//! boundary): every worker starts at one thread; while threads are left in a host's budget,
-//! one more goes to the worker whose projected iteration time `m / speed_i(p_i)` is the
-//! longest, if that is still below its knee and the extra thread is predicted to shorten its
-//! iteration. Persistent stragglers thus get threads first; pioneers keep few, which frees
-//! the cores stragglers need. With `enabled` off the thread counts never change (the
+//! boundary): every worker starts at one thread; then one more goes to the worker whose
+//! projected iteration time `m / speed_i(p_i)` is the longest, as long as its host has a
+//! thread left in its budget, it is below its knee and the extra thread is predicted to
+//! shorten its iteration; when the slowest cannot be helped the plan stops (more threads
+//! for a faster worker would not shorten a synchronous iteration). Persistent stragglers
+//! thus get threads; pioneers keep one, which leaves the cores to the stragglers. With `enabled` off the thread counts never change (the
 //! mechanism is switched off alone, so its share of a gain is measurable).
 
 use std::collections::BTreeMap;
@@ -203,20 +204,19 @@ impl Manager {
             Self::estimate(&s.speed[w], p, self.cfg.knee).map(|v| m / v.max(1e-12))
         };
         loop {
-            // The slowest projected worker that can still get a useful thread.
-            let pick = (0..n)
-                .filter(|&w| threads[w] < self.cfg.knee)
-                .filter(|&w| {
-                    let host = self.cfg.hosts.get(w).copied().unwrap_or(0);
-                    used.get(&host).copied().unwrap_or(0) < self.cfg.budget
-                })
-                .filter_map(|w| {
-                    let now = time(w, threads[w])?;
-                    let next = time(w, threads[w] + 1)?;
-                    (next < now * 0.98).then_some((now, w))
-                })
+            // The slowest projected worker sets the pace: it gets the next thread if its host
+            // has one left, it is below its knee and the thread is predicted to help. If not,
+            // nobody does (a thread for a faster worker would not shorten the iteration).
+            let slowest = (0..n)
+                .filter_map(|w| Some((time(w, threads[w])?, w)))
                 .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
-            let Some((_, w)) = pick else { break };
+            let Some((now, w)) = slowest else { break };
+            let host = self.cfg.hosts.get(w).copied().unwrap_or(0);
+            let room = used.get(&host).copied().unwrap_or(0) < self.cfg.budget;
+            let helps = time(w, threads[w] + 1).is_some_and(|next| next < now * 0.98);
+            if !(room && threads[w] < self.cfg.knee && helps) {
+                break;
+            }
             threads[w] += 1;
             *used
                 .entry(self.cfg.hosts.get(w).copied().unwrap_or(0))

@@ -192,6 +192,8 @@ struct Shared {
     params: RwLock<Vec<f32>>,
     /// The first error a pool thread met.
     failure: Mutex<Option<Error>>,
+    /// The heterogeneity injection.
+    injector: Injector,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -246,7 +248,6 @@ pub struct Trainer {
     pool: Pool,
     source: Arc<TaskSource>,
     manager: Option<Arc<Manager>>,
-    injector: Injector,
 }
 
 impl Trainer {
@@ -309,12 +310,12 @@ impl Trainer {
                 orders: Orders::default(),
                 slots,
                 failure: Mutex::new(None),
+                injector,
             }),
             worker,
             pool: Pool::new(threads.clamp(1, MAX_SLOTS))?,
             source,
             manager,
-            injector,
         })
     }
 
@@ -396,11 +397,18 @@ impl Trainer {
             }
             self.source.reset(c, cfg.tasks as usize)?;
             let job = sh.clone();
+            let per_task = sh.injector.spec().per_task();
             self.pool.run(&self.source, move |task, slot| {
-                let params = job.params.read().unwrap_or_else(|p| p.into_inner());
-                let mut s = lock(&job.slots[slot % job.slots.len()]);
-                if let Err(e) = job.compute_tasks(&params, rank, c, task..task + 1, &mut s) {
-                    lock(&job.failure).get_or_insert(e);
+                let t = Instant::now();
+                {
+                    let params = job.params.read().unwrap_or_else(|p| p.into_inner());
+                    let mut s = lock(&job.slots[slot % job.slots.len()]);
+                    if let Err(e) = job.compute_tasks(&params, rank, c, task..task + 1, &mut s) {
+                        lock(&job.failure).get_or_insert(e);
+                    }
+                }
+                if per_task {
+                    job.injector.after_iteration(c, t.elapsed());
                 }
             });
             if let Some(e) = lock(&sh.failure).take() {
@@ -423,18 +431,31 @@ impl Trainer {
             sum.compute_secs += compute.as_secs_f64();
             sum.tasks_own += done;
             sum.tasks_given += u64::from(cfg.tasks).saturating_sub(done);
-            let per_task = cfg.batch as f64 / f64::from(cfg.tasks);
-            sum.last_loss = loss / (done.max(1) as f64 * per_task);
+            let examples_per_task = cfg.batch as f64 / f64::from(cfg.tasks);
+            sum.last_loss = loss / (done.max(1) as f64 * examples_per_task);
 
             // 3. Push, heterogeneity, parallelism.
             grad_region.write_at(0, f32_bytes(&grad))?;
             w.push(TENSOR, &grad_region, c)?;
             sum.iterations = c + 1;
-            sum.injected_secs += self.injector.after_iteration(c, compute).as_secs_f64();
+            let injected = if per_task {
+                // Slept inside the tasks: the share of the task phase that was not compute.
+                let d = sh.injector.delay(c, Duration::from_secs(1)).as_secs_f64();
+                compute.mul_f64(d / (1.0 + d))
+            } else {
+                sh.injector.after_iteration(c, compute)
+            };
+            sum.injected_secs += injected.as_secs_f64();
             let threads = self.pool.threads();
             sum.threads.push(threads);
             if let Some(m) = &self.manager {
-                m.report(rank, threads, done as u32, compute);
+                // The iteration as the job sees it: compute and injected slowness.
+                let iteration = if per_task {
+                    compute
+                } else {
+                    compute + injected
+                };
+                m.report(rank, threads, done as u32, iteration);
                 let next = m.threads(rank).clamp(1, MAX_SLOTS);
                 if next != threads {
                     self.pool.resize(next)?;
