@@ -38,7 +38,7 @@ enum Command_ {
     /// Benchmarks, each figure beside its physical reference.
     Bench {
         /// What to benchmark.
-        #[arg(value_parser = ["transport", "engine"], default_value = "transport")]
+        #[arg(value_parser = ["transport", "engine", "knee"], default_value = "transport")]
         what: String,
         /// A short smoke run instead of a full measurement.
         #[arg(long)]
@@ -109,6 +109,9 @@ fn main() -> ExitCode {
 type Res = Result<(), Box<dyn std::error::Error>>;
 
 fn bench(what: &str, quick: bool) -> Res {
+    if what == "knee" {
+        return knee(quick);
+    }
     if what == "engine" {
         let rows = falcon_bench::engine::summary(quick)?;
         println!("{}", falcon_bench::engine::markdown(&rows));
@@ -122,6 +125,69 @@ fn bench(what: &str, quick: bool) -> Res {
     let rows =
         falcon_bench::transport::summary(&falcon_bench::transport::available_media(), effort);
     println!("{}", falcon_bench::transport::markdown(&rows));
+    Ok(())
+}
+
+/// Falcon's over-subscription figure on this machine: one iteration of 64 CPU-bound tasks
+/// (about 2 ms each, the MLP's step) on 1..=16 pool threads; task completion time (mean, max)
+/// and its variance against the thread count, and the knee the parallelism manager uses.
+fn knee(quick: bool) -> Res {
+    use falcon_trainer::pool::{knee, measure_knee};
+    // A fixed amount of arithmetic: ~2 ms on one core of this machine.
+    let work = || {
+        let mut x = 1.0f64;
+        for i in 0..280_000u32 {
+            x = (x * 1.000_000_1 + f64::from(i & 7)).sqrt();
+        }
+        std::hint::black_box(x);
+    };
+    let (max, tasks) = if quick { (4, 8) } else { (16, 64) };
+    let points = measure_knee(max, tasks, work);
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "| threads | iteration ms | task mean ms | task max ms | task variance ms² | cv² |\n|---|---|---|---|---|---|"
+    );
+    for p in &points {
+        println!(
+            "| {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.3} |",
+            p.threads,
+            p.iteration_time.as_secs_f64() * 1e3,
+            p.mean_task.as_secs_f64() * 1e3,
+            p.max_task.as_secs_f64() * 1e3,
+            p.var_task,
+            p.cv2()
+        );
+    }
+    println!(
+        "\nknee: {} thread(s) on this {cores}-core machine",
+        knee(&points)
+    );
+    let dir = std::path::Path::new("target/falcon-bench");
+    std::fs::create_dir_all(dir)?;
+    let xs = |f: &dyn Fn(&falcon_trainer::pool::KneePoint) -> f64| -> Vec<(f64, f64)> {
+        points.iter().map(|p| (p.threads as f64, f(p))).collect()
+    };
+    let png = dir.join("knee.png");
+    falcon_bench::plot::line_chart(
+        &png,
+        "task completion time (ms) and variance (ms^2) against threads",
+        &[
+            (
+                "max task ms".into(),
+                xs(&|p| p.max_task.as_secs_f64() * 1e3),
+            ),
+            (
+                "mean task ms".into(),
+                xs(&|p| p.mean_task.as_secs_f64() * 1e3),
+            ),
+            ("variance ms^2".into(), xs(&|p| p.var_task)),
+            (
+                "iteration ms".into(),
+                xs(&|p| p.iteration_time.as_secs_f64() * 1e3),
+            ),
+        ],
+    )?;
+    println!("plot: {}", png.display());
     Ok(())
 }
 

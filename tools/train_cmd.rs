@@ -86,6 +86,9 @@ pub struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Runs of each configuration (the comparison uses the median time to accuracy).
+    #[arg(long, default_value_t = 1)]
+    repeat: u32,
 }
 
 type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -267,14 +270,42 @@ pub fn train(a: TrainArgs) -> Res {
     }
     std::fs::create_dir_all(&a.out)?;
     let mut reports = Vec::new();
-    for entry in &entries {
-        let r = run_one(&a, entry, &data)?;
-        print_report(&r, entry);
-        let json = a.out.join(format!("{}.json", file_name(entry)));
-        std::fs::write(&json, r.json())?;
-        reports.push((entry.clone(), r));
-        // Let the previous job's threads wind down before the next starts.
-        std::thread::sleep(Duration::from_millis(100));
+    let mut runs: Vec<(String, Vec<JobReport>)> =
+        entries.iter().map(|e| (e.clone(), Vec::new())).collect();
+    // Rounds: every configuration once per round, so a slow period of the machine hits all.
+    for round in 0..a.repeat.max(1) {
+        for (entry, done) in runs.iter_mut() {
+            let r = run_one(&a, entry, &data)?;
+            print_report(&r, entry);
+            let name = if a.repeat > 1 {
+                format!("{}-run{}.json", file_name(entry), round + 1)
+            } else {
+                format!("{}.json", file_name(entry))
+            };
+            std::fs::write(a.out.join(name), r.json())?;
+            done.push(r);
+            // Let the previous job's threads wind down before the next starts.
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    for (entry, mut done) in runs {
+        // The run of median time to accuracy represents the configuration.
+        done.sort_by(|x, y| {
+            let t = |r: &JobReport| r.time_to_target.unwrap_or(f64::INFINITY);
+            t(x).total_cmp(&t(y))
+        });
+        let n = done.len();
+        let times: Vec<String> = done
+            .iter()
+            .map(|r| r.time_to_target.map_or("–".into(), |t| format!("{t:.2}")))
+            .collect();
+        if n > 1 {
+            println!(
+                "{entry}: times to target over {n} runs: {}",
+                times.join(", ")
+            );
+        }
+        reports.push((entry, done.swap_remove(n / 2)));
     }
     let series: Vec<(String, Vec<(f64, f64)>)> = reports
         .iter()

@@ -140,6 +140,21 @@ pub fn run_local(
     mut progress: impl FnMut(&Progress),
 ) -> Result<JobReport> {
     let model: Arc<dyn Model> = spec.model.build()?.into();
+    // Refuse a bad configuration before starting anything.
+    let t = &spec.train;
+    if t.batch == 0 || t.tasks == 0 || t.tasks as usize > t.batch {
+        return Err(Error::Config(format!(
+            "batch {} cut into {} tasks: need 1 ≤ tasks ≤ batch",
+            t.batch, t.tasks
+        )));
+    }
+    if data.train.features() != model.input_len() {
+        return Err(Error::Config(format!(
+            "the model takes {} inputs, the data has {} features",
+            model.input_len(),
+            data.train.features()
+        )));
+    }
     let mut cfg = JobConfig {
         job: format!("train-{}", fastrand::u64(..)),
         token: format!("{:016x}", fastrand::u64(..)),
@@ -193,21 +208,24 @@ pub fn run_local(
                     .unwrap_or(Hetero::None);
                 let train = spec.train.clone();
                 scope.spawn(move || -> Result<WorkerSummary> {
-                    let injector = Injector::new(hetero, u64::from(worker.rank()) + 17)?;
-                    let mut t = Trainer::new(
-                        worker.clone(),
-                        model,
-                        data,
-                        train,
-                        spec.threads,
-                        Some(manager),
-                        injector,
-                    )?;
-                    let out = t.run(|p| {
-                        curve.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                    });
+                    let out = (|| {
+                        let injector = Injector::new(hetero, u64::from(worker.rank()) + 17)?;
+                        Trainer::new(
+                            worker.clone(),
+                            model,
+                            data,
+                            train,
+                            spec.threads,
+                            Some(manager),
+                            injector,
+                        )?
+                        .run(|p| {
+                            curve.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                        })
+                    })();
+                    // Done, well or not. Leave at once: under barrier policies the others
+                    // must not wait for us (a failed worker's peers see it leave).
                     done.fetch_add(1, Ordering::Relaxed);
-                    // Leave at once: under barrier policies the others must not wait for us.
                     let _ = worker.finish();
                     out
                 })

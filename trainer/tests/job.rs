@@ -1,0 +1,126 @@
+//! Whole training jobs on an embedded local cluster (real transport, one thread per worker):
+//! they learn, and every task of every iteration is processed exactly once whoever takes it.
+
+use std::sync::Arc;
+
+use falcon_engine::sync::PolicySpec;
+use falcon_trainer::data::Dataset;
+use falcon_trainer::hetero::Hetero;
+use falcon_trainer::job::{JobReport, JobSpec, run_local};
+use falcon_trainer::model::ModelSpec;
+use falcon_trainer::train::TrainConfig;
+
+fn small(policy: &str, workers: u32, iters: u64, tasks: u32, hetero: Vec<Hetero>) -> JobSpec {
+    JobSpec {
+        workers,
+        servers: 2,
+        policy: policy.parse::<PolicySpec>().unwrap(),
+        model: ModelSpec::Mlp {
+            sizes: vec![784, 32, 10],
+        },
+        train: TrainConfig {
+            batch: 32,
+            tasks,
+            iters,
+            seed: 3,
+            eval_every: 10,
+            eval_examples: 300,
+            transfer: true,
+        },
+        lr: 0.1,
+        hetero,
+        target: 0.5,
+        ..JobSpec::default()
+    }
+}
+
+fn data() -> Arc<Dataset> {
+    Arc::new(Dataset::bundled().expect("the bundled sample ships with the repository"))
+}
+
+/// Tasks processed = tasks there were; what stragglers gave away is what helpers took and
+/// what the scheduler relayed.
+fn check_exactly_once(r: &JobReport, spec: &JobSpec) {
+    let total = u64::from(spec.workers) * spec.train.iters * u64::from(spec.train.tasks);
+    let own: u64 = r.per_worker.iter().map(|w| w.tasks_own).sum();
+    let given: u64 = r.per_worker.iter().map(|w| w.tasks_given).sum();
+    let helped: u64 = r.per_worker.iter().map(|w| w.tasks_helped).sum();
+    assert_eq!(own + helped, total, "every task processed once: {r:#?}");
+    assert_eq!(given, helped, "what was given away was taken");
+    assert_eq!(helped, r.tasks_transferred, "and relayed by the scheduler");
+    assert!(
+        r.per_worker
+            .iter()
+            .all(|w| w.iterations == spec.train.iters)
+    );
+}
+
+#[test]
+fn a_small_job_learns_on_the_bundled_sample() {
+    let spec = small("bsp", 2, 40, 2, Vec::new());
+    let r = run_local(&spec, &data(), |_| {}).unwrap();
+    assert!(
+        r.final_accuracy > 0.55,
+        "random guessing is 10%; got {:.1}%",
+        100.0 * r.final_accuracy
+    );
+    assert!(!r.curve.is_empty() && r.curve.iter().all(|p| p.accuracy.is_finite()));
+    assert!(r.data.contains("bundled"), "{}", r.data);
+    check_exactly_once(&r, &spec);
+    // BSP never transfers.
+    assert_eq!(r.tasks_transferred, 0);
+}
+
+#[test]
+fn every_task_is_processed_exactly_once_under_random_timings() {
+    // A persistent straggler, a noisy worker and episodes: pioneers block and take tasks.
+    for (seed, policy) in [(1u64, "epsp(3)"), (2, "epsp(2,fixed)"), (3, "flexrr(1)")] {
+        let hetero = vec![
+            Hetero::None,
+            Hetero::parse("gauss(1,1)").unwrap(),
+            Hetero::parse("episodes(4,2,3)").unwrap(),
+            Hetero::parse("h=0.2").unwrap(),
+        ];
+        let mut spec = small(policy, 4, 24, 8, hetero);
+        spec.train.seed = seed;
+        let r = run_local(&spec, &data(), |_| {}).unwrap();
+        check_exactly_once(&r, &spec);
+        assert!(
+            r.tasks_transferred > 0,
+            "{policy}: blocked pioneers took no task of the straggler"
+        );
+        assert!(
+            r.per_worker[3].tasks_given > 0,
+            "{policy}: the straggler gave nothing"
+        );
+    }
+}
+
+#[test]
+fn without_transfer_nobody_takes_tasks() {
+    let mut spec = small(
+        "epsp(3)",
+        3,
+        12,
+        4,
+        vec![Hetero::None, Hetero::None, Hetero::parse("h=0.3").unwrap()],
+    );
+    spec.train.transfer = false;
+    let r = run_local(&spec, &data(), |_| {}).unwrap();
+    check_exactly_once(&r, &spec);
+    assert_eq!(r.tasks_transferred, 0);
+}
+
+#[test]
+fn bad_job_configurations_are_typed_errors() {
+    let mut spec = small("bsp", 1, 2, 4, Vec::new());
+    spec.train.batch = 2; // fewer examples than tasks
+    let e = run_local(&spec, &data(), |_| {}).unwrap_err();
+    assert!(e.to_string().contains("tasks"), "{e}");
+    let mut spec = small("bsp", 1, 2, 1, Vec::new());
+    spec.model = ModelSpec::Mlp {
+        sizes: vec![100, 10],
+    };
+    let e = run_local(&spec, &data(), |_| {}).unwrap_err();
+    assert!(e.to_string().contains("inputs"), "{e}");
+}
