@@ -71,9 +71,12 @@ pub struct TrainArgs {
     /// Target test accuracy for the time-to-accuracy figure.
     #[arg(long, default_value_t = 0.75)]
     target: f64,
-    /// Evaluate every this many iterations (worker 0).
+    /// Snapshot worker 0's values every this many iterations (evaluated after training).
     #[arg(long, default_value_t = 10)]
     eval_every: u64,
+    /// Test examples each snapshot is evaluated on (the final values use the whole split).
+    #[arg(long, default_value_t = 2000)]
+    eval_examples: usize,
     /// Medium between the nodes: auto, shm, tcp, rdma.
     #[arg(long, default_value = "auto")]
     medium: String,
@@ -162,7 +165,7 @@ fn spec_for(a: &TrainArgs, entry: &str, data: &Dataset) -> Res<JobSpec> {
             iters,
             seed: a.seed,
             eval_every: a.eval_every,
-            eval_examples: 1000,
+            eval_examples: a.eval_examples,
             transfer: true,
         },
         lr: a.lr,

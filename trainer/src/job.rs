@@ -19,8 +19,11 @@ use crate::data::Dataset;
 use crate::hetero::{Hetero, Injector};
 use crate::manager::{Manager, ManagerConfig};
 use crate::model::{Model, ModelSpec};
-use crate::train::{EvalPoint, TENSOR, TrainConfig, Trainer, WorkerSummary, evaluate};
+use crate::train::{EvalPoint, Snapshot, TENSOR, TrainConfig, Trainer, WorkerSummary, evaluate};
 use crate::{Error, Result};
+
+/// Test examples of the progress bar's live accuracy estimate.
+const LIVE_EXAMPLES: usize = 200;
 
 /// A local training job.
 #[derive(Clone, Debug)]
@@ -91,7 +94,8 @@ pub struct JobReport {
     pub hetero: Vec<String>,
     /// Wall seconds of training (rendezvous excluded).
     pub secs: f64,
-    /// Worker 0's evaluations over time.
+    /// Worker 0's values over time, each evaluated (after training) on the first
+    /// `eval_examples` test examples.
     pub curve: Vec<EvalPoint>,
     /// Test accuracy of the final parameters on the whole test split.
     pub final_accuracy: f64,
@@ -129,7 +133,7 @@ pub struct Progress {
     pub total: u64,
     /// Seconds since training started.
     pub secs: f64,
-    /// The latest evaluation, if any.
+    /// A rough live estimate (a few test examples) of worker 0's latest snapshot, if any.
     pub last: Option<EvalPoint>,
 }
 
@@ -187,19 +191,19 @@ pub fn run_local(
         ..ManagerConfig::one_host(spec.workers.max(1), budget, budget, spec.train.tasks)
     }));
     let done = Arc::new(AtomicU64::new(0));
-    let curve: Arc<Mutex<Vec<EvalPoint>>> = Arc::default();
+    let snapshots: Arc<Mutex<Vec<Snapshot>>> = Arc::default();
     let start = Instant::now();
     let results: Vec<Result<WorkerSummary>> = std::thread::scope(|scope| {
         let handles: Vec<_> = cluster
             .workers
             .iter()
             .map(|worker| {
-                let (model, data, manager, done, curve) = (
+                let (model, data, manager, done, snapshots) = (
                     model.clone(),
                     data.clone(),
                     manager.clone(),
                     done.clone(),
-                    curve.clone(),
+                    snapshots.clone(),
                 );
                 let hetero = spec
                     .hetero
@@ -220,7 +224,7 @@ pub fn run_local(
                             injector,
                         )?
                         .run(|p| {
-                            curve.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                            snapshots.lock().unwrap_or_else(|e| e.into_inner()).push(p);
                         })
                     })();
                     // Done, well or not. Leave at once: under barrier policies the others
@@ -232,6 +236,8 @@ pub fn run_local(
             })
             .collect();
         let total = u64::from(spec.workers) * spec.train.iters;
+        let mut last: Option<EvalPoint> = None;
+        let mut scratch = model.scratch(LIVE_EXAMPLES);
         while done.load(Ordering::Relaxed) < u64::from(spec.workers) {
             std::thread::sleep(Duration::from_millis(100));
             let iterations = cluster
@@ -239,11 +245,32 @@ pub fn run_local(
                 .iter()
                 .map(|w| w.clock_of(TENSOR).unwrap_or(0))
                 .sum();
-            let last = curve
+            // A rough live estimate for the progress bar, on a few test examples.
+            let latest = snapshots
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .last()
-                .cloned();
+                .map(|s| (s.secs, s.iteration, s.params.clone()));
+            if let Some((secs, iteration, params)) = latest
+                && last.as_ref().is_none_or(|l| l.iteration != iteration)
+            {
+                let n = LIVE_EXAMPLES.min(data.test.len());
+                let f = data.test.features();
+                if let Ok((loss, correct)) = model.evaluate(
+                    &params,
+                    &data.test.images[..n * f],
+                    &data.test.labels[..n],
+                    &mut scratch,
+                ) {
+                    last = Some(EvalPoint {
+                        secs,
+                        iteration,
+                        accuracy: correct as f64 / n.max(1) as f64,
+                        loss: f64::from(loss) / n.max(1) as f64,
+                    });
+                }
+            }
+            let last = last.clone();
             progress(&Progress {
                 iterations,
                 total,
@@ -265,9 +292,18 @@ pub fn run_local(
     let per_worker = results.into_iter().collect::<Result<Vec<_>>>()?;
     let params = report.tensor(&keymap, TENSOR)?;
     let (final_accuracy, final_loss) = evaluate(&*model, &params, &data.test, 0)?;
-    let curve = Arc::try_unwrap(curve)
-        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
-        .unwrap_or_default();
+    // The curve, after the fact: every snapshot on the same test examples.
+    let snapshots = std::mem::take(&mut *snapshots.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut curve = Vec::with_capacity(snapshots.len());
+    for s in snapshots {
+        let (accuracy, loss) = evaluate(&*model, &s.params, &data.test, spec.train.eval_examples)?;
+        curve.push(EvalPoint {
+            secs: s.secs,
+            iteration: s.iteration,
+            accuracy,
+            loss,
+        });
+    }
     let time_to_target = curve
         .iter()
         .find(|p| p.accuracy >= spec.target)

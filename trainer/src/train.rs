@@ -56,9 +56,10 @@ pub struct TrainConfig {
     pub iters: u64,
     /// Shuffling seed (the same on every worker).
     pub seed: u64,
-    /// Evaluate (worker 0) every this many iterations (0: only at the end).
+    /// Snapshot worker 0's values every this many iterations (0: only the end is evaluated).
     pub eval_every: u64,
-    /// Test examples used by the periodic evaluations (the final one uses all).
+    /// Test examples each snapshot is evaluated on, after training (the final values are
+    /// evaluated on the whole test split).
     pub eval_examples: usize,
     /// Take task-transfer offers.
     pub transfer: bool,
@@ -72,7 +73,7 @@ impl Default for TrainConfig {
             iters: 200,
             seed: 1,
             eval_every: 20,
-            eval_examples: 1000,
+            eval_examples: 2000,
             transfer: true,
         }
     }
@@ -89,6 +90,17 @@ pub struct EvalPoint {
     pub accuracy: f64,
     /// Mean test loss.
     pub loss: f64,
+}
+
+/// Worker 0's values at one moment, to evaluate.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// Seconds since training started.
+    pub secs: f64,
+    /// Worker 0's iteration.
+    pub iteration: u64,
+    /// The parameters.
+    pub params: Vec<f32>,
 }
 
 /// What one worker did.
@@ -319,8 +331,9 @@ impl Trainer {
         })
     }
 
-    /// Trains `cfg.iters` iterations; worker 0 evaluates now and then through `on_eval`.
-    pub fn run(&mut self, mut on_eval: impl FnMut(EvalPoint)) -> Result<WorkerSummary> {
+    /// Trains `cfg.iters` iterations; worker 0 hands a copy of its values to `on_snapshot`
+    /// every `eval_every` iterations.
+    pub fn run(&mut self, mut on_snapshot: impl FnMut(Snapshot)) -> Result<WorkerSummary> {
         let w = self.worker.clone();
         let sh = self.shared.clone();
         let cfg = sh.cfg.clone();
@@ -462,13 +475,13 @@ impl Trainer {
                 }
             }
             if rank == 0 && cfg.eval_every > 0 && (c + 1) % cfg.eval_every == 0 {
+                // A copy, evaluated elsewhere: evaluating here would slow worker 0, and with
+                // it every policy that waits for worker 0.
                 let params = sh.params.read().unwrap_or_else(|p| p.into_inner());
-                let (acc, l) = evaluate(&*sh.model, &params, &sh.data.test, cfg.eval_examples)?;
-                on_eval(EvalPoint {
+                on_snapshot(Snapshot {
                     secs: start.elapsed().as_secs_f64(),
                     iteration: c + 1,
-                    accuracy: acc,
-                    loss: l,
+                    params: params.clone(),
                 });
             }
         }
