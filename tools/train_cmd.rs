@@ -198,8 +198,9 @@ fn run_one(a: &TrainArgs, entry: &str, data: &Arc<Dataset>) -> Res<JobReport> {
             format!("{:.1}%", 100.0 * e.accuracy)
         });
         bar.set_message(format!(
-            "acc {acc}, {:.0} it/s",
-            p.iterations as f64 / p.secs.max(1e-9)
+            "acc {acc}, {:.0} it/s, blocked {:.1} s",
+            p.iterations as f64 / p.secs.max(1e-9),
+            p.blocked_secs
         ));
     })?;
     bar.finish_and_clear();
@@ -237,8 +238,8 @@ fn print_report(r: &JobReport, entry: &str) {
         );
     }
     println!(
-        "  parked pulls {}, transfer offers {}, tasks transferred {}, parallelism plans {}",
-        r.parked_pulls, r.transfers_offered, r.tasks_transferred, r.parallelism_plans
+        "  parked pulls {}, transfer offers {}, tasks transferred {}, parallelism plans {}, supervisor's classes {:?}",
+        r.parked_pulls, r.transfers_offered, r.tasks_transferred, r.parallelism_plans, r.classes
     );
 }
 

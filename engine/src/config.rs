@@ -39,6 +39,33 @@ pub struct JobConfig {
     pub rendezvous_timeout: Duration,
     /// The transport of this node.
     pub transport: TransportConfig,
+    /// The scheduler's supervisor and parallelism manager.
+    pub supervisor: SupervisorSettings,
+}
+
+/// How the scheduler's parallelism manager may change the workers' thread counts (see
+/// [`crate::supervisor`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SupervisorSettings {
+    /// Send thread-count advice at all (the straggler projection runs either way).
+    pub elastic: bool,
+    /// Threads each worker's machine can run at once (0: the scheduler host's cores).
+    pub budget: usize,
+    /// The over-subscription knee: the most threads one worker may get (0: the budget).
+    pub knee: usize,
+    /// The thread count workers start with.
+    pub initial: usize,
+}
+
+impl Default for SupervisorSettings {
+    fn default() -> Self {
+        SupervisorSettings {
+            elastic: true,
+            budget: 0,
+            knee: 0,
+            initial: 1,
+        }
+    }
 }
 
 impl Default for JobConfig {
@@ -61,6 +88,7 @@ impl Default for JobConfig {
                 medium: Medium::Auto,
                 ..TransportConfig::default()
             },
+            supervisor: SupervisorSettings::default(),
         }
     }
 }

@@ -24,10 +24,11 @@ pub mod local;
 pub mod scheduler;
 #[cfg(not(loom))]
 pub mod server;
+pub mod supervisor;
 #[cfg(not(loom))]
 pub mod worker;
 
-pub use config::JobConfig;
+pub use config::{JobConfig, SupervisorSettings};
 #[cfg(not(loom))]
 pub use scheduler::{Scheduler, SchedulerReport};
 #[cfg(not(loom))]

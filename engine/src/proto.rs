@@ -11,7 +11,7 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`).
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -203,6 +203,22 @@ pub enum Msg {
         /// The most tasks wanted.
         want: u32,
     },
+    /// worker → scheduler (supervisor): an iteration took `nanos` with `threads` threads and
+    /// `tasks` of its own tasks.
+    IterationDone {
+        /// Pool threads it ran with.
+        threads: u32,
+        /// Its own tasks it computed.
+        tasks: u32,
+        /// Its duration (compute and injected slowness, not waiting).
+        nanos: u64,
+    },
+    /// scheduler → worker (parallelism manager): use this many threads from the next
+    /// iteration on.
+    Threads {
+        /// The thread count.
+        threads: u32,
+    },
     /// straggler → scheduler → helper: tasks `start..end` of `straggler`'s iteration `clock`
     /// are now the helper's (empty: none left, or the straggler is gone).
     Tasks {
@@ -311,6 +327,12 @@ mod tests {
                 clock: 4,
                 want: 8,
             },
+            Msg::IterationDone {
+                threads: 2,
+                tasks: 4,
+                nanos: 1_000_000,
+            },
+            Msg::Threads { threads: 3 },
             Msg::Tasks {
                 straggler: 1,
                 helper: 0,

@@ -17,6 +17,7 @@ use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, TensorSpec};
 use crate::proto::{Book, Msg, Role};
+use crate::supervisor::{Manager, ManagerConfig};
 use crate::sync::zipline::{predict, zipline};
 
 /// What the scheduler saw, returned when the job ends.
@@ -34,6 +35,13 @@ pub struct SchedulerReport {
     pub last_plan: Vec<SuperstepPlan>,
     /// Task-transfer steals relayed (or answered "none").
     pub steals: u64,
+    /// Times the parallelism manager re-planned.
+    pub parallelism_plans: u64,
+    /// The last thread count advised to each worker.
+    pub threads: Vec<usize>,
+    /// The straggler projection's last class of each worker (pioneer, transient,
+    /// persistent, unknown).
+    pub classes: Vec<String>,
     /// Tasks moved from stragglers to helpers.
     pub tasks_transferred: u64,
 }
@@ -150,6 +158,22 @@ fn admission_error(
         ));
     }
     None
+}
+
+/// The job's supervisor, as configured: each worker stands for one machine of `budget`
+/// threads (the scheduler host's cores when unset).
+fn supervisor_for(cfg: &JobConfig) -> Manager {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let st = cfg.supervisor;
+    let budget = if st.budget == 0 { cores } else { st.budget };
+    let knee = if st.knee == 0 { budget } else { st.knee };
+    let workers = cfg.workers.max(1);
+    Manager::new(ManagerConfig {
+        enabled: st.elastic,
+        initial: st.initial.max(1),
+        hosts: (0..workers).collect(),
+        ..ManagerConfig::one_host(workers, budget, knee, 1)
+    })
 }
 
 impl Scheduler {
@@ -343,6 +367,8 @@ impl Scheduler {
         let elastic = self.cfg.policy.job_barriers();
         let mut arrivals: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
         let silence = self.cfg.heartbeat * 3;
+        let supervisor = supervisor_for(&self.cfg);
+        let mut advised: Vec<usize> = supervisor.all_threads();
         let broadcast = |live: &HashSet<(Role, u32)>, m: &Msg| {
             let bytes = m.encode();
             for k in live {
@@ -444,6 +470,38 @@ impl Scheduler {
                         }
                         Ok(Msg::Done) if node.0 == Role::Worker => {
                             done.insert(node.1);
+                        }
+                        // The supervisor: project, re-plan, advise whose count changed.
+                        Ok(Msg::IterationDone {
+                            threads,
+                            tasks,
+                            nanos,
+                        }) if node.0 == Role::Worker => {
+                            supervisor.report(
+                                node.1,
+                                threads as usize,
+                                tasks,
+                                Duration::from_nanos(nanos),
+                            );
+                            let now = supervisor.all_threads();
+                            for (w, (&new, old)) in now.iter().zip(advised.iter_mut()).enumerate() {
+                                let to = (Role::Worker, w as u32);
+                                if new != *old && live.contains(&to) {
+                                    let m = Msg::Threads {
+                                        threads: new as u32,
+                                    };
+                                    let _ = nodes[&to].send(&m.encode());
+                                }
+                                *old = new;
+                            }
+                            report.parallelism_plans = supervisor.plans();
+                            report.threads = now;
+                            report.classes = supervisor
+                                .verdict()
+                                .classes
+                                .iter()
+                                .map(|c| format!("{c:?}").to_lowercase())
+                                .collect();
                         }
                         // Task transfer: relay a helper's steal to the straggler, or answer
                         // "none" at once when the straggler cannot give any.

@@ -495,20 +495,7 @@ impl Server {
                             let _ = l.send(&ack.encode());
                             continue;
                         }
-                        let version = meta_of(&s.meta).version();
-                        let d = version.saturating_sub(s.pulled_version(w as usize));
-                        let factor = scale.scale(d);
-                        let mut g = s.slot(w as usize).to_vec();
-                        if factor != 1.0 {
-                            g.iter_mut().for_each(|x| *x *= factor);
-                        }
-                        let _ = l.send(&ack.encode());
-                        let params = f32s_mut(&s.params, s.spec.len);
-                        let opt = &mut s.opt;
-                        meta_of(&s.meta).write(|m| {
-                            opt.apply(params, &g);
-                            m.bump_version();
-                        });
+                        apply_async(s, w, &*scale, l, ack, None);
                         report.updates += 1;
                         report.per_worker[w as usize].help_pushes += 1;
                         continue;
@@ -519,34 +506,17 @@ impl Server {
                     report.per_shard[local as usize].gradients += 1;
                     match book.mode {
                         UpdateMode::Async => {
-                            let version = meta_of(&s.meta).version();
-                            let d = version.saturating_sub(s.pulled_version(w as usize));
+                            let ack = Msg::PushAck {
+                                shard: s.spec.id,
+                                clock,
+                            };
+                            let d = apply_async(s, w, &*scale, l, ack, Some(clock));
                             report.staleness_sum += d;
                             report.staleness_max = report.staleness_max.max(d);
                             *report.per_worker[w as usize]
                                 .staleness
                                 .entry(d)
                                 .or_default() += 1;
-                            let factor = scale.scale(d);
-                            let mut g = s.slot(w as usize).to_vec();
-                            if factor != 1.0 {
-                                g.iter_mut().for_each(|x| *x *= factor);
-                            }
-                            // Acknowledge first: the slot is free once copied.
-                            let _ = l.send(
-                                &Msg::PushAck {
-                                    shard: s.spec.id,
-                                    clock,
-                                }
-                                .encode(),
-                            );
-                            let params = f32s_mut(&s.params, s.spec.len);
-                            let opt = &mut s.opt;
-                            meta_of(&s.meta).write(|m| {
-                                opt.apply(params, &g);
-                                m.set_clock(w as usize, clock + 1);
-                                m.bump_version();
-                            });
                             report.updates += 1;
                             s.policy.on_event(
                                 Event::Push {
@@ -650,6 +620,39 @@ impl Server {
         }
         Ok(report)
     }
+}
+
+/// Async mode: applies worker `w`'s gradient in its slot at once, scaled by its version
+/// staleness, acknowledging with `ack` as soon as the slot is copied; with `clock`, the
+/// worker's applied count becomes `clock + 1` (a credited push of transferred tasks moves
+/// no clock). Returns the staleness.
+fn apply_async(
+    s: &mut Shard,
+    w: u32,
+    scale: &dyn GradientScale,
+    l: &Link,
+    ack: Msg,
+    clock: Option<u64>,
+) -> u64 {
+    let version = meta_of(&s.meta).version();
+    let d = version.saturating_sub(s.pulled_version(w as usize));
+    let factor = scale.scale(d);
+    let mut g = s.slot(w as usize).to_vec();
+    if factor != 1.0 {
+        g.iter_mut().for_each(|x| *x *= factor);
+    }
+    // Acknowledge first: the slot is free once copied.
+    let _ = l.send(&ack.encode());
+    let params = f32s_mut(&s.params, s.spec.len);
+    let opt = &mut s.opt;
+    meta_of(&s.meta).write(|m| {
+        opt.apply(params, &g);
+        if let Some(c) = clock {
+            m.set_clock(w as usize, c + 1);
+        }
+        m.bump_version();
+    });
+    d
 }
 
 /// Sync mode: applies every clock that has its quorum of gradients (every live worker's, or

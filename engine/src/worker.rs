@@ -296,6 +296,8 @@ struct Inner {
     gate: Option<Mutex<Gate>>,
     /// Task-transfer offers not yet taken by the embedder.
     offers: Mutex<VecDeque<Offer>>,
+    /// The parallelism manager's latest advice (0: none yet).
+    advised: AtomicU32,
     /// Answers a helper's steal: (iteration, most tasks) → the task range given away.
     steal_hook: Mutex<Option<StealHook>>,
     /// Steals in flight: (straggler, clock) → the answer, once it came.
@@ -470,6 +472,7 @@ impl Worker {
             stats: Mutex::new(WorkerStats::default()),
             gate,
             offers: Mutex::new(VecDeque::new()),
+            advised: AtomicU32::new(0),
             steal_hook: Mutex::new(None),
             steals: Mutex::new(HashMap::new()),
             taken: Mutex::new(HashSet::new()),
@@ -571,16 +574,39 @@ impl Worker {
         let t = self.tensor(tensor)?;
         self.check_len(t, grad)?;
         let mut signals = Vec::new();
-        for s in self
-            .inner
-            .shards
-            .iter()
-            .filter(|s| s.spec.tensor as usize == t)
-        {
+        for s in self.shards_of(t) {
             signals.push(self.write_slot(s, grad, HELP_ACK, imm::HELP)?);
         }
         lock(&self.inner.stats).help_pushes += signals.len() as u64;
         self.handle(signals, Some(self.inner.timeout)).wait()
+    }
+
+    /// Tells the scheduler's supervisor that an iteration took `time` (compute and injected
+    /// slowness, not waiting for the policy) with `threads` threads and `tasks` own tasks.
+    pub fn report_iteration(&self, threads: usize, tasks: u32, time: Duration) -> Result<()> {
+        self.check_running()?;
+        let m = Msg::IterationDone {
+            threads: threads.min(u32::MAX as usize) as u32,
+            tasks,
+            nanos: time.as_nanos().min(u128::from(u64::MAX)) as u64,
+        };
+        self.inner
+            .sched
+            .send(&m.encode())
+            .map_err(|e| Error::PeerGone {
+                role: "scheduler",
+                rank: 0,
+                why: e.to_string(),
+            })
+    }
+
+    /// The thread count the scheduler's parallelism manager last advised for this worker,
+    /// if it advised any.
+    pub fn advised_threads(&self) -> Option<usize> {
+        match self.inner.advised.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(n as usize),
+        }
     }
 
     /// Takes the task-transfer offers received since the last call (EPSP, FlexRR), oldest
@@ -641,6 +667,14 @@ impl Worker {
             .unwrap_or(0))
     }
 
+    /// The shards of tensor `t`.
+    fn shards_of(&self, t: usize) -> impl Iterator<Item = &ShardRemote> {
+        self.inner
+            .shards
+            .iter()
+            .filter(move |s| s.spec.tensor as usize == t)
+    }
+
     fn check_running(&self) -> Result<()> {
         if self.inner.stop.load(Ordering::Acquire) {
             return Err(Error::Config(
@@ -676,12 +710,7 @@ impl Worker {
         let t = self.tensor(tensor)?;
         self.check_len(t, values)?;
         let mut signals = Vec::new();
-        for s in self
-            .inner
-            .shards
-            .iter()
-            .filter(|s| s.spec.tensor as usize == t)
-        {
+        for s in self.shards_of(t) {
             let sig = Arc::new(Signal::default());
             self.wait_slot(s)?;
             lock(&self.inner.waits)
@@ -719,12 +748,7 @@ impl Worker {
         self.check_running()?;
         let t = self.tensor(tensor)?;
         self.check_len(t, grad)?;
-        let shards: Vec<&ShardRemote> = self
-            .inner
-            .shards
-            .iter()
-            .filter(|s| s.spec.tensor as usize == t)
-            .collect();
+        let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
         for s in &shards {
             let made = u64::from(s.pushes.load(Ordering::Acquire));
             if clock != made {
@@ -845,13 +869,7 @@ impl Worker {
             FastPath::Within(s) => Some(s),
             FastPath::Never => None,
         };
-        let shards = || {
-            self.inner
-                .shards
-                .iter()
-                .filter(move |s| s.spec.tensor as usize == t)
-        };
-        for s in shards() {
+        for s in self.shards_of(t) {
             let made = u64::from(s.pushes.load(Ordering::Acquire));
             if clock > made {
                 return Err(Error::BadClock {
@@ -864,7 +882,7 @@ impl Worker {
         }
         self.pass_gate(clock)?;
         let mut signals = Vec::new();
-        for s in shards() {
+        for s in self.shards_of(t) {
             if let Some(bound) = fast
                 && self.pull_fast(s, out, clock, bound)?
             {
@@ -1161,6 +1179,9 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                         *got = Some(start..end.max(start));
                         sig.set(Ok(()));
                     }
+                }
+                Ok(Msg::Threads { threads }) => {
+                    w.advised.store(threads, Ordering::Release);
                 }
                 Ok(Msg::Offer { straggler, clock }) => {
                     // Every shard's policy may make the same offer: keep one.

@@ -6,18 +6,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use falcon_engine::JobConfig;
 use falcon_engine::keys::TensorSpec;
 use falcon_engine::local::LocalCluster;
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::{Aggregate, Optimizer};
 use falcon_engine::worker::f32_bytes;
+use falcon_engine::{JobConfig, SupervisorSettings};
 use falcon_transport::Medium;
 use serde::Serialize;
 
 use crate::data::Dataset;
 use crate::hetero::{Hetero, Injector};
-use crate::manager::{Manager, ManagerConfig};
 use crate::model::{Model, ModelSpec};
 use crate::train::{EvalPoint, Snapshot, TENSOR, TrainConfig, Trainer, WorkerSummary, evaluate};
 use crate::{Error, Result};
@@ -115,6 +114,8 @@ pub struct JobReport {
     pub tasks_transferred: u64,
     /// Times the parallelism manager re-planned.
     pub parallelism_plans: u64,
+    /// The supervisor's last class of each worker (pioneer, transient, persistent, unknown).
+    pub classes: Vec<String>,
 }
 
 impl JobReport {
@@ -133,6 +134,8 @@ pub struct Progress {
     pub total: u64,
     /// Seconds since training started.
     pub secs: f64,
+    /// Seconds the workers' pulls spent waiting for the policy (all workers together).
+    pub blocked_secs: f64,
     /// A rough live estimate (a few test examples) of worker 0's latest snapshot, if any.
     pub last: Option<EvalPoint>,
 }
@@ -170,6 +173,14 @@ pub fn run_local(
         ..JobConfig::default()
     };
     cfg.transport.medium = spec.medium;
+    // The scheduler's supervisor: each worker of the embedded cluster stands for one machine
+    // of `budget` threads (on a real cluster each worker has its own host).
+    cfg.supervisor = SupervisorSettings {
+        elastic: spec.elastic,
+        budget: spec.budget,
+        knee: spec.budget,
+        initial: spec.threads.max(1),
+    };
     let tensors = vec![TensorSpec {
         name: TENSOR.into(),
         len: model.num_params() as u64,
@@ -180,16 +191,6 @@ pub fn run_local(
     let init = w0.buffer(TENSOR)?;
     init.write_at(0, f32_bytes(&model.init_vec(spec.train.seed)))?;
     w0.init(TENSOR, &init)?;
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let budget = if spec.budget == 0 { cores } else { spec.budget };
-    // Each worker of the embedded cluster stands for one machine of `budget` threads (on a
-    // real cluster each worker has its own host); the knee is the same budget.
-    let manager = Arc::new(Manager::new(ManagerConfig {
-        enabled: spec.elastic,
-        initial: spec.threads.max(1),
-        hosts: (0..spec.workers.max(1)).collect(),
-        ..ManagerConfig::one_host(spec.workers.max(1), budget, budget, spec.train.tasks)
-    }));
     let done = Arc::new(AtomicU64::new(0));
     let snapshots: Arc<Mutex<Vec<Snapshot>>> = Arc::default();
     let start = Instant::now();
@@ -198,13 +199,8 @@ pub fn run_local(
             .workers
             .iter()
             .map(|worker| {
-                let (model, data, manager, done, snapshots) = (
-                    model.clone(),
-                    data.clone(),
-                    manager.clone(),
-                    done.clone(),
-                    snapshots.clone(),
-                );
+                let (model, data, done, snapshots) =
+                    (model.clone(), data.clone(), done.clone(), snapshots.clone());
                 let hetero = spec
                     .hetero
                     .get(worker.rank() as usize)
@@ -214,18 +210,10 @@ pub fn run_local(
                 scope.spawn(move || -> Result<WorkerSummary> {
                     let out = (|| {
                         let injector = Injector::new(hetero, u64::from(worker.rank()) + 17)?;
-                        Trainer::new(
-                            worker.clone(),
-                            model,
-                            data,
-                            train,
-                            spec.threads,
-                            Some(manager),
-                            injector,
-                        )?
-                        .run(|p| {
-                            snapshots.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                        })
+                        Trainer::new(worker.clone(), model, data, train, spec.threads, injector)?
+                            .run(|p| {
+                                snapshots.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                            })
                     })();
                     // Done, well or not. Leave at once: under barrier policies the others
                     // must not wait for us (a failed worker's peers see it leave).
@@ -271,9 +259,15 @@ pub fn run_local(
                 }
             }
             let last = last.clone();
+            let blocked_secs = cluster
+                .workers
+                .iter()
+                .map(|w| w.stats().pull_wait.as_secs_f64())
+                .sum();
             progress(&Progress {
                 iterations,
                 total,
+                blocked_secs,
                 secs: start.elapsed().as_secs_f64(),
                 last,
             });
@@ -335,7 +329,8 @@ pub fn run_local(
         parked_pulls: sum(&|c| c.parked_pulls),
         transfers_offered: sum(&|c| c.transfers_offered),
         tasks_transferred: report.scheduler.tasks_transferred,
-        parallelism_plans: manager.plans(),
+        parallelism_plans: report.scheduler.parallelism_plans,
+        classes: report.scheduler.classes.clone(),
     })
 }
 

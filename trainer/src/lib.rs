@@ -7,7 +7,6 @@ pub mod data;
 pub mod error;
 pub mod hetero;
 pub mod job;
-pub mod manager;
 pub mod model;
 pub mod pool;
 pub mod train;

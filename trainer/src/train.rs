@@ -14,7 +14,8 @@
 //!    tasks' gradients into its own buffer; the buffers are summed and scaled by 1/batch
 //!    into the registered gradient region.
 //! 3. Push the gradient at clock `c`, apply the configured heterogeneity (sleep), report
-//!    the compute time to the parallelism manager and resize the pool as it says.
+//!    the iteration's time to the scheduler's supervisor and resize the pool as its
+//!    parallelism manager advises.
 //!
 //! The data a task covers depends only on (worker, clock, task) and the job's seed
 //! ([`task_examples`]), so any worker can compute any other's task.
@@ -34,7 +35,6 @@ use serde::Serialize;
 
 use crate::data::{Dataset, Split};
 use crate::hetero::Injector;
-use crate::manager::Manager;
 use crate::model::{Model, Scratch};
 use crate::pool::{Pool, TaskSource};
 use crate::{Error, Result};
@@ -259,7 +259,6 @@ pub struct Trainer {
     shared: Arc<Shared>,
     pool: Pool,
     source: Arc<TaskSource>,
-    manager: Option<Arc<Manager>>,
 }
 
 impl Trainer {
@@ -270,7 +269,6 @@ impl Trainer {
         data: Arc<Dataset>,
         cfg: TrainConfig,
         threads: usize,
-        manager: Option<Arc<Manager>>,
         injector: Injector,
     ) -> Result<Trainer> {
         if cfg.batch == 0 || cfg.tasks == 0 || cfg.tasks as usize > cfg.batch {
@@ -327,7 +325,6 @@ impl Trainer {
             worker,
             pool: Pool::new(threads.clamp(1, MAX_SLOTS))?,
             source,
-            manager,
         })
     }
 
@@ -461,18 +458,18 @@ impl Trainer {
             sum.injected_secs += injected.as_secs_f64();
             let threads = self.pool.threads();
             sum.threads.push(threads);
-            if let Some(m) = &self.manager {
-                // The iteration as the job sees it: compute and injected slowness.
-                let iteration = if per_task {
-                    compute
-                } else {
-                    compute + injected
-                };
-                m.report(rank, threads, done as u32, iteration);
-                let next = m.threads(rank).clamp(1, MAX_SLOTS);
-                if next != threads {
-                    self.pool.resize(next)?;
-                }
+            // To the scheduler's supervisor: the iteration as the job sees it, compute and
+            // injected slowness; its advice applies from the next iteration.
+            let iteration = if per_task {
+                compute
+            } else {
+                compute + injected
+            };
+            w.report_iteration(threads, done as u32, iteration)?;
+            if let Some(next) = w.advised_threads().map(|n| n.clamp(1, MAX_SLOTS))
+                && next != threads
+            {
+                self.pool.resize(next)?;
             }
             if rank == 0 && cfg.eval_every > 0 && (c + 1) % cfg.eval_every == 0 {
                 // A copy, evaluated elsewhere: evaluating here would slow worker 0, and with

@@ -57,7 +57,7 @@
 //! back; `Join` forgets the worker's projection history.
 
 use super::projection::{Projection, ProjectionConfig, Verdict};
-use super::{Action, Clocks, Event, FastPath, Nanos, SyncPolicy, Worker};
+use super::{Action, Clocks, Event, FastPath, Nanos, SyncPolicy, Worker, release_within};
 use crate::meta::within_staleness;
 
 /// EPSP's knobs (see the [module docs](self)).
@@ -195,19 +195,16 @@ impl Epsp {
     }
 
     fn release_ready(&mut self, at: Nanos, out: &mut Vec<Action>) {
-        let min = self.clocks.min_live();
-        let s = self.s;
         let projection = &mut self.projection;
-        self.parked.sort_unstable();
-        self.parked.retain(|&(clock, req, worker)| {
-            if within_staleness(min, clock, s) {
+        release_within(
+            &mut self.parked,
+            self.clocks.min_live(),
+            self.s,
+            |worker, req| {
                 out.push(Action::Release { worker, req });
                 projection.start(worker, at);
-                false
-            } else {
-                true
-            }
-        });
+            },
+        );
     }
 }
 

@@ -13,8 +13,9 @@
 //!   helper offers help to a helpee behind by more than a threshold. The policy sees
 //!   iterations (pushes), not checkpoints, so the threshold `theta` is in iterations (our
 //!   reading): after each push of worker `h`, and when `h`'s pull is parked, `h` is offered
-//!   the work of the group member `j` furthest behind (smallest applied count, lowest rank on
-//!   ties) if `applied[h] − applied[j] ≥ theta`: [`Action::Transfer`]`{ helper: h, straggler:
+//!   the work of the group member `j` furthest behind (smallest applied count; on ties the
+//!   one whose current iteration started earliest, i.e. whose latest push is oldest, then the
+//!   lowest rank) if `applied[h] − applied[j] ≥ theta`: [`Action::Transfer`]`{ helper: h, straggler:
 //!   j, clock: applied[j] }`. A helper is offered one helpee iteration once (no repeat offer
 //!   for the same `(j, clock)`). The task side hands over the tail of `j`'s unprocessed items,
 //!   the helper pushes their gradient credited to `j`'s clock, `j` skips them.
@@ -27,7 +28,7 @@
 //! Fast path `Within(s)`: offers are decided on pushes and parked pulls, both of which reach
 //! the policy. Events about unknown workers are ignored.
 
-use super::{Action, Clocks, Event, FastPath, SyncPolicy, Worker};
+use super::{Action, Clocks, Event, FastPath, Nanos, SyncPolicy, Worker, release_within};
 use crate::meta::within_staleness;
 
 /// FlexRR for one shard (see the [module docs](self)).
@@ -40,6 +41,8 @@ pub struct FlexRr {
     parked: Vec<(u64, u64, Worker)>,
     /// Per helper, the last helpee iteration it was offered.
     offered: Vec<Option<(Worker, u64)>>,
+    /// Per worker, when its latest counted push arrived (its current iteration's start).
+    last_push: Vec<Nanos>,
     delayed: u64,
     transfers: u64,
 }
@@ -55,6 +58,7 @@ impl FlexRr {
             clocks: Clocks::new(workers),
             parked: Vec::new(),
             offered: vec![None; workers as usize],
+            last_push: vec![0; workers as usize],
             delayed: 0,
             transfers: 0,
         }
@@ -72,7 +76,7 @@ impl FlexRr {
         let mine = self.clocks.applied[h];
         let Some(j) = (0..self.clocks.applied.len())
             .filter(|&j| j != h && self.clocks.live[j] && self.same_group(h, j))
-            .min_by_key(|&j| (self.clocks.applied[j], j))
+            .min_by_key(|&j| (self.clocks.applied[j], self.last_push[j], j))
         else {
             return;
         };
@@ -92,17 +96,12 @@ impl FlexRr {
     }
 
     fn release_ready(&mut self, out: &mut Vec<Action>) {
-        let min = self.clocks.min_live();
-        let s = self.s;
-        self.parked.sort_unstable();
-        self.parked.retain(|&(clock, req, worker)| {
-            if within_staleness(min, clock, s) {
-                out.push(Action::Release { worker, req });
-                false
-            } else {
-                true
-            }
-        });
+        release_within(
+            &mut self.parked,
+            self.clocks.min_live(),
+            self.s,
+            |worker, req| out.push(Action::Release { worker, req }),
+        );
     }
 }
 
@@ -131,7 +130,10 @@ impl SyncPolicy for FlexRr {
                     self.offer(worker, out);
                 }
             }
-            Event::Push { worker, .. } => {
+            Event::Push { worker, at, .. } => {
+                if let Some(t) = self.last_push.get_mut(worker as usize) {
+                    *t = (*t).max(at);
+                }
                 self.release_ready(out);
                 self.offer(worker, out);
             }

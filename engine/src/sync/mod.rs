@@ -444,6 +444,25 @@ impl std::str::FromStr for PolicySpec {
     }
 }
 
+/// Releases, in `(clock, req, worker)` order, every parked pull within staleness `s` of the
+/// live minimum `min` (the SSP rule), calling `on(worker, req)` for each; keeps the others.
+pub(crate) fn release_within(
+    parked: &mut Vec<(u64, u64, Worker)>,
+    min: u64,
+    s: u64,
+    mut on: impl FnMut(Worker, u64),
+) {
+    parked.sort_unstable();
+    parked.retain(|&(clock, req, worker)| {
+        if crate::meta::within_staleness(min, clock, s) {
+            on(worker, req);
+            false
+        } else {
+            true
+        }
+    });
+}
+
 /// Bookkeeping shared by the staleness-based policies: applied counts and liveness.
 #[derive(Clone, Debug)]
 pub(crate) struct Clocks {

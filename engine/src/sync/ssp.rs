@@ -2,7 +2,7 @@
 //! live worker has `≥ c − s` gradients applied; the fastest worker runs at most `s` iterations
 //! ahead of the slowest.
 
-use super::{Action, Clocks, Event, FastPath, SyncPolicy};
+use super::{Action, Clocks, Event, FastPath, SyncPolicy, release_within};
 use crate::meta::within_staleness;
 
 /// SSP with bound `s`.
@@ -27,17 +27,12 @@ impl Ssp {
     }
 
     fn release_ready(&mut self, out: &mut Vec<Action>) {
-        let min = self.clocks.min_live();
-        let s = self.s;
-        self.parked.sort_unstable();
-        self.parked.retain(|&(clock, req, worker)| {
-            if within_staleness(min, clock, s) {
-                out.push(Action::Release { worker, req });
-                false
-            } else {
-                true
-            }
-        });
+        release_within(
+            &mut self.parked,
+            self.clocks.min_live(),
+            self.s,
+            |worker, req| out.push(Action::Release { worker, req }),
+        );
     }
 }
 

@@ -395,13 +395,11 @@ impl SyncPolicy for ElasticBspShard {
     }
 
     fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
-        if let Event::Pull { worker, req, .. } = ev {
-            out.push(Action::Release { worker, req });
-        }
+        super::Asp.on_event(ev, out)
     }
 
     fn fast_path(&self) -> FastPath {
-        FastPath::Always
+        super::Asp.fast_path()
     }
 
     fn parked(&self) -> usize {

@@ -124,6 +124,9 @@ pub fn run(
     trace
 }
 
+/// What a time-driven run calls after every event: `hook(policy, event, actions)`.
+pub type Hook<'a> = dyn FnMut(&dyn SyncPolicy, &Event, &[Action]) + 'a;
+
 /// A deterministic per-(worker, iteration) compute time: `base[w]` plus up to 20% jitter.
 pub fn compute_time(base: &[u64], w: usize, c: u64, seed: u64) -> u64 {
     let mut z = seed ^ ((w as u64) << 32) ^ c;
@@ -148,7 +151,7 @@ pub fn timed_run_with(
     base: &[u64],
     iters: u64,
     seed: u64,
-    hook: &mut dyn FnMut(&dyn SyncPolicy, &Event, &[Action]),
+    hook: &mut Hook<'_>,
 ) -> u64 {
     timed_run_times(
         policy,
@@ -166,7 +169,7 @@ pub fn timed_run_times(
     workers: usize,
     time: &dyn Fn(usize, u64) -> u64,
     iters: u64,
-    hook: &mut dyn FnMut(&dyn SyncPolicy, &Event, &[Action]),
+    hook: &mut Hook<'_>,
 ) -> u64 {
     struct Sim<'a> {
         time: &'a dyn Fn(usize, u64) -> u64,
@@ -174,7 +177,7 @@ pub fn timed_run_times(
         waiting: HashMap<u64, (usize, u64)>,           // req → (worker, clock)
         req: u64,
         out: Vec<Action>,
-        hook: &'a mut dyn FnMut(&dyn SyncPolicy, &Event, &[Action]),
+        hook: &'a mut Hook<'a>,
     }
     impl Sim<'_> {
         /// Feeds `ev` at time `t`; each released pull starts its iteration at `t`.

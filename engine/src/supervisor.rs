@@ -1,10 +1,13 @@
 //! Falcon's supervisor and parallelism manager — **our design** (Falcon's full text is not
-//! public; `reference/algorithms.md` §7 has every published fact).
+//! public; `reference/algorithms.md` §7 has every published fact). The scheduler runs one for
+//! its job: workers report each iteration ([`crate::Worker::report_iteration`], a
+//! `Msg::IterationDone`) and hear their thread count back (`Msg::Threads`,
+//! [`crate::Worker::advised_threads`]); the trainer applies it at its next iteration boundary.
 //!
 //! # Supervisor
 //!
-//! Workers report, at each iteration boundary, the compute time of the iteration they just
-//! finished and the thread count it ran with ([`Manager::report`]). The supervisor feeds the
+//! Workers report, at each iteration boundary, the time of the iteration they just finished
+//! and the thread count it ran with ([`Manager::report`]). The supervisor feeds the
 //! engine's straggler [`Projection`] (the same code EPSP's policy runs on the servers), so it
 //! classes each worker as pioneer, transient or persistent straggler and predicts its next
 //! iteration time.
@@ -17,7 +20,7 @@
 //! assuming linear scaling below it and no gain above it, and never past the knee.
 //!
 //! The **knee** is the over-subscription point where completion time and its variance blow
-//! up (Falcon's figure, measured by [`crate::pool::measure_knee`]): no worker gets more
+//! up (Falcon's figure, measured by `falcon_trainer::pool::measure_knee`): no worker gets more
 //! threads than the knee of its host. The **budget** is the threads a host can run at once
 //! (its cores, or the knee's total); workers sharing a host share it.
 //!
@@ -34,7 +37,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use falcon_engine::sync::projection::{Class, Projection, ProjectionConfig, Verdict};
+use crate::sync::projection::{Class, Projection, ProjectionConfig, Verdict};
 
 /// The manager's knobs.
 #[derive(Clone, Debug)]
