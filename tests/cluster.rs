@@ -268,3 +268,66 @@ fn a_job_starts_from_slurm_variables() {
         ]
     });
 }
+
+/// The trainer as real processes: every worker a `falcon role` process training Fashion-MNIST
+/// (the bundled sample) under EPSP with a slowed worker; tasks move between processes
+/// through the scheduler and each is processed once.
+#[test]
+fn training_runs_as_separate_processes() {
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
+    let out = Command::new(FALCON)
+        .args([
+            "local",
+            "--workload",
+            "train",
+            "--servers",
+            "2",
+            "--workers",
+            "3",
+        ])
+        .args([
+            "--iters",
+            "30",
+            "--policy",
+            "epsp(0,fixed)",
+            "--data",
+            sample,
+        ])
+        .env("FALCON_HETERO", "2:h=0.2")
+        .output()
+        .expect("run falcon local");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let mut given = 0;
+    let mut helped = 0;
+    let mut own = 0;
+    for w in 0..3 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("worker {w} [")))
+            .unwrap_or_else(|| panic!("worker {w} missing:\n{stdout}"));
+        assert!(line.contains(": 30 iterations"), "{line}");
+        let num = |tag: &str| -> u64 {
+            let rest = &line[line.find(tag).expect(tag) + tag.len()..];
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        own += num("tasks own ");
+        given += num(" / given ");
+        helped += num(" / helped ");
+        let acc: f64 = line[line.find("test accuracy ").unwrap() + 14..]
+            .split('%')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(acc > 40.0, "worker {w} learnt nothing: {line}");
+    }
+    assert_eq!(own + helped, 3 * 30 * 4, "every task once:\n{stdout}");
+    assert_eq!(given, helped, "{stdout}");
+    assert!(stdout.contains("[h=0.2]"), "{stdout}");
+}

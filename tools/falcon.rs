@@ -70,16 +70,27 @@ struct LocalArgs {
     /// Model size in f32 parameters.
     #[arg(long, default_value_t = 1 << 20)]
     floats: u64,
-    /// Learning rate of the server-side SGD per round (async policies apply each worker's
-    /// gradient with lr / workers).
-    #[arg(long, default_value_t = 0.5)]
-    lr: f32,
+    /// Learning rate of the server-side SGD: per round for the synthetic workload (default
+    /// 0.5; async policies apply each worker's gradient with lr / workers), per gradient for
+    /// the trainer (default 0.05).
+    #[arg(long)]
+    lr: Option<f32>,
     /// Largest shard in bytes (tensors are cut into shards spread over the servers).
     #[arg(long, default_value_t = 4 << 20)]
     shard_bytes: u64,
     /// Staleness scaling of asynchronously applied gradients: none, dynsgd, consgd(F).
     #[arg(long, default_value = "none")]
     scale: String,
+    /// What the workers run: synthetic (½‖w − target‖², exact answer under BSP) or train
+    /// (the trainer on Fashion-MNIST, each worker a process; see FALCON_MODEL, FALCON_DATA).
+    #[arg(long, default_value = "synthetic", value_parser = ["synthetic", "train"])]
+    workload: String,
+    /// With --workload train: the model.
+    #[arg(long, default_value = "mlp:784-256-10")]
+    model: String,
+    /// With --workload train: the dataset directory (default: Debian's, else the sample).
+    #[arg(long)]
+    data: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -230,9 +241,16 @@ fn local(a: LocalArgs) -> Res {
             .env("FALCON_MEDIUM", &a.medium)
             .env("FALCON_ITERS", a.iters.to_string())
             .env("FALCON_FLOATS", a.floats.to_string())
-            .env("FALCON_LR", a.lr.to_string())
             .env("FALCON_MAX_SHARD_BYTES", a.shard_bytes.to_string())
-            .env("FALCON_SCALE", &a.scale);
+            .env("FALCON_SCALE", &a.scale)
+            .env("FALCON_WORKLOAD", &a.workload)
+            .env("FALCON_MODEL", &a.model);
+        if let Some(d) = &a.data {
+            c.env("FALCON_DATA", d);
+        }
+        if let Some(lr) = a.lr {
+            c.env("FALCON_LR", lr.to_string());
+        }
         if let Some(r) = rank {
             c.env("FALCON_RANK", r.to_string());
         }
@@ -327,13 +345,13 @@ fn read_announcement(
 }
 
 /// Reads a variable by its falcon name or one of its aliases (ps-lite's DMLC_* names).
-fn env(names: &[&str]) -> Option<String> {
+pub(crate) fn env(names: &[&str]) -> Option<String> {
     names
         .iter()
         .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
 }
 
-fn env_parse<T: std::str::FromStr>(names: &[&str], default: T) -> Result<T, String> {
+pub(crate) fn env_parse<T: std::str::FromStr>(names: &[&str], default: T) -> Result<T, String> {
     match env(names) {
         None => Ok(default),
         Some(v) => v
@@ -485,9 +503,16 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
             .parse()?,
         ..JobConfig::default()
     };
-    // Async policies apply each worker's gradient on its own: lr / workers keeps the step of
-    // a round equal to BSP's (mean of W gradients) and delayed-gradient descent stable.
-    if cfg.update_mode() == falcon_engine::update::UpdateMode::Async {
+    // The trainer's convention: the gradients of a clock are summed (each is already a mean
+    // over its batch), each asynchronous one applied with the same step.
+    if env(&["FALCON_WORKLOAD"]).as_deref() == Some("train") {
+        cfg.aggregate = falcon_engine::update::Aggregate::Sum;
+        cfg.optimizer = Optimizer::Sgd {
+            lr: env_parse(&["FALCON_LR"], 0.05)?,
+        };
+    } else if cfg.update_mode() == falcon_engine::update::UpdateMode::Async {
+        // Async policies apply each worker's gradient on its own: lr / workers keeps the step
+        // of a round equal to BSP's (mean of W gradients) and delayed-gradient descent stable.
         let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
         cfg.optimizer = Optimizer::Sgd { lr };
     }
@@ -576,6 +601,9 @@ fn role() -> Res {
                 report.rank,
                 report.per_shard.len()
             );
+        }
+        Role::Worker if env(&["FALCON_WORKLOAD"]).as_deref() == Some("train") => {
+            train_cmd::role_worker(&cfg, rank)?
         }
         Role::Worker => worker_workload(&cfg, rank)?,
     }

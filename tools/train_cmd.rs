@@ -355,3 +355,88 @@ pub fn train(a: TrainArgs) -> Res {
     }
     Ok(())
 }
+
+/// A worker process of a multi-process job (`falcon role` with `FALCON_WORKLOAD=train`):
+/// trains its share with the trainer, then worker 0 reports the test accuracy of the final
+/// values. Configured from the environment: `FALCON_MODEL`, `FALCON_DATA`, `FALCON_ITERS`,
+/// `FALCON_BATCH`, `FALCON_TASKS`, `FALCON_THREADS`, `FALCON_SEED`, and `FALCON_HETERO`
+/// (`RANK:SPEC;RANK:SPEC…`, the entry of this worker's rank applies).
+pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
+    use crate::{env, env_parse};
+    use falcon_engine::keys::TensorSpec;
+    use falcon_trainer::hetero::Injector;
+    use falcon_trainer::train::{TENSOR, Trainer, evaluate};
+
+    let data = Arc::new(Dataset::find(
+        env(&["FALCON_DATA"]).as_deref().map(std::path::Path::new),
+    )?);
+    let model: Arc<dyn falcon_trainer::model::Model> = env(&["FALCON_MODEL"])
+        .unwrap_or_else(|| "mlp:784-256-10".into())
+        .parse::<ModelSpec>()?
+        .build()?
+        .into();
+    let train = TrainConfig {
+        batch: env_parse(&["FALCON_BATCH"], 64)?,
+        tasks: env_parse(&["FALCON_TASKS"], 4)?,
+        iters: env_parse(&["FALCON_ITERS"], 100)?,
+        seed: env_parse(&["FALCON_SEED"], 1)?,
+        eval_every: 0,
+        eval_examples: 0,
+        transfer: true,
+    };
+    let threads: usize = env_parse(&["FALCON_THREADS"], 1)?;
+    let tensors = vec![TensorSpec {
+        name: TENSOR.into(),
+        len: model.num_params() as u64,
+    }];
+    let w = falcon_engine::Worker::join(cfg, tensors, rank)?;
+    let me = w.rank();
+    let mut hetero = Hetero::None;
+    for entry in env(&["FALCON_HETERO"]).unwrap_or_default().split(';') {
+        if let Some((r, spec)) = entry.split_once(':')
+            && r.trim().parse::<u32>().ok() == Some(me)
+        {
+            hetero = Hetero::parse(spec)?;
+        }
+    }
+    if me == 0 {
+        let init = w.buffer(TENSOR)?;
+        init.write_at(
+            0,
+            falcon_engine::worker::f32_bytes(&model.init_vec(train.seed)),
+        )?;
+        w.init(TENSOR, &init)?;
+    }
+    // Nobody pulls before the initial values are in.
+    w.barrier()?;
+    let iters = train.iters;
+    let injector = Injector::new(hetero.clone(), u64::from(me) + 17)?;
+    let summary = Trainer::new(
+        w.clone(),
+        model.clone(),
+        data.clone(),
+        train,
+        threads,
+        injector,
+    )?
+    .run(|_| {})?;
+    w.barrier()?;
+    let out = w.buffer(TENSOR)?;
+    w.pull(TENSOR, &out, iters)?;
+    let mut params = vec![0f32; model.num_params()];
+    out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut params))?;
+    let (acc, loss) = evaluate(&*model, &params, &data.test, 0)?;
+    println!(
+        "worker {me} [{hetero}]: {iters} iterations in {:.2} s, compute {:.2} s, blocked {:.2} s, tasks own {} / given {} / helped {}; test accuracy {:.2}% (loss {loss:.3}) on {}",
+        summary.secs,
+        summary.compute_secs,
+        summary.blocked_secs,
+        summary.tasks_own,
+        summary.tasks_given,
+        summary.tasks_helped,
+        100.0 * acc,
+        data.source
+    );
+    w.finish()?;
+    Ok(())
+}
