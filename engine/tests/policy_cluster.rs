@@ -90,7 +90,7 @@ fn check_counters(per_worker: &[(WorkerStats, Vec<Offer>)], report: &LocalReport
         u64::from(W) * ITERS * LEN * 4,
         "every pulled byte is counted once, by the server or by the reader"
     );
-    for w in 0..W as usize {
+    for (w, (stats, _)) in per_worker.iter().enumerate() {
         let staleness: u64 = report
             .servers
             .iter()
@@ -106,10 +106,7 @@ fn check_counters(per_worker: &[(WorkerStats, Vec<Offer>)], report: &LocalReport
             .iter()
             .map(|s| s.per_worker[w].parked_pulls)
             .sum();
-        assert!(
-            parked <= per_worker[w].0.slow_pulls,
-            "parked pulls are slow pulls"
-        );
+        assert!(parked <= stats.slow_pulls, "parked pulls are slow pulls");
     }
 }
 
@@ -312,9 +309,7 @@ fn transferred_tasks_are_processed_exactly_once() {
                         assert!(done.lock().unwrap().insert((me, t, task)));
                         mine += 1;
                     }
-                    worker
-                        .push_slice("w", &vec![-(mine as f32); 10], t)
-                        .unwrap();
+                    worker.push_slice("w", &[-(mine as f32); 10], t).unwrap();
                 }
                 (stolen, empty, worker.stats())
             })
