@@ -294,6 +294,8 @@ struct Inner {
     stats: Mutex<WorkerStats>,
     /// ElasticBSP's gate; None under every other policy.
     gate: Option<Mutex<Gate>>,
+    /// The policy's lock-free pull rule (fixed for the job).
+    fast_path: FastPath,
     /// Task-transfer offers not yet taken by the embedder.
     offers: Mutex<VecDeque<Offer>>,
     /// The parallelism manager's latest advice (0: none yet).
@@ -455,6 +457,7 @@ impl Worker {
         }
         let timeout = cfg.transport.op_timeout;
         let gate = book.policy.job_barriers().map(|_| Mutex::new(Gate::new()));
+        let fast_path = book.policy.build(book.workers).fast_path();
         let inner = Arc::new(Inner {
             t,
             book,
@@ -471,6 +474,7 @@ impl Worker {
             stop: AtomicBool::new(false),
             stats: Mutex::new(WorkerStats::default()),
             gate,
+            fast_path,
             offers: Mutex::new(VecDeque::new()),
             advised: AtomicU32::new(0),
             steal_hook: Mutex::new(None),
@@ -864,7 +868,7 @@ impl Worker {
         self.check_running()?;
         let t = self.tensor(tensor)?;
         self.check_len(t, out)?;
-        let fast = match self.inner.book.policy.build(1).fast_path() {
+        let fast = match self.inner.fast_path {
             FastPath::Always => Some(u64::MAX),
             FastPath::Within(s) => Some(s),
             FastPath::Never => None,
