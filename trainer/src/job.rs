@@ -24,6 +24,9 @@ use crate::{Error, Result};
 /// Test examples of the progress bar's live accuracy estimate.
 const LIVE_EXAMPLES: usize = 200;
 
+/// How often the live estimate is refreshed (it takes CPU from the workers).
+const LIVE_EVERY: Duration = Duration::from_millis(500);
+
 /// A local training job.
 #[derive(Clone, Debug)]
 pub struct JobSpec {
@@ -225,6 +228,7 @@ pub fn run_local(
             .collect();
         let total = u64::from(spec.workers) * spec.train.iters;
         let mut last: Option<EvalPoint> = None;
+        let mut last_eval = Instant::now();
         let mut scratch = model.scratch(LIVE_EXAMPLES);
         while done.load(Ordering::Relaxed) < u64::from(spec.workers) {
             std::thread::sleep(Duration::from_millis(100));
@@ -241,7 +245,9 @@ pub fn run_local(
                 .map(|s| (s.secs, s.iteration, s.params.clone()));
             if let Some((secs, iteration, params)) = latest
                 && last.as_ref().is_none_or(|l| l.iteration != iteration)
+                && last_eval.elapsed() >= LIVE_EVERY
             {
+                last_eval = Instant::now();
                 let n = LIVE_EXAMPLES.min(data.test.len());
                 let f = data.test.features();
                 if let Ok((loss, correct)) = model.evaluate(
