@@ -277,6 +277,16 @@ impl Trainer {
                 cfg.batch, cfg.tasks
             )));
         }
+        let share = data.train.len() / worker.workers().max(1) as usize;
+        if cfg.batch > share {
+            return Err(Error::Config(format!(
+                "batch {} is larger than each worker's share of the training set ({share} of {} \
+                 examples over {} workers)",
+                cfg.batch,
+                data.train.len(),
+                worker.workers()
+            )));
+        }
         if data.train.features() != model.input_len() {
             return Err(Error::Config(format!(
                 "the model takes {} inputs, the data has {} features",
