@@ -33,6 +33,9 @@ enum Command_ {
     Train(train_cmd::TrainArgs),
     /// An embedded local cluster: scheduler, servers and workers as processes on this host.
     Local(LocalArgs),
+    /// The deterministic simulator: many workers in virtual time, the real policies and
+    /// model; every policy on the same workers and seed.
+    Sim(train_cmd::SimArgs),
     /// One role of a job, configured from the environment (FALCON_*, or ps-lite's DMLC_*).
     Role,
     /// Benchmarks, each figure beside its physical reference.
@@ -104,6 +107,7 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command_::Train(a) => train_cmd::train(a),
         Command_::Local(a) => local(a),
+        Command_::Sim(a) => train_cmd::sim(a),
         Command_::Role => role(),
         Command_::Bench { what, quick } => bench(&what, quick),
         Command_::Doctor => doctor(),

@@ -440,3 +440,151 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
     w.finish()?;
     Ok(())
 }
+
+/// Options of `falcon sim`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SimArgs {
+    /// Simulated workers.
+    #[arg(long, default_value_t = 16)]
+    workers: u32,
+    /// Iterations per worker.
+    #[arg(long, default_value_t = 200)]
+    iters: u64,
+    /// Policies to compare, comma-separated at the top level (each as for `train`).
+    #[arg(long, default_value = "bsp,ssp(3),dssp(3,15),epsp,asp")]
+    policies: String,
+    /// Model: small ones keep large runs fast (mlp:784-10 is logistic regression).
+    #[arg(long, default_value = "mlp:784-10")]
+    model: String,
+    /// Examples per worker per iteration.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Server-side SGD learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    lr: f32,
+    /// A full-speed iteration, in virtual milliseconds.
+    #[arg(long, default_value_t = 10.0)]
+    base_ms: f64,
+    /// Uniform jitter of an iteration, as a fraction.
+    #[arg(long, default_value_t = 0.1)]
+    jitter: f64,
+    /// One-way network latency, virtual microseconds.
+    #[arg(long, default_value_t = 50.0)]
+    latency_us: f64,
+    /// Heterogeneity RANK:SPEC (repeatable); default: the last worker at h=0.25.
+    #[arg(long)]
+    hetero: Vec<String>,
+    /// Also slow every worker of this fraction of ranks (from the top) with --slow-spec.
+    #[arg(long, default_value_t = 0.0)]
+    slow_fraction: f64,
+    /// The profile of --slow-fraction's workers.
+    #[arg(long, default_value = "h=0.5")]
+    slow_spec: String,
+    /// Evaluate worker 0's values every this many of its iterations.
+    #[arg(long, default_value_t = 10)]
+    eval_every: u64,
+    /// Test examples per evaluation.
+    #[arg(long, default_value_t = 500)]
+    eval_examples: usize,
+    /// Timing and policies only, no gradients.
+    #[arg(long)]
+    no_compute: bool,
+    /// Target accuracy for time to accuracy.
+    #[arg(long, default_value_t = 0.7)]
+    target: f64,
+    /// Dataset directory (default: Debian's Fashion-MNIST, else the bundled sample).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Where the JSON reports go.
+    #[arg(long, default_value = "target/falcon-sim")]
+    out: PathBuf,
+}
+
+/// Runs `falcon sim`: every policy on the same simulated workers and seed.
+pub fn sim(a: SimArgs) -> Res {
+    use falcon_trainer::sim::{SimSpec, simulate};
+    let data = Dataset::find(a.data.as_deref())?;
+    let n = a.workers.max(1) as usize;
+    let mut hetero = vec![Hetero::None; n];
+    let slow = (a.slow_fraction.clamp(0.0, 1.0) * n as f64).round() as usize;
+    for h in hetero.iter_mut().skip(n - slow) {
+        *h = Hetero::parse(&a.slow_spec)?;
+    }
+    if a.hetero.is_empty() && slow == 0 && n > 1 {
+        hetero[n - 1] = Hetero::parse("h=0.25")?;
+    }
+    for h in &a.hetero {
+        let (rank, spec) = h
+            .split_once(':')
+            .ok_or_else(|| format!("--hetero {h:?}: expected RANK:SPEC"))?;
+        let rank: usize = rank
+            .parse()
+            .map_err(|_| format!("--hetero {h:?}: bad rank"))?;
+        *hetero
+            .get_mut(rank)
+            .ok_or_else(|| format!("--hetero {h:?}: no worker {rank}"))? = Hetero::parse(spec)?;
+    }
+    std::fs::create_dir_all(&a.out)?;
+    println!(
+        "falcon sim: {} workers × {} iterations, model {}, batch {}, on {}",
+        a.workers, a.iters, a.model, a.batch, data.source
+    );
+    println!(
+        "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers | wall s |\n|---|---|---|---|---|---|---|---|---|---|",
+        100.0 * a.target
+    );
+    let mut series = Vec::new();
+    for p in top_level_split(&a.policies) {
+        let spec = SimSpec {
+            workers: a.workers,
+            iters: a.iters,
+            policy: p.parse()?,
+            model: a.model.parse()?,
+            batch: a.batch,
+            lr: a.lr,
+            seed: a.seed,
+            base_ns: (a.base_ms * 1e6) as u64,
+            jitter: a.jitter,
+            latency_ns: (a.latency_us * 1e3) as u64,
+            hetero: hetero.clone(),
+            eval_every: a.eval_every,
+            eval_examples: a.eval_examples,
+            compute: !a.no_compute,
+            target: a.target,
+        };
+        let r = simulate(&spec, &data)?;
+        let mean_blocked = r.blocked_secs.iter().sum::<f64>() / r.blocked_secs.len().max(1) as f64;
+        println!(
+            "| {} | {:.2} | {:.0} | {} | {:.2}% | {:.2} | {} | {} | {} | {:.2} |",
+            r.policy,
+            r.virtual_secs,
+            r.iterations_per_sec,
+            r.time_to_target.map_or("–".into(), |t| format!("{t:.2} s")),
+            100.0 * r.final_accuracy,
+            mean_blocked,
+            r.parked_pulls,
+            r.dropped,
+            r.transfers_offered,
+            r.wall_secs
+        );
+        std::fs::write(a.out.join(format!("{}.json", file_name(&p))), r.json())?;
+        series.push((
+            p.clone(),
+            r.curve
+                .iter()
+                .map(|e| (e.secs, 100.0 * e.accuracy))
+                .collect(),
+        ));
+    }
+    let png = a.out.join("accuracy.png");
+    falcon_bench::plot::line_chart(&png, "test accuracy (%) against virtual time (s)", &series)?;
+    println!(
+        "\nreports: {} (JSON per policy), plot: {}",
+        a.out.display(),
+        png.display()
+    );
+    Ok(())
+}

@@ -9,6 +9,7 @@ pub mod hetero;
 pub mod job;
 pub mod model;
 pub mod pool;
+pub mod sim;
 pub mod train;
 
 pub use error::{Error, Result};
