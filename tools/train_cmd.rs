@@ -533,7 +533,7 @@ pub fn sim(a: SimArgs) -> Res {
         a.workers, a.iters, a.model, a.batch, data.source
     );
     println!(
-        "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers | wall s |\n|---|---|---|---|---|---|---|---|---|---|",
+        "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers | wall s | of which gradients s |\n|---|---|---|---|---|---|---|---|---|---|---|",
         100.0 * a.target
     );
     let mut series = Vec::new();
@@ -558,7 +558,7 @@ pub fn sim(a: SimArgs) -> Res {
         let r = simulate(&spec, &data)?;
         let mean_blocked = r.blocked_secs.iter().sum::<f64>() / r.blocked_secs.len().max(1) as f64;
         println!(
-            "| {} | {:.2} | {:.0} | {} | {:.2}% | {:.2} | {} | {} | {} | {:.2} |",
+            "| {} | {:.2} | {:.0} | {} | {:.2}% | {:.2} | {} | {} | {} | {:.2} | {:.2} |",
             r.policy,
             r.virtual_secs,
             r.iterations_per_sec,
@@ -568,7 +568,8 @@ pub fn sim(a: SimArgs) -> Res {
             r.parked_pulls,
             r.dropped,
             r.transfers_offered,
-            r.wall_secs
+            r.wall_secs,
+            r.gradient_secs
         );
         std::fs::write(a.out.join(format!("{}.json", file_name(&p))), r.json())?;
         series.push((

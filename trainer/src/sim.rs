@@ -111,6 +111,9 @@ pub struct SimReport {
     pub virtual_secs: f64,
     /// Wall seconds the simulation took.
     pub wall_secs: f64,
+    /// Of which computing gradients (the model alone: the reference for the simulator's own
+    /// cost).
+    pub gradient_secs: f64,
     /// Iterations per virtual second, all workers together.
     pub iterations_per_sec: f64,
     /// Worker 0's accuracy over virtual time.
@@ -236,7 +239,7 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         )));
     }
     let per_epoch = (share / spec.batch).max(1) as u64;
-    let mut orders: BTreeMap<(u32, u64), Vec<usize>> = BTreeMap::new();
+    let mut orders: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
     let mut queue: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
     let mut seq = 0u64;
     let mut push_ev = |q: &mut BinaryHeap<Reverse<(u64, u64, Ev)>>, t: u64, e: Ev| {
@@ -253,8 +256,9 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
     let mut next_apply = 0u64;
     let mut curve = Vec::new();
     let mut end = 0u64;
+    let mut grad_wall = std::time::Duration::ZERO;
     let mut out: Vec<Action> = Vec::new();
-    let mut live = spec.workers;
+    let live = spec.workers;
 
     // Every worker pulls clock 0 at time 0.
     for w in 0..spec.workers {
@@ -298,22 +302,29 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                 if spec.compute {
                     let epoch = c / per_epoch;
                     let k = (c % per_epoch) as usize;
-                    let order = orders.entry((w, epoch)).or_insert_with(|| {
-                        data.train.batch_indices(w, spec.workers, epoch, spec.seed)
-                    });
+                    // One shuffle per epoch, cut into the workers' shares exactly as
+                    // `Split::batch_indices` does (its order depends on the seed and the
+                    // epoch only), instead of one shuffle of the whole split per worker.
+                    let order = orders
+                        .entry(epoch)
+                        .or_insert_with(|| data.train.batch_indices(0, 1, epoch, spec.seed));
+                    let len = order.len() as u128;
+                    let lo = (len * u128::from(w) / u128::from(spec.workers)) as usize;
                     x.clear();
                     y.clear();
-                    for &i in &order[k * spec.batch..(k + 1) * spec.batch] {
+                    for &i in &order[lo + k * spec.batch..lo + (k + 1) * spec.batch] {
                         x.extend_from_slice(data.train.image(i));
                         y.push(data.train.label(i));
                     }
-                    if orders.len() > 4 * n {
-                        orders.retain(|&(_, e), _| e >= epoch);
+                    if orders.len() > 8 {
+                        orders.retain(|&e, _| e + 4 >= epoch);
                     }
                     let g = &mut grads[wi];
                     g.clear();
                     g.resize(p, 0.0);
+                    let tg = Instant::now();
                     model.grad(&params, &x, &y, g, &mut scratch)?;
+                    grad_wall += tg.elapsed();
                     let inv = 1.0 / spec.batch as f32;
                     g.iter_mut().for_each(|v| *v *= inv);
                 }
@@ -423,28 +434,11 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                         },
                         &mut out,
                     );
-                } else {
+                } else if mode == UpdateMode::Async {
+                    // Done: it holds nobody back any more (ElasticBSP's barriers leave it out,
+                    // as the scheduler does for a finished worker). Under synchronous updates
+                    // a finished worker has pushed every clock, and the quorum stays whole.
                     policy.on_event(Event::Leave { worker: w, at: t }, &mut out);
-                    live -= 1;
-                    // Fewer live workers may complete a synchronous step now.
-                    if mode == UpdateMode::Sync {
-                        apply_ready(
-                            &mut pending,
-                            &mut next_apply,
-                            &mut *policy,
-                            live,
-                            t,
-                            &mut out,
-                            &mut |sum| {
-                                updates += 1;
-                                if spec.compute {
-                                    for (pv, s) in params.iter_mut().zip(sum) {
-                                        *pv -= spec.lr * s;
-                                    }
-                                }
-                            },
-                        );
-                    }
                 }
             }
         }
@@ -470,6 +464,7 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         iters: spec.iters,
         virtual_secs,
         wall_secs: wall.elapsed().as_secs_f64(),
+        gradient_secs: grad_wall.as_secs_f64(),
         iterations_per_sec: (u64::from(spec.workers) * spec.iters) as f64 / virtual_secs.max(1e-12),
         time_to_target: curve
             .iter()

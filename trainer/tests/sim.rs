@@ -98,3 +98,18 @@ fn bad_specs_are_typed_errors() {
     s.model = "mlp:100-10".parse().unwrap();
     assert!(simulate(&s, &d).unwrap_err().to_string().contains("inputs"));
 }
+
+#[test]
+fn one_shuffle_per_epoch_cut_into_shares_is_every_worker_s_order() {
+    // The simulator shuffles once per epoch and cuts the workers' shares itself.
+    let d = data();
+    for (workers, epoch) in [(3u32, 0u64), (7, 5), (1024, 2)] {
+        let full = d.train.batch_indices(0, 1, epoch, 9);
+        for w in [0, workers / 2, workers - 1] {
+            let n = full.len() as u128;
+            let lo = (n * u128::from(w) / u128::from(workers)) as usize;
+            let hi = (n * u128::from(w + 1) / u128::from(workers)) as usize;
+            assert_eq!(d.train.batch_indices(w, workers, epoch, 9), full[lo..hi]);
+        }
+    }
+}
