@@ -92,6 +92,9 @@ pub struct TrainArgs {
     /// Runs of each configuration (the comparison uses the median time to accuracy).
     #[arg(long, default_value_t = 1)]
     repeat: u32,
+    /// Write per-iteration metrics of every worker as JSON lines to `OUT/<run>.jsonl`.
+    #[arg(long)]
+    metrics: bool,
 }
 
 type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -175,6 +178,9 @@ fn spec_for(a: &TrainArgs, entry: &str, data: &Dataset) -> Res<JobSpec> {
         hetero,
         medium: a.medium.parse::<Medium>()?,
         target: a.target,
+        metrics: a
+            .metrics
+            .then(|| a.out.join(format!("{}.jsonl", file_name(entry)))),
     })
 }
 

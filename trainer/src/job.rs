@@ -56,6 +56,8 @@ pub struct JobSpec {
     pub medium: Medium,
     /// The test accuracy whose first crossing is reported as time to accuracy.
     pub target: f64,
+    /// Where per-iteration metrics go (JSON lines), if anywhere.
+    pub metrics: Option<PathBuf>,
 }
 
 impl Default for JobSpec {
@@ -75,6 +77,7 @@ impl Default for JobSpec {
             hetero: Vec::new(),
             medium: Medium::Auto,
             target: 0.75,
+            metrics: None,
         }
     }
 }
@@ -188,6 +191,12 @@ pub fn run_local(
         name: TENSOR.into(),
         len: model.num_params() as u64,
     }];
+    let metrics: Option<crate::train::Metrics> = match &spec.metrics {
+        Some(path) => Some(Arc::new(Mutex::new(std::io::BufWriter::new(
+            std::fs::File::create(path)?,
+        )))),
+        None => None,
+    };
     let cluster = LocalCluster::start(cfg, tensors)?;
     // Initial values from worker 0, before anyone pulls.
     let w0 = &cluster.workers[0];
@@ -202,8 +211,13 @@ pub fn run_local(
             .workers
             .iter()
             .map(|worker| {
-                let (model, data, done, snapshots) =
-                    (model.clone(), data.clone(), done.clone(), snapshots.clone());
+                let (model, data, done, snapshots, metrics) = (
+                    model.clone(),
+                    data.clone(),
+                    done.clone(),
+                    snapshots.clone(),
+                    metrics.clone(),
+                );
                 let hetero = spec
                     .hetero
                     .get(worker.rank() as usize)
@@ -213,10 +227,20 @@ pub fn run_local(
                 scope.spawn(move || -> Result<WorkerSummary> {
                     let out = (|| {
                         let injector = Injector::new(hetero, u64::from(worker.rank()) + 17)?;
-                        Trainer::new(worker.clone(), model, data, train, spec.threads, injector)?
-                            .run(|p| {
-                                snapshots.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                            })
+                        let mut t = Trainer::new(
+                            worker.clone(),
+                            model,
+                            data,
+                            train,
+                            spec.threads,
+                            injector,
+                        )?;
+                        if let Some(m) = metrics {
+                            t = t.with_metrics(m);
+                        }
+                        t.run(|p| {
+                            snapshots.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                        })
                     })();
                     // Done, well or not. Leave at once: under barrier policies the others
                     // must not wait for us (a failed worker's peers see it leave).

@@ -208,7 +208,7 @@ struct Shared {
     injector: Injector,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -259,7 +259,11 @@ pub struct Trainer {
     shared: Arc<Shared>,
     pool: Pool,
     source: Arc<TaskSource>,
+    metrics: Option<Metrics>,
 }
+
+/// Where per-iteration metrics go: one JSON object per line, shared by a job's workers.
+pub type Metrics = Arc<Mutex<dyn std::io::Write + Send>>;
 
 impl Trainer {
     /// A trainer for `worker`, starting with `threads` pool threads.
@@ -335,7 +339,15 @@ impl Trainer {
             worker,
             pool: Pool::new(threads.clamp(1, MAX_SLOTS))?,
             source,
+            metrics: None,
         })
+    }
+
+    /// Writes a JSON line per iteration to `sink`: time, worker, iteration, compute,
+    /// blocked, injected and helping time, threads, tasks, bytes moved.
+    pub fn with_metrics(mut self, sink: Metrics) -> Trainer {
+        self.metrics = Some(sink);
+        self
     }
 
     /// Trains `cfg.iters` iterations; worker 0 hands a copy of its values to `on_snapshot`
@@ -367,6 +379,7 @@ impl Trainer {
         for c in 0..cfg.iters {
             // 1. Pull; help while the policy holds us.
             let t0 = Instant::now();
+            let (helping_before, helped_before) = (sum.helping_secs, sum.tasks_helped);
             let h = w.pull_async(TENSOR, &pulled, c)?;
             while !h.ready() {
                 let mut helped = false;
@@ -401,7 +414,8 @@ impl Trainer {
                 }
             }
             h.wait()?;
-            sum.blocked_secs += t0.elapsed().as_secs_f64();
+            let t0_blocked = t0.elapsed();
+            sum.blocked_secs += t0_blocked.as_secs_f64();
             {
                 let mut params = sh.params.write().unwrap_or_else(|p| p.into_inner());
                 pulled.read_at(0, f32_bytes_mut(&mut params))?;
@@ -476,6 +490,24 @@ impl Trainer {
                 compute + injected
             };
             w.report_iteration(threads, done as u32, iteration)?;
+            if let Some(m) = &self.metrics {
+                let line = serde_json::json!({
+                    "t": start.elapsed().as_secs_f64(),
+                    "worker": rank,
+                    "iteration": c,
+                    "compute_s": compute.as_secs_f64(),
+                    "blocked_s": t0_blocked.as_secs_f64(),
+                    "injected_s": injected.as_secs_f64(),
+                    "helping_s": sum.helping_secs - helping_before,
+                    "threads": threads,
+                    "tasks_own": done,
+                    "tasks_helped": sum.tasks_helped - helped_before,
+                    "loss": sum.last_loss,
+                    "bytes": 2 * n * 4,
+                });
+                let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+                let _ = writeln!(m, "{line}");
+            }
             if let Some(next) = w.advised_threads().map(|n| n.clamp(1, MAX_SLOTS))
                 && next != threads
             {

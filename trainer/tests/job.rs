@@ -163,3 +163,40 @@ fn the_supervisor_gives_the_persistent_straggler_threads_and_only_it() {
             .all(|w| w.threads.iter().all(|&t| t == 1))
     );
 }
+
+#[test]
+fn per_iteration_metrics_are_json_lines() {
+    let path = std::env::temp_dir().join(format!("falcon-metrics-{}.jsonl", std::process::id()));
+    let mut spec = small("ssp(1)", 2, 8, 2, Vec::new());
+    spec.metrics = Some(path.clone());
+    run_local(&spec, &data(), |_| {}).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 2 * 8, "{text}");
+    for l in &lines {
+        for key in [
+            "t",
+            "worker",
+            "iteration",
+            "compute_s",
+            "blocked_s",
+            "threads",
+            "tasks_own",
+            "bytes",
+        ] {
+            assert!(l.get(key).is_some(), "{key} missing in {l}");
+        }
+    }
+    for w in 0..2u64 {
+        let iters: Vec<u64> = lines
+            .iter()
+            .filter(|l| l["worker"] == w)
+            .map(|l| l["iteration"].as_u64().unwrap())
+            .collect();
+        assert_eq!(iters, (0..8).collect::<Vec<_>>());
+    }
+}
