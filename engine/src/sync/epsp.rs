@@ -57,8 +57,7 @@
 //! back; `Join` forgets the worker's projection history.
 
 use super::projection::{Projection, ProjectionConfig, Verdict};
-use super::{Action, Clocks, Event, FastPath, Nanos, SyncPolicy, Worker, release_within};
-use crate::meta::within_staleness;
+use super::{Action, Clocks, Event, FastPath, Nanos, Parked, SyncPolicy, Worker, release_within};
 
 /// EPSP's knobs (see the [module docs](self)).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -91,9 +90,8 @@ pub struct Epsp {
     s: u64,
     clocks: Clocks,
     projection: Projection,
-    /// Parked pulls: (clock, req, worker).
-    parked: Vec<(u64, u64, Worker)>,
-    delayed: u64,
+    /// Parked pulls.
+    parked: Parked,
     transfers: u64,
     switches: u64,
     /// Pushes since the last verdict.
@@ -108,8 +106,7 @@ impl Epsp {
             s: if cfg.adaptive { 0 } else { cfg.s_max },
             clocks: Clocks::new(workers),
             projection: Projection::new(workers, cfg.projection),
-            parked: Vec::new(),
-            delayed: 0,
+            parked: Parked::default(),
             transfers: 0,
             switches: 0,
             since_verdict: 0,
@@ -197,7 +194,7 @@ impl Epsp {
     fn release_ready(&mut self, at: Nanos, out: &mut Vec<Action>) {
         let projection = &mut self.projection;
         release_within(
-            &mut self.parked,
+            &mut self.parked.list,
             self.clocks.min_live(),
             self.s,
             |worker, req| {
@@ -236,23 +233,18 @@ impl SyncPolicy for Epsp {
                 req,
                 at,
             } => {
-                if within_staleness(self.clocks.min_live(), clock, self.s) {
+                let min = self.clocks.min_live();
+                if !self.parked.judge(min, self.s, (worker, clock, req), out) {
                     self.projection.start(worker, at);
-                    out.push(Action::Release { worker, req });
-                } else {
-                    self.parked.push((clock, req, worker));
-                    self.delayed += 1;
-                    out.push(Action::Park { worker, req });
-                    if self.cfg.transfer
-                        && let Some((straggler, sclock)) = self.straggler_for(worker, clock)
-                    {
-                        self.transfers += 1;
-                        out.push(Action::Transfer {
-                            helper: worker,
-                            straggler,
-                            clock: sclock,
-                        });
-                    }
+                } else if self.cfg.transfer
+                    && let Some((straggler, sclock)) = self.straggler_for(worker, clock)
+                {
+                    self.transfers += 1;
+                    out.push(Action::Transfer {
+                        helper: worker,
+                        straggler,
+                        clock: sclock,
+                    });
                 }
             }
             Event::Push { worker, at, .. } => {
@@ -285,11 +277,11 @@ impl SyncPolicy for Epsp {
     }
 
     fn parked(&self) -> usize {
-        self.parked.len()
+        self.parked.list.len()
     }
 
     fn delayed_total(&self) -> u64 {
-        self.delayed
+        self.parked.delayed
     }
 
     fn transfers(&self) -> u64 {

@@ -28,8 +28,7 @@
 //! Fast path `Within(s)`: offers are decided on pushes and parked pulls, both of which reach
 //! the policy. Events about unknown workers are ignored.
 
-use super::{Action, Clocks, Event, FastPath, Nanos, SyncPolicy, Worker, release_within};
-use crate::meta::within_staleness;
+use super::{Action, Clocks, Event, FastPath, Nanos, Parked, SyncPolicy, Worker, release_within};
 
 /// FlexRR for one shard (see the [module docs](self)).
 #[derive(Clone, Debug)]
@@ -38,12 +37,11 @@ pub struct FlexRr {
     theta: u64,
     group: u32,
     clocks: Clocks,
-    parked: Vec<(u64, u64, Worker)>,
+    parked: Parked,
     /// Per helper, the last helpee iteration it was offered.
     offered: Vec<Option<(Worker, u64)>>,
     /// Per worker, when its latest counted push arrived (its current iteration's start).
     last_push: Vec<Nanos>,
-    delayed: u64,
     transfers: u64,
 }
 
@@ -56,10 +54,9 @@ impl FlexRr {
             theta: theta.max(1),
             group,
             clocks: Clocks::new(workers),
-            parked: Vec::new(),
+            parked: Parked::default(),
             offered: vec![None; workers as usize],
             last_push: vec![0; workers as usize],
-            delayed: 0,
             transfers: 0,
         }
     }
@@ -97,7 +94,7 @@ impl FlexRr {
 
     fn release_ready(&mut self, out: &mut Vec<Action>) {
         release_within(
-            &mut self.parked,
+            &mut self.parked.list,
             self.clocks.min_live(),
             self.s,
             |worker, req| out.push(Action::Release { worker, req }),
@@ -121,12 +118,8 @@ impl SyncPolicy for FlexRr {
             Event::Pull {
                 worker, clock, req, ..
             } => {
-                if within_staleness(self.clocks.min_live(), clock, self.s) {
-                    out.push(Action::Release { worker, req });
-                } else {
-                    self.parked.push((clock, req, worker));
-                    self.delayed += 1;
-                    out.push(Action::Park { worker, req });
+                let min = self.clocks.min_live();
+                if self.parked.judge(min, self.s, (worker, clock, req), out) {
                     self.offer(worker, out);
                 }
             }
@@ -147,11 +140,11 @@ impl SyncPolicy for FlexRr {
     }
 
     fn parked(&self) -> usize {
-        self.parked.len()
+        self.parked.list.len()
     }
 
     fn delayed_total(&self) -> u64 {
-        self.delayed
+        self.parked.delayed
     }
 
     fn transfers(&self) -> u64 {

@@ -444,6 +444,37 @@ impl std::str::FromStr for PolicySpec {
     }
 }
 
+/// Pulls parked under the SSP rule, in release order, and how many were ever parked.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Parked {
+    /// (clock, req, worker).
+    pub(crate) list: Vec<(u64, u64, Worker)>,
+    /// Pulls ever parked.
+    pub(crate) delayed: u64,
+}
+
+impl Parked {
+    /// The SSP rule for a pull of `worker` at `clock`: released at once when within `s` of
+    /// the live minimum `min`, parked otherwise. True when parked.
+    pub(crate) fn judge(
+        &mut self,
+        min: u64,
+        s: u64,
+        (worker, clock, req): (Worker, u64, u64),
+        out: &mut Vec<Action>,
+    ) -> bool {
+        if crate::meta::within_staleness(min, clock, s) {
+            out.push(Action::Release { worker, req });
+            false
+        } else {
+            self.list.push((clock, req, worker));
+            self.delayed += 1;
+            out.push(Action::Park { worker, req });
+            true
+        }
+    }
+}
+
 /// Releases, in `(clock, req, worker)` order, every parked pull within staleness `s` of the
 /// live minimum `min` (the SSP rule), calling `on(worker, req)` for each; keeps the others.
 pub(crate) fn release_within(

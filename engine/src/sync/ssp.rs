@@ -2,17 +2,15 @@
 //! live worker has `≥ c − s` gradients applied; the fastest worker runs at most `s` iterations
 //! ahead of the slowest.
 
-use super::{Action, Clocks, Event, FastPath, SyncPolicy, release_within};
-use crate::meta::within_staleness;
+use super::{Action, Clocks, Event, FastPath, Parked, SyncPolicy, release_within};
 
 /// SSP with bound `s`.
 #[derive(Clone, Debug)]
 pub struct Ssp {
     s: u64,
     clocks: Clocks,
-    /// Parked pulls: (clock, req, worker), answered in clock order.
-    parked: Vec<(u64, u64, u32)>,
-    delayed: u64,
+    /// Parked pulls, answered in clock order.
+    parked: Parked,
 }
 
 impl Ssp {
@@ -21,14 +19,13 @@ impl Ssp {
         Ssp {
             s,
             clocks: Clocks::new(workers),
-            parked: Vec::new(),
-            delayed: 0,
+            parked: Parked::default(),
         }
     }
 
     fn release_ready(&mut self, out: &mut Vec<Action>) {
         release_within(
-            &mut self.parked,
+            &mut self.parked.list,
             self.clocks.min_live(),
             self.s,
             |worker, req| out.push(Action::Release { worker, req }),
@@ -49,13 +46,8 @@ impl SyncPolicy for Ssp {
             Event::Pull {
                 worker, clock, req, ..
             } => {
-                if within_staleness(self.clocks.min_live(), clock, self.s) {
-                    out.push(Action::Release { worker, req });
-                } else {
-                    self.parked.push((clock, req, worker));
-                    self.delayed += 1;
-                    out.push(Action::Park { worker, req });
-                }
+                let min = self.clocks.min_live();
+                self.parked.judge(min, self.s, (worker, clock, req), out);
             }
             Event::Push { .. } | Event::Leave { .. } | Event::Join { .. } => {
                 self.release_ready(out)
@@ -69,10 +61,10 @@ impl SyncPolicy for Ssp {
     }
 
     fn parked(&self) -> usize {
-        self.parked.len()
+        self.parked.list.len()
     }
 
     fn delayed_total(&self) -> u64 {
-        self.delayed
+        self.parked.delayed
     }
 }
