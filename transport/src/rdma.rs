@@ -258,6 +258,8 @@ pub(crate) struct Device {
     mrs: Mutex<HashMap<u64, Registration>>,
     /// Queue pairs by number, for dispatching completions.
     qps: RwLock<HashMap<u32, Arc<QpState>>>,
+    /// The generation given to the next queue pair (see [`GEN_SHIFT`]).
+    next_gen: AtomicU64,
     /// Serializes polling (progress thread and close hooks) so completions keep their order.
     poll_lock: Mutex<()>,
     out: CompletionQueue,
@@ -388,6 +390,7 @@ impl Device {
             spin,
             mrs: Mutex::new(HashMap::new()),
             qps: RwLock::new(HashMap::new()),
+            next_gen: AtomicU64::new(1),
             poll_lock: Mutex::new(()),
             out,
             stop: AtomicBool::new(false),
@@ -525,6 +528,11 @@ impl Device {
             .get(&wc.qp_num)
             .cloned();
         let Some(qp) = qp else { return };
+        if (wc.wr_id >> GEN_SHIFT) & GEN_MASK != qp.generation {
+            // An earlier queue pair with the same number: not this one's business.
+            return;
+        }
+        let id = wc.wr_id & ID_MASK;
         let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
         // `opcode` is undefined in an error completion: our receive ids carry RECV_TAG.
         let is_recv = wc.wr_id & RECV_TAG != 0;
@@ -533,15 +541,15 @@ impl Device {
             // Flushes after the first error add nothing.
             qp.fail(err.clone());
             if !is_recv {
-                qp.complete(wc.wr_id, Some(err));
+                qp.complete(id, Some(err));
             }
             return;
         }
         if !is_recv {
-            qp.complete(wc.wr_id, None);
+            qp.complete(id, None);
             return;
         }
-        let buf = (wc.wr_id & !RECV_TAG) as usize;
+        let buf = id as usize;
         match wc.opcode {
             ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => {
                 // SAFETY: the union holds the immediate for this opcode.
@@ -608,6 +616,16 @@ const FLUSHED: &str = "queue pair flushed";
 /// Tag on receive work-request ids.
 const RECV_TAG: u64 = 1 << 63;
 
+/// Work-request ids carry their queue pair's generation in bits 48..63: a device reuses a
+/// destroyed queue pair's number at once (soft-RoCE does), and completions of the old queue
+/// pair still in the shared completion queue must not reach the new one (a stale send
+/// completion would mark the new one's requests done; a flushed receive would fail it).
+const GEN_SHIFT: u32 = 48;
+/// The generation bits (15: bit 63 is [`RECV_TAG`]).
+const GEN_MASK: u64 = 0x7FFF;
+/// The id or buffer bits.
+const ID_MASK: u64 = (1 << GEN_SHIFT) - 1;
+
 fn wc_error(status: ibv_wc_status::Type, dev: &str) -> Error {
     match status {
         ibv_wc_status::IBV_WC_REM_ACCESS_ERR | ibv_wc_status::IBV_WC_LOC_PROT_ERR => {
@@ -655,6 +673,8 @@ struct QpState {
     waiter: Mutex<Option<std::thread::Thread>>,
     failed: AtomicBool,
     on_fail: OnceLock<Box<dyn Fn(Error) + Send + Sync>>,
+    /// Tags this queue pair's work-request ids (see [`GEN_SHIFT`]).
+    generation: u64,
 }
 
 // SAFETY: the QP pointer is used only through thread-safe verbs calls.
@@ -670,7 +690,7 @@ impl QpState {
         };
         // SAFETY: zeroed is a valid empty work request; fields set below.
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = RECV_TAG | buf as u64;
+        wr.wr_id = RECV_TAG | (self.generation << GEN_SHIFT) | buf as u64;
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
@@ -791,6 +811,7 @@ impl RdmaQp {
             waiter: Mutex::new(None),
             failed: AtomicBool::new(false),
             on_fail: OnceLock::new(),
+            generation: dev.next_gen.fetch_add(1, Ordering::Relaxed) & GEN_MASK,
         });
         for buf in 0..RECV_BUFS {
             state.post_recv(buf).map_err(destroy)?;
@@ -931,7 +952,7 @@ impl RdmaQp {
         };
         // SAFETY: zeroed is a valid empty work request; fields set below.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = id;
+        wr.wr_id = (self.state.generation << GEN_SHIFT) | (id & ID_MASK);
         wr.sg_list = &mut sge;
         wr.num_sge = if len == 0 { 0 } else { 1 };
         wr.opcode = opcode;
