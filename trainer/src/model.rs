@@ -67,6 +67,17 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// [`Model::chunk`]), so that a step with such a batch does not allocate.
     fn scratch(&self, batch: usize) -> Scratch;
 
+    /// One pass over `n = y.len()` examples: forward, and backward into `grad` when it is
+    /// given (with [`Model::grad`]'s contract). Returns `(loss_sum, correct)`.
+    fn pass(
+        &self,
+        params: &[f32],
+        x: &[f32],
+        y: &[u8],
+        grad: Option<&mut [f32]>,
+        scratch: &mut Scratch,
+    ) -> Result<(f32, usize)>;
+
     /// Forward and backward pass on `n = y.len()` examples.
     ///
     /// **Adds** d(loss_sum)/d(params) into `grad` — the gradient of the *sum* of the
@@ -83,7 +94,9 @@ pub trait Model: Send + Sync + fmt::Debug {
         y: &[u8],
         grad: &mut [f32],
         scratch: &mut Scratch,
-    ) -> Result<(f32, usize)>;
+    ) -> Result<(f32, usize)> {
+        self.pass(params, x, y, Some(grad), scratch)
+    }
 
     /// Forward pass only: returns `(loss_sum, correct)` over the `n = y.len()` examples,
     /// with the same checks as [`Model::grad`].
@@ -93,7 +106,9 @@ pub trait Model: Send + Sync + fmt::Debug {
         x: &[f32],
         y: &[u8],
         scratch: &mut Scratch,
-    ) -> Result<(f32, usize)>;
+    ) -> Result<(f32, usize)> {
+        self.pass(params, x, y, None, scratch)
+    }
 
     /// Convenience: a fresh parameter vector initialised by [`Model::init`].
     fn init_vec(&self, seed: u64) -> Vec<f32> {

@@ -404,25 +404,15 @@ impl Model for Cnn {
         scratch
     }
 
-    fn grad(
+    fn pass(
         &self,
         params: &[f32],
         x: &[f32],
         y: &[u8],
-        grad: &mut [f32],
+        grad: Option<&mut [f32]>,
         scratch: &mut Scratch,
     ) -> Result<(f32, usize)> {
-        self.run(params, x, y, Some(grad), scratch)
-    }
-
-    fn evaluate(
-        &self,
-        params: &[f32],
-        x: &[f32],
-        y: &[u8],
-        scratch: &mut Scratch,
-    ) -> Result<(f32, usize)> {
-        self.run(params, x, y, None, scratch)
+        self.run(params, x, y, grad, scratch)
     }
 }
 
