@@ -28,10 +28,14 @@
 //! boundary): every worker starts at one thread; then one more goes to the worker whose
 //! projected iteration time `m / speed_i(p_i)` is the longest, as long as its host has a
 //! thread left in its budget, it is below its knee and the extra thread is predicted to
-//! shorten its iteration; when the slowest cannot be helped the plan stops (more threads
-//! for a faster worker would not shorten a synchronous iteration). Persistent stragglers
-//! thus get threads; pioneers keep one, which leaves the cores to the stragglers. With `enabled` off the thread counts never change (the
-//! mechanism is switched off alone, so its share of a gain is measurable).
+//! shorten its iteration, and it is a persistent straggler (or already holds extra threads);
+//! when the slowest cannot be helped the plan stops (more threads for a faster worker would
+//! not shorten a synchronous iteration). Persistent stragglers thus get threads; pioneers
+//! keep one, which leaves the cores to the stragglers. The projection sees each iteration's
+//! one-thread equivalent (compute time × threads), so it classes machines: a straggler
+//! given threads stays classed a straggler and keeps them. With `enabled` off the thread
+//! counts never change (the mechanism is switched off alone, so its share of a gain is
+//! measurable).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -150,7 +154,12 @@ impl Manager {
         // The projection wants start and end times: compute time on a private clock.
         let start = s.clock;
         s.clock = s.clock.saturating_add(1_000_000_000_000);
-        let nanos = compute.as_nanos().min(u128::from(u64::MAX / 4)) as u64;
+        // The projection classes machines, not thread counts: it sees the one-thread
+        // equivalent of the iteration (a straggler given a second thread stays a straggler).
+        let nanos = compute
+            .as_nanos()
+            .saturating_mul(threads.max(1) as u128)
+            .min(u128::from(u64::MAX / 4)) as u64;
         s.projection.start(worker, start);
         s.projection.finish(worker, start.saturating_add(nanos));
         let rate = f64::from(tasks) / compute.as_secs_f64().max(1e-9);
@@ -214,10 +223,13 @@ impl Manager {
                 .filter_map(|w| Some((time(w, threads[w])?, w)))
                 .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
             let Some((now, w)) = slowest else { break };
+            // Only a persistent straggler (or a worker already holding extra threads) is
+            // helped: a pioneer that looks slowest for a moment (a noisy host) is not.
+            let eligible = s.threads[w] > 1 || s.projection.class(w as u32) == Class::Persistent;
             let host = self.cfg.hosts.get(w).copied().unwrap_or(0);
             let room = used.get(&host).copied().unwrap_or(0) < self.cfg.budget;
             let helps = time(w, threads[w] + 1).is_some_and(|next| next < now * 0.98);
-            if !(room && threads[w] < self.cfg.knee && helps) {
+            if !(eligible && room && threads[w] < self.cfg.knee && helps) {
                 break;
             }
             threads[w] += 1;
@@ -262,6 +274,33 @@ mod tests {
         );
         assert!(m.plans() > 0);
         assert_eq!(m.class(1), Class::Persistent);
+    }
+
+    #[test]
+    fn a_pioneer_slow_for_a_moment_gets_no_thread() {
+        // Three machines of two threads each; worker 0 has one slow iteration (a noisy host)
+        // while it is the slowest known.
+        let m = Manager::new(ManagerConfig {
+            every: 1,
+            hosts: vec![0, 1, 2],
+            ..ManagerConfig::one_host(3, 2, 2, 8)
+        });
+        for _ in 0..4 {
+            m.report(0, 1, 8, ms(100));
+            m.report(1, 1, 8, ms(100));
+        }
+        m.report(0, 1, 8, ms(1000));
+        m.report(1, 1, 8, ms(100));
+        assert_eq!(m.all_threads(), vec![1, 1, 1]);
+        // A persistent straggler gets a thread and keeps it, though it then computes faster.
+        for _ in 0..6 {
+            m.report(0, 1, 8, ms(100));
+            m.report(1, 1, 8, ms(100));
+            let p = m.threads(2);
+            m.report(2, p, 8, ms(400 / p as u64));
+        }
+        assert_eq!(m.all_threads(), vec![1, 1, 2]);
+        assert_eq!(m.class(2), Class::Persistent);
     }
 
     #[test]
