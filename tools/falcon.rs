@@ -6,6 +6,7 @@
 //! pulls the model, pushes the gradient of ½‖w − target_r‖² with its own target, and the job
 //! converges to the targets' mean.
 
+mod experiment;
 mod train_cmd;
 
 use std::process::{Child, Command, ExitCode};
@@ -36,6 +37,9 @@ enum Command_ {
     /// The deterministic simulator: many workers in virtual time, the real policies and
     /// model; every policy on the same workers and seed.
     Sim(train_cmd::SimArgs),
+    /// Every policy on one heterogeneity profile, and the reproductions of the papers'
+    /// claims (stragglers, dssp, fluentps, falcon, zipline): tables, CSV, JSON, PNG and SVG.
+    Experiment(experiment::ExperimentArgs),
     /// One role of a job, configured from the environment (FALCON_*, or ps-lite's DMLC_*).
     Role,
     /// Benchmarks, each figure beside its physical reference.
@@ -108,6 +112,7 @@ fn main() -> ExitCode {
         Command_::Train(a) => train_cmd::train(a),
         Command_::Local(a) => local(a),
         Command_::Sim(a) => train_cmd::sim(a),
+        Command_::Experiment(a) => experiment::experiment(a),
         Command_::Role => role(),
         Command_::Bench { what, quick } => bench(&what, quick),
         Command_::Doctor => doctor(),
@@ -147,6 +152,12 @@ fn bench(what: &str, quick: bool) -> Res {
 /// (about 2 ms each, the MLP's step) on 1..=16 pool threads; task completion time (mean, max)
 /// and its variance against the thread count, and the knee the parallelism manager uses.
 fn knee(quick: bool) -> Res {
+    knee_run(quick, std::path::Path::new("target/falcon-bench"))
+}
+
+/// Measures task completion time and its variance against thread count; table and plot
+/// (`knee.png`, `knee.svg`) under `dir`.
+pub(crate) fn knee_run(quick: bool, dir: &std::path::Path) -> Res {
     use falcon_trainer::pool::{knee, measure_knee};
     // A fixed amount of arithmetic: ~2 ms on one core of this machine.
     let work = || {
@@ -159,11 +170,13 @@ fn knee(quick: bool) -> Res {
     let (max, tasks) = if quick { (4, 8) } else { (16, 64) };
     let points = measure_knee(max, tasks, work);
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    println!(
-        "| threads | iteration ms | task mean ms | task max ms | task variance ms² | cv² |\n|---|---|---|---|---|---|"
+    use std::fmt::Write as _;
+    let mut table = String::from(
+        "| threads | iteration ms | task mean ms | task max ms | task variance ms² | cv² |\n|---|---|---|---|---|---|\n",
     );
     for p in &points {
-        println!(
+        let _ = writeln!(
+            table,
             "| {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.3} |",
             p.threads,
             p.iteration_time.as_secs_f64() * 1e3,
@@ -173,36 +186,40 @@ fn knee(quick: bool) -> Res {
             p.cv2()
         );
     }
-    println!(
+    let _ = writeln!(
+        table,
         "\nknee: {} thread(s) on this {cores}-core machine",
         knee(&points)
     );
-    let dir = std::path::Path::new("target/falcon-bench");
+    println!("{table}");
     std::fs::create_dir_all(dir)?;
     let xs = |f: &dyn Fn(&falcon_trainer::pool::KneePoint) -> f64| -> Vec<(f64, f64)> {
         points.iter().map(|p| (p.threads as f64, f(p))).collect()
     };
-    let png = dir.join("knee.png");
-    falcon_bench::plot::line_chart(
-        &png,
-        "task completion time (ms) and variance (ms^2) against threads",
-        &[
-            (
-                "max task ms".into(),
-                xs(&|p| p.max_task.as_secs_f64() * 1e3),
-            ),
-            (
-                "mean task ms".into(),
-                xs(&|p| p.mean_task.as_secs_f64() * 1e3),
-            ),
-            ("variance ms^2".into(), xs(&|p| p.var_task)),
-            (
-                "iteration ms".into(),
-                xs(&|p| p.iteration_time.as_secs_f64() * 1e3),
-            ),
-        ],
-    )?;
-    println!("plot: {}", png.display());
+    let series = [
+        (
+            "max task ms".to_string(),
+            xs(&|p| p.max_task.as_secs_f64() * 1e3),
+        ),
+        (
+            "mean task ms".into(),
+            xs(&|p| p.mean_task.as_secs_f64() * 1e3),
+        ),
+        ("variance ms^2".into(), xs(&|p| p.var_task)),
+        (
+            "iteration ms".into(),
+            xs(&|p| p.iteration_time.as_secs_f64() * 1e3),
+        ),
+    ];
+    for ext in ["png", "svg"] {
+        falcon_bench::plot::line_chart(
+            &dir.join(format!("knee.{ext}")),
+            "task completion time (ms) and variance (ms^2) against threads",
+            &series,
+        )?;
+    }
+    std::fs::write(dir.join("knee.md"), table)?;
+    println!("plot: {}", dir.join("knee.png").display());
     Ok(())
 }
 

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use falcon_engine::sync::PolicySpec;
+use falcon_engine::update::ScaleSpec;
 use falcon_trainer::data::Dataset;
 use falcon_trainer::hetero::Hetero;
 use falcon_trainer::job::{JobReport, JobSpec, run_local};
@@ -32,8 +33,9 @@ pub struct TrainArgs {
     #[arg(long, default_value = "epsp")]
     policy: String,
     /// Several configurations, comma-separated at the top level, run one after the other:
-    /// each a policy, optionally `+static` (parallelism control off), e.g.
-    /// `bsp,ssp(3),epsp,epsp(4,no-transfer),epsp+static`.
+    /// each a policy, optionally `+static` (parallelism control off) and `+dynsgd` or
+    /// `+consgd(F)` (staleness scaling), e.g.
+    /// `bsp,ssp(3),epsp,epsp(4,no-transfer),epsp+static,asp+dynsgd`.
     #[arg(long)]
     compare: Option<String>,
     /// Model: mlp:784-256-10, mlp:784-512-256-10, cnn, cnn:C1-C2.
@@ -100,7 +102,7 @@ pub struct TrainArgs {
 type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// Splits on commas outside parentheses.
-fn top_level_split(s: &str) -> Vec<String> {
+pub(crate) fn top_level_split(s: &str) -> Vec<String> {
     let (mut out, mut cur, mut depth) = (Vec::new(), String::new(), 0i32);
     for ch in s.chars() {
         match ch {
@@ -121,12 +123,57 @@ fn top_level_split(s: &str) -> Vec<String> {
         .collect()
 }
 
+/// One configuration of a comparison: `POLICY[+static][+dynsgd|+consgd(F)]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Entry {
+    pub policy: PolicySpec,
+    /// Parallelism control on (off with `+static`).
+    pub elastic: bool,
+    /// Staleness scaling of asynchronously applied gradients.
+    pub scale: ScaleSpec,
+}
+
+impl std::str::FromStr for Entry {
+    type Err = Box<dyn std::error::Error>;
+    fn from_str(entry: &str) -> Res<Entry> {
+        let mut parts = entry.split('+');
+        let policy: PolicySpec = parts.next().unwrap_or_default().parse()?;
+        let mut e = Entry {
+            policy,
+            elastic: true,
+            scale: ScaleSpec::Unscaled,
+        };
+        for extra in parts {
+            match extra.trim() {
+                "static" => e.elastic = false,
+                other => {
+                    e.scale = other.parse().map_err(|err| {
+                        format!("{entry:?}: after '+', static, dynsgd or consgd(F): {err}")
+                    })?
+                }
+            }
+        }
+        if e.scale != ScaleSpec::Unscaled && is_sync(&e) {
+            return Err(format!(
+                "{entry:?}: gradient scaling applies to asynchronously applied gradients, \
+                 not to the summed clocks of BSP or Sync-opt"
+            )
+            .into());
+        }
+        Ok(e)
+    }
+}
+
+fn is_sync(e: &Entry) -> bool {
+    matches!(e.policy, PolicySpec::Bsp | PolicySpec::SyncOpt { .. })
+}
+
 fn spec_for(a: &TrainArgs, entry: &str, data: &Dataset) -> Res<JobSpec> {
-    let (policy, elastic) = match entry.strip_suffix("+static") {
-        Some(p) => (p, false),
-        None => (entry, true),
-    };
-    let policy: PolicySpec = policy.parse()?;
+    let Entry {
+        policy,
+        elastic,
+        scale,
+    } = entry.parse()?;
     let model: ModelSpec = a.model.parse()?;
     if a.workers == 0 || a.servers == 0 {
         return Err("--workers and --servers must be at least 1".into());
@@ -181,6 +228,7 @@ fn spec_for(a: &TrainArgs, entry: &str, data: &Dataset) -> Res<JobSpec> {
         metrics: a
             .metrics
             .then(|| a.out.join(format!("{}.jsonl", file_name(entry)))),
+        scale,
     })
 }
 
@@ -495,6 +543,12 @@ pub struct SimArgs {
     /// Timing and policies only, no gradients.
     #[arg(long)]
     no_compute: bool,
+    /// Equal tasks per iteration: the unit EPSP's and FlexRR's task transfer moves.
+    #[arg(long, default_value_t = 4)]
+    tasks: u32,
+    /// Count the policies' task-transfer offers without carrying them out.
+    #[arg(long)]
+    no_transfer: bool,
     /// Target accuracy for time to accuracy.
     #[arg(long, default_value_t = 0.7)]
     target: f64,
@@ -539,15 +593,16 @@ pub fn sim(a: SimArgs) -> Res {
         a.workers, a.iters, a.model, a.batch, data.source
     );
     println!(
-        "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers | wall s | of which gradients s |\n|---|---|---|---|---|---|---|---|---|---|---|",
+        "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers / tasks moved | wall s | of which gradients s |\n|---|---|---|---|---|---|---|---|---|---|---|",
         100.0 * a.target
     );
     let mut series = Vec::new();
     for p in top_level_split(&a.policies) {
+        let entry: Entry = p.parse()?;
         let spec = SimSpec {
             workers: a.workers,
             iters: a.iters,
-            policy: p.parse()?,
+            policy: entry.policy,
             model: a.model.parse()?,
             batch: a.batch,
             lr: a.lr,
@@ -560,12 +615,15 @@ pub fn sim(a: SimArgs) -> Res {
             eval_examples: a.eval_examples,
             compute: !a.no_compute,
             target: a.target,
+            tasks: a.tasks,
+            transfer: !a.no_transfer,
+            scale: entry.scale,
         };
         let r = simulate(&spec, &data)?;
         let mean_blocked = r.blocked_secs.iter().sum::<f64>() / r.blocked_secs.len().max(1) as f64;
         println!(
-            "| {} | {:.2} | {:.0} | {} | {:.2}% | {:.2} | {} | {} | {} | {:.2} | {:.2} |",
-            r.policy,
+            "| {} | {:.2} | {:.0} | {} | {:.2}% | {:.2} | {} | {} | {} / {} | {:.2} | {:.2} |",
+            p,
             r.virtual_secs,
             r.iterations_per_sec,
             r.time_to_target.map_or("–".into(), |t| format!("{t:.2} s")),
@@ -574,6 +632,7 @@ pub fn sim(a: SimArgs) -> Res {
             r.parked_pulls,
             r.dropped,
             r.transfers_offered,
+            r.tasks_transferred,
             r.wall_secs,
             r.gradient_secs
         );

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use falcon_bench::reference::{self, RandomReads};
 use falcon_bench::stats::median;
-use falcon_engine::sync::zipline::{predict, zipline};
+use falcon_bench::zipline;
 use falcon_engine::sync::{Action, ElasticBsp, Event, Nanos, PolicySpec, SyncPolicy, Worker};
 use serde::Serialize;
 
@@ -51,15 +51,6 @@ const SPECS: [&str; 12] = [
 /// ElasticBSP with ZipLine as one state machine (the simulator's), R = 15.
 const ELASTIC_SIM: &str = "elasticbsp-sim(15)";
 const WORKERS: [u32; 3] = [8, 64, 1024];
-/// ZipLine's points: (N, R, the paper's Table II runtime in µs on a 24-core Xeon).
-const ZIPLINE: [(usize, usize, f64); 6] = [
-    (10, 15, 149.0),
-    (10, 150, 1320.0),
-    (100, 15, 6370.0),
-    (100, 150, 49900.0),
-    (1000, 15, 253000.0),
-    (1000, 150, 2380000.0),
-];
 /// One simulated time unit.
 const UNIT: Nanos = 1_000_000;
 /// The random-read reference's buffer.
@@ -382,21 +373,6 @@ impl<'a> Replay<'a> {
 }
 
 /// Each worker's predicted end times for ZipLine: random intervals of 1 to 4 units.
-fn candidates(n: usize, r: usize) -> Vec<Vec<Nanos>> {
-    let mut rng = XorShift(0xD1B5_4A32_D192_ED03 ^ (n * r) as u64);
-    (0..n)
-        .map(|_| predict(1_000 * UNIT, UNIT + rng.next() % (3 * UNIT), r))
-        .collect()
-}
-
-fn zipline_time(c: &[Vec<Nanos>], iters: u64) -> Duration {
-    let t = Instant::now();
-    for _ in 0..iters {
-        std::hint::black_box(zipline(std::hint::black_box(c)));
-    }
-    t.elapsed()
-}
-
 /// How much work the run does.
 #[derive(Clone, Copy)]
 struct Effort {
@@ -445,24 +421,13 @@ struct PolicyRow {
     parked_share: f64,
 }
 
-/// One ZipLine point.
-#[derive(Clone, Debug, Serialize)]
-struct ZiplineRow {
-    n: usize,
-    r: usize,
-    us: f64,
-    ns_per_point: f64,
-    paper_us: f64,
-    speedup: f64,
-}
-
 #[derive(Clone, Debug, Serialize)]
 struct Summary {
     mode: &'static str,
     atomic_ns: f64,
     miss_ns: f64,
     policies: Vec<PolicyRow>,
-    zipline: Vec<ZiplineRow>,
+    zipline: Vec<zipline::Row>,
 }
 
 fn ns_per(d: Duration, n: usize) -> f64 {
@@ -655,38 +620,21 @@ fn main() {
     }
 
     // ZipLine.
-    let mut zips = Vec::new();
-    for (n, r, paper_us) in ZIPLINE {
-        let cand = candidates(n, r);
-        // At least ~20 ms per repetition, or one run.
-        let once = zipline_time(&cand, 1);
-        let iters = (Duration::from_millis(if quick { 2 } else { 20 }).as_nanos()
-            / once.as_nanos().max(1))
-        .max(1) as u64;
-        let mut us: Vec<f64> = (0..effort.reps)
-            .map(|_| zipline_time(&cand, iters).as_secs_f64() * 1e6 / iters as f64)
-            .collect();
-        let us = median(&mut us);
-        zips.push(ZiplineRow {
-            n,
-            r,
-            us,
-            ns_per_point: us * 1e3 / (n * r) as f64,
-            paper_us,
-            speedup: paper_us / us,
-        });
-    }
+    let zips = zipline::measure(
+        effort.reps,
+        Duration::from_millis(if quick { 2 } else { 20 }),
+    );
     if let Some(c) = c.as_mut() {
         let mut g = c.benchmark_group("zipline");
         g.sample_size(10)
             .sampling_mode(SamplingMode::Flat)
             .warm_up_time(Duration::from_millis(500))
             .measurement_time(Duration::from_secs(2));
-        for (n, r, _) in ZIPLINE {
-            let cand = candidates(n, r);
+        for (n, r, _) in zipline::PAPER {
+            let cand = zipline::candidates(n, r);
             g.throughput(Throughput::Elements((n * r) as u64));
             g.bench_with_input(BenchmarkId::new(format!("R={r}"), n), &cand, |b, cand| {
-                b.iter_custom(|iters| zipline_time(cand, iters))
+                b.iter_custom(|iters| zipline::time(cand, iters))
             });
         }
         g.finish();

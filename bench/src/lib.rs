@@ -11,3 +11,4 @@ pub mod plot;
 pub mod reference;
 pub mod stats;
 pub mod transport;
+pub mod zipline;

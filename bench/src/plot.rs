@@ -1,8 +1,10 @@
-//! Dependency-light PNG charts for experiment reports.
+//! Dependency-light PNG or SVG charts for experiment reports.
 //!
 //! Charts are drawn into an RGB8 buffer (900×560, white background) with a 5×7 bitmap font
-//! embedded below, and encoded with the `png` crate. Nothing is read from the system: no fonts,
-//! no plotting library.
+//! embedded below, and encoded with the `png` crate. The same drawing is recorded as SVG
+//! elements (text as `<text>` in a monospace font sized to the bitmap font's advance), written
+//! instead when the output path ends in `.svg`. Nothing is read from the system: no fonts, no
+//! plotting library.
 //!
 //! Robustness rules shared by both charts:
 //! * points or values that are NaN, infinite or beyond ±1e300 are skipped;
@@ -12,6 +14,7 @@
 //! * markers are drawn at every point of a series of at most 200 points (beyond that they would
 //!   merge into the line anyway).
 
+use std::fmt::{self, Write as _};
 use std::io;
 use std::path::Path;
 
@@ -59,8 +62,9 @@ fn colour(i: usize) -> Rgb {
     PALETTE[i % PALETTE.len()]
 }
 
-/// Writes a PNG line chart: one polyline per series, distinct colours, axes with ticks and
-/// numeric tick labels, a title, and a legend with the series names.
+/// Writes a line chart: one polyline per series, distinct colours, axes with ticks and numeric
+/// tick labels, a title, and a legend with the series names. The file is SVG when `path` has the
+/// extension `svg` (in any case), PNG otherwise.
 ///
 /// Each series is `(name, points)` with points as `(x, y)`, drawn in the given order. Non-finite
 /// points are skipped; an empty `series` writes a chart with the title and "no data".
@@ -72,16 +76,29 @@ pub fn line_chart(
     title: &str,
     series: &[(String, Vec<(f64, f64)>)],
 ) -> io::Result<()> {
-    std::fs::write(path, render_line_chart(title, series).encode()?)
+    write(path, &render_line_chart(title, series))
 }
 
-/// Writes a PNG chart of horizontal bars, one per `(name, value)` in the given order, each
-/// labelled with its name on the left and its value at its end.
+/// Writes a chart of horizontal bars, one per `(name, value)` in the given order, each labelled
+/// with its name on the left and its value at its end. The file is SVG when `path` has the
+/// extension `svg` (in any case), PNG otherwise.
 ///
 /// The value axis always includes 0; negative values extend left of it. A non-finite value is
 /// drawn as "n/a" without a bar; an empty `bars` writes a chart with the title and "no data".
 pub fn bar_chart(path: &Path, title: &str, bars: &[(String, f64)]) -> io::Result<()> {
-    std::fs::write(path, render_bar_chart(title, bars).encode()?)
+    write(path, &render_bar_chart(title, bars))
+}
+
+/// Writes `chart` to `path`: as SVG when its extension is `svg` (in any case), PNG otherwise.
+fn write(path: &Path, chart: &Canvas) -> io::Result<()> {
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
+    {
+        std::fs::write(path, chart.svg())
+    } else {
+        std::fs::write(path, chart.encode()?)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -231,9 +248,7 @@ fn render_line_chart(title: &str, series: &[(String, Vec<(f64, f64)>)]) -> Canva
     // Data.
     for (i, s) in series.iter().enumerate() {
         let pts: Vec<(f64, f64)> = s.pts.iter().map(|&(x, y)| (l.px(x), l.py(y))).collect();
-        for w in pts.windows(2) {
-            c.segment(w[0], w[1], 2.0, colour(i));
-        }
+        c.polyline(&pts, 2.0, colour(i));
         if pts.len() <= MARKER_MAX {
             for &p in &pts {
                 c.marker(p, i, colour(i));
@@ -284,9 +299,8 @@ fn render_line_chart(title: &str, series: &[(String, Vec<(f64, f64)>)]) -> Canva
     for (i, s) in series.iter().take(shown).enumerate() {
         let y = l.top + 8 + i as i64 * row;
         let mid = (y + 3) as f64;
-        c.segment(
-            ((x0 + 10) as f64, mid),
-            ((x0 + 32) as f64, mid),
+        c.polyline(
+            &[((x0 + 10) as f64, mid), ((x0 + 32) as f64, mid)],
             2.0,
             colour(i),
         );
@@ -647,10 +661,13 @@ fn shorten(s: &str, max: usize) -> String {
 // ---------------------------------------------------------------------------------------------
 
 /// An RGB8 image with the drawing primitives the charts need. Drawing outside is clipped.
+///
+/// Every primitive is also recorded, in drawing order, as an SVG element in `elements`.
 struct Canvas {
     w: i64,
     h: i64,
     buf: Vec<u8>,
+    elements: String,
 }
 
 impl Canvas {
@@ -659,7 +676,15 @@ impl Canvas {
             w,
             h,
             buf: WHITE.repeat((w * h) as usize),
+            elements: String::new(),
         }
+    }
+
+    /// Appends one SVG element, on its own line.
+    fn record(&mut self, element: fmt::Arguments) {
+        // Writing to a `String` cannot fail.
+        let _ = self.elements.write_fmt(element);
+        self.elements.push('\n');
     }
 
     fn index(&self, x: i64, y: i64) -> Option<usize> {
@@ -688,8 +713,22 @@ impl Canvas {
         }
     }
 
-    /// Fills `[x0, x1) × [y0, y1)`.
+    /// Fills `[x0, x1) × [y0, y1)`, recorded as one `<rect>`.
     fn rect(&mut self, x0: i64, y0: i64, x1: i64, y1: i64, c: Rgb) {
+        let (x0, y0, x1, y1) = (x0.max(0), y0.max(0), x1.min(self.w), y1.min(self.h));
+        if x0 < x1 && y0 < y1 {
+            self.record(format_args!(
+                r#"<rect x="{x0}" y="{y0}" width="{}" height="{}" fill="{}"/>"#,
+                x1 - x0,
+                y1 - y0,
+                Hex(c)
+            ));
+            self.fill(x0, y0, x1, y1, c);
+        }
+    }
+
+    /// Fills `[x0, x1) × [y0, y1)` of the raster only.
+    fn fill(&mut self, x0: i64, y0: i64, x1: i64, y1: i64, c: Rgb) {
         for y in y0.max(0)..y1.min(self.h) {
             for x in x0.max(0)..x1.min(self.w) {
                 self.put(x, y, c);
@@ -715,13 +754,43 @@ impl Canvas {
         self.vline(x1, y0, y1, c);
     }
 
-    /// An anti-aliased segment `width` pixels wide with round ends: each pixel near the line is
-    /// covered by how far its centre lies inside the stroke.
-    fn segment(&mut self, a: (f64, f64), b: (f64, f64), width: f64, c: Rgb) {
-        let bound = (self.w.max(self.h) * 4) as f64;
-        if ![a.0, a.1, b.0, b.1].iter().all(|v| v.abs() <= bound) {
-            return;
+    /// Lines reaching coordinates beyond ± this are not drawn.
+    fn bound(&self) -> f64 {
+        (self.w.max(self.h) * 4) as f64
+    }
+
+    /// Segments `width` pixels wide with round ends and joins through `pts` in order, recorded
+    /// as one `<polyline>` per run of points not absurdly far outside (a segment reaching such a
+    /// point is skipped).
+    fn polyline(&mut self, pts: &[(f64, f64)], width: f64, c: Rgb) {
+        let bound = self.bound();
+        for run in pts.split(|p| ![p.0, p.1].iter().all(|v| v.abs() <= bound)) {
+            if run.len() < 2 {
+                continue;
+            }
+            let points: Vec<String> = run
+                .iter()
+                .map(|&(x, y)| format!("{},{}", Num(x), Num(y)))
+                .collect();
+            self.record(format_args!(
+                concat!(
+                    r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="{}" "#,
+                    r#"stroke-linecap="round" stroke-linejoin="round"/>"#
+                ),
+                points.join(" "),
+                Hex(c),
+                Num(width)
+            ));
+            for w in run.windows(2) {
+                self.segment(w[0], w[1], width, c);
+            }
         }
+    }
+
+    /// An anti-aliased segment `width` pixels wide with round ends, on the raster only: each
+    /// pixel near the line is covered by how far its centre lies inside the stroke.
+    fn segment(&mut self, a: (f64, f64), b: (f64, f64), width: f64, c: Rgb) {
+        let bound = self.bound();
         let half = width / 2.0;
         let (dx, dy) = (b.0 - a.0, b.1 - a.1);
         let len2 = dx * dx + dy * dy;
@@ -765,6 +834,13 @@ impl Canvas {
         if !(cx.is_finite() && cy.is_finite()) {
             return;
         }
+        self.record(format_args!(
+            r#"<circle cx="{}" cy="{}" r="{}" fill="{}"/>"#,
+            Num(cx),
+            Num(cy),
+            Num(r),
+            Hex(c)
+        ));
         for y in (cy - r - 1.0).floor() as i64..=(cy + r + 1.0).ceil() as i64 {
             for x in (cx - r - 1.0).floor() as i64..=(cx + r + 1.0).ceil() as i64 {
                 let cover = (r + 0.5 - (x as f64 - cx).hypot(y as f64 - cy)).clamp(0.0, 1.0);
@@ -786,7 +862,20 @@ impl Canvas {
     }
 
     /// Draws `s` with its top-left corner at `(x, y)`, each font pixel `scale` pixels wide.
+    ///
+    /// In SVG it is one `<text>` whose monospace font (10 × `scale` px) advances about as far as
+    /// the bitmap font's; `textLength` makes that exact.
     fn text(&mut self, x: i64, y: i64, s: &str, scale: i64, c: Rgb) {
+        if !s.is_empty() {
+            self.record(format_args!(
+                r#"<text x="{x}" y="{}" font-size="{}" textLength="{}" fill="{}">{}</text>"#,
+                y + 7 * scale,
+                10 * scale,
+                s.chars().count() as i64 * ADVANCE * scale,
+                Hex(c),
+                Escaped(s)
+            ));
+        }
         for (k, ch) in s.chars().enumerate() {
             let ox = x + k as i64 * ADVANCE * scale;
             if ox > self.w {
@@ -796,7 +885,7 @@ impl Canvas {
                 for col in 0..5 {
                     if bits >> (4 - col) & 1 == 1 {
                         let (px, py) = (ox + col * scale, y + row as i64 * scale);
-                        self.rect(px, py, px + scale, py + scale, c);
+                        self.fill(px, py, px + scale, py + scale, c);
                     }
                 }
             }
@@ -814,6 +903,23 @@ impl Canvas {
         self.centred_text(self.w / 2, 14, &shorten(title, max), 2, TEXT);
     }
 
+    /// The drawing as a standalone SVG document.
+    fn svg(&self) -> String {
+        format!(
+            concat!(
+                r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" "#,
+                r#"viewBox="0 0 {w} {h}" font-family="monospace" xml:space="preserve">"#,
+                "\n",
+                r#"<rect width="{w}" height="{h}" fill="{bg}"/>"#,
+                "\n{body}</svg>\n"
+            ),
+            w = self.w,
+            h = self.h,
+            bg = Hex(WHITE),
+            body = self.elements
+        )
+    }
+
     /// The image as PNG bytes.
     fn encode(&self) -> io::Result<Vec<u8>> {
         let mut out = Vec::new();
@@ -824,6 +930,49 @@ impl Canvas {
         writer.write_image_data(&self.buf)?;
         writer.finish()?;
         Ok(out)
+    }
+}
+
+/// Formats a colour as `#rrggbb`.
+struct Hex(Rgb);
+
+impl fmt::Display for Hex {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let [r, g, b] = self.0;
+        write!(f, "#{r:02x}{g:02x}{b:02x}")
+    }
+}
+
+/// Formats a coordinate with at most two decimals, without trailing zeros.
+struct Num(f64);
+
+impl fmt::Display for Num {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let s = trim_zeros(format!("{:.2}", self.0));
+        f.write_str(if s == "-0" { "0" } else { &s })
+    }
+}
+
+/// Formats text as XML character data: markup characters escaped, and characters XML cannot
+/// hold (control characters) replaced by U+FFFD, as the bitmap font draws them as a box.
+struct Escaped<'a>(&'a str);
+
+impl fmt::Display for Escaped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        for ch in self.0.chars() {
+            match ch {
+                '&' => f.write_str("&amp;")?,
+                '<' => f.write_str("&lt;")?,
+                '>' => f.write_str("&gt;")?,
+                '"' => f.write_str("&quot;")?,
+                '\'' => f.write_str("&apos;")?,
+                c if c.is_control() || matches!(c, '\u{FFFE}' | '\u{FFFF}') => {
+                    f.write_char('\u{FFFD}')?
+                }
+                c => f.write_char(c)?,
+            }
+        }
+        Ok(())
     }
 }
 
@@ -994,9 +1143,12 @@ mod tests {
 
     impl Temp {
         fn new(name: &str) -> Self {
-            Temp(
-                std::env::temp_dir().join(format!("falcon-plot-{}-{name}.png", std::process::id())),
-            )
+            Temp::file(&format!("{name}.png"))
+        }
+
+        /// A path ending in `file`.
+        fn file(file: &str) -> Self {
+            Temp(std::env::temp_dir().join(format!("falcon-plot-{}-{file}", std::process::id())))
         }
     }
 
@@ -1279,7 +1431,246 @@ mod tests {
         assert_eq!(shorten("abcdef", 4), "ab..");
     }
 
-    /// Renders `/tmp/falcon-plot-example.png` (and a bar chart beside it) to look at.
+    /// Writes a chart to `name.svg` with `draw`, checks that the file is a well-formed SVG
+    /// document and returns it.
+    fn svg_of(name: &str, draw: impl FnOnce(&Path) -> io::Result<()>) -> String {
+        let tmp = Temp::file(&format!("{name}.svg"));
+        draw(&tmp.0).unwrap();
+        let svg = std::fs::read_to_string(&tmp.0).unwrap();
+        assert_well_formed(&svg);
+        svg
+    }
+
+    /// Tags balance under one `<svg>` root, attribute values are quoted, and character data
+    /// holds no `<` or `>` and no `&` but one of XML's predefined entities.
+    fn assert_well_formed(svg: &str) {
+        let head = &svg[..svg.len().min(200)];
+        assert!(
+            svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\" "),
+            "{head}"
+        );
+        assert!(svg.trim_end().ends_with("</svg>"));
+        let data = |t: &str| {
+            assert!(!t.contains('>'), "{t:?}");
+            for after in t.split('&').skip(1) {
+                assert!(
+                    ["amp;", "lt;", "gt;", "quot;", "apos;"]
+                        .iter()
+                        .any(|e| after.starts_with(e)),
+                    "{t:?}"
+                );
+            }
+        };
+        let (mut open, mut roots, mut rest) = (Vec::new(), 0, svg.trim_end());
+        while let Some(lt) = rest.find('<') {
+            data(&rest[..lt]);
+            let gt = lt + rest[lt..].find('>').expect("an unclosed tag");
+            let tag = &rest[lt + 1..gt];
+            if let Some(name) = tag.strip_prefix('/') {
+                assert_eq!(open.pop(), Some(name), "</{name}>");
+            } else {
+                assert_eq!(tag.matches('"').count() % 2, 0, "<{tag}>");
+                roots += usize::from(open.is_empty());
+                if !tag.ends_with('/') {
+                    open.push(tag.split_whitespace().next().unwrap());
+                }
+            }
+            rest = &rest[gt + 1..];
+        }
+        data(rest);
+        assert!(open.is_empty(), "unclosed {open:?}");
+        assert_eq!(roots, 1);
+    }
+
+    /// The contents of every `<text>` element, as written (escaped).
+    fn texts(svg: &str) -> Vec<&str> {
+        svg.split("<text ")
+            .skip(1)
+            .map(|t| {
+                let t = &t[t.find('>').unwrap() + 1..];
+                &t[..t.find("</text>").unwrap()]
+            })
+            .collect()
+    }
+
+    /// The number of points of each `<polyline>` stroked in `c`.
+    fn polylines(svg: &str, c: Rgb) -> Vec<usize> {
+        let stroke = format!("stroke=\"{}\"", Hex(c));
+        svg.lines()
+            .filter(|l| l.starts_with("<polyline ") && l.contains(&stroke))
+            .map(|l| l.split('"').nth(1).unwrap().split(' ').count())
+            .collect()
+    }
+
+    #[test]
+    fn svg_line_chart_is_well_formed_and_complete() {
+        let series: Vec<_> = (0..3)
+            .map(|s| {
+                let pts = (0..20)
+                    .map(|i| {
+                        (
+                            f64::from(i),
+                            f64::from(s) * 3.0 + (f64::from(i) / 3.0).sin(),
+                        )
+                    })
+                    .collect();
+                named(&format!("policy {s}"), pts)
+            })
+            .collect();
+        let svg = svg_of("svg-line", |p| line_chart(p, "Throughput", &series));
+        assert!(svg.contains(r#"width="900" height="560" viewBox="0 0 900 560""#));
+        assert!(svg.contains(r##"<rect width="900" height="560" fill="#ffffff"/>"##));
+        let l = LineLayout::new(&clean(&series));
+        let texts = texts(&svg);
+        assert_eq!(texts[0], "Throughput");
+        for t in &l.y.ticks {
+            assert!(texts.contains(&l.y.label(*t).as_str()), "y label {t}");
+        }
+        assert!(texts.contains(&l.x.label(l.x.ticks[0]).as_str()));
+        for (name, _) in &series {
+            assert!(texts.contains(&name.as_str()), "{name}");
+        }
+        let x_labels = l.x.ticks.len().div_ceil(label_stride(
+            &l.x.ticks.iter().map(|&t| l.x.label(t)).collect::<Vec<_>>(),
+            &l.x.ticks
+                .iter()
+                .map(|&t| l.px(t).round() as i64)
+                .collect::<Vec<_>>(),
+        ));
+        assert_eq!(
+            texts.len(),
+            1 + l.y.ticks.len() + x_labels + series.len(),
+            "{texts:?}"
+        );
+        // A line through the points and one in the legend; a marker on each point.
+        for (i, (_, pts)) in series.iter().enumerate() {
+            assert_eq!(polylines(&svg, colour(i)), [pts.len(), 2], "series {i}");
+            let disc = format!("r=\"3\" fill=\"{}\"", Hex(colour(i)));
+            assert_eq!(svg.matches(&disc).count(), pts.len() + 1, "series {i}");
+        }
+        assert!(svg.contains(&format!("fill=\"{}\"", Hex(GRID))));
+        // Text is one element, not also a rect per font pixel.
+        assert!(svg.lines().count() < 300, "{} lines", svg.lines().count());
+    }
+
+    #[test]
+    fn svg_bar_chart_is_well_formed_and_complete() {
+        let bars = vec![
+            ("bsp".to_string(), 1.0),
+            ("ssp(3)".to_string(), 1.8),
+            ("dssp".to_string(), 2.4),
+            ("broken".to_string(), f64::NAN),
+            ("slower".to_string(), -0.5),
+        ];
+        let svg = svg_of("svg-bars", |p| bar_chart(p, "throughput / bsp", &bars));
+        let texts = texts(&svg);
+        assert_eq!(texts[0], "throughput / bsp");
+        for (i, (name, v)) in bars.iter().enumerate() {
+            assert!(texts.contains(&name.as_str()), "{name}");
+            assert!(texts.contains(&format_value(*v).as_str()), "{v}");
+            let bar = format!("fill=\"{}\"/>", Hex(colour(i)));
+            assert_eq!(
+                svg.matches(&bar).count(),
+                usize::from(v.is_finite()),
+                "bar {i}"
+            );
+        }
+        assert!(texts.contains(&"n/a"));
+    }
+
+    #[test]
+    fn svg_empty_input_draws_title_and_no_data() {
+        let line = svg_of("svg-empty-line", |p| line_chart(p, "empty lines", &[]));
+        let bars = svg_of("svg-empty-bars", |p| bar_chart(p, "empty bars", &[]));
+        assert_eq!(texts(&line), ["empty lines", "no data"]);
+        assert_eq!(texts(&bars), ["empty bars", "no data"]);
+        for c in PALETTE {
+            assert!(!line.contains(&Hex(c).to_string()) && !bars.contains(&Hex(c).to_string()));
+        }
+        let only_empty = svg_of("svg-only-empty", |p| {
+            line_chart(p, "t", &[named("a", vec![]), named("b", vec![])])
+        });
+        assert!(texts(&only_empty).contains(&"no data"));
+    }
+
+    #[test]
+    fn svg_text_is_escaped() {
+        let title = r#"a <&> "b" 'c'"#;
+        let series = [named("<x> & \u{1}", vec![(0.0, 1.0), (1.0, 2.0)])];
+        let svg = svg_of("svg-escape", |p| line_chart(p, title, &series));
+        let shown = texts(&svg);
+        assert_eq!(shown[0], "a &lt;&amp;&gt; &quot;b&quot; &apos;c&apos;");
+        assert!(shown.contains(&"&lt;x&gt; &amp; \u{FFFD}"), "{shown:?}");
+        let bars = [("<&>".to_string(), 1.0)];
+        let svg = svg_of("svg-escape-bars", |p| bar_chart(p, "<&>", &bars));
+        assert_eq!(
+            texts(&svg)
+                .iter()
+                .filter(|t| **t == "&lt;&amp;&gt;")
+                .count(),
+            2
+        );
+    }
+
+    #[test]
+    fn svg_skips_non_finite_points() {
+        let pts = vec![
+            (0.0, 1.0),
+            (1.0, f64::NAN),
+            (2.0, 3.0),
+            (f64::INFINITY, 2.0),
+            (3.0, f64::NEG_INFINITY),
+            (4.0, 2.0),
+            (f64::NAN, f64::NAN),
+            (5.0, 1e308),
+        ];
+        let series = [
+            named("holes", pts),
+            named("all gone", vec![(f64::NAN, f64::NAN); 4]),
+        ];
+        let svg = svg_of("svg-nan", |p| line_chart(p, "holes", &series));
+        assert!(!svg.contains("NaN") && !svg.contains("inf"), "{svg}");
+        // Three points left, and the legend's line.
+        assert_eq!(polylines(&svg, colour(0)), [3, 2]);
+        assert_eq!(polylines(&svg, colour(1)), [2]);
+        let bars = [
+            ("x".to_string(), f64::NAN),
+            ("y".to_string(), f64::INFINITY),
+        ];
+        let svg = svg_of("svg-nan-bars", |p| bar_chart(p, "holes", &bars));
+        assert!(!svg.contains("NaN") && !svg.contains("inf"), "{svg}");
+        assert_eq!(Num(-0.001).to_string(), "0");
+        assert_eq!(Num(12.345_6).to_string(), "12.35");
+        assert_eq!(Num(7.0).to_string(), "7");
+    }
+
+    #[test]
+    fn extension_picks_the_format() {
+        let series = [named("s", vec![(0.0, 1.0), (1.0, 2.0)])];
+        let bars = [("b".to_string(), 1.0)];
+        for (file, svg) in [
+            ("dispatch.png", false),
+            ("dispatch-plain", false),
+            ("dispatch.svg.png", false),
+            ("dispatch.svg", true),
+            ("dispatch-upper.SVG", true),
+            ("dispatch-mixed.Svg", true),
+        ] {
+            let tmp = Temp::file(file);
+            let check = |what: &str| {
+                let bytes = std::fs::read(&tmp.0).unwrap();
+                let magic: &[u8] = if svg { b"<svg " } else { b"\x89PNG" };
+                assert!(bytes.starts_with(magic), "{what} to {file}");
+            };
+            line_chart(&tmp.0, "t", &series).unwrap();
+            check("line chart");
+            bar_chart(&tmp.0, "t", &bars).unwrap();
+            check("bar chart");
+        }
+    }
+
+    /// Renders `/tmp/falcon-plot-example.png` (and a bar chart beside it, and each as `.svg`)
+    /// to look at.
     #[test]
     #[ignore = "writes an example image for a person to look at"]
     fn example_image() {
@@ -1300,12 +1691,6 @@ mod tests {
                 named(name, pts)
             })
             .collect();
-        line_chart(
-            Path::new("/tmp/falcon-plot-example.png"),
-            "Throughput vs workers [samples/s ×1000]",
-            &series,
-        )
-        .unwrap();
         let bars = vec![
             ("BSP".to_string(), 1.0),
             ("SSP (s=3)".to_string(), 1.42),
@@ -1313,12 +1698,6 @@ mod tests {
             ("FluentPS".to_string(), 1.91),
             ("ASP".to_string(), -0.2),
         ];
-        bar_chart(
-            Path::new("/tmp/falcon-plot-example-bars.png"),
-            "Speed-up over BSP (8 workers)",
-            &bars,
-        )
-        .unwrap();
         // Harder inputs: many series, a long noisy one with NaNs, negative values.
         let mut edge: Vec<_> = (0..14)
             .map(|s| {
@@ -1341,11 +1720,12 @@ mod tests {
                 })
                 .collect(),
         ));
-        line_chart(
-            Path::new("/tmp/falcon-plot-example-edge.png"),
-            "edge cases",
-            &edge,
-        )
-        .unwrap();
+        for ext in ["png", "svg"] {
+            let path = |name: &str| PathBuf::from(format!("/tmp/falcon-plot-example{name}.{ext}"));
+            let title = "Throughput vs workers [samples/s ×1000]";
+            line_chart(&path(""), title, &series).unwrap();
+            bar_chart(&path("-bars"), "Speed-up over BSP (8 workers)", &bars).unwrap();
+            line_chart(&path("-edge"), "edge cases", &edge).unwrap();
+        }
     }
 }

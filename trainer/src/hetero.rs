@@ -8,6 +8,7 @@
 //! | [`Hetero::Gaussian`]   | `gauss(5,2)`         | sleep max(0, N(μ ms, σ ms)) (FluentPS)          |
 //! | [`Hetero::Episodes`]   | `episodes(10,3,4)`   | iterations k with k mod 10 < 3 run 4× slower    |
 //! | [`Hetero::Contention`] | `contention(2)`      | nothing; 2 CPU-burning threads while it lives   |
+//! | [`Hetero::Trace`]      | `trace(slow.txt)`    | iteration k runs f\[k mod len\]× slower: sleep (f − 1)·d |
 //!
 //! Delays are pure functions of `(spec, seed, iteration, d)` ([`Hetero::delay`]), so a run is
 //! reproducible from its seed and the simulator can ask for any iteration's delay without
@@ -16,8 +17,34 @@
 //! Specs parse from the strings above ([`Hetero::parse`], also `FromStr`), print back to them
 //! (`Display`, exactly: `parse(x.to_string()) == x`), and (de)serialize with serde as that
 //! string — or, when deserializing, as a table such as `{ kind = "ratio", h = 0.25 }`.
+//!
+//! # Measured traces
+//!
+//! `trace(PATH)` and `trace(PATH,WORKER)` replay slowdowns measured elsewhere. The file is read
+//! once, when the spec is parsed ([`Hetero::load_trace`]); the factors live in an `Arc`, so
+//! cloning the spec is cheap, and the path is kept for the string form (printing it back
+//! re-reads the file when parsed). The path is taken verbatim (case and inner spaces kept,
+//! surrounding spaces trimmed; relative to the working directory). Two kinds of file:
+//!
+//! - **plain text**: one slowdown factor per line (finite, ≥ 1); blank lines and `#` comments
+//!   are ignored. `WORKER` does not apply.
+//! - **metrics** (`falcon train --metrics`, recognised by its first line starting with `{`): one
+//!   JSON object per line with at least `worker`, `iteration`, `compute_s` and `injected_s`,
+//!   and `iteration_s` (the iteration as the job saw it: compute and injected slowness). An
+//!   iteration lasts `iteration_s` (files without it: `compute_s + injected_s`). The trace is
+//!   worker `WORKER`'s lines (default: the slowest worker, by total iteration time; ties go
+//!   to the lowest rank), in iteration order, each iteration divided by the fastest worker's
+//!   median iteration (the worker with the smallest median; ties: lowest rank), clamped to
+//!   ≥ 1.
+//!
+//! Iteration k then runs `factor[k mod len]` times slower: `delay = (factor − 1)·d`, applied
+//! per task like [`Hetero::Ratio`] ([`Hetero::per_task`]). A missing or unreadable file, a
+//! line that is not a number (or not a metrics object), a factor below 1 or not finite, an
+//! empty trace and an unknown worker are [`Error::Config`]s naming the file and line.
 
+use std::collections::BTreeMap;
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,7 +60,9 @@ pub const MAX_CONTENTION_THREADS: usize = 1024;
 
 const FORMS: &str = "none, h=H (0 < H ≤ 1), gauss(MEAN_MS,STD_MS) (STD_MS ≥ 0), \
                      episodes(EVERY,LENGTH,SLOWDOWN) (1 ≤ EVERY, LENGTH ≤ EVERY, SLOWDOWN ≥ 1), \
-                     contention(THREADS) (1 to 1024)";
+                     contention(THREADS) (1 to 1024), \
+                     trace(PATH[,WORKER]) (a file of slowdown factors ≥ 1, one a line, or a \
+                     `falcon train --metrics` file and the worker to replay, default the slowest)";
 
 /// How one worker is made slow. See the [module documentation](self).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -71,6 +100,18 @@ pub enum Hetero {
         /// How many burning threads (1 to [`MAX_CONTENTION_THREADS`]).
         threads: usize,
     },
+    /// A measured trace (see [Measured traces](self#measured-traces)): iteration k runs
+    /// `factors[k mod len]` times slower (sleep (factor − 1)·d). Build it with
+    /// [`Hetero::load_trace`] or [`Hetero::parse`].
+    Trace {
+        /// The file the factors were read from (the string form prints it back).
+        path: PathBuf,
+        /// The worker of a metrics file whose iterations were taken (`None`: the slowest;
+        /// always `None` for a plain-text file).
+        worker: Option<u32>,
+        /// The slowdown factors, in iteration order (at least one; each finite and ≥ 1).
+        factors: Arc<[f64]>,
+    },
 }
 
 fn config(spec: &str, why: &str) -> Error {
@@ -84,6 +125,16 @@ impl Hetero {
     /// whitespace ignored; `ratio(H)` and `gaussian(…)` are accepted as aliases). Anything
     /// else is an [`Error::Config`] listing the accepted forms.
     pub fn parse(spec: &str) -> Result<Hetero> {
+        if let Some(inner) = trace_args(spec) {
+            let inner = inner.ok_or_else(|| config(spec, "trace(PATH[,WORKER]) lacks its ')'"))?;
+            let (path, worker) = split_trace_args(inner).map_err(|why| config(spec, &why))?;
+            let factors = read_trace(path, worker).map_err(|why| config(spec, &why))?;
+            return Ok(Hetero::Trace {
+                path: path.to_path_buf(),
+                worker,
+                factors,
+            });
+        }
         let s: String = spec
             .chars()
             .filter(|c| !c.is_whitespace())
@@ -152,6 +203,25 @@ impl Hetero {
         Ok(parsed)
     }
 
+    /// The measured trace in the file at `path` (see [Measured traces](self#measured-traces)):
+    /// its factors, or, for a metrics file, those of `worker` (`None`: the slowest). A bad file
+    /// is an [`Error::Config`] saying what is wrong and where.
+    pub fn load_trace(path: impl AsRef<Path>, worker: Option<u32>) -> Result<Hetero> {
+        let path = path.as_ref();
+        let factors = read_trace(path, worker).map_err(|why| {
+            let spec = match worker {
+                Some(w) => format!("trace({},{w})", path.display()),
+                None => format!("trace({})", path.display()),
+            };
+            config(&spec, &why)
+        })?;
+        Ok(Hetero::Trace {
+            path: path.to_path_buf(),
+            worker,
+            factors,
+        })
+    }
+
     /// Checks the ranges documented on each variant.
     fn validate(&self) -> std::result::Result<(), String> {
         match *self {
@@ -159,6 +229,7 @@ impl Hetero {
             Hetero::Ratio { h } if !(h > 0.0 && h <= 1.0) => {
                 Err(format!("h = {h} is outside (0, 1]"))
             }
+            Hetero::Trace { ref factors, .. } => check_factors(factors),
             Hetero::Gaussian { mean_ms, std_ms }
                 if !mean_ms.is_finite() || !std_ms.is_finite() || std_ms < 0.0 =>
             {
@@ -185,13 +256,17 @@ impl Hetero {
         }
     }
 
-    /// True for the multiplicative slowdowns ([`Hetero::Ratio`], [`Hetero::Episodes`]): the
+    /// True for the multiplicative slowdowns ([`Hetero::Ratio`], [`Hetero::Episodes`],
+    /// [`Hetero::Trace`]): the
     /// trainer applies them to each task (a slow machine computes every task slowly, so its
     /// unprocessed tasks wait in its queue where helpers can take them), the others once per
     /// iteration. `delay` is linear in `compute` for these, so the iteration's total sleep is
     /// the same either way.
     pub fn per_task(&self) -> bool {
-        matches!(self, Hetero::Ratio { .. } | Hetero::Episodes { .. })
+        matches!(
+            self,
+            Hetero::Ratio { .. } | Hetero::Episodes { .. } | Hetero::Trace { .. }
+        )
     }
 
     /// The sleep injected after iteration `iter` whose compute took `compute`, for a worker
@@ -199,6 +274,16 @@ impl Hetero {
     /// asked before. [`Hetero::Contention`] and [`Hetero::None`] give zero.
     pub fn delay(&self, seed: u64, iter: u64, compute: Duration) -> Duration {
         match *self {
+            Hetero::Trace { ref factors, .. } => {
+                // Validated factors are ≥ 1 and finite; a hand-built empty trace is no delay.
+                let Some(len) = u64::try_from(factors.len()).ok().filter(|&l| l > 0) else {
+                    return Duration::ZERO;
+                };
+                let f = factors[(iter % len) as usize];
+                // `mul_f64`, without its panic on overflow (a huge factor saturates).
+                Duration::try_from_secs_f64(compute.as_secs_f64() * (f - 1.0).max(0.0))
+                    .unwrap_or(Duration::MAX)
+            }
             Hetero::None | Hetero::Contention { .. } => Duration::ZERO,
             Hetero::Ratio { h } => compute.mul_f64(1.0 / h - 1.0),
             Hetero::Gaussian { mean_ms, std_ms } => {
@@ -218,6 +303,206 @@ impl Hetero {
             }
         }
     }
+}
+
+/// Recognises `trace(…)` (the name case-insensitive, spaces around it ignored): `None` when
+/// `spec` is not a trace, `Some(None)` when its `)` is missing, else the text between the
+/// parentheses, verbatim (paths keep their case and inner spaces).
+fn trace_args(spec: &str) -> Option<Option<&str>> {
+    let (name, rest) = spec.trim().split_once('(')?;
+    if !name.trim().eq_ignore_ascii_case("trace") {
+        return None;
+    }
+    Some(rest.strip_suffix(')'))
+}
+
+/// Splits `PATH[,WORKER]`: the text after the last comma is the worker when it looks like a
+/// whole number (digits, maybe signed), else part of the path.
+fn split_trace_args(inner: &str) -> std::result::Result<(&Path, Option<u32>), String> {
+    let (path, worker) = match inner.rsplit_once(',') {
+        Some((path, w))
+            if {
+                let w = w.trim();
+                let digits = w.strip_prefix(['+', '-']).unwrap_or(w);
+                !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
+            } =>
+        {
+            let w = w.trim();
+            let worker = w
+                .parse::<u32>()
+                .map_err(|_| format!("worker {w:?} is not a worker rank"))?;
+            (path.trim(), Some(worker))
+        }
+        _ => (inner.trim(), None),
+    };
+    if path.is_empty() {
+        return Err("trace needs a file: trace(PATH[,WORKER])".into());
+    }
+    Ok((Path::new(path), worker))
+}
+
+/// Factors must be at least one, each finite and ≥ 1.
+fn check_factors(factors: &[f64]) -> std::result::Result<(), String> {
+    if factors.is_empty() {
+        return Err("the trace is empty (no factors)".into());
+    }
+    match factors.iter().position(|f| !(f.is_finite() && *f >= 1.0)) {
+        Some(i) => Err(format!(
+            "factor {} (the {}th) must be finite and ≥ 1",
+            factors[i],
+            i + 1
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Reads a trace file (see [Measured traces](self#measured-traces)); the error says what is
+/// wrong, with the file and line.
+fn read_trace(path: &Path, worker: Option<u32>) -> std::result::Result<Arc<[f64]>, String> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read trace file {shown:?}: {e}"))?;
+    let first = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'));
+    let factors = if first.is_some_and(|l| l.starts_with('{')) {
+        metrics_factors(&text, worker).map_err(|why| format!("metrics file {shown:?}: {why}"))?
+    } else {
+        if let Some(w) = worker {
+            return Err(format!(
+                "trace file {shown:?} is a list of factors, not a metrics file: worker {w} \
+                 does not apply"
+            ));
+        }
+        plain_factors(&text).map_err(|why| format!("trace file {shown:?}: {why}"))?
+    };
+    check_factors(&factors).map_err(|why| format!("trace file {shown:?}: {why}"))?;
+    Ok(factors.into())
+}
+
+/// One factor per line; blank lines and `#` comments ignored.
+fn plain_factors(text: &str) -> std::result::Result<Vec<f64>, String> {
+    let mut factors = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line
+            .split_once('#')
+            .map_or(line, |(before, _)| before)
+            .trim();
+        if line.is_empty() {
+            continue;
+        }
+        let f: f64 = line
+            .parse()
+            .map_err(|_| format!("line {}: {line:?} is not a number", i + 1))?;
+        if !(f.is_finite() && f >= 1.0) {
+            return Err(format!(
+                "line {}: factor {f} must be finite and ≥ 1 (a slowdown)",
+                i + 1
+            ));
+        }
+        factors.push(f);
+    }
+    Ok(factors)
+}
+
+/// The fields of a `falcon train --metrics` line the trace needs (others are ignored).
+#[derive(Deserialize)]
+struct MetricsLine {
+    worker: u32,
+    iteration: u64,
+    compute_s: f64,
+    injected_s: f64,
+    /// The iteration as the job saw it (compute and injected slowness); older files lack it.
+    #[serde(default)]
+    iteration_s: Option<f64>,
+}
+
+/// The median of `xs` (not empty): the mean of the two middle values when even.
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        (v[m - 1] + v[m]) / 2.0
+    } else {
+        v[m]
+    }
+}
+
+/// A metrics file's factors for `worker` (`None`: the slowest).
+fn metrics_factors(text: &str, worker: Option<u32>) -> std::result::Result<Vec<f64>, String> {
+    // Per worker, its (iteration, compute + injected seconds), in file order.
+    let mut per: BTreeMap<u32, Vec<(u64, f64)>> = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let m: MetricsLine = serde_json::from_str(line)
+            .map_err(|e| format!("line {}: not a metrics object: {e}", i + 1))?;
+        let secs = m.iteration_s.unwrap_or(m.compute_s + m.injected_s);
+        if !(m.compute_s >= 0.0 && m.injected_s >= 0.0 && secs.is_finite() && secs >= 0.0) {
+            return Err(format!(
+                "line {}: compute_s {} and injected_s {} must be finite and ≥ 0",
+                i + 1,
+                m.compute_s,
+                m.injected_s
+            ));
+        }
+        per.entry(m.worker).or_default().push((m.iteration, secs));
+    }
+    let total = |lines: &[(u64, f64)]| lines.iter().map(|&(_, s)| s).sum::<f64>();
+    let chosen = match worker {
+        Some(w) => w,
+        None => {
+            let mut slowest: Option<(u32, f64)> = None;
+            for (&w, lines) in &per {
+                let t = total(lines);
+                if slowest.is_none_or(|(_, best)| t > best) {
+                    slowest = Some((w, t));
+                }
+            }
+            slowest.ok_or("no iterations (empty trace)")?.0
+        }
+    };
+    let Some(lines) = per.get(&chosen) else {
+        let known: Vec<String> = per.keys().map(u32::to_string).collect();
+        return Err(if known.is_empty() {
+            "no iterations (empty trace)".into()
+        } else {
+            format!(
+                "no iterations of worker {chosen} (the file has workers {})",
+                known.join(", ")
+            )
+        });
+    };
+    let mut fastest: Option<f64> = None;
+    for lines in per.values() {
+        let secs: Vec<f64> = lines.iter().map(|&(_, s)| s).collect();
+        let m = median(&secs);
+        if fastest.is_none_or(|best| m < best) {
+            fastest = Some(m);
+        }
+    }
+    let reference = fastest.unwrap_or(0.0);
+    if reference <= 0.0 {
+        return Err(format!(
+            "the fastest worker's median iteration takes {reference} s: no reference speed"
+        ));
+    }
+    let mut lines = lines.clone();
+    lines.sort_by_key(|&(iteration, _)| iteration);
+    let factors: Vec<f64> = lines
+        .iter()
+        .map(|&(_, s)| (s / reference).max(1.0))
+        .collect();
+    if let Some(&f) = factors.iter().find(|f| !f.is_finite()) {
+        return Err(format!(
+            "an iteration of worker {chosen} is {f} times the fastest worker's median"
+        ));
+    }
+    Ok(factors)
 }
 
 /// SplitMix64 of `seed` and `iter`: independent-looking streams per (worker, iteration).
@@ -248,6 +533,14 @@ impl fmt::Display for Hetero {
                 slowdown,
             } => write!(f, "episodes({every},{length},{slowdown})"),
             Hetero::Contention { threads } => write!(f, "contention({threads})"),
+            Hetero::Trace {
+                path, worker: None, ..
+            } => write!(f, "trace({})", path.display()),
+            Hetero::Trace {
+                path,
+                worker: Some(w),
+                ..
+            } => write!(f, "trace({},{w})", path.display()),
         }
     }
 }
@@ -292,6 +585,11 @@ enum HeteroTable {
     Contention {
         threads: usize,
     },
+    Trace {
+        path: PathBuf,
+        #[serde(default)]
+        worker: Option<u32>,
+    },
 }
 
 impl TryFrom<HeteroRepr> for Hetero {
@@ -315,6 +613,7 @@ impl TryFrom<HeteroRepr> for Hetero {
                 slowdown,
             },
             HeteroTable::Contention { threads } => Hetero::Contention { threads },
+            HeteroTable::Trace { path, worker } => return Hetero::load_trace(path, worker),
         };
         h.validate().map_err(|why| config(&h.to_string(), &why))?;
         Ok(h)
@@ -421,5 +720,287 @@ impl Injector {
             thread::sleep(delay);
         }
         delay
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// A file under the system's temporary directory with `text`, unique to this test run;
+    /// removed on drop.
+    struct TempFile(PathBuf);
+
+    impl TempFile {
+        fn new(name: &str, text: &str) -> TempFile {
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let path = std::env::temp_dir()
+                .join(format!("falcon-trace-{}-{n}-{name}", std::process::id()));
+            std::fs::write(&path, text).expect("write a temporary trace");
+            TempFile(path)
+        }
+
+        fn spec(&self) -> String {
+            format!("trace({})", self.0.display())
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn factors(h: &Hetero) -> Vec<f64> {
+        match h {
+            Hetero::Trace { factors, .. } => factors.to_vec(),
+            other => panic!("not a trace: {other:?}"),
+        }
+    }
+
+    fn config_message(r: Result<Hetero>) -> String {
+        match r {
+            Err(Error::Config(msg)) => msg,
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+    }
+
+    /// A metrics line as `falcon train --metrics` writes it.
+    fn metrics_line(worker: u32, iteration: u64, compute: f64, injected: f64) -> String {
+        serde_json::json!({
+            "t": 0.5,
+            "worker": worker,
+            "iteration": iteration,
+            "compute_s": compute,
+            "blocked_s": 0.0,
+            "injected_s": injected,
+            "helping_s": 0.0,
+            "threads": 1,
+            "tasks_own": 4,
+            "tasks_helped": 0,
+            "loss": 2.3,
+            "bytes": 100,
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn plain_trace_parses_skipping_comments_and_blank_lines() {
+        let f = TempFile::new(
+            "plain.txt",
+            "# measured on host 3\n1\n\n  2.5  # a slow one\n1.25\n#end\n",
+        );
+        let h = Hetero::parse(&f.spec()).unwrap();
+        assert_eq!(factors(&h), [1.0, 2.5, 1.25]);
+        assert!(h.per_task());
+        assert_eq!(
+            h,
+            Hetero::Trace {
+                path: f.0.clone(),
+                worker: None,
+                factors: vec![1.0, 2.5, 1.25].into(),
+            }
+        );
+        // The kind's name is case-insensitive and spaces around the path are trimmed.
+        let loose = format!("  TRACE( {} ) ", f.0.display());
+        assert_eq!(Hetero::parse(&loose).unwrap(), h);
+        assert_eq!(Hetero::load_trace(&f.0, None).unwrap(), h);
+    }
+
+    #[test]
+    fn delays_follow_the_factors_cyclically() {
+        let h = Hetero::Trace {
+            path: "x".into(),
+            worker: None,
+            factors: vec![1.0, 3.0, 1.5].into(),
+        };
+        let d = 100 * MS;
+        let want = [0, 200, 50];
+        for k in 0..12u64 {
+            assert_eq!(
+                h.delay(k ^ 0x55, k, d),
+                want[(k % 3) as usize] * MS,
+                "iteration {k}"
+            );
+        }
+        // Linear in compute, like Ratio: the same total whether applied per task or once.
+        assert_eq!(h.delay(0, 1, 10 * MS), 20 * MS);
+        // A huge factor saturates instead of panicking.
+        let huge = Hetero::Trace {
+            path: "x".into(),
+            worker: None,
+            factors: vec![1e300].into(),
+        };
+        assert_eq!(huge.delay(0, 0, Duration::from_secs(1)), Duration::MAX);
+    }
+
+    #[test]
+    fn metrics_trace_takes_the_slowest_worker_relative_to_the_fastest_median() {
+        // Worker 0: iterations of 0.1, 0.1, 0.3 s (median 0.1); worker 1: 0.2, 0.4, 0.1 s
+        // (compute + injected), written out of order; worker 2: 0.15 s each.
+        let mut lines = vec![
+            metrics_line(0, 0, 0.1, 0.0),
+            metrics_line(1, 1, 0.1, 0.3),
+            metrics_line(2, 0, 0.15, 0.0),
+            metrics_line(0, 1, 0.1, 0.0),
+            metrics_line(1, 0, 0.05, 0.15),
+            metrics_line(0, 2, 0.2, 0.1),
+            metrics_line(2, 1, 0.15, 0.0),
+            metrics_line(1, 2, 0.1, 0.0),
+            metrics_line(2, 2, 0.15, 0.0),
+        ];
+        lines.push(String::new());
+        let f = TempFile::new("metrics.jsonl", &lines.join("\n"));
+        let close = |got: Vec<f64>, want: &[f64]| {
+            assert_eq!(got.len(), want.len(), "{got:?}");
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() < 1e-9, "{got:?} != {want:?}");
+            }
+        };
+        // Default: worker 1 (0.7 s in all), relative to worker 0's median 0.1 s.
+        let slowest = Hetero::parse(&f.spec()).unwrap();
+        close(factors(&slowest), &[2.0, 4.0, 1.0]);
+        assert!(matches!(slowest, Hetero::Trace { worker: None, .. }));
+        // A named worker; below-reference iterations are clamped to 1.
+        let w0 = Hetero::parse(&format!("trace({},0)", f.0.display())).unwrap();
+        close(factors(&w0), &[1.0, 1.0, 3.0]);
+        assert!(matches!(
+            w0,
+            Hetero::Trace {
+                worker: Some(0),
+                ..
+            }
+        ));
+        let w2 = Hetero::load_trace(&f.0, Some(2)).unwrap();
+        close(factors(&w2), &[1.5, 1.5, 1.5]);
+        assert_eq!(w2.to_string(), format!("trace({},2)", f.0.display()));
+    }
+
+    #[test]
+    fn bad_trace_files_are_descriptive_config_errors() {
+        let missing = std::env::temp_dir().join("falcon-trace-no-such-file.txt");
+        let msg = config_message(Hetero::parse(&format!("trace({})", missing.display())));
+        assert!(msg.contains("cannot read trace file"), "{msg}");
+        assert!(msg.contains("no-such-file"), "{msg}");
+        assert!(msg.contains("accepted forms"), "{msg}");
+        let msg = config_message(Hetero::load_trace(&missing, None));
+        assert!(msg.contains("cannot read trace file"), "{msg}");
+
+        let cases = [
+            (
+                "nan.txt",
+                "1\n2\nfast\n",
+                "line 3: \"fast\" is not a number",
+            ),
+            (
+                "below.txt",
+                "1\n0.5\n",
+                "line 2: factor 0.5 must be finite and ≥ 1",
+            ),
+            ("inf.txt", "inf\n", "line 1: factor inf must be finite"),
+            ("empty.txt", "# nothing\n\n", "empty"),
+            ("zero.txt", "", "empty"),
+            (
+                "broken.jsonl",
+                &format!("{}\n{{\"worker\": 1}}\n", metrics_line(0, 0, 0.1, 0.0)),
+                "line 2: not a metrics object",
+            ),
+            (
+                "negative.jsonl",
+                &metrics_line(0, 0, -0.1, 0.0),
+                "must be finite and ≥ 0",
+            ),
+            (
+                "instant.jsonl",
+                &metrics_line(0, 0, 0.0, 0.0),
+                "no reference speed",
+            ),
+        ];
+        for (name, text, want) in cases {
+            let f = TempFile::new(name, text);
+            let msg = config_message(Hetero::parse(&f.spec()));
+            assert!(msg.contains(want), "{name}: {msg}");
+            assert!(msg.contains(&f.0.display().to_string()), "{name}: {msg}");
+        }
+
+        let m = TempFile::new(
+            "two.jsonl",
+            &[metrics_line(0, 0, 0.1, 0.0), metrics_line(3, 0, 0.2, 0.0)].join("\n"),
+        );
+        let msg = config_message(Hetero::parse(&format!("trace({},7)", m.0.display())));
+        assert!(msg.contains("no iterations of worker 7"), "{msg}");
+        assert!(msg.contains("workers 0, 3"), "{msg}");
+        let msg = config_message(Hetero::parse(&format!("trace({},-1)", m.0.display())));
+        assert!(msg.contains("not a worker rank"), "{msg}");
+
+        let plain = TempFile::new("plain.txt", "2\n");
+        let msg = config_message(Hetero::parse(&format!("trace({},1)", plain.0.display())));
+        assert!(msg.contains("worker 1 does not apply"), "{msg}");
+        let msg = config_message(Hetero::parse(&format!("trace({}", plain.0.display())));
+        assert!(msg.contains("lacks its ')'"), "{msg}");
+        let msg = config_message(Hetero::parse("trace( )"));
+        assert!(msg.contains("needs a file"), "{msg}");
+
+        // Hand-built traces are checked when deserialized (the factors are re-read) and by
+        // `validate`.
+        let bad = Hetero::Trace {
+            path: "x".into(),
+            worker: None,
+            factors: vec![1.0, 0.9].into(),
+        };
+        assert!(bad.validate().unwrap_err().contains("0.9"));
+        let empty = Hetero::Trace {
+            path: "x".into(),
+            worker: None,
+            factors: Vec::new().into(),
+        };
+        assert!(empty.validate().unwrap_err().contains("empty"));
+        assert_eq!(empty.delay(0, 3, MS), Duration::ZERO);
+    }
+
+    #[test]
+    fn trace_string_form_round_trips() {
+        let f = TempFile::new("round trip Case.txt", "1.5\n2\n");
+        let h = Hetero::parse(&f.spec()).unwrap();
+        assert_eq!(h.to_string(), f.spec());
+        assert_eq!(Hetero::parse(&h.to_string()).unwrap(), h);
+        assert_eq!(h.to_string().parse::<Hetero>().unwrap(), h);
+
+        // Serde: the string form out, the string form or a table in.
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(json, serde_json::to_string(&f.spec()).unwrap());
+        assert_eq!(serde_json::from_str::<Hetero>(&json).unwrap(), h);
+        let table = serde_json::json!({ "kind": "trace", "path": f.0 }).to_string();
+        assert_eq!(serde_json::from_str::<Hetero>(&table).unwrap(), h);
+        let bad = serde_json::json!({ "kind": "trace", "path": "/no/such/trace" }).to_string();
+        assert!(serde_json::from_str::<Hetero>(&bad).is_err());
+
+        // Cloning shares the factors.
+        let c = h.clone();
+        match (&h, &c) {
+            (Hetero::Trace { factors: a, .. }, Hetero::Trace { factors: b, .. }) => {
+                assert!(Arc::ptr_eq(a, b));
+            }
+            _ => unreachable!(),
+        }
+
+        let m = TempFile::new(
+            "m.jsonl",
+            &[metrics_line(0, 0, 0.1, 0.0), metrics_line(1, 0, 0.3, 0.0)].join("\n"),
+        );
+        for spec in [
+            format!("trace({})", m.0.display()),
+            format!("trace({},1)", m.0.display()),
+        ] {
+            let h = Hetero::parse(&spec).unwrap();
+            assert_eq!(h.to_string(), spec);
+            assert_eq!(Hetero::parse(&h.to_string()).unwrap(), h);
+            let json = serde_json::to_string(&h).unwrap();
+            assert_eq!(serde_json::from_str::<Hetero>(&json).unwrap(), h);
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use falcon_engine::keys::TensorSpec;
 use falcon_engine::local::LocalCluster;
 use falcon_engine::sync::PolicySpec;
-use falcon_engine::update::{Aggregate, Optimizer};
+use falcon_engine::update::{Aggregate, Optimizer, ScaleSpec};
 use falcon_engine::worker::f32_bytes;
 use falcon_engine::{JobConfig, SupervisorSettings};
 use falcon_transport::Medium;
@@ -58,6 +58,8 @@ pub struct JobSpec {
     pub target: f64,
     /// Where per-iteration metrics go (JSON lines), if anywhere.
     pub metrics: Option<PathBuf>,
+    /// Staleness scaling of asynchronously applied gradients (DynSGD, ConSGD).
+    pub scale: ScaleSpec,
 }
 
 impl Default for JobSpec {
@@ -78,6 +80,7 @@ impl Default for JobSpec {
             medium: Medium::Auto,
             target: 0.75,
             metrics: None,
+            scale: ScaleSpec::Unscaled,
         }
     }
 }
@@ -114,6 +117,13 @@ pub struct JobReport {
     pub per_worker: Vec<WorkerSummary>,
     /// Parked pulls (all servers).
     pub parked_pulls: u64,
+    /// Gradients the policy dropped (Sync-opt's late ones; all servers).
+    pub dropped_gradients: u64,
+    /// Bytes moved between workers and servers: gradients pushed, parameters the servers
+    /// sent and parameters the workers read one-sided.
+    pub bytes_moved: u64,
+    /// Mean staleness of the applied gradients, in versions of their shard.
+    pub mean_staleness: f64,
     /// Task transfers offered.
     pub transfers_offered: u64,
     /// Tasks moved from stragglers to helpers.
@@ -176,6 +186,7 @@ pub fn run_local(
         policy: spec.policy,
         optimizer: Optimizer::Sgd { lr: spec.lr },
         aggregate: Aggregate::Sum,
+        scale: spec.scale,
         ..JobConfig::default()
     };
     cfg.transport.medium = spec.medium;
@@ -311,6 +322,11 @@ pub fn run_local(
             .collect()
     });
     let secs = start.elapsed().as_secs_f64();
+    let fast_pull_bytes: u64 = cluster
+        .workers
+        .iter()
+        .map(|w| w.stats().fast_pull_bytes)
+        .sum();
     let keymap = cluster.workers[0].keymap().clone();
     let report = cluster.finish()?;
     let per_worker = results.into_iter().collect::<Result<Vec<_>>>()?;
@@ -357,6 +373,20 @@ pub fn run_local(
         time_to_target,
         per_worker,
         parked_pulls: sum(&|c| c.parked_pulls),
+        dropped_gradients: report.servers.iter().map(|s| s.dropped_gradients).sum(),
+        bytes_moved: fast_pull_bytes
+            + report
+                .servers
+                .iter()
+                .flat_map(|s| &s.per_shard)
+                .map(|c| c.bytes_in + c.bytes_out)
+                .sum::<u64>(),
+        mean_staleness: {
+            let (n, d) = report.servers.iter().fold((0u64, 0u64), |(n, d), s| {
+                (n + s.gradients, d + s.staleness_sum)
+            });
+            d as f64 / n.max(1) as f64
+        },
         transfers_offered: sum(&|c| c.transfers_offered),
         tasks_transferred: report.scheduler.tasks_transferred,
         parallelism_plans: report.scheduler.parallelism_plans,

@@ -9,18 +9,52 @@
 //! policy on the same events, so one instance stands for all). Worker `w`'s iteration `c`:
 //!
 //! 1. its pull for clock `c` reaches the policy; when released at virtual time `t`, the
-//!    worker starts at `t + latency` on the server's values *at release* (FluentPS's lazy
-//!    execution: a released pull gets the latest values) and computes its gradient then;
+//!    worker starts at `t + latency` (or when it is done helping, if later: see below) on the
+//!    server's values *at release* (FluentPS's lazy execution: a released pull gets the
+//!    latest values) and computes its gradient then;
 //! 2. its iteration takes `base × (1 ± jitter)` plus the delay of its heterogeneity profile
-//!    ([`Hetero::delay`]: ratio, Gaussian, episodes; contention has no meaning here);
-//! 3. its push reaches the server `latency` later: applied at once under asynchronous
+//!    ([`Hetero::delay`]: ratio, Gaussian, episodes, trace; contention has no meaning here),
+//!    less the tasks helpers take from it;
+//! 3. its push reaches the server `latency` after its own and its helpers' tasks are done: applied at once under asynchronous
 //!    updates (SGD, `lr`), or summed per clock and applied when the policy's quorum of live
 //!    workers is in (BSP, Sync-opt; late gradients Sync-opt drops are counted), then the
 //!    worker's pull for `c + 1` reaches the policy.
 //!
-//! ElasticBSP runs as its single job-wide state machine ([`ElasticBsp`]). Task-transfer offers
-//! (EPSP, FlexRR) are counted, not carried out: the simulator has no task model; the real
-//! trainer and `falcon train` do transfer tasks.
+//! ElasticBSP runs as its single job-wide state machine ([`ElasticBsp`]).
+//!
+//! # Tasks and their transfer
+//!
+//! An iteration is [`SimSpec::tasks`] equal tasks: a worker whose iteration takes `took`
+//! (jitter and heterogeneity included) computes them one after another, task `i` (from 0)
+//! beginning at `start + ⌊took·i/tasks⌋`; its own tasks are always the first ones, so helpers
+//! take from the tail. (An additive heterogeneity such as `gauss` is spread evenly over the
+//! tasks too.) With [`SimSpec::transfer`] on, an [`Action::Transfer`]`{ helper, straggler,
+//! clock }` of the policy (EPSP, FlexRR), carried out at virtual time `now` (the event that
+//! produced it), moves tasks when
+//!
+//! - the helper is idle: its pull is waiting at the server (parked, or not yet released when
+//!   the offer is carried out — FlexRR offers right after a push) and it is not already
+//!   helping;
+//! - the straggler is computing iteration `clock` and has `r` tasks of its own not yet begun
+//!   at `now` (a task beginning exactly at `now` counts as begun).
+//!
+//! The helper then takes `k = ⌊r/2⌋` of them (none if `k = 0`) and computes them at its own
+//! speed: `k` tasks of the duration its *next* iteration (the clock of its waiting pull) would
+//! take, base, jitter and heterogeneity included, i.e. `⌊took_helper·k/tasks⌋`, from `now`
+//! (handing the tasks over is instantaneous; the latency is charged once, on the push). It is
+//! busy until then: a pull of the helper released earlier starts its iteration only when it is
+//! free. The straggler's push is rescheduled to when both its remaining own tasks and every
+//! helper's taken tasks are done, plus the latency (a generation number per worker makes the
+//! push event scheduled before stale; it is ignored). Several helpers may take from the same
+//! iteration, each half of what is left.
+//!
+//! Simplification: the gradient pushed stays the one the straggler computed at its iteration
+//! start, on the same examples — the real trainer's helper computes the taken tasks on its own
+//! values and pushes them separately, credited to the straggler's clock. Transfer changes the
+//! timing here, not the arithmetic. Offers are counted whether or not they move anything
+//! ([`SimReport::transfers_offered`]); [`SimReport::tasks_transferred`] counts tasks moved and
+//! [`SimReport::tasks_computed`] who computed every task. A worker's `blocked_secs` is the
+//! time its pull was parked, whether or not it was helping meanwhile.
 //!
 //! Time to accuracy: worker 0's values are evaluated every `eval_every` of its iterations on
 //! the first `eval_examples` test images.
@@ -30,7 +64,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 use std::time::Instant;
 
 use falcon_engine::sync::{Action, ElasticBsp, Event, PolicySpec, SyncPolicy};
-use falcon_engine::update::UpdateMode;
+use falcon_engine::update::{ScaleSpec, UpdateMode};
 use serde::Serialize;
 
 use crate::data::Dataset;
@@ -72,6 +106,14 @@ pub struct SimSpec {
     pub compute: bool,
     /// Accuracy whose first crossing is the time to accuracy.
     pub target: f64,
+    /// Equal tasks per iteration (≥ 1): the unit a transfer moves (see the
+    /// [module documentation](self#tasks-and-their-transfer)).
+    pub tasks: u32,
+    /// Carry out the policy's task-transfer offers (off: only count them).
+    pub transfer: bool,
+    /// Staleness scaling of asynchronously applied gradients (DynSGD, ConSGD): a gradient
+    /// computed on values `d` updates old is scaled as the servers scale it.
+    pub scale: ScaleSpec,
 }
 
 impl Default for SimSpec {
@@ -94,6 +136,9 @@ impl Default for SimSpec {
             eval_examples: 500,
             compute: true,
             target: 0.7,
+            tasks: 4,
+            transfer: true,
+            scale: ScaleSpec::Unscaled,
         }
     }
 }
@@ -128,10 +173,21 @@ pub struct SimReport {
     pub parked_pulls: u64,
     /// Gradients the policy dropped (Sync-opt).
     pub dropped: u64,
-    /// Task transfers the policy offered (not carried out here).
+    /// Task transfers the policy offered (moving tasks only when [`SimSpec::transfer`] is on
+    /// and the offer finds an idle helper and unstarted tasks).
     pub transfers_offered: u64,
+    /// Offers that moved at least one task.
+    pub transfers_taken: u64,
+    /// Tasks moved from stragglers to helpers.
+    pub tasks_transferred: u64,
+    /// Per worker: the tasks it computed, its own and those it took (together, `workers ×
+    /// iters × tasks`).
+    pub tasks_computed: Vec<u64>,
     /// Updates applied to the parameters.
     pub updates: u64,
+    /// Bytes between workers and servers: every iteration pulls the model and pushes a
+    /// gradient of its size (f32).
+    pub bytes_moved: u64,
     /// A digest of the final parameters (bit-for-bit reproducibility).
     pub digest: u64,
 }
@@ -180,10 +236,47 @@ impl SimReport {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
-    /// Worker `w`'s push of clock `c` reaches the server.
-    Push(u32, u64),
+    /// Worker `w`'s push of clock `c` reaches the server, unless the worker's generation has
+    /// moved past `g` (a transfer rescheduled it).
+    Push(u32, u64, u64),
     /// Worker `w`'s released pull of clock `c` reaches it: it starts iteration `c`.
     Start(u32, u64),
+}
+
+/// A worker's iteration in flight, from its start to its push.
+#[derive(Clone, Copy, Debug)]
+struct Running {
+    /// The iteration.
+    clock: u64,
+    /// When it began computing, virtual ns.
+    start: u64,
+    /// How long all its tasks would take it, virtual ns.
+    took: u64,
+    /// Tasks it still computes itself: the first `own` of the iteration.
+    own: u32,
+    /// When the tasks helpers took are all done (0: none taken).
+    helped_until: u64,
+}
+
+/// `⌊took·i/tasks⌋`: when task `i` of an iteration of `took` begins, relative to its start
+/// (`i = tasks`: when it ends).
+fn task_offset(took: u64, i: u32, tasks: u32) -> u64 {
+    (u128::from(took) * u128::from(i) / u128::from(tasks.max(1))) as u64
+}
+
+/// Of the first `own` tasks of an iteration that began at `start` and takes `took`, how
+/// many have begun at `now` (task `i` begins at `start + task_offset(took, i, tasks)`).
+fn tasks_begun(start: u64, took: u64, own: u32, tasks: u32, now: u64) -> u32 {
+    if now < start || own == 0 {
+        return 0;
+    }
+    if took == 0 {
+        return own;
+    }
+    // ⌊took·i/tasks⌋ ≤ e ⇔ took·i ≤ (e + 1)·tasks − 1.
+    let e = u128::from(now - start);
+    let last = ((e + 1) * u128::from(tasks) - 1) / u128::from(took);
+    u32::try_from(last + 1).map_or(own, |b| b.min(own))
 }
 
 fn splitmix(mut z: u64) -> u64 {
@@ -200,6 +293,11 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
     if n == 0 || spec.iters == 0 || spec.batch == 0 {
         return Err(Error::Config(
             "a simulation needs workers, iterations and a batch".into(),
+        ));
+    }
+    if spec.tasks == 0 {
+        return Err(Error::Config(
+            "a simulation needs at least 1 task per iteration".into(),
         ));
     }
     if !(0.0..1.0).contains(&spec.jitter) {
@@ -231,6 +329,9 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
     let mut y = Vec::new();
     // Each worker's gradient of the iteration in flight (computed at its start).
     let mut grads: Vec<Vec<f32>> = vec![Vec::new(); n];
+    // The update count each worker's iteration in flight started from (its staleness base).
+    let mut seen = vec![0u64; n];
+    let scale = spec.scale.build();
     let share = data.train.len() / n;
     if share < spec.batch && spec.compute {
         return Err(Error::Config(format!(
@@ -259,11 +360,34 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
     let mut grad_wall = std::time::Duration::ZERO;
     let mut out: Vec<Action> = Vec::new();
     let live = spec.workers;
+    // How long worker `w`'s iteration `c` takes, all its tasks computed by itself (virtual
+    // ns): base ± jitter, plus its heterogeneity's delay.
+    let duration = |w: u32, c: u64| -> u64 {
+        let u = (splitmix(spec.seed ^ (u64::from(w) << 40) ^ c) >> 11) as f64 / (1u64 << 53) as f64;
+        let d = spec.base_ns as f64 * (1.0 + spec.jitter * (2.0 * u - 1.0));
+        let d = std::time::Duration::from_nanos(d as u64);
+        let extra = spec
+            .hetero
+            .get(w as usize)
+            .map_or(std::time::Duration::ZERO, |h| {
+                h.delay(spec.seed ^ u64::from(w), c, d)
+            });
+        u64::try_from(d.saturating_add(extra).as_nanos()).unwrap_or(u64::MAX)
+    };
+    // Per worker: the clock of its pull waiting at the server, its iteration in flight, the
+    // generation of its push event, when it is done helping, the tasks it computed.
+    let mut pulling: Vec<Option<u64>> = vec![None; n];
+    let mut running: Vec<Option<Running>> = vec![None; n];
+    let mut generation = vec![0u64; n];
+    let mut busy_until = vec![0u64; n];
+    let mut tasks_computed = vec![0u64; n];
+    let (mut taken, mut moved) = (0u64, 0u64);
 
     // Every worker pulls clock 0 at time 0.
     for w in 0..spec.workers {
         req += 1;
         waiting.insert(req, (w, 0, 0));
+        pulling[w as usize] = Some(0);
         policy.on_event(
             Event::Pull {
                 worker: w,
@@ -281,24 +405,79 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
             match a {
                 Action::Release { req: r, .. } => {
                     if let Some((w, c, since)) = waiting.remove(&r) {
+                        let wi = w as usize;
                         let at = since.max(now);
-                        blocked[w as usize] += at - since;
-                        push_ev(&mut queue, at + spec.latency_ns, Ev::Start(w, c));
+                        blocked[wi] += at - since;
+                        pulling[wi] = None;
+                        // A helper starts its own iteration once its taken tasks are done.
+                        let begin = at.saturating_add(spec.latency_ns).max(busy_until[wi]);
+                        push_ev(&mut queue, begin, Ev::Start(w, c));
                     }
                 }
                 Action::Park { .. } => parked += 1,
                 Action::DropGradient { .. } => dropped += 1,
-                Action::Transfer { .. } => offers += 1,
+                Action::Transfer {
+                    helper,
+                    straggler,
+                    clock,
+                } => {
+                    offers += 1;
+                    let (h, st) = (helper as usize, straggler as usize);
+                    if !spec.transfer || h == st || h >= n || st >= n || busy_until[h] > now {
+                        continue;
+                    }
+                    let Some(helper_clock) = pulling[h] else {
+                        continue;
+                    };
+                    let Some(run) = running[st].as_mut().filter(|r| r.clock == clock) else {
+                        continue;
+                    };
+                    let begun = tasks_begun(run.start, run.took, run.own, spec.tasks, now);
+                    let k = (run.own - begun) / 2;
+                    if k == 0 {
+                        continue;
+                    }
+                    let done = now.saturating_add(task_offset(
+                        duration(helper, helper_clock),
+                        k,
+                        spec.tasks,
+                    ));
+                    busy_until[h] = done;
+                    tasks_computed[h] += u64::from(k);
+                    run.own -= k;
+                    run.helped_until = run.helped_until.max(done);
+                    taken += 1;
+                    moved += u64::from(k);
+                    let own_end = run
+                        .start
+                        .saturating_add(task_offset(run.took, run.own, spec.tasks));
+                    let push_at = own_end
+                        .max(run.helped_until)
+                        .saturating_add(spec.latency_ns);
+                    generation[st] += 1;
+                    push_ev(
+                        &mut queue,
+                        push_at,
+                        Ev::Push(straggler, clock, generation[st]),
+                    );
+                }
                 _ => {}
             }
         }
         let Some(Reverse((t, _, ev))) = queue.pop() else {
             break;
         };
+        if let Ev::Push(w, _, g) = ev
+            && g != generation[w as usize]
+        {
+            // Rescheduled by a transfer: the push happens at its new time.
+            continue;
+        }
         end = end.max(t);
         match ev {
             Ev::Start(w, c) => {
                 let wi = w as usize;
+                seen[wi] = updates;
                 if spec.compute {
                     let epoch = c / per_epoch;
                     let k = (c % per_epoch) as usize;
@@ -328,24 +507,30 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                     let inv = 1.0 / spec.batch as f32;
                     g.iter_mut().for_each(|v| *v *= inv);
                 }
-                let u = (splitmix(spec.seed ^ (u64::from(w) << 40) ^ c) >> 11) as f64
-                    / (1u64 << 53) as f64;
-                let d = spec.base_ns as f64 * (1.0 + spec.jitter * (2.0 * u - 1.0));
-                let d = std::time::Duration::from_nanos(d as u64);
-                let extra = spec.hetero.get(wi).map_or(std::time::Duration::ZERO, |h| {
-                    h.delay(spec.seed ^ u64::from(w), c, d)
+                let took = duration(w, c);
+                running[wi] = Some(Running {
+                    clock: c,
+                    start: t,
+                    took,
+                    own: spec.tasks,
+                    helped_until: 0,
                 });
-                let took = (d + extra).as_nanos() as u64;
-                push_ev(&mut queue, t + took + spec.latency_ns, Ev::Push(w, c));
+                let at = t.saturating_add(took).saturating_add(spec.latency_ns);
+                push_ev(&mut queue, at, Ev::Push(w, c, generation[wi]));
             }
-            Ev::Push(w, c) => {
+            Ev::Push(w, c, _) => {
                 let wi = w as usize;
+                if let Some(run) = running[wi].take() {
+                    tasks_computed[wi] += u64::from(run.own);
+                }
                 let g = std::mem::take(&mut grads[wi]);
                 match mode {
                     UpdateMode::Async => {
                         if spec.compute {
+                            let d = updates.saturating_sub(seen[wi]);
+                            let lr = spec.lr * scale.scale(d);
                             for (pv, gv) in params.iter_mut().zip(&g) {
-                                *pv -= spec.lr * gv;
+                                *pv -= lr * gv;
                             }
                         }
                         updates += 1;
@@ -425,6 +610,7 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                 if c + 1 < spec.iters {
                     req += 1;
                     waiting.insert(req, (w, c + 1, t));
+                    pulling[wi] = Some(c + 1);
                     policy.on_event(
                         Event::Pull {
                             worker: w,
@@ -476,7 +662,41 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         parked_pulls: parked,
         dropped,
         transfers_offered: offers,
+        transfers_taken: taken,
+        tasks_transferred: moved,
+        tasks_computed,
         updates,
+        bytes_moved: 2 * u64::from(spec.workers) * spec.iters * p as u64 * 4,
         digest,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tasks_begin_one_after_another() {
+        // 4 tasks of 10 ns: they begin at 100, 110, 120, 130.
+        let begun = |own, now| tasks_begun(100, 40, own, 4, now);
+        assert_eq!(begun(4, 99), 0);
+        assert_eq!(begun(4, 100), 1, "a task beginning now has begun");
+        assert_eq!(begun(4, 109), 1);
+        assert_eq!(begun(4, 110), 2);
+        assert_eq!(begun(4, 129), 3);
+        assert_eq!(begun(4, 130), 4);
+        assert_eq!(begun(4, 1_000), 4);
+        // Fewer own tasks (helpers took the tail): never more than those.
+        assert_eq!(begun(2, 125), 2);
+        assert_eq!(begun(0, 125), 0);
+        // Uneven division: ⌊took·i/tasks⌋ = 0, 3, 6 for 10 ns in 3 tasks.
+        for (now, want) in [(0, 1), (2, 1), (3, 2), (5, 2), (6, 3), (50, 3)] {
+            assert_eq!(tasks_begun(0, 10, 3, 3, now), want, "at {now}");
+        }
+        assert_eq!(tasks_begun(5, 0, 3, 3, 5), 3, "an instant iteration");
+        for i in 0..=3 {
+            assert_eq!(task_offset(10, i, 3), [0, 3, 6, 10][i as usize]);
+        }
+        assert_eq!(task_offset(u64::MAX, 3, 4), u64::MAX / 4 * 3 + 2);
+    }
 }

@@ -498,6 +498,7 @@ impl Trainer {
                     "compute_s": compute.as_secs_f64(),
                     "blocked_s": t0_blocked.as_secs_f64(),
                     "injected_s": injected.as_secs_f64(),
+                    "iteration_s": iteration.as_secs_f64(),
                     "helping_s": sum.helping_secs - helping_before,
                     "threads": threads,
                     "tasks_own": done,

@@ -1,0 +1,131 @@
+//! `falcon experiment` as a user runs it: a real process, real files out.
+
+use std::path::Path;
+use std::process::Command;
+
+fn falcon(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_falcon"))
+        .args(args)
+        .output()
+        .expect("falcon runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "falcon {args:?} failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("falcon-exp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn stragglers_writes_every_output_for_both_modes() {
+    let out = tmp("stragglers");
+    let sample = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/fashion-mnist-sample");
+    let printed = falcon(&[
+        "experiment",
+        "stragglers",
+        "--quick",
+        "--quiet",
+        "--mode",
+        "both",
+        "--policies",
+        "bsp,epsp(0,fixed),asp+dynsgd",
+        "--data",
+        sample.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(printed.contains("| configuration |"), "{printed}");
+    for mode in ["real", "sim"] {
+        let csv = std::fs::read_to_string(out.join(format!("{mode}-results.csv"))).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(
+            lines.len(),
+            4,
+            "a header and one row per configuration: {csv}"
+        );
+        for (line, config) in lines[1..]
+            .iter()
+            .zip(["bsp", "epsp(0,fixed)", "asp+dynsgd"])
+        {
+            assert!(line.starts_with(&format!("\"{config}\",{mode},")), "{line}");
+        }
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join(format!("{mode}-results.json"))).unwrap(),
+        )
+        .unwrap();
+        let rows = json.as_array().unwrap();
+        assert_eq!(rows.len(), 3);
+        for r in rows {
+            // Every configuration trained: worker 0's curve exists and beats chance.
+            assert!(r["final_accuracy"].as_f64().unwrap() > 0.2, "{r}");
+            assert!(!r["curve"].as_array().unwrap().is_empty());
+            assert!(r["bytes_moved"].as_u64().unwrap() > 0);
+        }
+        // BSP under a straggler parks pulls; EPSP enforced with transfer moves tasks.
+        assert!(rows[0]["parked_pulls"].as_u64().unwrap() > 0);
+        if mode == "sim" {
+            // Deterministic: the simulator carries out EPSP's transfers.
+            assert!(
+                rows[1]["tasks_transferred"].as_u64().unwrap() > 0,
+                "{}",
+                rows[1]
+            );
+        }
+        for plot in ["accuracy", "time_to_target"] {
+            let png = std::fs::read(out.join(format!("{mode}-{plot}.png"))).unwrap();
+            assert!(png.starts_with(b"\x89PNG"));
+            let svg = std::fs::read_to_string(out.join(format!("{mode}-{plot}.svg"))).unwrap();
+            assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        }
+        assert!(out.join(format!("{mode}-table.md")).exists());
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn zipline_reports_beside_the_paper() {
+    let out = tmp("zipline");
+    let printed = falcon(&[
+        "experiment",
+        "zipline",
+        "--quick",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(printed.contains("| 1000 | 150 |"), "{printed}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(json["points"].as_array().unwrap().len(), 6);
+    assert!(json["miss_ns"].as_f64().unwrap() > 0.0);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn a_bad_configuration_is_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_falcon"))
+        .args([
+            "experiment",
+            "stragglers",
+            "--policies",
+            "bsp+dynsgd",
+            "--quick",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("gradient scaling"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_falcon"))
+        .args(["experiment", "dssp", "--hetero", "5:h=0.5", "--quick"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ranks"));
+}
