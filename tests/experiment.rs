@@ -129,3 +129,63 @@ fn a_bad_configuration_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("ranks"));
 }
+
+#[test]
+fn a_config_file_is_overridden_by_environment_and_flags() {
+    let dir = tmp("config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("job.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[sim]\nworkers = 3\niters = 5\nmodel = \"mlp:784-10\"\npolicies = \"bsp\"\n\
+             no-compute = true\nout = {:?}\n",
+            dir.join("out").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let sim = |env: &[(&str, &str)], args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_falcon"));
+        c.env_remove("FALCON_NUM_WORKER")
+            .env_remove("FALCON_ITERS")
+            .env_remove("FALCON_MODEL")
+            .env_remove("FALCON_CONFIG");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.args(args).output().unwrap()
+    };
+    let f = file.to_str().unwrap();
+    // The file alone.
+    let out = sim(&[], &["--config", f, "sim"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("3 workers × 5 iterations, model mlp:784-10"),
+        "{text}"
+    );
+    assert!(dir.join("out/accuracy.png").exists());
+    // The environment beats the file; a flag beats both.
+    let out = sim(
+        &[
+            ("FALCON_CONFIG", f),
+            ("FALCON_ITERS", "6"),
+            ("FALCON_MODEL", "mlp:784-8-10"),
+        ],
+        &["sim", "--workers", "2"],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("2 workers × 6 iterations, model mlp:784-8-10"),
+        "{text}"
+    );
+    // A misspelt key is a clear error naming it, the file and the line.
+    std::fs::write(&file, "[sim]\nwokers = 3\n").unwrap();
+    let out = sim(&[], &["--config", f, "sim"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("wokers") && err.contains("job.toml:2"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6,6 +6,7 @@
 //! pulls the model, pushes the gradient of ½‖w − target_r‖² with its own target, and the job
 //! converges to the targets' mean.
 
+mod config;
 mod experiment;
 mod train_cmd;
 
@@ -21,8 +22,13 @@ use falcon_engine::{JobConfig, Scheduler, Server, Worker};
 use falcon_transport::{Medium, Transport, TransportConfig};
 
 #[derive(Parser)]
-#[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = None)]
+#[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = None,
+          args_override_self = true, after_long_help = config::help_footer())]
 struct Cli {
+    /// Read settings from this TOML file, a section per subcommand ([train], [local], [sim],
+    /// [experiment]); flags and environment variables override it (see `falcon --help`).
+    #[arg(long = "config", global = true, value_name = "PATH", env = config::ENV_VAR)]
+    _config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command_,
 }
@@ -31,14 +37,18 @@ struct Cli {
 enum Command_ {
     /// The main job: train a model on Fashion-MNIST with an embedded local cluster (one
     /// worker slowed by default), with any policy; a progress bar, a JSON report and a plot.
+    #[command(after_long_help = config::help_footer())]
     Train(train_cmd::TrainArgs),
     /// An embedded local cluster: scheduler, servers and workers as processes on this host.
+    #[command(after_long_help = config::help_footer())]
     Local(LocalArgs),
     /// The deterministic simulator: many workers in virtual time, the real policies and
     /// model; every policy on the same workers and seed.
+    #[command(after_long_help = config::help_footer())]
     Sim(train_cmd::SimArgs),
     /// Every policy on one heterogeneity profile, and the reproductions of the papers'
     /// claims (stragglers, dssp, fluentps, falcon, zipline): tables, CSV, JSON, PNG and SVG.
+    #[command(after_long_help = config::help_footer())]
     Experiment(experiment::ExperimentArgs),
     /// One role of a job, configured from the environment (FALCON_*, or ps-lite's DMLC_*).
     Role,
@@ -58,21 +68,21 @@ enum Command_ {
 #[derive(clap::Args, Clone)]
 struct LocalArgs {
     /// Server processes.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, env = "FALCON_NUM_SERVER")]
     servers: u32,
     /// Worker processes.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, env = "FALCON_NUM_WORKER")]
     workers: u32,
     /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B),
     /// fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])],
     /// flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)].
-    #[arg(long, default_value = "bsp")]
+    #[arg(long, default_value = "bsp", env = "FALCON_POLICY")]
     policy: String,
     /// Medium between processes: auto (shm on one host), shm, tcp, rdma.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", env = "FALCON_MEDIUM")]
     medium: String,
     /// Iterations each worker runs.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, env = "FALCON_ITERS")]
     iters: u64,
     /// Model size in f32 parameters.
     #[arg(long, default_value_t = 1 << 20)]
@@ -80,7 +90,7 @@ struct LocalArgs {
     /// Learning rate of the server-side SGD: per round for the synthetic workload (default
     /// 0.5; async policies apply each worker's gradient with lr / workers), per gradient for
     /// the trainer (default 0.05).
-    #[arg(long)]
+    #[arg(long, env = "FALCON_LR")]
     lr: Option<f32>,
     /// Largest shard in bytes (tensors are cut into shards spread over the servers).
     #[arg(long, default_value_t = 4 << 20)]
@@ -93,10 +103,10 @@ struct LocalArgs {
     #[arg(long, default_value = "synthetic", value_parser = ["synthetic", "train"])]
     workload: String,
     /// With --workload train: the model.
-    #[arg(long, default_value = "mlp:784-256-10")]
+    #[arg(long, default_value = "mlp:784-256-10", env = "FALCON_MODEL")]
     model: String,
     /// With --workload train: the dataset directory (default: Debian's, else the sample).
-    #[arg(long)]
+    #[arg(long, env = "FALCON_DATA")]
     data: Option<std::path::PathBuf>,
 }
 
@@ -107,7 +117,19 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let argv = match config::expand(
+        &<Cli as clap::CommandFactory>::command(),
+        std::env::args_os().collect(),
+        |name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()),
+    ) {
+        Ok(argv) => argv,
+        Err(e) => {
+            eprintln!("falcon: error: {e}");
+            // clap's exit code for usage errors.
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     let r = match cli.command {
         Command_::Train(a) => train_cmd::train(a),
         Command_::Local(a) => local(a),

@@ -23,14 +23,14 @@ use indicatif::{ProgressBar, ProgressStyle};
 #[derive(clap::Args, Clone, Debug)]
 pub struct TrainArgs {
     /// Worker threads (each a falcon worker with its own pool).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, env = "FALCON_NUM_WORKER")]
     workers: u32,
     /// Parameter servers.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, env = "FALCON_NUM_SERVER")]
     servers: u32,
     /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B),
     /// fluentps(N[,…]), epsp[(S[,fixed][,no-transfer])], flexrr[(S,…)], elasticbsp[(R)].
-    #[arg(long, default_value = "epsp")]
+    #[arg(long, default_value = "epsp", env = "FALCON_POLICY")]
     policy: String,
     /// Several configurations, comma-separated at the top level, run one after the other:
     /// each a policy, optionally `+static` (parallelism control off) and `+dynsgd` or
@@ -39,29 +39,29 @@ pub struct TrainArgs {
     #[arg(long)]
     compare: Option<String>,
     /// Model: mlp:784-256-10, mlp:784-512-256-10, cnn, cnn:C1-C2.
-    #[arg(long, default_value = "mlp:784-256-10")]
+    #[arg(long, default_value = "mlp:784-256-10", env = "FALCON_MODEL")]
     model: String,
     /// Dataset directory (IDX files); default: Debian's Fashion-MNIST, else the bundled
     /// sample.
-    #[arg(long)]
+    #[arg(long, env = "FALCON_DATA")]
     data: Option<PathBuf>,
     /// Epochs over each worker's share of the training set.
     #[arg(long, default_value_t = 10.0)]
     epochs: f64,
     /// Iterations per worker (overrides --epochs).
-    #[arg(long)]
+    #[arg(long, env = "FALCON_ITERS")]
     iters: Option<u64>,
     /// Examples per worker per iteration.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, env = "FALCON_BATCH")]
     batch: usize,
     /// Tasks (micro-batches) per iteration.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, env = "FALCON_TASKS")]
     tasks: u32,
     /// Server-side SGD learning rate.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, env = "FALCON_LR")]
     lr: f32,
     /// Initial pool threads per worker.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, env = "FALCON_THREADS")]
     threads: usize,
     /// Heterogeneity of a worker, RANK:SPEC (h=0.25, gauss(5,2), episodes(10,3,4),
     /// contention(2), none); repeatable. Default: the last worker at h=0.25.
@@ -80,13 +80,13 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 2000)]
     eval_examples: usize,
     /// Medium between the nodes: auto, shm, tcp, rdma.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", env = "FALCON_MEDIUM")]
     medium: String,
     /// Where the JSON report and the PNG plot go.
     #[arg(long, default_value = "target/falcon-train")]
     out: PathBuf,
     /// Shuffling and initialization seed.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, env = "FALCON_SEED")]
     seed: u64,
     /// No progress bar.
     #[arg(long)]
@@ -499,22 +499,22 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
 #[derive(clap::Args, Clone, Debug)]
 pub struct SimArgs {
     /// Simulated workers.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, env = "FALCON_NUM_WORKER")]
     workers: u32,
     /// Iterations per worker.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, env = "FALCON_ITERS")]
     iters: u64,
     /// Policies to compare, comma-separated at the top level (each as for `train`).
     #[arg(long, default_value = "bsp,ssp(3),dssp(3,15),epsp,asp")]
     policies: String,
     /// Model: small ones keep large runs fast (mlp:784-10 is logistic regression).
-    #[arg(long, default_value = "mlp:784-10")]
+    #[arg(long, default_value = "mlp:784-10", env = "FALCON_MODEL")]
     model: String,
     /// Examples per worker per iteration.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, env = "FALCON_BATCH")]
     batch: usize,
     /// Server-side SGD learning rate.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, env = "FALCON_LR")]
     lr: f32,
     /// A full-speed iteration, in virtual milliseconds.
     #[arg(long, default_value_t = 10.0)]
@@ -544,7 +544,7 @@ pub struct SimArgs {
     #[arg(long)]
     no_compute: bool,
     /// Equal tasks per iteration: the unit EPSP's and FlexRR's task transfer moves.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, env = "FALCON_TASKS")]
     tasks: u32,
     /// Count the policies' task-transfer offers without carrying them out.
     #[arg(long)]
@@ -553,10 +553,10 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.7)]
     target: f64,
     /// Dataset directory (default: Debian's Fashion-MNIST, else the bundled sample).
-    #[arg(long)]
+    #[arg(long, env = "FALCON_DATA")]
     data: Option<PathBuf>,
     /// Seed.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, env = "FALCON_SEED")]
     seed: u64,
     /// Where the JSON reports go.
     #[arg(long, default_value = "target/falcon-sim")]
