@@ -149,6 +149,8 @@ struct Defaults {
     lr: f32,
     model: &'static str,
     target: f64,
+    /// Runs of each real configuration.
+    repeat: u32,
 }
 
 impl Knobs {
@@ -186,7 +188,7 @@ impl Knobs {
             lr: self.lr.unwrap_or(d.lr),
             model: self.model.as_deref().unwrap_or(d.model).parse()?,
             target: self.target.unwrap_or(d.target),
-            repeat: self.repeat.unwrap_or(1).max(1),
+            repeat: self.repeat.unwrap_or(d.repeat).max(1),
             seed: self.seed,
             out: self
                 .out
@@ -593,11 +595,12 @@ fn stragglers(k: &Knobs) -> Res {
         entries: ALL_POLICIES,
         workers: 4,
         hetero: &["3:h=0.25"],
-        iters: 150,
-        batch: 32,
+        iters: 600,
+        batch: 64,
         lr: 0.05,
-        model: "mlp:784-64-10",
-        target: 0.75,
+        model: "mlp:784-256-10",
+        target: 0.83,
+        repeat: 3,
     })?;
     let data = Arc::new(Dataset::find(k.data.as_deref())?);
     run_setup(&s, "stragglers", &data)?;
@@ -611,11 +614,12 @@ fn dssp(k: &Knobs) -> Res {
         entries: "bsp,asp,ssp(3),ssp(6),ssp(15),dssp(3,15)",
         workers: 2,
         hetero: &["1:h=0.5"],
-        iters: 300,
-        batch: 32,
+        iters: 1000,
+        batch: 64,
         lr: 0.05,
-        model: "mlp:784-64-10",
-        target: 0.75,
+        model: "mlp:784-256-10",
+        target: 0.83,
+        repeat: 3,
     })?;
     let data = Arc::new(Dataset::find(k.data.as_deref())?);
     let rows = run_setup(&s, "DSSP Table I analogue (2 workers, 2:1)", &data)?;
@@ -653,6 +657,7 @@ fn fluentps(k: &Knobs) -> Res {
         lr: 0.02,
         model: "mlp:784-10",
         target: 0.7,
+        repeat: 1,
     })?;
     let mut s = s;
     if k.hetero.is_empty() {
@@ -669,13 +674,7 @@ fn fluentps(k: &Knobs) -> Res {
         println!(
             "\nparked pulls, raw SSP(3) against FluentPS (paper: up to 131× more under raw SSP):"
         );
-        for c in [
-            "fluentps(3,p=1)",
-            "fluentps(3,p=0.5)",
-            "fluentps(3,p=0.1)",
-            "fluentps(3,sigmoid)",
-            "fluentps(3,fastest-sigmoid)",
-        ] {
+        for c in s.entries.iter().filter(|c| c.starts_with("fluentps")) {
             if let Some(p) = parked(c) {
                 println!(
                     "  {c}: {p} parked; raw SSP parks {}",
@@ -696,20 +695,21 @@ fn falcon(k: &Knobs) -> Res {
     let entries = "epsp(4),flexrr(1),syncopt(1),asp+consgd(0.5),asp+dynsgd,bsp";
     let mut summary = Vec::new();
     for (label, profile) in [
-        ("one", &["3:h=0.25"][..]),
-        ("two", &["2:h=0.5", "3:h=0.25"][..]),
+        ("one", &["3:h=0.2"][..]),
+        ("two", &["2:h=0.5", "3:h=0.2"][..]),
     ] {
         let mut s = k.resolve(Defaults {
             name: "falcon",
-            mode: "real",
+            mode: "both",
             entries,
             workers: 4,
             hetero: profile,
-            iters: 150,
-            batch: 32,
+            iters: 600,
+            batch: 64,
             lr: 0.05,
-            model: "mlp:784-64-10",
-            target: 0.75,
+            model: "mlp:784-256-10",
+            target: 0.83,
+            repeat: 3,
         })?;
         s.out = s.out.join(format!("{label}-slowed"));
         let rows = run_setup(

@@ -11,7 +11,7 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`).
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -169,6 +169,9 @@ pub enum Msg {
         shard: u32,
         /// The push's clock.
         clock: u64,
+        /// Its staleness: the updates applied to the shard between the values the gradient
+        /// was computed on and its own (0 for synchronous clocks).
+        staleness: u64,
     },
     /// worker → scheduler (ElasticBSP): at my barrier, about to start iteration `clock`.
     Superstep {

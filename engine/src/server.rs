@@ -471,6 +471,7 @@ impl Server {
                             &Msg::PushAck {
                                 shard: s.spec.id,
                                 clock: u64::MAX,
+                                staleness: 0,
                             }
                             .encode(),
                         );
@@ -483,11 +484,12 @@ impl Server {
                         // worker's values. Applied like an asynchronous gradient; the pusher's
                         // clock does not move and the policy sees no push (the straggler's own
                         // push completes its iteration).
-                        let ack = Msg::PushAck {
-                            shard: s.spec.id,
-                            clock: HELP_ACK,
-                        };
                         if book.mode == UpdateMode::Sync {
+                            let ack = Msg::PushAck {
+                                shard: s.spec.id,
+                                clock: HELP_ACK,
+                                staleness: 0,
+                            };
                             tracing::warn!(
                                 "server {}: worker {w} pushed transferred tasks under synchronous updates; ignored",
                                 book.rank
@@ -495,7 +497,7 @@ impl Server {
                             let _ = l.send(&ack.encode());
                             continue;
                         }
-                        apply_async(s, w, &*scale, l, ack, None);
+                        apply_async(s, w, &*scale, l, HELP_ACK, None);
                         report.updates += 1;
                         report.per_worker[w as usize].help_pushes += 1;
                         continue;
@@ -506,11 +508,7 @@ impl Server {
                     report.per_shard[local as usize].gradients += 1;
                     match book.mode {
                         UpdateMode::Async => {
-                            let ack = Msg::PushAck {
-                                shard: s.spec.id,
-                                clock,
-                            };
-                            let d = apply_async(s, w, &*scale, l, ack, Some(clock));
+                            let d = apply_async(s, w, &*scale, l, clock, Some(clock));
                             report.staleness_sum += d;
                             report.staleness_max = report.staleness_max.max(d);
                             *report.per_worker[w as usize]
@@ -533,6 +531,7 @@ impl Server {
                                 &Msg::PushAck {
                                     shard: s.spec.id,
                                     clock,
+                                    staleness: 0,
                                 }
                                 .encode(),
                             );
@@ -631,7 +630,7 @@ fn apply_async(
     w: u32,
     scale: &dyn GradientScale,
     l: &Link,
-    ack: Msg,
+    ack_clock: u64,
     clock: Option<u64>,
 ) -> u64 {
     let version = meta_of(&s.meta).version();
@@ -642,6 +641,11 @@ fn apply_async(
         g.iter_mut().for_each(|x| *x *= factor);
     }
     // Acknowledge first: the slot is free once copied.
+    let ack = Msg::PushAck {
+        shard: s.spec.id,
+        clock: ack_clock,
+        staleness: d,
+    };
     let _ = l.send(&ack.encode());
     let params = f32s_mut(&s.params, s.spec.len);
     let opt = &mut s.opt;

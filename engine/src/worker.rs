@@ -348,6 +348,14 @@ pub struct WorkerStats {
     pub offers: u64,
     /// Shard pushes of transferred tasks' gradients ([`Worker::push_for`]).
     pub help_pushes: u64,
+    /// Staleness of its acknowledged shard pushes (updates applied between the values a
+    /// gradient was computed on and the gradient; 0 under synchronous clocks): sum, count
+    /// and maximum.
+    pub staleness_sum: u64,
+    /// Acknowledged shard pushes counted in `staleness_sum`.
+    pub staleness_acks: u64,
+    /// The largest.
+    pub staleness_max: u64,
 }
 
 /// A worker of a job.
@@ -1117,9 +1125,19 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                 }
             }
             Completion::Message { link, data } => match Msg::decode(&data) {
-                Ok(Msg::PushAck { shard, clock }) => {
+                Ok(Msg::PushAck {
+                    shard,
+                    clock,
+                    staleness,
+                }) => {
                     if let Some(sig) = lock(&w.waits).acks.remove(&(shard, clock)) {
                         sig.set(Ok(()));
+                    }
+                    if clock != u64::MAX {
+                        let mut stats = lock(&w.stats);
+                        stats.staleness_sum += staleness;
+                        stats.staleness_acks += 1;
+                        stats.staleness_max = stats.staleness_max.max(staleness);
                     }
                 }
                 Ok(Msg::Failed { what, reason }) => {

@@ -375,6 +375,8 @@ impl Trainer {
         };
         let rank = w.rank();
         let start = Instant::now();
+        // (sum, count) of push staleness already reported in the metrics.
+        let mut acked = (0u64, 0u64);
         let scale = 1.0 / cfg.batch as f32;
         for c in 0..cfg.iters {
             // 1. Pull; help while the policy holds us.
@@ -491,6 +493,10 @@ impl Trainer {
             };
             w.report_iteration(threads, done as u32, iteration)?;
             if let Some(m) = &self.metrics {
+                // Staleness of the pushes acknowledged since the last line.
+                let st = w.stats();
+                let (d, n) = (st.staleness_sum - acked.0, st.staleness_acks - acked.1);
+                acked = (st.staleness_sum, st.staleness_acks);
                 let line = serde_json::json!({
                     "t": start.elapsed().as_secs_f64(),
                     "worker": rank,
@@ -505,6 +511,7 @@ impl Trainer {
                     "tasks_helped": sum.tasks_helped - helped_before,
                     "loss": sum.last_loss,
                     "bytes": 2 * n * 4,
+                    "staleness": (n > 0).then(|| d as f64 / n as f64),
                 });
                 let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
                 let _ = writeln!(m, "{line}");

@@ -195,10 +195,16 @@ fn per_iteration_metrics_are_json_lines() {
             "threads",
             "tasks_own",
             "bytes",
+            "staleness",
         ] {
             assert!(l.get(key).is_some(), "{key} missing in {l}");
         }
     }
+    // Acknowledged pushes report their staleness (SSP applies gradients asynchronously).
+    assert!(
+        lines.iter().any(|l| l["staleness"].as_f64().is_some()),
+        "{text}"
+    );
     for w in 0..2u64 {
         let iters: Vec<u64> = lines
             .iter()
