@@ -14,6 +14,7 @@ pub mod sync;
 pub mod update;
 
 pub use error::{Error, Result};
+pub mod auth;
 pub mod config;
 pub mod proto;
 // The roles map real shared memory with std atomics; the loom build (`--cfg loom`) models

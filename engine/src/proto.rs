@@ -11,7 +11,7 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`).
-const VERSION: u8 = 4;
+const VERSION: u8 = 5;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -88,14 +88,21 @@ pub struct ShardKeys {
 /// A control message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
+    /// connecting node → acceptor: challenge me (the first message on a new link).
+    Knock,
+    /// acceptor → connecting node: prove you know the job token (see [`crate::auth`]).
+    Challenge {
+        /// A fresh random nonce.
+        nonce: Vec<u8>,
+    },
     /// node → scheduler: join the job.
     Hello {
         /// The role.
         role: Role,
         /// A requested rank, if any.
         rank: Option<u32>,
-        /// The job's secret token.
-        token: String,
+        /// The answer to the scheduler's challenge (the token itself never travels).
+        proof: Vec<u8>,
         /// Where this node accepts links (servers).
         addr: String,
         /// The tensors this worker trains (workers).
@@ -135,8 +142,8 @@ pub enum Msg {
     Attach {
         /// The worker's rank.
         rank: u32,
-        /// The job's secret token.
-        token: String,
+        /// The answer to the server's challenge.
+        proof: Vec<u8>,
     },
     /// server → worker: keys of every shard on this server.
     Keys {
@@ -296,7 +303,7 @@ mod tests {
         let m = Msg::Hello {
             role: Role::Worker,
             rank: Some(3),
-            token: "t".into(),
+            proof: vec![7; 32],
             addr: String::new(),
             tensors: vec![TensorSpec {
                 name: "w".into(),

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use falcon_transport::{Completion, Link, LinkId, Transport};
 
+use crate::auth::{self, Purpose};
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, TensorSpec};
@@ -130,10 +131,14 @@ fn admission_error(
     joined: &[Joined],
     role: Role,
     rank: Option<u32>,
-    token: &str,
+    proof_ok: bool,
 ) -> Option<String> {
-    if token != cfg.token {
-        return Some("wrong job token (a process of another job, or a stale one?)".into());
+    if !proof_ok {
+        return Some(
+            "wrong answer to the admission challenge: wrong job token (a process of another \
+             job, or a stale one?)"
+                .into(),
+        );
     }
     let want = match role {
         Role::Server => cfg.servers,
@@ -218,6 +223,8 @@ impl Scheduler {
         let cfg = &self.cfg;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         let mut links: HashMap<LinkId, Link> = HashMap::new();
+        // The challenge sent to each accepted link, used once.
+        let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         let mut joined: Vec<Joined> = Vec::new();
         while joined.iter().filter(|j| j.role == Role::Server).count() < cfg.servers as usize
             || joined.iter().filter(|j| j.role == Role::Worker).count() < cfg.workers as usize
@@ -245,14 +252,27 @@ impl Scheduler {
                         continue;
                     };
                     match Msg::decode(&data) {
+                        Ok(Msg::Knock) => {
+                            let nonce = auth::nonce()?;
+                            let _ = l.send(
+                                &Msg::Challenge {
+                                    nonce: nonce.clone(),
+                                }
+                                .encode(),
+                            );
+                            nonces.insert(link, nonce);
+                        }
                         Ok(Msg::Hello {
                             role,
                             rank,
-                            token,
+                            proof,
                             addr,
                             tensors,
                         }) => {
-                            let reason = admission_error(cfg, &joined, role, rank, &token);
+                            let proof_ok = nonces.remove(&link).is_some_and(|n| {
+                                auth::check(&cfg.token, Purpose::Hello, &n, &proof)
+                            });
+                            let reason = admission_error(cfg, &joined, role, rank, proof_ok);
                             match reason {
                                 Some(r) => Self::refuse(&l, r, report),
                                 None => joined.push(Joined {
@@ -274,6 +294,7 @@ impl Scheduler {
                     // A node that left before the job started frees its place.
                     joined.retain(|j| j.link.id() != link);
                     links.remove(&link);
+                    nonces.remove(&link);
                 }
                 Completion::WriteImm { .. } => {}
             }

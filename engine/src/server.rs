@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use crossbeam_utils::CachePadded;
 use falcon_transport::{Completion, Link, LinkId, Region, RemoteKey, Transport};
 
+use crate::auth::{self, Purpose};
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::ShardSpec;
@@ -270,6 +271,8 @@ impl Server {
             ..Default::default()
         };
         let mut links: HashMap<LinkId, Link> = HashMap::new();
+        // The challenge sent to each accepted link, used once by its attach.
+        let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         let mut worker_of: HashMap<LinkId, u32> = HashMap::new();
         let mut link_of: HashMap<u32, LinkId> = HashMap::new();
         let mut parked: HashMap<u64, ParkedPull> = HashMap::new();
@@ -343,16 +346,24 @@ impl Server {
                         let _ = l.send(&m.encode());
                     };
                     match Msg::decode(&data) {
-                        Ok(Msg::Attach { rank, token: tk }) => {
+                        Ok(Msg::Knock) => {
+                            let nonce = auth::nonce()?;
+                            reply(Msg::Challenge {
+                                nonce: nonce.clone(),
+                            });
+                            nonces.insert(link, nonce);
+                        }
+                        Ok(Msg::Attach { rank, proof }) => {
+                            let proof_ok = nonces
+                                .remove(&link)
+                                .is_some_and(|n| auth::check(&token, Purpose::Attach, &n, &proof));
                             tracing::debug!("server {}: worker {rank} attaches", book.rank);
-                            if tk != token
-                                || rank as usize >= workers
-                                || link_of.contains_key(&rank)
+                            if !proof_ok || rank as usize >= workers || link_of.contains_key(&rank)
                             {
                                 reply(Msg::Failed {
                                     what: "attach".into(),
                                     reason: format!(
-                                        "worker {rank} refused (wrong token, bad or duplicate rank)"
+                                        "worker {rank} refused (wrong answer to the challenge: wrong job token; or a bad or duplicate rank)"
                                     ),
                                 });
                                 l.close();
@@ -592,6 +603,7 @@ impl Server {
                 }
                 Completion::Closed { link, .. } => {
                     links.remove(&link);
+                    nonces.remove(&link);
                     if let Some(w) = worker_of.remove(&link) {
                         link_of.remove(&w);
                     }

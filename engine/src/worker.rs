@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use falcon_transport::{Completion, Link, LinkId, Region, RemoteKey, Transport, TransportConfig};
 
+use crate::auth::{self, Purpose};
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, ShardSpec, TensorSpec};
@@ -68,17 +69,44 @@ pub(crate) fn rendezvous(
             Err(e) => return Err(e.into()),
         }
     };
+    sched.send(&Msg::Knock.encode())?;
+    let deadline = Instant::now() + cfg.rendezvous_timeout;
+    // The scheduler answers with a challenge our hello must answer.
+    let nonce = loop {
+        let left = time_left(
+            deadline,
+            "waiting for the scheduler's challenge",
+            cfg.rendezvous_timeout,
+        )?;
+        match t.cq().wait(Some(left)) {
+            Ok(Completion::Message { link, data }) if link == sched.id() => {
+                match Msg::decode(&data)? {
+                    Msg::Challenge { nonce } => break nonce,
+                    Msg::Refused { reason } => return Err(Error::Refused(reason)),
+                    other => tracing::debug!("rendezvous: ignoring {other:?}"),
+                }
+            }
+            Ok(Completion::Closed { link, error }) if link == sched.id() => {
+                return Err(Error::PeerGone {
+                    role: "scheduler",
+                    rank: 0,
+                    why: format!("closed during rendezvous: {error:?}"),
+                });
+            }
+            Ok(other) => early.push(other),
+            Err(_) => {}
+        }
+    };
     sched.send(
         &Msg::Hello {
             role,
             rank,
-            token: cfg.token.clone(),
+            proof: auth::answer(&cfg.token, Purpose::Hello, &nonce),
             addr: t.address().to_string(),
             tensors,
         }
         .encode(),
     )?;
-    let deadline = Instant::now() + cfg.rendezvous_timeout;
     loop {
         let left = time_left(
             deadline,
@@ -373,7 +401,7 @@ impl Worker {
             ..cfg.transport_config()
         })?;
         let (sched, book, _early) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
-        let mut servers = Vec::new();
+        let mut servers: Vec<Link> = Vec::new();
         for (r, addr) in book.servers.iter().enumerate() {
             let peer = addr
                 .parse()
@@ -384,48 +412,55 @@ impl Worker {
                 rank: r as u32,
                 why: e.to_string(),
             })?;
-            link.send(
-                &Msg::Attach {
-                    rank: book.rank,
-                    token: cfg.token.clone(),
-                }
-                .encode(),
-            )?;
-            tracing::debug!(
-                "worker {}: attached to server {r} over {}",
-                book.rank,
-                link.medium()
-            );
+            link.send(&Msg::Knock.encode())?;
             servers.push(link);
         }
-        // Collect every server's keys.
+        // Each server challenges its new link; the attach answers it, and the server sends
+        // its shards' keys (servers answer in any order).
+        let mut attached = vec![false; servers.len()];
         let mut keys: HashMap<u32, (RemoteKey, RemoteKey, RemoteKey)> = HashMap::new();
         let mut got = 0;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         while got < servers.len() {
-            let left = time_left(
-                deadline,
-                "waiting for the servers' keys",
-                cfg.rendezvous_timeout,
-            )?;
+            let left = time_left(deadline, "attaching to the servers", cfg.rendezvous_timeout)?;
             match t.cq().wait(Some(left)) {
-                Ok(Completion::Message { link, data }) => match Msg::decode(&data)? {
-                    Msg::Keys { shards } => {
-                        for k in shards {
-                            keys.insert(
-                                k.shard,
-                                (
-                                    RemoteKey::from_bytes(&k.params)?,
-                                    RemoteKey::from_bytes(&k.meta)?,
-                                    RemoteKey::from_bytes(&k.slot)?,
-                                ),
+                Ok(Completion::Message { link, data }) => {
+                    let Some(r) = servers.iter().position(|l| l.id() == link) else {
+                        continue;
+                    };
+                    match Msg::decode(&data)? {
+                        Msg::Challenge { nonce } if !attached[r] => {
+                            servers[r].send(
+                                &Msg::Attach {
+                                    rank: book.rank,
+                                    proof: auth::answer(&cfg.token, Purpose::Attach, &nonce),
+                                }
+                                .encode(),
+                            )?;
+                            attached[r] = true;
+                            tracing::debug!(
+                                "worker {}: attached to server {r} over {}",
+                                book.rank,
+                                servers[r].medium()
                             );
                         }
-                        got += 1;
+                        Msg::Keys { shards } => {
+                            for k in shards {
+                                keys.insert(
+                                    k.shard,
+                                    (
+                                        RemoteKey::from_bytes(&k.params)?,
+                                        RemoteKey::from_bytes(&k.meta)?,
+                                        RemoteKey::from_bytes(&k.slot)?,
+                                    ),
+                                );
+                            }
+                            got += 1;
+                        }
+                        Msg::Failed { reason, .. } => return Err(Error::Refused(reason)),
+                        other => tracing::debug!("worker: ignoring {other:?} from server {r}"),
                     }
-                    Msg::Failed { reason, .. } => return Err(Error::Refused(reason)),
-                    other => tracing::debug!("worker: ignoring {other:?} from link {link}"),
-                },
+                }
                 Ok(Completion::Closed { link, error }) => {
                     let (role, rank) = match servers.iter().position(|l| l.id() == link) {
                         Some(r) => ("server", r as u32),

@@ -389,3 +389,67 @@ fn a_pull_waits_for_a_straggler_longer_than_the_operation_timeout() {
         "no pulls after finish"
     );
 }
+
+#[test]
+fn admission_is_challenge_response_and_answers_do_not_replay() {
+    use falcon_engine::auth::{self, Purpose};
+    use falcon_engine::proto::{Msg, Role};
+    use falcon_transport::{Completion, Transport};
+
+    let mut c = cfg(1, 1, PolicySpec::Bsp);
+    let sched = falcon_engine::Scheduler::bind(c.clone()).unwrap();
+    c.scheduler = sched.address();
+    let s = std::thread::spawn(move || sched.run());
+    let t = Transport::new(falcon_transport::TransportConfig {
+        bind: None,
+        ..c.transport_config()
+    })
+    .unwrap();
+    let addr = c.scheduler.parse().unwrap();
+    let next = |link: &falcon_transport::Link| loop {
+        match t
+            .cq()
+            .wait(Some(Duration::from_secs(10)))
+            .expect("an answer")
+        {
+            Completion::Message { link: l, data } if l == link.id() => {
+                return Msg::decode(&data).unwrap();
+            }
+            _ => {}
+        }
+    };
+    let hello = |proof: Vec<u8>| Msg::Hello {
+        role: Role::Worker,
+        rank: None,
+        proof,
+        addr: String::new(),
+        tensors: tensors(),
+    };
+    // A hello without a challenge is refused.
+    let l = t.connect(&addr).unwrap();
+    l.send(&hello(vec![0; 32]).encode()).unwrap();
+    assert!(matches!(next(&l), Msg::Refused { reason } if reason.contains("challenge")));
+    // The right token, but the answer to another link's challenge (a replay), is refused.
+    let first = t.connect(&addr).unwrap();
+    first.send(&Msg::Knock.encode()).unwrap();
+    let Msg::Challenge { nonce: n1 } = next(&first) else {
+        panic!("expected a challenge")
+    };
+    let second = t.connect(&addr).unwrap();
+    second.send(&Msg::Knock.encode()).unwrap();
+    let Msg::Challenge { nonce: n2 } = next(&second) else {
+        panic!("expected a challenge")
+    };
+    assert_ne!(n1, n2, "every link gets its own nonce");
+    second
+        .send(&hello(auth::answer("secret", Purpose::Hello, &n1)).encode())
+        .unwrap();
+    assert!(matches!(next(&second), Msg::Refused { .. }));
+    // The answer to its own challenge is admitted (the job then starts without a server, so
+    // the scheduler's rendezvous just keeps waiting; stop it by dropping the links).
+    first
+        .send(&hello(auth::answer("secret", Purpose::Hello, &n1)).encode())
+        .unwrap();
+    drop((l, first, second, t));
+    drop(s);
+}
