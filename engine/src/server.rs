@@ -46,6 +46,10 @@ impl Default for ServerHooks {
 /// The clock a server acknowledges a transferred-task push with.
 pub const HELP_ACK: u64 = u64::MAX - 1;
 
+/// Bytes after the gradient in a worker's slot: the version it was computed from and the
+/// push's sequence number (u64 each, little-endian).
+pub const SLOT_TRAILER: u64 = 16;
+
 /// What a server did, returned when the job ends.
 #[derive(Clone, Debug, Default)]
 pub struct ServerReport {
@@ -61,6 +65,8 @@ pub struct ServerReport {
     pub answered_pulls: u64,
     /// Gradients the policy dropped (Sync-opt: late ones).
     pub dropped_gradients: u64,
+    /// Pushes received again (retries) and not applied again.
+    pub duplicate_pushes: u64,
     /// Asynchronously applied gradients: the sum and the maximum of their version staleness.
     pub staleness_sum: u64,
     /// The largest version staleness of an applied gradient.
@@ -121,6 +127,8 @@ struct Shard {
     initialized: bool,
     /// Per worker, the version of the values last sent to it by a released pull.
     sent_version: Vec<u64>,
+    /// Per worker, transferred-task gradients applied (the last sequence number seen).
+    helps: Vec<u64>,
 }
 
 impl Shard {
@@ -133,6 +141,15 @@ impl Shard {
     }
 
     /// The version a worker's pushed gradient was computed from (its slot's trailer).
+    /// The sequence number of a worker's pushed gradient (its slot's trailer; 0: unreadable).
+    fn seq(&self, w: usize) -> u64 {
+        let mut b = [0u8; 8];
+        match self.slots[w].read_at(self.spec.bytes() + 8, &mut b) {
+            Ok(()) => u64::from_le_bytes(b),
+            Err(_) => 0,
+        }
+    }
+
     fn pulled_version(&self, w: usize) -> u64 {
         let mut b = [0u8; 8];
         if self.slots[w].read_at(self.spec.bytes(), &mut b).is_err() {
@@ -243,10 +260,11 @@ impl Server {
                 spec: *spec,
                 params: Region::new(bytes)?,
                 meta: Region::new(meta_bytes(book.workers))?,
-                // Each slot holds the gradient and an 8-byte trailer: the version of the
-                // parameters it was computed from (u64::MAX: the one this server last sent).
+                // Each slot holds the gradient and a trailer: the version of the parameters
+                // it was computed from (u64::MAX: the one this server last sent) and the
+                // push's sequence number (a retried push is not applied twice).
                 slots: (0..workers)
-                    .map(|_| Region::new(bytes + 8))
+                    .map(|_| Region::new(bytes + SLOT_TRAILER))
                     .collect::<Result<_, _>>()?,
                 opt: ShardOptimizer::new(book.optimizer, hooks.schedule.clone(), spec.len as usize),
                 policy: book.policy.build_for(book.workers, spec.id),
@@ -255,6 +273,7 @@ impl Server {
                 next_apply: 0,
                 initialized: false,
                 sent_version: vec![0; workers],
+                helps: vec![0; workers],
             });
         }
         let token = cfg.token.clone();
@@ -490,7 +509,36 @@ impl Server {
                     }
                     let traffic = &mut report.per_shard[local as usize];
                     traffic.bytes_in += s.spec.bytes();
+                    // Exactly once: a sequence number at or below what was applied is a
+                    // repeated push (a retry): acknowledged again, not applied.
+                    let seq = s.seq(w as usize);
+                    let done = if kind == imm::HELP {
+                        s.helps[w as usize]
+                    } else {
+                        s.pushes[w as usize]
+                    };
+                    if seq <= done || seq > done + 1 {
+                        if seq <= done && seq > 0 {
+                            report.duplicate_pushes += 1;
+                            let _ = l.send(
+                                &Msg::PushAck {
+                                    shard: s.spec.id,
+                                    clock: if kind == imm::HELP { HELP_ACK } else { seq - 1 },
+                                    staleness: 0,
+                                }
+                                .encode(),
+                            );
+                        } else {
+                            tracing::warn!(
+                                "server {}: worker {w} pushed sequence {seq} to shard {} after {done}; ignored",
+                                book.rank,
+                                s.spec.id
+                            );
+                        }
+                        continue;
+                    }
                     if kind == imm::HELP {
+                        s.helps[w as usize] = seq;
                         // Task transfer: tasks taken from another worker, computed on this
                         // worker's values. Applied like an asynchronous gradient; the pusher's
                         // clock does not move and the policy sees no push (the straggler's own

@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::keys::{KeyMap, ShardSpec, TensorSpec};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::proto::{Book, Msg, Role, imm};
-use crate::server::HELP_ACK;
+use crate::server::{HELP_ACK, SLOT_TRAILER};
 use crate::sync::FastPath;
 use crate::update::UpdateMode;
 
@@ -254,6 +254,9 @@ struct ShardRemote {
     /// The version of the values last pulled (u64::MAX: pulled through the server, which
     /// remembers what it sent); sent with each push so the server knows its staleness.
     pulled_version: std::sync::atomic::AtomicU64,
+    /// Gradients of transferred tasks pushed to this shard (the next one's sequence number
+    /// is this plus one).
+    helps: std::sync::atomic::AtomicU64,
 }
 
 /// How many recent interval samples the ElasticBSP estimate averages.
@@ -496,6 +499,7 @@ impl Worker {
                 pushes: AtomicU32::new(0),
                 last_push: Mutex::new(None),
                 pulled_version: std::sync::atomic::AtomicU64::new(0),
+                helps: std::sync::atomic::AtomicU64::new(0),
             });
         }
         let timeout = cfg.transport.op_timeout;
@@ -622,7 +626,8 @@ impl Worker {
         self.check_len(t, grad)?;
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
-            signals.push(self.write_slot(s, grad, HELP_ACK, imm::HELP)?);
+            let seq = s.helps.fetch_add(1, Ordering::AcqRel) + 1;
+            signals.push(self.write_slot(s, grad, HELP_ACK, imm::HELP, seq)?);
         }
         lock(&self.inner.stats).help_pushes += signals.len() as u64;
         self.handle(signals, Some(self.inner.timeout)).wait()
@@ -810,21 +815,23 @@ impl Worker {
         self.sample_interval(clock);
         let mut signals = Vec::new();
         for s in shards {
-            signals.push(self.write_slot(s, grad, clock, imm::PUSH)?);
+            signals.push(self.write_slot(s, grad, clock, imm::PUSH, clock + 1)?);
             s.pushes.fetch_add(1, Ordering::AcqRel);
             lock(&self.inner.stats).pushes += 1;
         }
         Ok(self.handle(signals, Some(self.inner.timeout)))
     }
 
-    /// Writes `grad`'s part for shard `s` into this worker's slot with immediate `kind`, once
-    /// the previous push left the slot; returns the signal of the ack (keyed `ack`).
+    /// Writes `grad`'s part for shard `s` into this worker's slot with immediate `kind` and
+    /// sequence number `seq` (the server applies each sequence number once), once the
+    /// previous push left the slot; returns the signal of the ack (keyed `ack`).
     fn write_slot(
         &self,
         s: &ShardRemote,
         grad: &Region,
         ack: u64,
         kind: u32,
+        seq: u64,
     ) -> Result<Arc<Signal>> {
         self.wait_slot(s)?;
         let sig = Arc::new(Signal::default());
@@ -834,13 +841,7 @@ impl Worker {
         *lock(&s.last_push) = Some(sig.clone());
         let link = &self.inner.servers[s.server];
         // The trailer first (same link, so it lands before the gradient's immediate).
-        {
-            let scratch = lock(&s.scratch);
-            let v = s.pulled_version.load(Ordering::Acquire);
-            scratch.write_at(0, &v.to_le_bytes())?;
-            link.write(&scratch, 0, &s.slot, s.spec.bytes(), 8, None)
-                .map_err(|e| self.server_error(s.server, e))?;
-        }
+        self.write_trailer(s, seq)?;
         if let Err(e) = link.write(
             grad,
             s.spec.offset * 4,
@@ -853,6 +854,56 @@ impl Worker {
             return Err(self.server_error(s.server, e));
         }
         Ok(sig)
+    }
+
+    /// Writes shard `s`'s slot trailer: the version the gradient was computed from and the
+    /// push's sequence number.
+    fn write_trailer(&self, s: &ShardRemote, seq: u64) -> Result<()> {
+        let link = &self.inner.servers[s.server];
+        let scratch = lock(&s.scratch);
+        let v = s.pulled_version.load(Ordering::Acquire);
+        scratch.write_at(0, &v.to_le_bytes())?;
+        scratch.write_at(8, &seq.to_le_bytes())?;
+        link.write(&scratch, 0, &s.slot, s.spec.bytes(), SLOT_TRAILER, None)
+            .map_err(|e| self.server_error(s.server, e))?;
+        Ok(())
+    }
+
+    /// Sends the last push of `tensor` again, as a retry after a lost acknowledgement would
+    /// (its immediate and sequence number again, on the slot as it is), and waits for the
+    /// server's answer. The server must not apply it twice. A fault-injection seam for
+    /// tests; no error if nothing was pushed yet.
+    #[doc(hidden)]
+    pub fn repeat_last_push(&self, tensor: &str) -> Result<()> {
+        self.check_running()?;
+        let t = self.tensor(tensor)?;
+        let mut signals = Vec::new();
+        for s in self.shards_of(t) {
+            let pushed = u64::from(s.pushes.load(Ordering::Acquire));
+            if pushed == 0 {
+                continue;
+            }
+            self.wait_slot(s)?;
+            let sig = Arc::new(Signal::default());
+            lock(&self.inner.waits)
+                .acks
+                .insert((s.spec.id, pushed - 1), sig.clone());
+            *lock(&s.last_push) = Some(sig.clone());
+            self.write_trailer(s, pushed)?;
+            let scratch = lock(&s.scratch);
+            self.inner.servers[s.server]
+                .write(
+                    &scratch,
+                    0,
+                    &s.slot,
+                    0,
+                    0,
+                    Some(imm::pack(imm::PUSH, s.local)),
+                )
+                .map_err(|e| self.server_error(s.server, e))?;
+            signals.push(sig);
+        }
+        self.handle(signals, Some(self.inner.timeout)).wait()
     }
 
     /// Pushes from a slice (copied into a staging region first).

@@ -160,6 +160,52 @@ fn asp_applies_every_push_exactly_once() {
 }
 
 #[test]
+fn repeated_pushes_are_acknowledged_and_never_applied_twice() {
+    // Every push is sent twice (a retry after a lost acknowledgement): the parameters count
+    // each gradient once, and the servers report every repeat.
+    const W: u32 = 2;
+    const N: u64 = 10;
+    for policy in [PolicySpec::Asp, PolicySpec::Bsp] {
+        let mut c = cfg(2, W, policy);
+        c.optimizer = Optimizer::Sgd { lr: 1.0 };
+        c.aggregate = Aggregate::Sum;
+        let cluster = LocalCluster::start(c, tensors()).unwrap();
+        let threads: Vec<_> = cluster
+            .workers
+            .iter()
+            .cloned()
+            .map(|worker| {
+                std::thread::spawn(move || {
+                    let mut p = vec![0f32; 10];
+                    let g = vec![-((worker.rank() + 1) as f32); 10];
+                    for t in 0..N {
+                        worker.pull_slice("b", &mut p, t).unwrap();
+                        worker.push_slice("b", &g, t).unwrap();
+                        worker.repeat_last_push("b").unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in threads {
+            h.join().unwrap();
+        }
+        let keymap = cluster.workers[0].keymap().clone();
+        let report = cluster.finish().unwrap();
+        let b = report.tensor(&keymap, "b").unwrap();
+        let expect = (1..=W).map(|w| w as f32 * N as f32).sum::<f32>();
+        assert!(
+            b.iter().all(|&x| x == expect),
+            "{policy:?}: every push applied exactly once: {b:?} vs {expect}"
+        );
+        let shards_b = keymap.shards_of(1).count() as u64;
+        let grads: u64 = report.servers.iter().map(|s| s.gradients).sum();
+        let repeats: u64 = report.servers.iter().map(|s| s.duplicate_pushes).sum();
+        assert_eq!(grads, u64::from(W) * N * shards_b, "{policy:?}");
+        assert_eq!(repeats, u64::from(W) * N * shards_b, "{policy:?}");
+    }
+}
+
+#[test]
 fn no_pull_ever_sees_a_shard_beyond_the_ssp_bound() {
     // Parameters count pushes: worker w adds 1 to element w. A pull at clock c must then see
     // every element ≥ c − s — checked on the values themselves, under random delays.
