@@ -675,6 +675,11 @@ struct QpState {
     on_fail: OnceLock<Box<dyn Fn(Error) + Send + Sync>>,
     /// Tags this queue pair's work-request ids (see [`GEN_SHIFT`]).
     generation: u64,
+    /// False once the queue pair is being destroyed. The progress thread reposts receive
+    /// buffers on a queue pair it found in the device's map; it does so under the read lock,
+    /// and the destroyer flips this under the write lock first, so no verb ever reaches a
+    /// destroyed queue pair (that raced: a segfault with two links closing at once).
+    alive: RwLock<bool>,
 }
 
 // SAFETY: the QP pointer is used only through thread-safe verbs calls.
@@ -694,10 +699,17 @@ impl QpState {
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: valid QP; the buffer lies in a registered region kept alive by `self`.
+        let alive = self.alive.read().unwrap_or_else(|p| p.into_inner());
+        if !*alive {
+            // Being destroyed: nothing more to receive.
+            return Ok(());
+        }
+        // SAFETY: a live QP (the destroyer waits for this read lock to go); the buffer lies
+        // in a registered region kept alive by `self`.
         if unsafe { ibv_post_recv(self.qp, &mut wr, &mut bad) } != 0 {
             return Err(errno_error("post RDMA receive"));
         }
+        drop(alive);
         Ok(())
     }
 
@@ -812,6 +824,7 @@ impl RdmaQp {
             failed: AtomicBool::new(false),
             on_fail: OnceLock::new(),
             generation: dev.next_gen.fetch_add(1, Ordering::Relaxed) & GEN_MASK,
+            alive: RwLock::new(true),
         });
         for buf in 0..RECV_BUFS {
             state.post_recv(buf).map_err(destroy)?;
@@ -1114,8 +1127,12 @@ impl Drop for RdmaQp {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&qpn);
-        // SAFETY: no longer dispatched to; destroyed once. Outstanding receives are flushed
-        // by the device and their completions ignored (the number is no longer mapped).
+        // The progress thread may still hold this state (found in the map just before):
+        // wait for any verb it is posting, and make it post no more.
+        *self.state.alive.write().unwrap_or_else(|p| p.into_inner()) = false;
+        // SAFETY: no longer dispatched to and no verb can reach it any more; destroyed once.
+        // Outstanding receives are flushed by the device and their completions ignored (the
+        // number is no longer mapped).
         unsafe { ibv_destroy_qp(self.state.qp) };
     }
 }
