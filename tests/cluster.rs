@@ -331,3 +331,39 @@ fn training_runs_as_separate_processes() {
     assert_eq!(given, helped, "{stdout}");
     assert!(stdout.contains("[h=0.2]"), "{stdout}");
 }
+
+#[test]
+fn a_killed_worker_leaves_the_job_and_the_others_finish() {
+    // SSP(2): without the dead worker leaving every policy's minimum clock, the survivors
+    // would wait for it forever.
+    let p = port();
+    let extra = [("DMLC_NUM_WORKER", "3"), ("FALCON_POLICY", "ssp(2)")];
+    let mut sched = role("scheduler", p, 1500, &extra);
+    let mut server = role("server", p, 1500, &extra);
+    let mut workers: Vec<Child> = (0..3).map(|_| role("worker", p, 1500, &extra)).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut victim = workers.pop().unwrap();
+    assert!(victim.try_wait().unwrap().is_none(), "still running");
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed = Instant::now();
+    for mut w in workers {
+        let status = wait_for(&mut w, Duration::from_secs(60)).expect("the survivors finish");
+        let out = w.wait_with_output().unwrap();
+        assert!(
+            status.success(),
+            "a survivor failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    eprintln!("survivors finished {:?} after the kill", killed.elapsed());
+    for c in [&mut server, &mut sched] {
+        let status = wait_for(c, Duration::from_secs(30)).expect("the job ends");
+        assert!(status.success());
+    }
+    let log = String::from_utf8_lossy(&sched.wait_with_output().unwrap().stderr).into_owned();
+    assert!(
+        log.contains("scheduler: worker ") && log.contains(" left: ") && log.contains("peer died"),
+        "the scheduler says who left and why: {log}"
+    );
+}
