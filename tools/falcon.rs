@@ -545,7 +545,9 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
             .unwrap_or_else(|| "none".into())
             .parse()?,
         // A node silent for three heartbeats is declared dead (default 1 s: 3 s).
-        heartbeat: std::time::Duration::from_millis(env_parse(&["FALCON_HEARTBEAT_MS"], 1000u64)?.max(10)),
+        heartbeat: std::time::Duration::from_millis(
+            env_parse(&["FALCON_HEARTBEAT_MS"], 1000u64)?.max(10),
+        ),
         ..JobConfig::default()
     };
     // The trainer's convention: the gradients of a clock are summed (each is already a mean

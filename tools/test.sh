@@ -99,9 +99,15 @@ stage "cargo fmt --check" cargo fmt --all -- --check
 stage "cargo clippy (all targets, all features, -D warnings)" \
     cargo clippy --workspace --all-targets --all-features -- -D warnings
 stage "cargo test (workspace)" cargo test --workspace
+stage "fuzz (short pass, 10 s per target)" tools/fuzz.sh 10
 stage "cargo test (transport with rdma, host)" rdma_host
 stage "loom: shard meta seqlock and clocks" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
     cargo test -p falcon-engine --test loom_meta --release
+stage "loom: shm SPSC ring" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+    cargo test -p falcon-transport --lib --release ring::loom_model
+stage "loom: elastic pool task source" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+    cargo test -p falcon-trainer --test loom_pool --release
+stage "miri: ring and seqlock on plain memory" tools/miri.sh
 stage "benchmarks, quick mode" env FALCON_BENCH_QUICK=1 \
     cargo bench -p falcon-bench --bench transport -- --test
 stage "main command smoke run" cargo run --release -- train --iters 30

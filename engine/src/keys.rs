@@ -55,6 +55,46 @@ pub struct KeyMap {
 }
 
 impl KeyMap {
+    /// Checks a key map received from a peer: shard ids are their indices, every shard lies
+    /// inside its tensor and on one of the `servers`, sizes fit in memory arithmetic, and the
+    /// shards of each tensor cover it. A hostile or corrupt book is a typed error, never a
+    /// panic later.
+    pub fn validate(&self, servers: usize) -> Result<()> {
+        let bad = |why: String| Err(Error::Config(format!("malformed key map: {why}")));
+        if self.servers as usize != servers {
+            return bad(format!(
+                "{} servers in the key map, {servers} in the address book",
+                self.servers
+            ));
+        }
+        let mut covered = vec![0u64; self.tensors.len()];
+        for (i, s) in self.shards.iter().enumerate() {
+            let Some(t) = self.tensors.get(s.tensor as usize) else {
+                return bad(format!("shard {i} names tensor {}", s.tensor));
+            };
+            let end = s.offset.checked_add(s.len);
+            if s.id as usize != i
+                || s.server as usize >= servers
+                || s.len == 0
+                || s.len > (u64::MAX >> 3)
+                || end.is_none_or(|e| e > t.len)
+                || s.offset != covered[s.tensor as usize]
+            {
+                return bad(format!("shard {i} ({s:?}) of tensor {:?}", t.name));
+            }
+            covered[s.tensor as usize] = s.offset + s.len;
+        }
+        if let Some((t, _)) = self
+            .tensors
+            .iter()
+            .zip(&covered)
+            .find(|(t, c)| t.len != **c)
+        {
+            return bad(format!("tensor {:?} is not covered by its shards", t.name));
+        }
+        Ok(())
+    }
+
     /// Cuts `tensors` into shards of at most `max_shard_bytes` and places them on `servers`.
     pub fn plan(tensors: Vec<TensorSpec>, servers: u32, max_shard_bytes: u64) -> Result<KeyMap> {
         if servers == 0 {
@@ -147,6 +187,42 @@ impl KeyMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_received_key_map_is_validated() {
+        let tensors = vec![
+            TensorSpec {
+                name: "w".into(),
+                len: 1000,
+            },
+            TensorSpec {
+                name: "b".into(),
+                len: 10,
+            },
+        ];
+        let good = KeyMap::plan(tensors, 2, 1024).unwrap();
+        good.validate(2).unwrap();
+        assert!(
+            good.validate(3).is_err(),
+            "server count must agree with the book"
+        );
+        let broken: [fn(&mut KeyMap); 6] = [
+            |k| k.shards[0].server = 7,
+            |k| k.shards[1].id = 0,
+            |k| k.shards[0].offset = 1,
+            |k| k.shards[0].len = u64::MAX,
+            |k| k.shards[0].tensor = 9,
+            |k| {
+                k.shards.pop();
+            },
+        ];
+        for (n, f) in broken.iter().enumerate() {
+            let mut k = good.clone();
+            f(&mut k);
+            let e = k.validate(2).unwrap_err();
+            assert!(e.to_string().contains("malformed key map"), "case {n}: {e}");
+        }
+    }
 
     fn t(name: &str, len: u64) -> TensorSpec {
         TensorSpec {

@@ -116,7 +116,10 @@ pub(crate) fn rendezvous(
         match t.cq().wait(Some(left)) {
             Ok(Completion::Message { link, data }) if link == sched.id() => {
                 match Msg::decode(&data)? {
-                    Msg::Book(b) => return Ok((sched, b, early)),
+                    Msg::Book(b) => {
+                        b.keymap.validate(b.servers.len())?;
+                        return Ok((sched, b, early));
+                    }
                     Msg::Refused { reason } => return Err(Error::Refused(reason)),
                     other => tracing::debug!("rendezvous: ignoring {other:?}"),
                 }

@@ -280,15 +280,13 @@ impl Hetero {
                     return Duration::ZERO;
                 };
                 let f = factors[(iter % len) as usize];
-                // `mul_f64`, without its panic on overflow (a huge factor saturates).
-                Duration::try_from_secs_f64(compute.as_secs_f64() * (f - 1.0).max(0.0))
-                    .unwrap_or(Duration::MAX)
+                times(compute, f - 1.0)
             }
             Hetero::None | Hetero::Contention { .. } => Duration::ZERO,
-            Hetero::Ratio { h } => compute.mul_f64(1.0 / h - 1.0),
+            Hetero::Ratio { h } => times(compute, 1.0 / h - 1.0),
             Hetero::Gaussian { mean_ms, std_ms } => {
                 let z = standard_normal(&mut fastrand::Rng::with_seed(mix(seed, iter)));
-                Duration::from_secs_f64((mean_ms + std_ms * z).max(0.0) / 1e3)
+                secs((mean_ms + std_ms * z).max(0.0) / 1e3)
             }
             Hetero::Episodes {
                 every,
@@ -296,13 +294,24 @@ impl Hetero {
                 slowdown,
             } => {
                 if iter % every < length {
-                    compute.mul_f64(slowdown - 1.0)
+                    times(compute, slowdown - 1.0)
                 } else {
                     Duration::ZERO
                 }
             }
         }
     }
+}
+
+/// `d · f` (`f` below 0 or NaN counts as 0), like `Duration::mul_f64` without its panic on
+/// overflow: a valid spec with a huge factor (`h=1e-300`, `episodes(1,1,1e300)`) saturates.
+fn times(d: Duration, f: f64) -> Duration {
+    secs(d.as_secs_f64() * f.max(0.0))
+}
+
+/// `Duration::from_secs_f64` without its panic on overflow: too long saturates.
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
 }
 
 /// Recognises `trace(…)` (the name case-insensitive, spaces around it ignored): `None` when

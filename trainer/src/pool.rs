@@ -53,7 +53,13 @@
 use std::any::Any;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+// The task source's word is loom's under `--cfg loom`, so `tests/loom_pool.rs` can model it;
+// the pool's own threads and channels are std's either way (loom cannot model them).
+#[cfg(loom)]
+use loom::sync::atomic::AtomicU64;
+#[cfg(not(loom))]
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -127,9 +133,9 @@ fn unpack(state: u64) -> (u32, u32, u32) {
 /// (its batch, its weights) is visible to whoever takes a task of it; read-modify-writes
 /// continue the release sequence, so this holds for every claim after the reset.
 ///
-/// Tested with real threads (claimers and thieves racing over many rounds, `tests/pool.rs`)
-/// and against a sequential model; there is no loom model yet, because loom is not a
-/// dependency of this crate (it is of the engine, under `cfg(loom)`).
+/// Tested with real threads (claimers and thieves racing over many rounds, `tests/pool.rs`),
+/// against a sequential model, and model-checked with loom (`tests/loom_pool.rs`: claimers
+/// and a thief racing, and a thief racing the reset to the next iteration).
 #[derive(Debug)]
 pub struct TaskSource {
     state: AtomicU64,
@@ -173,11 +179,12 @@ impl TaskSource {
                  micro-batches"
             )));
         }
+        let state = pack(iteration_tag(iteration), 0, m as u32);
         // Release: publishes the owner's writes for this iteration to every later claim/steal.
-        self.state.store(
-            pack(iteration_tag(iteration), 0, m as u32),
-            Ordering::Release,
-        );
+        // A swap rather than a store: the same effect, and the loom model checks exactly this
+        // code (loom 0.7 lets a plain store land inside another thread's compare-exchange,
+        // tokio-rs/loom#254, which the memory model forbids, and reports a false failure).
+        self.state.swap(state, Ordering::Release);
         Ok(())
     }
 

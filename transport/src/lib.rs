@@ -24,6 +24,9 @@
 mod addr;
 mod cq;
 mod error;
+/// Fuzzing seam for the cargo-fuzz targets in `fuzz/`; not API.
+#[doc(hidden)]
+pub mod fuzzing;
 mod link;
 mod memfd;
 #[cfg(feature = "rdma")]
