@@ -387,7 +387,10 @@ fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> 
         let n = runs.len();
         let mut median = runs.swap_remove(n / 2);
         median.times = times;
-        println!("{}", line(&median, s.target));
+        if rows.is_empty() {
+            println!("{}", table_header(s.target));
+        }
+        println!("{}", table_row(&median, None));
         rows.push(median);
     }
     Ok(rows)
@@ -397,12 +400,24 @@ fn secs(t: Option<f64>) -> String {
     t.map_or("not reached".into(), |t| format!("{t:.2}"))
 }
 
-fn line(r: &Row, target: f64) -> String {
+/// The Markdown table's header for `target`.
+fn table_header(target: f64) -> String {
     format!(
-        "  {} [{}]: to {:.0}%: {} s, final {:.2}%, {:.1} it/s, blocked {:.2} s, parked {}, dropped {}, {:.1} MB moved, {} tasks transferred",
+        "| configuration | mode | time to {:.0}% (s) | × first | final acc | it/s | blocked s | parked pulls | dropped | MB moved | tasks moved |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        100.0 * target
+    )
+}
+
+/// `r`'s row of the Markdown table, its time also as a ratio to `base`'s.
+fn table_row(r: &Row, base: Option<f64>) -> String {
+    let ratio = match (r.time_to_target, base) {
+        (Some(x), Some(b)) if b > 0.0 => format!("{:.2}", x / b),
+        _ => "–".into(),
+    };
+    format!(
+        "| {} | {} | {} | {ratio} | {:.2}% | {:.1} | {:.2} | {} | {} | {:.1} | {} |",
         r.config,
         r.mode,
-        100.0 * target,
         secs(r.time_to_target),
         100.0 * r.final_accuracy,
         r.iterations_per_sec,
@@ -416,34 +431,13 @@ fn line(r: &Row, target: f64) -> String {
 
 /// The Markdown table of `rows`, times also as a ratio to the first row's.
 fn table(rows: &[Row], target: f64) -> String {
-    let mut t = String::new();
     let base = rows.first().and_then(|r| r.time_to_target);
-    let _ = writeln!(
-        t,
-        "| configuration | mode | time to {:.0}% (s) | × first | final acc | it/s | blocked s | parked pulls | dropped | MB moved | tasks moved |",
-        100.0 * target
-    );
-    let _ = writeln!(t, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut t = table_header(target);
     for r in rows {
-        let ratio = match (r.time_to_target, base) {
-            (Some(x), Some(b)) if b > 0.0 => format!("{:.2}", x / b),
-            _ => "–".into(),
-        };
-        let _ = writeln!(
-            t,
-            "| {} | {} | {} | {ratio} | {:.2}% | {:.1} | {:.2} | {} | {} | {:.1} | {} |",
-            r.config,
-            r.mode,
-            secs(r.time_to_target),
-            100.0 * r.final_accuracy,
-            r.iterations_per_sec,
-            r.blocked_secs,
-            r.parked_pulls,
-            r.dropped_gradients,
-            r.bytes_moved as f64 / 1e6,
-            r.tasks_transferred
-        );
+        t.push('\n');
+        t.push_str(&table_row(r, base));
     }
+    t.push('\n');
     t
 }
 

@@ -72,31 +72,17 @@ pub(crate) fn rendezvous(
     sched.send(&Msg::Knock.encode())?;
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     // The scheduler answers with a challenge our hello must answer.
-    let nonce = loop {
-        let left = time_left(
-            deadline,
-            "waiting for the scheduler's challenge",
-            cfg.rendezvous_timeout,
-        )?;
-        match t.cq().wait(Some(left)) {
-            Ok(Completion::Message { link, data }) if link == sched.id() => {
-                match Msg::decode(&data)? {
-                    Msg::Challenge { nonce } => break nonce,
-                    Msg::Refused { reason } => return Err(Error::Refused(reason)),
-                    other => tracing::debug!("rendezvous: ignoring {other:?}"),
-                }
-            }
-            Ok(Completion::Closed { link, error }) if link == sched.id() => {
-                return Err(Error::PeerGone {
-                    role: "scheduler",
-                    rank: 0,
-                    why: format!("closed during rendezvous: {error:?}"),
-                });
-            }
-            Ok(other) => early.push(other),
-            Err(_) => {}
-        }
-    };
+    let nonce = from_scheduler(
+        t,
+        &sched,
+        (deadline, cfg.rendezvous_timeout),
+        "waiting for the scheduler's challenge",
+        &mut early,
+        |m| match m {
+            Msg::Challenge { nonce } => Ok(nonce),
+            other => Err(Box::new(other)),
+        },
+    )?;
     sched.send(
         &Msg::Hello {
             role,
@@ -107,21 +93,42 @@ pub(crate) fn rendezvous(
         }
         .encode(),
     )?;
+    let book = from_scheduler(
+        t,
+        &sched,
+        (deadline, cfg.rendezvous_timeout),
+        "waiting for the scheduler's address book",
+        &mut early,
+        |m| match m {
+            Msg::Book(b) => Ok(b),
+            other => Err(Box::new(other)),
+        },
+    )?;
+    book.keymap.validate(book.servers.len())?;
+    Ok((sched, book, early))
+}
+
+/// Waits for the scheduler's message that `want` takes (it hands others back), by `deadline`
+/// (of a `timeout`-long wait); a refusal or the link's end is an error, other completions go
+/// to `early`.
+fn from_scheduler<T>(
+    t: &Transport,
+    sched: &Link,
+    (deadline, timeout): (Instant, Duration),
+    what: &'static str,
+    early: &mut Vec<Completion>,
+    want: impl Fn(Msg) -> std::result::Result<T, Box<Msg>>,
+) -> Result<T> {
     loop {
-        let left = time_left(
-            deadline,
-            "waiting for the scheduler's address book",
-            cfg.rendezvous_timeout,
-        )?;
+        let left = time_left(deadline, what, timeout)?;
         match t.cq().wait(Some(left)) {
             Ok(Completion::Message { link, data }) if link == sched.id() => {
                 match Msg::decode(&data)? {
-                    Msg::Book(b) => {
-                        b.keymap.validate(b.servers.len())?;
-                        return Ok((sched, b, early));
-                    }
                     Msg::Refused { reason } => return Err(Error::Refused(reason)),
-                    other => tracing::debug!("rendezvous: ignoring {other:?}"),
+                    m => match want(m) {
+                        Ok(v) => return Ok(v),
+                        Err(other) => tracing::debug!("rendezvous: ignoring {other:?}"),
+                    },
                 }
             }
             Ok(Completion::Closed { link, error }) if link == sched.id() => {
