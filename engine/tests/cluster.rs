@@ -120,12 +120,14 @@ fn bsp_with_sgd_is_bitwise_equal_to_a_single_process_reference() {
     );
 }
 
-#[test]
-fn asp_applies_every_push_exactly_once() {
-    const W: u32 = 4;
-    const N: u64 = 25;
-    let mut c = cfg(2, W, PolicySpec::Asp);
+/// `W` workers pull and push tensor "b" `N` times, worker w pushing −(w+1) each time (so
+/// its pushes add (w+1) to every element), each push sent again when `repeat` (a retry after
+/// a lost acknowledgement). Checks that every push was applied exactly once; returns the
+/// repeats the servers reported and the shards of "b".
+fn count_every_push(policy: PolicySpec, w: u32, n: u64, repeat: bool) -> (u64, u64) {
+    let mut c = cfg(2, w, policy);
     c.optimizer = Optimizer::Sgd { lr: 1.0 };
+    c.aggregate = Aggregate::Sum;
     let cluster = LocalCluster::start(c, tensors()).unwrap();
     let threads: Vec<_> = cluster
         .workers
@@ -134,11 +136,13 @@ fn asp_applies_every_push_exactly_once() {
         .map(|worker| {
             std::thread::spawn(move || {
                 let mut p = vec![0f32; 10];
-                // Worker w pushes −(w+1) every time: w's pushes add (w+1) each to every element.
                 let g = vec![-((worker.rank() + 1) as f32); 10];
-                for t in 0..N {
+                for t in 0..n {
                     worker.pull_slice("b", &mut p, t).unwrap();
                     worker.push_slice("b", &g, t).unwrap();
+                    if repeat {
+                        worker.repeat_last_push("b").unwrap();
+                    }
                 }
             })
         })
@@ -149,59 +153,31 @@ fn asp_applies_every_push_exactly_once() {
     let keymap = cluster.workers[0].keymap().clone();
     let report = cluster.finish().unwrap();
     let b = report.tensor(&keymap, "b").unwrap();
-    let expect = (1..=W).map(|w| w as f32 * N as f32).sum::<f32>();
+    let expect = (1..=w).map(|w| w as f32 * n as f32).sum::<f32>();
     assert!(
         b.iter().all(|&x| x == expect),
-        "every push applied exactly once: {b:?} vs {expect}"
+        "{policy:?}: every push applied exactly once: {b:?} vs {expect}"
     );
     let grads: u64 = report.servers.iter().map(|s| s.gradients).sum();
     let shards_b = keymap.shards_of(1).count() as u64;
-    assert_eq!(grads, u64::from(W) * N * shards_b);
+    assert_eq!(grads, u64::from(w) * n * shards_b, "{policy:?}");
+    let repeats = report.servers.iter().map(|s| s.duplicate_pushes).sum();
+    (repeats, shards_b)
+}
+
+#[test]
+fn asp_applies_every_push_exactly_once() {
+    let (repeats, _) = count_every_push(PolicySpec::Asp, 4, 25, false);
+    assert_eq!(repeats, 0);
 }
 
 #[test]
 fn repeated_pushes_are_acknowledged_and_never_applied_twice() {
-    // Every push is sent twice (a retry after a lost acknowledgement): the parameters count
-    // each gradient once, and the servers report every repeat.
-    const W: u32 = 2;
-    const N: u64 = 10;
+    // Every push is sent twice: the parameters count each gradient once, and the servers
+    // report every repeat.
     for policy in [PolicySpec::Asp, PolicySpec::Bsp] {
-        let mut c = cfg(2, W, policy);
-        c.optimizer = Optimizer::Sgd { lr: 1.0 };
-        c.aggregate = Aggregate::Sum;
-        let cluster = LocalCluster::start(c, tensors()).unwrap();
-        let threads: Vec<_> = cluster
-            .workers
-            .iter()
-            .cloned()
-            .map(|worker| {
-                std::thread::spawn(move || {
-                    let mut p = vec![0f32; 10];
-                    let g = vec![-((worker.rank() + 1) as f32); 10];
-                    for t in 0..N {
-                        worker.pull_slice("b", &mut p, t).unwrap();
-                        worker.push_slice("b", &g, t).unwrap();
-                        worker.repeat_last_push("b").unwrap();
-                    }
-                })
-            })
-            .collect();
-        for h in threads {
-            h.join().unwrap();
-        }
-        let keymap = cluster.workers[0].keymap().clone();
-        let report = cluster.finish().unwrap();
-        let b = report.tensor(&keymap, "b").unwrap();
-        let expect = (1..=W).map(|w| w as f32 * N as f32).sum::<f32>();
-        assert!(
-            b.iter().all(|&x| x == expect),
-            "{policy:?}: every push applied exactly once: {b:?} vs {expect}"
-        );
-        let shards_b = keymap.shards_of(1).count() as u64;
-        let grads: u64 = report.servers.iter().map(|s| s.gradients).sum();
-        let repeats: u64 = report.servers.iter().map(|s| s.duplicate_pushes).sum();
-        assert_eq!(grads, u64::from(W) * N * shards_b, "{policy:?}");
-        assert_eq!(repeats, u64::from(W) * N * shards_b, "{policy:?}");
+        let (repeats, shards) = count_every_push(policy, 2, 10, true);
+        assert_eq!(repeats, 2 * 10 * shards, "{policy:?}");
     }
 }
 
