@@ -96,6 +96,27 @@ pub(crate) trait RingMem {
     unsafe fn get(&self, pos: u64, dst: &mut [u8]);
 }
 
+/// Copies `src` to byte `pos` of the data area at `data`.
+///
+/// # Safety
+///
+/// `data` addresses a data area of at least `pos + src.len()` bytes, which `src` (the
+/// caller's buffer) does not overlap.
+unsafe fn copy_in(data: *mut u8, pos: u64, src: &[u8]) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(pos as usize), src.len()) };
+}
+
+/// Copies `dst.len()` bytes from byte `pos` of the data area at `data` into `dst`.
+///
+/// # Safety
+///
+/// As for [`copy_in`], in the other direction.
+unsafe fn copy_out(data: *mut u8, pos: u64, dst: &mut [u8]) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(data.add(pos as usize), dst.as_mut_ptr(), dst.len()) };
+}
+
 /// A ring's memory in a sealed memfd mapping of `DATA_OFFSET + cap` bytes: `tail` at offset
 /// 0, `head` at 128, the data area at 4 KiB.
 #[derive(Debug)]
@@ -123,22 +144,13 @@ impl RingMem for Shared {
     }
 
     unsafe fn put(&self, pos: u64, src: &[u8]) {
-        // SAFETY: the caller keeps pos + src.len() <= cap, the length of the data area; `src`
-        // is the caller's buffer, never inside the mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos as usize), src.len())
-        };
+        // SAFETY: the caller's contract is `copy_in`'s.
+        unsafe { copy_in(self.data(), pos, src) }
     }
 
     unsafe fn get(&self, pos: u64, dst: &mut [u8]) {
-        // SAFETY: as for `put`, in the other direction.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.data().add(pos as usize),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
+        // SAFETY: the caller's contract is `copy_out`'s.
+        unsafe { copy_out(self.data(), pos, dst) }
     }
 }
 
@@ -173,22 +185,13 @@ impl RingMem for Heap {
     }
 
     unsafe fn put(&self, pos: u64, src: &[u8]) {
-        // SAFETY: the caller keeps pos + src.len() <= cap, the length of the data area; `src`
-        // is the caller's buffer, never inside the ring.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos as usize), src.len())
-        };
+        // SAFETY: the caller's contract is `copy_in`'s.
+        unsafe { copy_in(self.data(), pos, src) }
     }
 
     unsafe fn get(&self, pos: u64, dst: &mut [u8]) {
-        // SAFETY: as for `put`, in the other direction.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.data().add(pos as usize),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
+        // SAFETY: the caller's contract is `copy_out`'s.
+        unsafe { copy_out(self.data(), pos, dst) }
     }
 }
 
