@@ -548,6 +548,20 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         heartbeat: std::time::Duration::from_millis(
             env_parse(&["FALCON_HEARTBEAT_MS"], 1000u64)?.max(10),
         ),
+        // Server checkpoints and recovery: a dead server restarts from its checkpoint.
+        checkpoint: match env(&["FALCON_CHECKPOINT_DIR"]) {
+            Some(dir) => Some(falcon_engine::CheckpointSettings {
+                every: std::time::Duration::from_millis(
+                    env_parse(&["FALCON_CHECKPOINT_MS"], 1000u64)?.max(10),
+                ),
+                recovery_timeout: std::time::Duration::from_millis(env_parse(
+                    &["FALCON_RECOVERY_TIMEOUT_MS"],
+                    60_000u64,
+                )?),
+                ..falcon_engine::CheckpointSettings::new(dir)
+            }),
+            None => None,
+        },
         ..JobConfig::default()
     };
     // The trainer's convention: the gradients of a clock are summed (each is already a mean
@@ -609,22 +623,42 @@ fn role() -> Res {
                 std::io::stdout().flush()?;
             }
             let report = sched.run()?;
+            let nodes = |v: &[(Role, u32)]| {
+                v.iter()
+                    .map(|(r, n)| format!("{} {n}", r.name()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
             println!(
-                "scheduler: job done; bytes per server {:?}",
-                report.bytes_per_server
+                "scheduler: job done; bytes per server {:?}; dead: [{}]; rejoined: [{}]",
+                report.bytes_per_server,
+                nodes(&report.dead),
+                nodes(&report.rejoined)
             );
         }
         Role::Server => {
             let report = Server::join(cfg, rank, Default::default())?.run()?;
             println!(
-                "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients",
+                "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes",
                 report.rank,
                 report.gradients,
                 report.updates,
                 report.delayed_pulls,
                 report.answered_pulls,
-                report.dropped_gradients
+                report.dropped_gradients,
+                report.duplicate_pushes
             );
+            if report.checkpoints > 0 || report.restored_from.is_some() {
+                println!(
+                    "server {}: {} checkpoints written; restarted from checkpoint {}; {} acknowledged updates lost",
+                    report.rank,
+                    report.checkpoints,
+                    report
+                        .restored_from
+                        .map_or("none".into(), |n| n.to_string()),
+                    report.lost_updates
+                );
+            }
             for (w, c) in report.per_worker.iter().enumerate() {
                 let n: u64 = c.staleness.values().sum();
                 let sum: u64 = c.staleness.iter().map(|(d, k)| d * k).sum();
@@ -662,6 +696,8 @@ fn role() -> Res {
 fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let iters: u64 = env_parse(&["FALCON_ITERS"], 100)?;
     let floats: u64 = env_parse(&["FALCON_FLOATS"], 1 << 20)?;
+    // Fault injection (tests, the chaos run): drop a server link every N iterations.
+    let drop_every: u64 = env_parse(&["FALCON_FAULT_DROP_EVERY"], 0)?;
     let tensors = vec![TensorSpec {
         name: "model".into(),
         len: floats,
@@ -672,9 +708,12 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let target = (w.rank() + 1) as f32;
     let mut p = vec![0f32; floats as usize];
     let mut g = vec![0f32; floats as usize];
-    w.barrier()?;
+    if !w.rejoined() {
+        w.barrier()?;
+    }
     let start = Instant::now();
-    for t in 0..iters {
+    let first = w.clock();
+    for t in first..iters {
         w.pull("model", &buf, t)?;
         buf.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))?;
         for (gi, pi) in g.iter_mut().zip(&p) {
@@ -682,6 +721,9 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
         }
         grad.write_at(0, falcon_engine::worker::f32_bytes(&g))?;
         w.push("model", &grad, t)?;
+        if drop_every > 0 && t > 0 && t % drop_every == 0 {
+            w.drop_server_link((t / drop_every % w.server_media().len() as u64) as u32);
+        }
         if w.rank() == 0 && (t % 25 == 0 || t + 1 == iters) {
             println!("  worker 0 iteration {t:>4}: w[0] = {:.5}", p[0]);
         }
@@ -694,8 +736,9 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let stats = w.stats();
     let bytes = 2.0 * iters as f64 * floats as f64 * 4.0;
     println!(
-        "worker {}: {iters} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server, blocked {:.1} ms in pulls, {:.1} ms at superstep barriers, {} task offers",
+        "worker {}: {} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server, blocked {:.1} ms in pulls, {:.1} ms at superstep barriers, {} task offers, reconnects {}, lost updates {}",
         w.rank(),
+        iters - first,
         iters as f64 / secs,
         bytes / secs / 1e9,
         p[0],
@@ -703,7 +746,9 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
         stats.slow_pulls,
         stats.pull_wait.as_secs_f64() * 1e3,
         stats.barrier_wait.as_secs_f64() * 1e3,
-        stats.offers
+        stats.offers,
+        stats.reconnects,
+        stats.lost_updates
     );
     // Asynchronous policies apply stale gradients, which may overshoot the targets; only BSP
     // has an exact answer. Every policy must keep the model finite and near the targets.

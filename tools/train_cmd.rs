@@ -453,7 +453,7 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
             hetero = Hetero::parse(spec)?;
         }
     }
-    if me == 0 {
+    if me == 0 && !w.rejoined() {
         let init = w.buffer(TENSOR)?;
         init.write_at(
             0,
@@ -461,8 +461,10 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
         )?;
         w.init(TENSOR, &init)?;
     }
-    // Nobody pulls before the initial values are in.
-    w.barrier()?;
+    // Nobody pulls before the initial values are in (a rejoining worker finds them there).
+    if !w.rejoined() {
+        w.barrier()?;
+    }
     let iters = train.iters;
     let injector = Injector::new(hetero.clone(), u64::from(me) + 17)?;
     let summary = Trainer::new(

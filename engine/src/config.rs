@@ -41,6 +41,33 @@ pub struct JobConfig {
     pub transport: TransportConfig,
     /// The scheduler's supervisor and parallelism manager.
     pub supervisor: SupervisorSettings,
+    /// Server checkpoints and recovery (`None`: a dead server ends the job).
+    pub checkpoint: Option<CheckpointSettings>,
+}
+
+/// Server checkpoints: where, how often, and how long the job waits for a dead server to
+/// come back from its checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointSettings {
+    /// Directory of the checkpoint files (`server-RANK.ckpt`), shared by a server and its
+    /// restarted successor.
+    pub dir: std::path::PathBuf,
+    /// How often a server checkpoints.
+    pub every: Duration,
+    /// How long the scheduler waits for a dead server to restart before it ends the job
+    /// (workers wait as long; their pushes time out after the transport's op_timeout).
+    pub recovery_timeout: Duration,
+}
+
+impl CheckpointSettings {
+    /// Checkpoints in `dir` every second; a dead server has 60 s to come back.
+    pub fn new(dir: impl Into<std::path::PathBuf>) -> CheckpointSettings {
+        CheckpointSettings {
+            dir: dir.into(),
+            every: Duration::from_secs(1),
+            recovery_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 /// How the scheduler's parallelism manager may change the workers' thread counts (see
@@ -89,6 +116,7 @@ impl Default for JobConfig {
                 ..TransportConfig::default()
             },
             supervisor: SupervisorSettings::default(),
+            checkpoint: None,
         }
     }
 }

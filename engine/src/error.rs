@@ -48,6 +48,9 @@ pub enum Error {
     /// Invalid configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A server checkpoint could not be written, or one found is unusable.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// Something did not happen in time.
     #[error("{0} timed out after {1:?}")]
     Timeout(&'static str, std::time::Duration),

@@ -15,6 +15,7 @@ pub mod update;
 
 pub use error::{Error, Result};
 pub mod auth;
+pub mod checkpoint;
 pub mod config;
 pub mod proto;
 // The roles map real shared memory with std atomics; the loom build (`--cfg loom`) models
@@ -29,7 +30,7 @@ pub mod supervisor;
 #[cfg(not(loom))]
 pub mod worker;
 
-pub use config::{JobConfig, SupervisorSettings};
+pub use config::{CheckpointSettings, JobConfig, SupervisorSettings};
 #[cfg(not(loom))]
 pub use scheduler::{Scheduler, SchedulerReport};
 #[cfg(not(loom))]

@@ -91,6 +91,11 @@ impl<'a> Meta<'a> {
         v.store(v.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 
+    /// Sets the version (a server restoring its checkpoint). Inside `write`.
+    pub fn set_version(&self, version: u64) {
+        self.words[1].store(version, Ordering::Relaxed);
+    }
+
     /// Worker `w`'s clock. Acquire: pairs with the Release that closed the write section that
     /// set it, so the update it counts is visible to whoever acts on the value.
     pub fn clock(&self, w: usize) -> u64 {

@@ -10,8 +10,9 @@ use crate::sync::PolicySpec;
 use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
-/// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`).
-const VERSION: u8 = 5;
+/// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`; 6: server
+/// recovery and worker rejoin).
+const VERSION: u8 = 6;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -70,6 +71,28 @@ pub struct Book {
     pub optimizer: Optimizer,
     /// Staleness scaling of asynchronously applied gradients.
     pub scale: ScaleSpec,
+    /// Servers checkpoint and a dead server is waited for (it restarts from its checkpoint)
+    /// instead of ending the job.
+    pub recovery: bool,
+    /// This node joins a running job: a server restarting from its checkpoint, or a worker
+    /// rejoining at the current clock.
+    pub rejoin: bool,
+    /// This run of the job (random, from the scheduler): a checkpoint of an earlier run of
+    /// the same job is never restored.
+    pub instance: u64,
+    /// Barriers fallen so far: a rejoining worker's next barrier is the one after.
+    pub barriers: u64,
+}
+
+/// What a worker reattaching to a server says of one shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumeShard {
+    /// Global shard id.
+    pub shard: u32,
+    /// Its gradients acknowledged by the server (rejoin: the clock it starts at).
+    pub pushes: u64,
+    /// Its transferred-task gradients acknowledged.
+    pub helps: u64,
 }
 
 /// The keys a worker needs for one shard on its server.
@@ -81,6 +104,9 @@ pub struct ShardKeys {
     pub params: Vec<u8>,
     /// The shard's meta block (read one-sided).
     pub meta: Vec<u8>,
+    /// The lowest applied count among the other live workers on this shard: where a
+    /// rejoining worker starts.
+    pub clock: u64,
     /// This worker's gradient slot (written one-sided).
     pub slot: Vec<u8>,
 }
@@ -186,6 +212,28 @@ pub enum Msg {
         clock: u64,
         /// Its estimated iteration interval in nanoseconds (0: unknown).
         interval_ns: u64,
+    },
+    /// scheduler → workers: server `rank` restarted from its checkpoint at `addr`; reattach.
+    ServerBack {
+        /// Its rank.
+        rank: u32,
+        /// Its new address.
+        addr: String,
+    },
+    /// worker → server, after `Keys` on a reattach or a rejoin: where this worker stands on
+    /// each of the server's shards (what it had acknowledged; a rejoin: its starting clock).
+    Resume {
+        /// A fresh process rejoining at the current clock (nothing of it is lost), not a
+        /// reconnection of a live one.
+        rejoin: bool,
+        /// One entry per shard on the server.
+        shards: Vec<ResumeShard>,
+    },
+    /// server → worker: the resume is in force; in-flight requests may be sent again.
+    Resumed {
+        /// Acknowledged updates of this worker the server no longer has (taken after its
+        /// last checkpoint).
+        lost: u64,
     },
     /// scheduler → worker (ElasticBSP): run the iterations `< until`, then wait at the next
     /// barrier.

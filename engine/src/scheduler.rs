@@ -45,6 +45,9 @@ pub struct SchedulerReport {
     pub classes: Vec<String>,
     /// Tasks moved from stragglers to helpers.
     pub tasks_transferred: u64,
+    /// Nodes admitted into the running job: servers restarted from their checkpoint,
+    /// workers rejoining (role, rank).
+    pub rejoined: Vec<(Role, u32)>,
 }
 
 /// One worker's part of an ElasticBSP superstep plan.
@@ -202,8 +205,8 @@ impl Scheduler {
     /// worker is done; then shuts the servers down.
     pub fn run(self) -> Result<SchedulerReport> {
         let mut report = SchedulerReport::default();
-        let nodes = self.rendezvous(&mut report)?;
-        self.serve(nodes, report)
+        let (nodes, book) = self.rendezvous(&mut report)?;
+        self.serve(nodes, book, report)
     }
 
     fn refuse(link: &Link, reason: String, report: &mut SchedulerReport) {
@@ -218,8 +221,11 @@ impl Scheduler {
         link.close();
     }
 
-    /// Admits S servers and W workers; returns (role, rank) → link.
-    fn rendezvous(&self, report: &mut SchedulerReport) -> Result<BTreeMap<(Role, u32), Link>> {
+    /// Admits S servers and W workers; returns (role, rank) → link, and the book (rank 0).
+    fn rendezvous(
+        &self,
+        report: &mut SchedulerReport,
+    ) -> Result<(BTreeMap<(Role, u32), Link>, Book)> {
         let cfg = &self.cfg;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         let mut links: HashMap<LinkId, Link> = HashMap::new();
@@ -350,17 +356,26 @@ impl Scheduler {
         let servers: Vec<String> = (0..cfg.servers)
             .map(|r| addrs[&(Role::Server, r)].0.clone())
             .collect();
+        let instance = u64::from_le_bytes(auth::nonce()?[..8].try_into().expect("8 bytes"));
+        let template = Book {
+            rank: 0,
+            servers,
+            workers: cfg.workers,
+            keymap,
+            policy: cfg.policy,
+            mode: cfg.update_mode(),
+            aggregate: cfg.aggregate,
+            optimizer: cfg.optimizer,
+            scale: cfg.scale,
+            recovery: cfg.checkpoint.is_some(),
+            rejoin: false,
+            instance,
+            barriers: 0,
+        };
         for ((role, rank), link) in &nodes {
             let book = Book {
                 rank: *rank,
-                servers: servers.clone(),
-                workers: cfg.workers,
-                keymap: keymap.clone(),
-                policy: cfg.policy,
-                mode: cfg.update_mode(),
-                aggregate: cfg.aggregate,
-                optimizer: cfg.optimizer,
-                scale: cfg.scale,
+                ..template.clone()
             };
             link.send(&Msg::Book(book).encode())
                 .map_err(|e| Error::PeerGone {
@@ -369,16 +384,22 @@ impl Scheduler {
                     why: e.to_string(),
                 })?;
         }
-        Ok(nodes)
+        Ok((nodes, template))
     }
 
     fn serve(
         self,
-        nodes: BTreeMap<(Role, u32), Link>,
+        mut nodes: BTreeMap<(Role, u32), Link>,
+        mut book: Book,
         mut report: SchedulerReport,
     ) -> Result<SchedulerReport> {
-        let by_link: HashMap<LinkId, (Role, u32)> =
+        let mut by_link: HashMap<LinkId, (Role, u32)> =
             nodes.iter().map(|(k, l)| (l.id(), *k)).collect();
+        // Links of nodes asking to join the running job, and the challenge sent to each.
+        let mut joining: HashMap<LinkId, Link> = HashMap::new();
+        let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
+        // Dead servers that may come back from their checkpoint, with the deadline.
+        let mut down: BTreeMap<u32, Instant> = BTreeMap::new();
         let mut live: HashSet<(Role, u32)> = nodes.keys().copied().collect();
         let mut seen: HashMap<(Role, u32), Instant> =
             nodes.keys().map(|k| (*k, Instant::now())).collect();
@@ -390,13 +411,25 @@ impl Scheduler {
         let silence = self.cfg.heartbeat * 3;
         let supervisor = supervisor_for(&self.cfg);
         let mut advised: Vec<usize> = supervisor.all_threads();
-        let broadcast = |live: &HashSet<(Role, u32)>, m: &Msg| {
-            let bytes = m.encode();
-            for k in live {
-                let _ = nodes[k].send(&bytes);
-            }
-        };
+        let broadcast =
+            |nodes: &BTreeMap<(Role, u32), Link>, live: &HashSet<(Role, u32)>, m: &Msg| {
+                let bytes = m.encode();
+                for k in live {
+                    let _ = nodes[k].send(&bytes);
+                }
+            };
         loop {
+            while let Ok(l) = self.t.accept(Some(Duration::ZERO)) {
+                joining.insert(l.id(), l);
+            }
+            if let Some((&rank, _)) = down.iter().find(|(_, d)| Instant::now() > **d) {
+                broadcast(&nodes, &live, &Msg::Shutdown);
+                return Err(Error::PeerGone {
+                    role: "server",
+                    rank,
+                    why: "it died and did not restart from its checkpoint in time".into(),
+                });
+            }
             let live_workers: HashSet<u32> = live
                 .iter()
                 .filter(|(r, _)| *r == Role::Worker)
@@ -414,6 +447,7 @@ impl Scheduler {
                 .collect();
             for seq in ready {
                 barriers.remove(&seq);
+                book.barriers = book.barriers.max(seq);
                 for w in &live_workers {
                     let _ = nodes[&(Role::Worker, *w)].send(&Msg::BarrierDone { seq }.encode());
                 }
@@ -458,7 +492,7 @@ impl Scheduler {
                 }
             }
             if live_workers.iter().all(|w| done.contains(w)) {
-                broadcast(&live, &Msg::Shutdown);
+                broadcast(&nodes, &live, &Msg::Shutdown);
                 // Give the servers a moment to read it before our links close.
                 std::thread::sleep(Duration::from_millis(50));
                 // Workers that died are tolerated while others finish; a job whose every
@@ -474,6 +508,113 @@ impl Scheduler {
             }
             let mut gone = Vec::new();
             match self.t.cq().wait(Some(self.cfg.heartbeat)) {
+                Ok(Completion::Message { link, data }) if !by_link.contains_key(&link) => {
+                    let Some(l) = joining
+                        .get(&link)
+                        .cloned()
+                        .or_else(|| crate::worker::await_link(&self.t, &mut joining, link))
+                    else {
+                        continue;
+                    };
+                    let hello = match Msg::decode(&data) {
+                        Ok(Msg::Knock) => {
+                            let nonce = auth::nonce()?;
+                            let _ = l.send(
+                                &Msg::Challenge {
+                                    nonce: nonce.clone(),
+                                }
+                                .encode(),
+                            );
+                            nonces.insert(link, nonce);
+                            continue;
+                        }
+                        Ok(Msg::Hello {
+                            role,
+                            rank,
+                            proof,
+                            addr,
+                            ..
+                        }) => (role, rank, proof, addr),
+                        Ok(other) => {
+                            joining.remove(&link);
+                            Self::refuse(
+                                &l,
+                                format!("expected a hello, got {other:?}"),
+                                &mut report,
+                            );
+                            continue;
+                        }
+                        Err(e) => {
+                            joining.remove(&link);
+                            Self::refuse(&l, e.to_string(), &mut report);
+                            continue;
+                        }
+                    };
+                    let (role, rank, proof, addr) = hello;
+                    joining.remove(&link);
+                    let proof_ok = nonces
+                        .remove(&link)
+                        .is_some_and(|n| auth::check(&self.cfg.token, Purpose::Hello, &n, &proof));
+                    let admitted = match (role, rank) {
+                        _ if !proof_ok => {
+                            Err("wrong answer to the challenge (wrong job token)".to_string())
+                        }
+                        (Role::Server, Some(r)) if down.contains_key(&r) => Ok(r),
+                        (Role::Worker, Some(r))
+                            if r < self.cfg.workers
+                                && !live.contains(&(Role::Worker, r))
+                                && !done.contains(&r) =>
+                        {
+                            Ok(r)
+                        }
+                        _ => Err(format!(
+                            "{} {rank:?} cannot join the running job (only a dead server of a job with checkpoints, or a dead worker, each by its rank)",
+                            role.name()
+                        )),
+                    };
+                    let r = match admitted {
+                        Ok(r) => r,
+                        Err(reason) => {
+                            Self::refuse(&l, reason, &mut report);
+                            continue;
+                        }
+                    };
+                    if role == Role::Server {
+                        book.servers[r as usize] = addr.clone();
+                    }
+                    let b = Book {
+                        rank: r,
+                        rejoin: true,
+                        ..book.clone()
+                    };
+                    if l.send(&Msg::Book(b).encode()).is_err() {
+                        continue;
+                    }
+                    if let Some(old) = nodes.insert((role, r), l.clone()) {
+                        by_link.remove(&old.id());
+                    }
+                    by_link.insert(link, (role, r));
+                    live.insert((role, r));
+                    seen.insert((role, r), Instant::now());
+                    report.rejoined.push((role, r));
+                    tracing::info!("scheduler: {} {r} rejoined the job", role.name());
+                    if role == Role::Server {
+                        // It restarts knowing nobody's death: tell it who is gone.
+                        for w in 0..self.cfg.workers {
+                            if !live.contains(&(Role::Worker, w)) {
+                                let _ = l.send(
+                                    &Msg::Dead {
+                                        role: Role::Worker,
+                                        rank: w,
+                                    }
+                                    .encode(),
+                                );
+                            }
+                        }
+                        down.remove(&r);
+                        broadcast(&nodes, &live, &Msg::ServerBack { rank: r, addr });
+                    }
+                }
                 Ok(Completion::Message { link, data }) => {
                     let Some(&node) = by_link.get(&link) else {
                         continue;
@@ -588,6 +729,8 @@ impl Scheduler {
                     }
                 }
                 Ok(Completion::Closed { link, error }) => {
+                    joining.remove(&link);
+                    nonces.remove(&link);
                     if let Some(&node) = by_link.get(&link)
                         && !(node.0 == Role::Worker && done.contains(&node.1))
                     {
@@ -616,6 +759,7 @@ impl Scheduler {
                     nodes[&node].close();
                     report.dead.push(node);
                     broadcast(
+                        &nodes,
                         &live,
                         &Msg::Dead {
                             role: node.0,
@@ -623,14 +767,22 @@ impl Scheduler {
                         },
                     );
                     if node.0 == Role::Server {
-                        // The servers' data is gone with them: the job cannot finish (server
-                        // recovery is checkpoint-based, issue 8). Tell everyone and stop.
-                        broadcast(&live, &Msg::Shutdown);
-                        return Err(Error::PeerGone {
-                            role: "server",
-                            rank: node.1,
-                            why: "it died during the job".into(),
-                        });
+                        let Some(c) = &self.cfg.checkpoint else {
+                            // Its data is gone with it: without checkpoints the job cannot
+                            // finish. Tell everyone and stop.
+                            broadcast(&nodes, &live, &Msg::Shutdown);
+                            return Err(Error::PeerGone {
+                                role: "server",
+                                rank: node.1,
+                                why: "it died during the job".into(),
+                            });
+                        };
+                        tracing::warn!(
+                            "scheduler: waiting up to {:?} for server {} to restart from its checkpoint",
+                            c.recovery_timeout,
+                            node.1
+                        );
+                        down.insert(node.1, Instant::now() + c.recovery_timeout);
                     }
                 }
             }

@@ -15,6 +15,7 @@ use crossbeam_utils::CachePadded;
 use falcon_transport::{Completion, Link, LinkId, Region, RemoteKey, Transport};
 
 use crate::auth::{self, Purpose};
+use crate::checkpoint::{Checkpoint, ShardState};
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::ShardSpec;
@@ -67,6 +68,13 @@ pub struct ServerReport {
     pub dropped_gradients: u64,
     /// Pushes received again (retries) and not applied again.
     pub duplicate_pushes: u64,
+    /// Checkpoints written.
+    pub checkpoints: u64,
+    /// The checkpoint this server restarted from (its number), if it did.
+    pub restored_from: Option<u64>,
+    /// Acknowledged updates lost with the previous incarnation of this server (applied after
+    /// its last checkpoint), as the reattaching workers counted them.
+    pub lost_updates: u64,
     /// Asynchronously applied gradients: the sum and the maximum of their version staleness.
     pub staleness_sum: u64,
     /// The largest version staleness of an applied gradient.
@@ -301,10 +309,53 @@ impl Server {
         let mut actions = Vec::new();
         let start = Instant::now();
         let mut last_beat = Instant::now();
+        let job = crate::config::job_hash(&cfg.job);
+        let checkpoints = match (&cfg.checkpoint, book.recovery) {
+            (Some(c), true) => Some((c, Checkpointer::start(&c.dir, book.rank)?)),
+            _ => None,
+        };
+        if book.rejoin {
+            let Some((c, _)) = &checkpoints else {
+                return Err(Error::Config(
+                    "admitted into a running job as a restarted server, but no checkpoint directory is configured".into(),
+                ));
+            };
+            let saved = crate::checkpoint::load(&c.dir, book.rank, job, book.workers)?
+                .filter(|k| k.instance == book.instance)
+                .ok_or_else(|| {
+                    Error::Checkpoint(format!(
+                        "server {} restarted into a running job, but {} holds no checkpoint of this run",
+                        book.rank,
+                        c.dir.display()
+                    ))
+                })?;
+            restore(&mut shards, &saved)?;
+            report.restored_from = Some(saved.number);
+            tracing::warn!(
+                "server {}: restarted from checkpoint {} ({} shards)",
+                book.rank,
+                saved.number,
+                saved.shards.len()
+            );
+        }
+        let mut last_ckpt = Instant::now();
         loop {
             if last_beat.elapsed() >= cfg.heartbeat {
                 let _ = sched.send(&Msg::Heartbeat.encode());
                 last_beat = Instant::now();
+            }
+            if let Some((c, writer)) = &checkpoints
+                && last_ckpt.elapsed() >= c.every
+            {
+                report.checkpoints += 1;
+                // Numbered on from the checkpoint this server restarted from.
+                let number = report.restored_from.unwrap_or(0) + report.checkpoints;
+                let snapshot = snapshot(&shards, job, &book, number);
+                if writer.offer(snapshot) {
+                    last_ckpt = Instant::now();
+                } else {
+                    report.checkpoints -= 1;
+                }
             }
             while let Ok(l) = t.accept(Some(Duration::ZERO)) {
                 links.insert(l.id(), l);
@@ -377,8 +428,7 @@ impl Server {
                                 .remove(&link)
                                 .is_some_and(|n| auth::check(&token, Purpose::Attach, &n, &proof));
                             tracing::debug!("server {}: worker {rank} attaches", book.rank);
-                            if !proof_ok || rank as usize >= workers || link_of.contains_key(&rank)
-                            {
+                            if !proof_ok || rank as usize >= workers {
                                 reply(Msg::Failed {
                                     what: "attach".into(),
                                     reason: format!(
@@ -388,12 +438,32 @@ impl Server {
                                 l.close();
                                 continue;
                             }
+                            // A worker reconnecting (its old link dropped, perhaps not yet
+                            // noticed here): the new link replaces the old one.
+                            if let Some(old) = link_of.get(&rank).copied()
+                                && old != link
+                            {
+                                if let Some(o) = links.remove(&old) {
+                                    o.close();
+                                }
+                                worker_of.remove(&old);
+                                parked.retain(|_, p| p.link != old);
+                            }
                             let mut keys = Vec::new();
                             for s in &shards {
+                                // Where a rejoining worker starts: the slowest other live
+                                // worker's count.
+                                let clock = (0..workers)
+                                    .filter(|&x| x != rank as usize && !dead.contains(&(x as u32)))
+                                    .map(|x| s.pushes[x])
+                                    .min()
+                                    .unwrap_or(0)
+                                    .max(s.pushes[rank as usize]);
                                 keys.push(ShardKeys {
                                     shard: s.spec.id,
                                     params: l.grant(&s.params)?.to_bytes().to_vec(),
                                     meta: l.grant(&s.meta)?.to_bytes().to_vec(),
+                                    clock,
                                     slot: l.grant(&s.slots[rank as usize])?.to_bytes().to_vec(),
                                 });
                             }
@@ -464,6 +534,49 @@ impl Server {
                                 },
                                 &mut actions,
                             );
+                            dispatch(
+                                &mut actions,
+                                &mut parked,
+                                &mut shards,
+                                (&links, &link_of),
+                                &mut offered,
+                                &mut report,
+                            );
+                        }
+                        Ok(Msg::Resume {
+                            rejoin,
+                            shards: resume,
+                        }) => {
+                            let Some(&w) = worker_of.get(&link) else {
+                                continue;
+                            };
+                            if rejoin && dead.remove(&w) {
+                                tracing::info!("server {}: worker {w} rejoined", book.rank);
+                            }
+                            let live = book.workers - dead.len() as u32;
+                            let mut lost = 0;
+                            for r in resume {
+                                let Some(&i) = local_of.get(&r.shard) else {
+                                    continue;
+                                };
+                                lost += resume_shard(
+                                    &mut shards[i],
+                                    w,
+                                    r,
+                                    rejoin,
+                                    (book.mode, book.aggregate, live, now),
+                                    &mut actions,
+                                    &mut report,
+                                );
+                            }
+                            report.lost_updates += lost;
+                            if lost > 0 {
+                                tracing::warn!(
+                                    "server {}: worker {w} had {lost} acknowledged updates this server lost (taken after its last checkpoint)",
+                                    book.rank
+                                );
+                            }
+                            reply(Msg::Resumed { lost });
                             dispatch(
                                 &mut actions,
                                 &mut parked,
@@ -737,7 +850,17 @@ fn apply_ready(
         let grads = s.pending.remove(&s.next_apply).expect("present");
         let clock = s.next_apply;
         let mut sum = vec![0f32; s.spec.len as usize];
-        aggregate(&mut sum, grads.iter().flatten().map(Vec::as_slice), agg);
+        // An empty gradient holds a place it lost (a restarted server's, or a rejoining
+        // worker's): it counts toward the quorum and adds nothing.
+        aggregate(
+            &mut sum,
+            grads
+                .iter()
+                .flatten()
+                .filter(|g| !g.is_empty())
+                .map(Vec::as_slice),
+            agg,
+        );
         let params = f32s_mut(&s.params, s.spec.len);
         let opt = &mut s.opt;
         meta_of(&s.meta).write(|m| {
@@ -817,4 +940,188 @@ fn dispatch(
             }
         }
     }
+}
+
+/// Writes checkpoints on a thread of its own, so the event loop never waits for the disk.
+struct Checkpointer {
+    tx: crossbeam_channel::Sender<Checkpoint>,
+}
+
+impl Checkpointer {
+    fn start(dir: &std::path::Path, rank: u32) -> Result<Checkpointer> {
+        let path = crate::checkpoint::path(dir, rank);
+        std::fs::create_dir_all(dir).map_err(|e| {
+            Error::Checkpoint(format!(
+                "create the checkpoint directory {}: {e}",
+                dir.display()
+            ))
+        })?;
+        let (tx, rx) = crossbeam_channel::bounded::<Checkpoint>(1);
+        std::thread::Builder::new()
+            .name(format!("falcon-ckpt-{rank}"))
+            .spawn(move || {
+                for c in rx {
+                    if let Err(e) = crate::checkpoint::save(&path, &c) {
+                        tracing::error!("server {rank}: {e}");
+                    }
+                }
+            })
+            .map_err(|e| Error::Config(format!("spawn the checkpoint writer: {e}")))?;
+        Ok(Checkpointer { tx })
+    }
+
+    /// Hands a snapshot to the writer; false when it is still busy with the previous one.
+    fn offer(&self, c: Checkpoint) -> bool {
+        self.tx.try_send(c).is_ok()
+    }
+}
+
+/// A consistent snapshot of every shard (taken on the event loop, between events).
+fn snapshot(shards: &[Shard], job: u64, book: &Book, number: u64) -> Checkpoint {
+    let taken_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    Checkpoint {
+        job,
+        instance: book.instance,
+        rank: book.rank,
+        workers: book.workers,
+        number,
+        taken_ms,
+        shards: shards
+            .iter()
+            .map(|s| {
+                let meta = s.meta();
+                let (m, v, step) = s.opt.state();
+                ShardState {
+                    id: s.spec.id,
+                    params: s.params_mut().to_vec(),
+                    version: meta.version(),
+                    clocks: (0..book.workers as usize).map(|w| meta.clock(w)).collect(),
+                    pushes: s.pushes.clone(),
+                    helps: s.helps.clone(),
+                    sent_version: s.sent_version.clone(),
+                    next_apply: s.next_apply,
+                    pending: s.pending.iter().map(|(c, g)| (*c, g.clone())).collect(),
+                    initialized: s.initialized,
+                    opt_m: m.to_vec(),
+                    opt_v: v.to_vec(),
+                    opt_step: step,
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Puts a checkpoint back into freshly built shards: values, versions, clocks, counters and
+/// optimizer state; each policy learns every worker's applied count.
+fn restore(shards: &mut [Shard], c: &Checkpoint) -> Result<()> {
+    let bad = |why: String| Error::Checkpoint(format!("does not fit this server: {why}"));
+    if c.shards.len() != shards.len() {
+        return Err(bad(format!(
+            "{} shards saved, {} here",
+            c.shards.len(),
+            shards.len()
+        )));
+    }
+    let mut ignored = Vec::new();
+    for (s, st) in shards.iter_mut().zip(&c.shards) {
+        if st.id != s.spec.id || st.params.len() as u64 != s.spec.len {
+            return Err(bad(format!(
+                "shard {} of {} floats saved where shard {} of {} is",
+                st.id,
+                st.params.len(),
+                s.spec.id,
+                s.spec.len
+            )));
+        }
+        s.opt
+            .restore(&st.opt_m, &st.opt_v, st.opt_step)
+            .map_err(bad)?;
+        let params = f32s_mut(&s.params, s.spec.len);
+        meta_of(&s.meta).write(|m| {
+            params.copy_from_slice(&st.params);
+            for (w, &clock) in st.clocks.iter().enumerate() {
+                m.set_clock(w, clock);
+            }
+            m.set_version(st.version);
+        });
+        s.pushes.clone_from(&st.pushes);
+        s.helps.clone_from(&st.helps);
+        s.sent_version.clone_from(&st.sent_version);
+        s.next_apply = st.next_apply;
+        s.pending = st.pending.iter().cloned().collect();
+        s.initialized = st.initialized;
+        for (w, &clock) in st.clocks.iter().enumerate() {
+            s.policy.on_event(
+                Event::Join {
+                    worker: w as u32,
+                    clock,
+                    at: 0,
+                },
+                &mut ignored,
+            );
+        }
+        ignored.clear();
+    }
+    Ok(())
+}
+
+/// A worker reattached (or rejoined) with `r`: what it had acknowledged on this shard (a
+/// rejoin: where it starts). Counts it had acknowledged beyond the shard's are taken as
+/// applied and lost (a reattach), or skipped (a rejoin). Returns the updates lost.
+fn resume_shard(
+    s: &mut Shard,
+    w: u32,
+    r: crate::proto::ResumeShard,
+    rejoin: bool,
+    (mode, agg, live, now): (UpdateMode, Aggregate, u32, u64),
+    actions: &mut Vec<Action>,
+    report: &mut ServerReport,
+) -> u64 {
+    let wi = w as usize;
+    let mut lost = 0;
+    let from = s.pushes[wi];
+    if r.pushes > from {
+        if !rejoin {
+            lost += r.pushes - from;
+        }
+        s.pushes[wi] = r.pushes;
+        if mode == UpdateMode::Sync {
+            // Its places in the steps still to apply are held, empty.
+            let workers = s.pushes.len();
+            for c in from.max(s.next_apply)..r.pushes {
+                s.pending.entry(c).or_insert_with(|| vec![None; workers])[wi] = Some(Vec::new());
+            }
+        }
+    }
+    if rejoin {
+        // A fresh process numbers its transferred-task pushes from 1 again.
+        s.helps[wi] = r.helps;
+    } else if r.helps > s.helps[wi] {
+        lost += r.helps - s.helps[wi];
+        s.helps[wi] = r.helps;
+    }
+    if !rejoin && r.pushes <= from {
+        // A reconnection the server lost nothing of: its standing is unchanged.
+        return lost;
+    }
+    let clock = match mode {
+        UpdateMode::Async => s.pushes[wi],
+        UpdateMode::Sync => s.pushes[wi].min(s.next_apply),
+    };
+    meta_of(&s.meta).write(|m| m.set_clock(wi, m.clock(wi).max(clock)));
+    s.policy.on_event(
+        Event::Join {
+            worker: w,
+            clock,
+            at: now,
+        },
+        actions,
+    );
+    if mode == UpdateMode::Sync {
+        apply_ready(s, agg, live, now, actions, report);
+    }
+    lost
 }

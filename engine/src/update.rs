@@ -218,6 +218,28 @@ impl ShardOptimizer {
         self.step
     }
 
+    /// The state a checkpoint keeps: first moments, second moments, steps taken.
+    pub fn state(&self) -> (&[f32], &[f32], u64) {
+        (&self.m, &self.v, self.step)
+    }
+
+    /// Restores a checkpointed state; refused when its shape is not this optimizer's.
+    pub fn restore(&mut self, m: &[f32], v: &[f32], step: u64) -> Result<(), String> {
+        if m.len() != self.m.len() || v.len() != self.v.len() {
+            return Err(format!(
+                "optimizer state of {} + {} values; this optimizer keeps {} + {}",
+                m.len(),
+                v.len(),
+                self.m.len(),
+                self.v.len()
+            ));
+        }
+        self.m.copy_from_slice(m);
+        self.v.copy_from_slice(v);
+        self.step = step;
+        Ok(())
+    }
+
     /// Applies gradient `g` (already aggregated and scaled) to `w`.
     pub fn apply(&mut self, w: &mut [f32], g: &[f32]) {
         debug_assert_eq!(w.len(), g.len());

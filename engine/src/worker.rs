@@ -20,8 +20,8 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use falcon_transport::{Completion, Link, LinkId, Region, RemoteKey, Transport, TransportConfig};
@@ -31,7 +31,7 @@ use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, ShardSpec, TensorSpec};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
-use crate::proto::{Book, Msg, Role, imm};
+use crate::proto::{Book, Msg, ResumeShard, Role, ShardKeys, imm};
 use crate::server::{HELP_ACK, SLOT_TRAILER};
 use crate::sync::FastPath;
 use crate::update::UpdateMode;
@@ -252,21 +252,85 @@ struct ShardRemote {
     spec: ShardSpec,
     server: usize,
     local: u32,
-    params: RemoteKey,
-    meta: RemoteKey,
-    slot: RemoteKey,
+    /// The server's keys for this shard (replaced when the worker reattaches).
+    keys: RwLock<Keys>,
     /// Scratch for one-sided meta reads (one pull of this shard at a time).
     scratch: Mutex<Region>,
     /// Gradients pushed so far (the next push's clock).
     pushes: AtomicU32,
-    /// The ack of the previous push: its slot must be free before the next write.
-    last_push: Mutex<Option<Arc<Signal>>>,
+    /// The previous push: its slot must be free (acknowledged) before the next write, and
+    /// until then it is written again on a new link after a reconnection.
+    inflight: Mutex<Option<PushRecord>>,
+    /// The highest sequence numbers the server acknowledged: gradients ([`imm::PUSH`]) and
+    /// transferred-task gradients ([`imm::HELP`]). A reattaching worker reports them.
+    acked: [AtomicU64; 2],
     /// The version of the values last pulled (u64::MAX: pulled through the server, which
     /// remembers what it sent); sent with each push so the server knows its staleness.
     pulled_version: std::sync::atomic::AtomicU64,
     /// Gradients of transferred tasks pushed to this shard (the next one's sequence number
     /// is this plus one).
     helps: std::sync::atomic::AtomicU64,
+}
+
+/// A shard's keys on its server.
+#[derive(Clone, Copy)]
+struct Keys {
+    params: RemoteKey,
+    meta: RemoteKey,
+    slot: RemoteKey,
+}
+
+impl Keys {
+    fn from_wire(k: &ShardKeys) -> Result<Keys> {
+        Ok(Keys {
+            params: RemoteKey::from_bytes(&k.params)?,
+            meta: RemoteKey::from_bytes(&k.meta)?,
+            slot: RemoteKey::from_bytes(&k.slot)?,
+        })
+    }
+}
+
+/// A push not yet acknowledged, as it must be written again.
+#[derive(Clone)]
+struct PushRecord {
+    /// The values (`None`: the slot as it is, a bare repeat).
+    grad: Option<Region>,
+    kind: u32,
+    seq: u64,
+    sig: Arc<Signal>,
+    /// The link it was last written on.
+    sent_on: Option<LinkId>,
+}
+
+/// A slow-path pull waiting for the server's answer, as it must be sent again.
+struct PullWait {
+    sig: Arc<Signal>,
+    sent: Instant,
+    /// Index of the shard in `Inner::shards`.
+    shard: usize,
+    out: Region,
+    clock: u64,
+    /// The link it was last sent on.
+    sent_on: Option<LinkId>,
+}
+
+/// The connection to one server.
+struct ServerSlot {
+    state: Mutex<ServerConn>,
+    changed: Condvar,
+}
+
+struct ServerConn {
+    /// The link in use; `None` while the server is unreachable.
+    link: Option<Link>,
+    /// Where it listens: the book's address, or the one the scheduler announced last.
+    addr: String,
+    /// A reconnection under way: the new link, attached but not yet resumed.
+    joining: Option<Link>,
+    /// No reconnection attempt before this.
+    next_try: Instant,
+    /// Set once it is gone for good (the job failed or ended).
+    gone: Option<Error>,
 }
 
 /// How many recent interval samples the ElasticBSP estimate averages.
@@ -313,8 +377,8 @@ impl Gate {
 #[derive(Default)]
 struct Waits {
     acks: HashMap<(u32, u64), Arc<Signal>>,
-    /// Pulls sent to a server, with when they were sent.
-    pulls: HashMap<(LinkId, u32), (Arc<Signal>, Instant)>,
+    /// Pulls sent to a server, by request id (the answer's immediate).
+    pulls: HashMap<u32, PullWait>,
     barriers: HashMap<u64, Arc<Signal>>,
 }
 
@@ -322,7 +386,11 @@ struct Inner {
     t: Transport,
     book: Book,
     sched: Link,
-    servers: Vec<Link>,
+    servers: Vec<ServerSlot>,
+    /// The job token (a reattach answers the server's challenge with it).
+    token: String,
+    /// How long an operation waits for a server that is down to come back (recovery).
+    recovery_wait: Duration,
     shards: Vec<ShardRemote>,
     waits: Mutex<Waits>,
     dead: Mutex<HashSet<u32>>,
@@ -397,6 +465,11 @@ pub struct WorkerStats {
     pub staleness_acks: u64,
     /// The largest.
     pub staleness_max: u64,
+    /// Reattachments to a server (a dropped link, or a server restarted from its checkpoint).
+    pub reconnects: u64,
+    /// Acknowledged updates a restarted server no longer had (applied after its last
+    /// checkpoint), as the servers counted them when this worker reattached.
+    pub lost_updates: u64,
 }
 
 /// A worker of a job.
@@ -429,12 +502,42 @@ impl Worker {
             servers.push(link);
         }
         // Each server challenges its new link; the attach answers it, and the server sends
-        // its shards' keys (servers answer in any order).
+        // its shards' keys (servers answer in any order). A worker rejoining a running job
+        // then tells every server where it starts, and waits for each to agree.
         let mut attached = vec![false; servers.len()];
-        let mut keys: HashMap<u32, (RemoteKey, RemoteKey, RemoteKey)> = HashMap::new();
+        let mut keys: HashMap<u32, ShardKeys> = HashMap::new();
         let mut got = 0;
+        let mut resumed = 0;
+        let mut start_clock = None;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
-        while got < servers.len() {
+        while got < servers.len() || (book.rejoin && resumed < servers.len()) {
+            if book.rejoin && got == servers.len() && start_clock.is_none() {
+                // Where a rejoining worker starts: the current clock, the furthest any
+                // server reports (so no shard sees it go back).
+                let c = keys.values().map(|k| k.clock).max().unwrap_or(0);
+                start_clock = Some(c);
+                for (r, l) in servers.iter().enumerate() {
+                    let shards = book
+                        .keymap
+                        .shards
+                        .iter()
+                        .filter(|sp| sp.server as usize == r)
+                        .map(|sp| ResumeShard {
+                            shard: sp.id,
+                            pushes: c,
+                            helps: 0,
+                        })
+                        .collect();
+                    l.send(
+                        &Msg::Resume {
+                            rejoin: true,
+                            shards,
+                        }
+                        .encode(),
+                    )?;
+                }
+                tracing::info!("worker {}: rejoining the job at clock {c}", book.rank);
+            }
             let left = time_left(deadline, "attaching to the servers", cfg.rendezvous_timeout)?;
             match t.cq().wait(Some(left)) {
                 Ok(Completion::Message { link, data }) => {
@@ -459,17 +562,11 @@ impl Worker {
                         }
                         Msg::Keys { shards } => {
                             for k in shards {
-                                keys.insert(
-                                    k.shard,
-                                    (
-                                        RemoteKey::from_bytes(&k.params)?,
-                                        RemoteKey::from_bytes(&k.meta)?,
-                                        RemoteKey::from_bytes(&k.slot)?,
-                                    ),
-                                );
+                                keys.insert(k.shard, k);
                             }
                             got += 1;
                         }
+                        Msg::Resumed { .. } => resumed += 1,
                         Msg::Failed { reason, .. } => return Err(Error::Refused(reason)),
                         other => tracing::debug!("worker: ignoring {other:?} from server {r}"),
                     }
@@ -488,10 +585,11 @@ impl Worker {
                 _ => {}
             }
         }
+        let start = start_clock.unwrap_or(0);
         let mut shards = Vec::new();
         let mut local_index = vec![0u32; book.servers.len()];
         for spec in &book.keymap.shards {
-            let (params, meta, slot) = *keys.get(&spec.id).ok_or_else(|| Error::PeerGone {
+            let k = keys.get(&spec.id).ok_or_else(|| Error::PeerGone {
                 role: "server",
                 rank: spec.server,
                 why: format!("sent no keys for shard {}", spec.id),
@@ -502,12 +600,11 @@ impl Worker {
                 spec: *spec,
                 server: spec.server as usize,
                 local,
-                params,
-                meta,
-                slot,
+                keys: RwLock::new(Keys::from_wire(k)?),
                 scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
-                pushes: AtomicU32::new(0),
-                last_push: Mutex::new(None),
+                pushes: AtomicU32::new(u32::try_from(start).unwrap_or(u32::MAX)),
+                inflight: Mutex::new(None),
+                acked: [AtomicU64::new(start), AtomicU64::new(0)],
                 pulled_version: std::sync::atomic::AtomicU64::new(0),
                 helps: std::sync::atomic::AtomicU64::new(0),
             });
@@ -515,17 +612,38 @@ impl Worker {
         let timeout = cfg.transport.op_timeout;
         let gate = book.policy.job_barriers().map(|_| Mutex::new(Gate::new()));
         let fast_path = book.policy.build(book.workers).fast_path();
+        let servers = servers
+            .into_iter()
+            .zip(&book.servers)
+            .map(|(link, addr)| ServerSlot {
+                state: Mutex::new(ServerConn {
+                    link: Some(link),
+                    addr: addr.clone(),
+                    joining: None,
+                    next_try: Instant::now(),
+                    gone: None,
+                }),
+                changed: Condvar::new(),
+            })
+            .collect();
+        let recovery_wait = cfg
+            .checkpoint
+            .as_ref()
+            .map_or(Duration::from_secs(60), |c| c.recovery_timeout);
+        let first_barrier = if book.rejoin { book.barriers } else { 0 };
         let inner = Arc::new(Inner {
             t,
             book,
             sched,
             servers,
+            token: cfg.token.clone(),
+            recovery_wait,
             shards,
             waits: Mutex::new(Waits::default()),
             dead: Mutex::new(HashSet::new()),
             grants: Mutex::new(HashMap::new()),
             next_req: AtomicU32::new(1),
-            next_barrier: Mutex::new(0),
+            next_barrier: Mutex::new(first_barrier),
             staging: Mutex::new(HashMap::new()),
             timeout,
             stop: AtomicBool::new(false),
@@ -547,6 +665,13 @@ impl Worker {
         Ok(Worker { inner })
     }
 
+    /// True when this process rejoined a running job (its rank had died): it starts at the
+    /// current clock ([`Worker::clock`]) and must not wait at the job's first barrier, which
+    /// has fallen.
+    pub fn rejoined(&self) -> bool {
+        self.inner.book.rejoin
+    }
+
     /// This worker's rank.
     pub fn rank(&self) -> u32 {
         self.inner.book.rank
@@ -564,7 +689,9 @@ impl Worker {
 
     /// The medium of the link to each server, by server rank.
     pub fn server_media(&self) -> Vec<&'static str> {
-        self.inner.servers.iter().map(|l| l.medium()).collect()
+        (0..self.inner.servers.len())
+            .map(|r| self.inner.up_link(r).map_or("down", |l| l.medium()))
+            .collect()
     }
 
     /// Counters so far.
@@ -637,7 +764,7 @@ impl Worker {
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
             let seq = s.helps.fetch_add(1, Ordering::AcqRel) + 1;
-            signals.push(self.write_slot(s, grad, HELP_ACK, imm::HELP, seq)?);
+            signals.push(self.write_slot(s, Some(grad), HELP_ACK, imm::HELP, seq)?);
         }
         lock(&self.inner.stats).help_pushes += signals.len() as u64;
         self.handle(signals, Some(self.inner.timeout)).wait()
@@ -773,27 +900,13 @@ impl Worker {
         self.check_len(t, values)?;
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
-            let sig = Arc::new(Signal::default());
-            self.wait_slot(s)?;
-            lock(&self.inner.waits)
-                .acks
-                .insert((s.spec.id, u64::MAX), sig.clone());
-            *lock(&s.last_push) = Some(sig.clone());
-            self.inner.servers[s.server].write(
-                values,
-                s.spec.offset * 4,
-                &s.slot,
-                0,
-                s.spec.bytes(),
-                Some(imm::pack(imm::INIT, s.local)),
-            )?;
-            signals.push(sig);
+            signals.push(self.write_slot(s, Some(values), u64::MAX, imm::INIT, 0)?);
         }
         self.handle(signals, Some(self.inner.timeout)).wait()
     }
 
     fn wait_slot(&self, s: &ShardRemote) -> Result<()> {
-        let prev = lock(&s.last_push).clone();
+        let prev = lock(&s.inflight).as_ref().map(|r| r.sig.clone());
         match prev {
             Some(p) => p.wait(Some(self.inner.timeout)),
             None => Ok(()),
@@ -825,7 +938,7 @@ impl Worker {
         self.sample_interval(clock);
         let mut signals = Vec::new();
         for s in shards {
-            signals.push(self.write_slot(s, grad, clock, imm::PUSH, clock + 1)?);
+            signals.push(self.write_slot(s, Some(grad), clock, imm::PUSH, clock + 1)?);
             s.pushes.fetch_add(1, Ordering::AcqRel);
             lock(&self.inner.stats).pushes += 1;
         }
@@ -834,49 +947,40 @@ impl Worker {
 
     /// Writes `grad`'s part for shard `s` into this worker's slot with immediate `kind` and
     /// sequence number `seq` (the server applies each sequence number once), once the
-    /// previous push left the slot; returns the signal of the ack (keyed `ack`).
+    /// previous push left the slot; returns the signal of the ack (keyed `ack`). With
+    /// recovery, a push whose link fails is kept and written again after the reconnection.
     fn write_slot(
         &self,
         s: &ShardRemote,
-        grad: &Region,
+        grad: Option<&Region>,
         ack: u64,
         kind: u32,
         seq: u64,
     ) -> Result<Arc<Signal>> {
         self.wait_slot(s)?;
+        let link = self.inner.link(s.server)?;
         let sig = Arc::new(Signal::default());
         lock(&self.inner.waits)
             .acks
             .insert((s.spec.id, ack), sig.clone());
-        *lock(&s.last_push) = Some(sig.clone());
-        let link = &self.inner.servers[s.server];
-        // The trailer first (same link, so it lands before the gradient's immediate).
-        self.write_trailer(s, seq)?;
-        if let Err(e) = link.write(
-            grad,
-            s.spec.offset * 4,
-            &s.slot,
-            0,
-            s.spec.bytes(),
-            Some(imm::pack(kind, s.local)),
-        ) {
-            lock(&self.inner.waits).acks.remove(&(s.spec.id, ack));
-            return Err(self.server_error(s.server, e));
+        let record = PushRecord {
+            grad: grad.cloned(),
+            kind,
+            seq,
+            sig: sig.clone(),
+            sent_on: Some(link.id()),
+        };
+        *lock(&s.inflight) = Some(record.clone());
+        if let Err(e) = self.inner.write_push(&link, s, &record) {
+            if self.inner.book.recovery && e.is_fatal_for_link() {
+                tracing::debug!("worker: push to server {} deferred: {e}", s.server);
+            } else {
+                lock(&self.inner.waits).acks.remove(&(s.spec.id, ack));
+                *lock(&s.inflight) = None;
+                return Err(self.server_error(s.server, e));
+            }
         }
         Ok(sig)
-    }
-
-    /// Writes shard `s`'s slot trailer: the version the gradient was computed from and the
-    /// push's sequence number.
-    fn write_trailer(&self, s: &ShardRemote, seq: u64) -> Result<()> {
-        let link = &self.inner.servers[s.server];
-        let scratch = lock(&s.scratch);
-        let v = s.pulled_version.load(Ordering::Acquire);
-        scratch.write_at(0, &v.to_le_bytes())?;
-        scratch.write_at(8, &seq.to_le_bytes())?;
-        link.write(&scratch, 0, &s.slot, s.spec.bytes(), SLOT_TRAILER, None)
-            .map_err(|e| self.server_error(s.server, e))?;
-        Ok(())
     }
 
     /// Sends the last push of `tensor` again, as a retry after a lost acknowledgement would
@@ -893,27 +997,19 @@ impl Worker {
             if pushed == 0 {
                 continue;
             }
-            self.wait_slot(s)?;
-            let sig = Arc::new(Signal::default());
-            lock(&self.inner.waits)
-                .acks
-                .insert((s.spec.id, pushed - 1), sig.clone());
-            *lock(&s.last_push) = Some(sig.clone());
-            self.write_trailer(s, pushed)?;
-            let scratch = lock(&s.scratch);
-            self.inner.servers[s.server]
-                .write(
-                    &scratch,
-                    0,
-                    &s.slot,
-                    0,
-                    0,
-                    Some(imm::pack(imm::PUSH, s.local)),
-                )
-                .map_err(|e| self.server_error(s.server, e))?;
-            signals.push(sig);
+            signals.push(self.write_slot(s, None, pushed - 1, imm::PUSH, pushed)?);
         }
         self.handle(signals, Some(self.inner.timeout)).wait()
+    }
+
+    /// Closes the link to server `server` as a dropped connection would (a fault-injection
+    /// seam for tests and the chaos run): with recovery the worker reconnects and resends
+    /// what was in flight; without, its operations fail.
+    #[doc(hidden)]
+    pub fn drop_server_link(&self, server: u32) {
+        if let Some(l) = self.inner.up_link(server as usize) {
+            l.close();
+        }
     }
 
     /// Pushes from a slice (copied into a staging region first).
@@ -1074,13 +1170,26 @@ impl Worker {
     /// The lock-free path: meta, check, parameters, sequence again. Ok(false) if the policy
     /// does not allow it (or the shard kept changing under us).
     fn pull_fast(&self, s: &ShardRemote, out: &Region, clock: u64, bound: u64) -> Result<bool> {
-        let link = &self.inner.servers[s.server];
+        // A server that is down: the slow path queues the request until it is back.
+        let Some(link) = self.inner.up_link(s.server) else {
+            return Ok(false);
+        };
+        let keys = *s.keys.read().unwrap_or_else(|p| p.into_inner());
         let scratch = lock(&s.scratch);
         let workers = self.inner.book.workers;
         let dead = lock(&self.inner.dead).clone();
+        let recovery = self.inner.book.recovery;
+        let read = |dst: &Region, off: u64, src: &RemoteKey, len: u64| -> Result<bool> {
+            match link.read(dst, off, src, 0, len) {
+                Ok(()) => Ok(true),
+                Err(e) if recovery && e.is_fatal_for_link() => Ok(false),
+                Err(e) => Err(self.server_error(s.server, e)),
+            }
+        };
         for _attempt in 0..4 {
-            link.read(&scratch, 0, &s.meta, 0, meta_bytes(workers))
-                .map_err(|e| self.server_error(s.server, e))?;
+            if !read(&scratch, 0, &keys.meta, meta_bytes(workers))? {
+                return Ok(false);
+            }
             let mut raw = vec![0u8; meta_bytes(workers) as usize];
             scratch.read_at(0, &mut raw)?;
             let snap = Snapshot::parse(&raw, workers)?;
@@ -1091,10 +1200,11 @@ impl Worker {
             if bound != u64::MAX && !within_staleness(min, clock, bound) {
                 return Ok(false);
             }
-            link.read(out, s.spec.offset * 4, &s.params, 0, s.spec.bytes())
-                .map_err(|e| self.server_error(s.server, e))?;
-            link.read(&scratch, 0, &s.meta, 0, 8)
-                .map_err(|e| self.server_error(s.server, e))?;
+            if !read(out, s.spec.offset * 4, &keys.params, s.spec.bytes())?
+                || !read(&scratch, 0, &keys.meta, 8)?
+            {
+                return Ok(false);
+            }
             let mut seq = [0u8; 8];
             scratch.read_at(0, &mut seq)?;
             if Snapshot::seq_of(&seq) == snap.seq {
@@ -1106,36 +1216,34 @@ impl Worker {
     }
 
     fn pull_slow(&self, s: &ShardRemote, out: &Region, clock: u64) -> Result<Arc<Signal>> {
-        let link = &self.inner.servers[s.server];
-        let dst = {
-            let mut grants = lock(&self.inner.grants);
-            match grants.get(&(link.id(), out.id())) {
-                Some(k) => *k,
-                None => {
-                    let k = link
-                        .grant(out)
-                        .map_err(|e| self.server_error(s.server, e))?;
-                    grants.insert((link.id(), out.id()), k);
-                    k
-                }
-            }
-        };
+        let link = self.inner.link(s.server)?;
         let req = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let sig = Arc::new(Signal::default());
         s.pulled_version.store(u64::MAX, Ordering::Release);
-        lock(&self.inner.waits)
-            .pulls
-            .insert((link.id(), req), (sig.clone(), Instant::now()));
-        let msg = Msg::PullReq {
-            shard: s.spec.id,
-            clock,
+        let shard = self
+            .inner
+            .shards
+            .iter()
+            .position(|x| x.spec.id == s.spec.id)
+            .expect("a shard of this worker");
+        lock(&self.inner.waits).pulls.insert(
             req,
-            dst: dst.to_bytes().to_vec(),
-            dst_off: s.spec.offset * 4,
-        };
-        if let Err(e) = link.send(&msg.encode()) {
-            lock(&self.inner.waits).pulls.remove(&(link.id(), req));
-            return Err(self.server_error(s.server, e));
+            PullWait {
+                sig: sig.clone(),
+                sent: Instant::now(),
+                shard,
+                out: out.clone(),
+                clock,
+                sent_on: Some(link.id()),
+            },
+        );
+        if let Err(e) = self.inner.send_pull(&link, s, req, out, clock) {
+            if self.inner.book.recovery && e.is_fatal_for_link() {
+                tracing::debug!("worker: pull from server {} deferred: {e}", s.server);
+            } else {
+                lock(&self.inner.waits).pulls.remove(&req);
+                return Err(self.server_error(s.server, e));
+            }
         }
         Ok(sig)
     }
@@ -1184,8 +1292,11 @@ impl Worker {
             self.rank(),
             "this worker has finished",
         );
-        for l in &self.inner.servers {
-            l.close();
+        for slot in &self.inner.servers {
+            let st = lock(&slot.state);
+            for l in st.link.iter().chain(st.joining.iter()) {
+                l.close();
+            }
         }
         self.inner.sched.close();
         Ok(())
@@ -1196,6 +1307,7 @@ impl Worker {
 /// waiting callers, and sends heartbeats.
 fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
     let mut last = Instant::now();
+    let mut last_resync = Instant::now();
     loop {
         let Some(w) = inner.upgrade() else { return };
         if w.stop.load(Ordering::Acquire) {
@@ -1204,6 +1316,17 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
         if last.elapsed() >= heartbeat {
             let _ = w.sched.send(&Msg::Heartbeat.encode());
             last = Instant::now();
+        }
+        if w.book.recovery {
+            w.reconnect();
+            // Anything recorded against a link that has since been replaced goes out again
+            // (a request that raced with a reconnection).
+            if last_resync.elapsed() >= Duration::from_millis(250) {
+                for r in 0..w.servers.len() {
+                    w.resync(r);
+                }
+                last_resync = Instant::now();
+            }
         }
         let c = match w
             .t
@@ -1214,19 +1337,31 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
             Err(_) => continue,
         };
         match c {
-            Completion::WriteImm { link, imm } => {
-                if let Some((sig, sent)) = lock(&w.waits).pulls.remove(&(link, imm)) {
-                    lock(&w.stats).pull_wait += sent.elapsed();
-                    sig.set(Ok(()));
+            Completion::Message { link, data } if w.joining_server(link).is_some() => {
+                let r = w.joining_server(link).expect("checked");
+                w.reattach_step(r, &data);
+            }
+            Completion::Closed { link, error } if w.joining_server(link).is_some() => {
+                let r = w.joining_server(link).expect("checked");
+                tracing::debug!("worker: reattaching to server {r} failed: {error:?}");
+                let mut st = lock(&w.servers[r].state);
+                st.joining = None;
+                st.next_try = Instant::now() + RETRY;
+            }
+            Completion::WriteImm { imm, .. } => {
+                if let Some(p) = lock(&w.waits).pulls.remove(&imm) {
+                    lock(&w.stats).pull_wait += p.sent.elapsed();
+                    p.sig.set(Ok(()));
                 }
             }
-            Completion::Message { link, data } => match Msg::decode(&data) {
+            Completion::Message { data, .. } => match Msg::decode(&data) {
                 Ok(Msg::PushAck {
                     shard,
                     clock,
                     staleness,
                 }) => {
                     if let Some(sig) = lock(&w.waits).acks.remove(&(shard, clock)) {
+                        w.count_ack(shard, &sig);
                         sig.set(Ok(()));
                     }
                     if clock != u64::MAX {
@@ -1239,9 +1374,9 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                 Ok(Msg::Failed { what, reason }) => {
                     let err = Error::Refused(format!("{what}: {reason}"));
                     if let Some(req) = what.strip_prefix("pull:").and_then(|r| r.parse().ok())
-                        && let Some((sig, _)) = lock(&w.waits).pulls.remove(&(link, req))
+                        && let Some(p) = lock(&w.waits).pulls.remove(&req)
                     {
-                        sig.set(Err(err));
+                        p.sig.set(Err(err));
                     }
                 }
                 Ok(Msg::BarrierDone { seq }) => {
@@ -1316,6 +1451,22 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                 }) => {
                     lock(&w.dead).insert(rank);
                 }
+                Ok(Msg::Dead {
+                    role: Role::Server,
+                    rank,
+                }) if w.book.recovery && (rank as usize) < w.servers.len() => {
+                    tracing::warn!("worker: server {rank} died; waiting for its restart");
+                    w.server_down(rank as usize);
+                }
+                Ok(Msg::ServerBack { rank, addr }) if (rank as usize) < w.servers.len() => {
+                    tracing::info!("worker: server {rank} restarted at {addr}; reattaching");
+                    let mut st = lock(&w.servers[rank as usize].state);
+                    st.addr = addr;
+                    st.next_try = Instant::now();
+                    if let Some(j) = st.joining.take() {
+                        j.close();
+                    }
+                }
                 Ok(Msg::Dead { role, rank }) => {
                     fail_all(&w, role, rank, "declared dead by the scheduler")
                 }
@@ -1324,11 +1475,25 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                 Err(e) => tracing::warn!("worker: {e}"),
             },
             Completion::Closed { link, error } => {
-                let (role, rank) = match w.servers.iter().position(|l| l.id() == link) {
-                    Some(r) => (Role::Server, r as u32),
-                    None => (Role::Scheduler, 0),
-                };
-                fail_all(&w, role, rank, &format!("link closed: {error:?}"));
+                let server =
+                    (0..w.servers.len()).find(|&r| w.up_link(r).is_some_and(|l| l.id() == link));
+                match server {
+                    Some(r) if w.book.recovery => {
+                        tracing::warn!(
+                            "worker: link to server {r} closed ({error:?}); reconnecting"
+                        );
+                        w.server_down(r);
+                    }
+                    Some(r) => fail_all(
+                        &w,
+                        Role::Server,
+                        r as u32,
+                        &format!("link closed: {error:?}"),
+                    ),
+                    // A link already replaced: nothing to do.
+                    None if link != w.sched.id() => {}
+                    None => fail_all(&w, Role::Scheduler, 0, &format!("link closed: {error:?}")),
+                }
             }
         }
     }
@@ -1341,12 +1506,19 @@ fn fail_all(w: &Inner, role: Role, rank: u32, why: &str) {
         rank,
         why: why.to_string(),
     };
+    for slot in &w.servers {
+        let mut st = lock(&slot.state);
+        if st.gone.is_none() {
+            st.gone = Some(err.clone());
+        }
+        slot.changed.notify_all();
+    }
     let mut waits = lock(&w.waits);
     for (_, s) in waits.acks.drain() {
         s.set(Err(err.clone()));
     }
-    for (_, (s, _)) in waits.pulls.drain() {
-        s.set(Err(err.clone()));
+    for (_, p) in waits.pulls.drain() {
+        p.sig.set(Err(err.clone()));
     }
     for (_, s) in waits.barriers.drain() {
         s.set(Err(err.clone()));
@@ -1359,6 +1531,286 @@ fn fail_all(w: &Inner, role: Role, rank: u32, why: &str) {
         }
         if let Some((s, _)) = g.pending.take() {
             s.set(Err(err));
+        }
+    }
+}
+
+/// Pause between attempts to reach a server that is down.
+const RETRY: Duration = Duration::from_millis(200);
+
+impl Inner {
+    /// The link to server `r` if it is up.
+    fn up_link(&self, r: usize) -> Option<Link> {
+        lock(&self.servers[r].state).link.clone()
+    }
+
+    /// The link to server `r`; with recovery, waits (up to the recovery timeout) while the
+    /// server is down.
+    fn link(&self, r: usize) -> Result<Link> {
+        let slot = &self.servers[r];
+        let deadline = Instant::now() + self.recovery_wait;
+        let mut st = lock(&slot.state);
+        loop {
+            if let Some(e) = &st.gone {
+                return Err(e.clone());
+            }
+            if let Some(l) = &st.link {
+                return Ok(l.clone());
+            }
+            if !self.book.recovery {
+                return Err(Error::PeerGone {
+                    role: "server",
+                    rank: r as u32,
+                    why: "its link is closed".into(),
+                });
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout(
+                    "waiting for a server to come back",
+                    self.recovery_wait,
+                ));
+            }
+            st = slot
+                .changed
+                .wait_timeout(st, left.min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Server `r` is unreachable: operations wait, and the progress thread reconnects.
+    fn server_down(&self, r: usize) {
+        let mut st = lock(&self.servers[r].state);
+        if let Some(l) = st.link.take() {
+            l.close();
+        }
+        st.next_try = Instant::now();
+    }
+
+    /// The server whose reconnection `link` is, if any.
+    fn joining_server(&self, link: LinkId) -> Option<usize> {
+        (0..self.servers.len()).find(|&r| {
+            lock(&self.servers[r].state)
+                .joining
+                .as_ref()
+                .is_some_and(|l| l.id() == link)
+        })
+    }
+
+    /// Starts a reconnection to every server that is down and due for an attempt: connect,
+    /// knock; [`Inner::reattach_step`] carries it on.
+    fn reconnect(&self) {
+        for (r, slot) in self.servers.iter().enumerate() {
+            let addr = {
+                let st = lock(&slot.state);
+                if st.link.is_some()
+                    || st.joining.is_some()
+                    || st.gone.is_some()
+                    || Instant::now() < st.next_try
+                {
+                    continue;
+                }
+                st.addr.clone()
+            };
+            let attempt = addr
+                .parse()
+                .map_err(|e| format!("address {addr:?}: {e}"))
+                .and_then(|peer| self.t.connect(&peer).map_err(|e| e.to_string()))
+                .and_then(|l| {
+                    l.send(&Msg::Knock.encode())
+                        .map(|()| l)
+                        .map_err(|e| e.to_string())
+                });
+            let mut st = lock(&slot.state);
+            match attempt {
+                Ok(l) if st.link.is_none() && st.joining.is_none() => st.joining = Some(l),
+                Ok(l) => l.close(),
+                Err(e) => {
+                    tracing::trace!("worker: server {r} not reachable yet: {e}");
+                    st.next_try = Instant::now() + RETRY;
+                }
+            }
+        }
+    }
+
+    /// One step of a reattachment to server `r`: answer its challenge, install its keys and
+    /// tell it what was acknowledged, then (resumed) put the link in use and resend.
+    fn reattach_step(&self, r: usize, data: &[u8]) {
+        let Some(link) = lock(&self.servers[r].state).joining.clone() else {
+            return;
+        };
+        match Msg::decode(data) {
+            Ok(Msg::Challenge { nonce }) => {
+                let _ = link.send(
+                    &Msg::Attach {
+                        rank: self.book.rank,
+                        proof: auth::answer(&self.token, Purpose::Attach, &nonce),
+                    }
+                    .encode(),
+                );
+            }
+            Ok(Msg::Keys { shards }) => {
+                for k in &shards {
+                    let Some(s) = self.shards.iter().find(|s| s.spec.id == k.shard) else {
+                        continue;
+                    };
+                    match Keys::from_wire(k) {
+                        Ok(keys) => *s.keys.write().unwrap_or_else(|p| p.into_inner()) = keys,
+                        Err(e) => tracing::warn!("worker: server {r} sent a bad key: {e}"),
+                    }
+                }
+                let resume = self
+                    .shards
+                    .iter()
+                    .filter(|s| s.server == r)
+                    .map(|s| ResumeShard {
+                        shard: s.spec.id,
+                        pushes: s.acked[0].load(Ordering::Acquire),
+                        helps: s.acked[1].load(Ordering::Acquire),
+                    })
+                    .collect();
+                let _ = link.send(
+                    &Msg::Resume {
+                        rejoin: false,
+                        shards: resume,
+                    }
+                    .encode(),
+                );
+            }
+            Ok(Msg::Resumed { lost }) => {
+                {
+                    let slot = &self.servers[r];
+                    let mut st = lock(&slot.state);
+                    st.joining = None;
+                    st.link = Some(link.clone());
+                    slot.changed.notify_all();
+                }
+                let mut stats = lock(&self.stats);
+                stats.reconnects += 1;
+                stats.lost_updates += lost;
+                drop(stats);
+                tracing::info!(
+                    "worker {}: reattached to server {r} ({lost} acknowledged updates lost)",
+                    self.book.rank
+                );
+                self.resync(r);
+            }
+            Ok(Msg::Failed { what, reason }) => {
+                fail_all(
+                    self,
+                    Role::Server,
+                    r as u32,
+                    &format!("refused the reattachment ({what}): {reason}"),
+                );
+            }
+            Ok(other) => tracing::debug!("worker: ignoring {other:?} while reattaching to {r}"),
+            Err(e) => tracing::warn!("worker: reattaching to server {r}: {e}"),
+        }
+    }
+
+    /// Writes again, on server `r`'s current link, the push and the pulls recorded against
+    /// an older link (the server applies a push's sequence number once).
+    fn resync(&self, r: usize) {
+        let Some(link) = self.up_link(r) else { return };
+        for s in self.shards.iter().filter(|s| s.server == r) {
+            let record = lock(&s.inflight).clone();
+            let Some(rec) = record else { continue };
+            if rec.sig.done() || rec.sent_on == Some(link.id()) {
+                continue;
+            }
+            if self.write_push(&link, s, &rec).is_ok() {
+                let mut cur = lock(&s.inflight);
+                if let Some(c) = cur.as_mut()
+                    && Arc::ptr_eq(&c.sig, &rec.sig)
+                {
+                    c.sent_on = Some(link.id());
+                }
+            }
+        }
+        let todo: Vec<(u32, usize, Region, u64)> = lock(&self.waits)
+            .pulls
+            .iter()
+            .filter(|(_, p)| self.shards[p.shard].server == r && p.sent_on != Some(link.id()))
+            .map(|(&req, p)| (req, p.shard, p.out.clone(), p.clock))
+            .collect();
+        for (req, i, out, clock) in todo {
+            if self
+                .send_pull(&link, &self.shards[i], req, &out, clock)
+                .is_ok()
+                && let Some(p) = lock(&self.waits).pulls.get_mut(&req)
+            {
+                p.sent_on = Some(link.id());
+            }
+        }
+    }
+
+    /// Writes a push on `link`: the slot's trailer (the version the gradient was computed
+    /// from, the sequence number), then the gradient with its immediate (same link, so the
+    /// trailer lands first).
+    fn write_push(
+        &self,
+        link: &Link,
+        s: &ShardRemote,
+        rec: &PushRecord,
+    ) -> std::result::Result<(), falcon_transport::Error> {
+        let keys = *s.keys.read().unwrap_or_else(|p| p.into_inner());
+        let scratch = lock(&s.scratch);
+        let v = s.pulled_version.load(Ordering::Acquire);
+        scratch.write_at(0, &v.to_le_bytes())?;
+        scratch.write_at(8, &rec.seq.to_le_bytes())?;
+        link.write(&scratch, 0, &keys.slot, s.spec.bytes(), SLOT_TRAILER, None)?;
+        let imm = Some(imm::pack(rec.kind, s.local));
+        match &rec.grad {
+            Some(g) => link.write(g, s.spec.offset * 4, &keys.slot, 0, s.spec.bytes(), imm),
+            None => link.write(&scratch, 0, &keys.slot, 0, 0, imm),
+        }
+    }
+
+    /// Sends a pull request on `link`, granting the destination on it first (cached).
+    fn send_pull(
+        &self,
+        link: &Link,
+        s: &ShardRemote,
+        req: u32,
+        out: &Region,
+        clock: u64,
+    ) -> std::result::Result<(), falcon_transport::Error> {
+        let dst = {
+            let mut grants = lock(&self.grants);
+            match grants.get(&(link.id(), out.id())) {
+                Some(k) => *k,
+                None => {
+                    let k = link.grant(out)?;
+                    grants.insert((link.id(), out.id()), k);
+                    k
+                }
+            }
+        };
+        let msg = Msg::PullReq {
+            shard: s.spec.id,
+            clock,
+            req,
+            dst: dst.to_bytes().to_vec(),
+            dst_off: s.spec.offset * 4,
+        };
+        link.send(&msg.encode())
+    }
+
+    /// An acknowledgement arrived with `sig`: counts it as acknowledged for the push it ends.
+    fn count_ack(&self, shard: u32, sig: &Arc<Signal>) {
+        let Some(s) = self.shards.iter().find(|s| s.spec.id == shard) else {
+            return;
+        };
+        if let Some(rec) = lock(&s.inflight).as_ref()
+            && Arc::ptr_eq(&rec.sig, sig)
+        {
+            let i = match rec.kind {
+                imm::PUSH => 0,
+                imm::HELP => 1,
+                _ => return,
+            };
+            s.acked[i].fetch_max(rec.seq, Ordering::AcqRel);
         }
     }
 }

@@ -378,7 +378,8 @@ impl Trainer {
         // (sum, count) of push staleness already reported in the metrics.
         let mut acked = (0u64, 0u64);
         let scale = 1.0 / cfg.batch as f32;
-        for c in 0..cfg.iters {
+        // A worker rejoining a running job starts at the current clock.
+        for c in w.clock()..cfg.iters {
             // 1. Pull; help while the policy holds us.
             let t0 = Instant::now();
             let (helping_before, helped_before) = (sum.helping_secs, sum.tasks_helped);

@@ -9,10 +9,18 @@
 //!
 //! Waiting spins for a bounded time (`spin`), then parks on the doorbell futex: an idle process
 //! burns no CPU, unlike ps-lite's busy-polling van.
+//!
+//! Memory is bounded: the queue counts the bytes of the [`Completion::Message`]s it holds, and a
+//! tcp progress thread about to exceed the cap (`TransportConfig::max_queued_bytes`) waits for
+//! the consumer to drain ([`CompletionQueue::push_bounded`]). While it waits it reads nothing
+//! from its socket, so the kernel's buffers fill and the sending peer's `send` blocks, then
+//! fails with `Error::Timeout` after its `op_timeout`: backpressure. Immediates and closures
+//! carry no payload and are never held back. Sources with their own bound (shm rings, rdma
+//! receive buffers) are counted but never wait.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::thread::futex;
@@ -125,6 +133,47 @@ pub(crate) trait CqSource: Send + Sync {
     fn drain(&self, out: &mut VecDeque<Completion>) -> bool;
 }
 
+/// How long a bounded push sleeps before it re-checks whether to give up waiting.
+const ROOM_RECHECK: Duration = Duration::from_millis(100);
+
+/// Payload bytes a completion holds in the queue.
+fn payload(c: &Completion) -> u64 {
+    match c {
+        Completion::Message { data, .. } => data.len() as u64,
+        Completion::WriteImm { .. } | Completion::Closed { .. } => 0,
+    }
+}
+
+/// The queued completions and their byte count.
+#[derive(Default)]
+struct Queue {
+    items: VecDeque<Completion>,
+    /// Bytes of queued message payloads.
+    bytes: u64,
+    /// The most `bytes` ever reached.
+    peak: u64,
+    /// Bounded pushes waiting for room.
+    waiters: u32,
+}
+
+impl Queue {
+    fn push_back(&mut self, c: Completion) {
+        self.bytes += payload(&c);
+        self.peak = self.peak.max(self.bytes);
+        self.items.push_back(c);
+    }
+
+    fn pop_front(&mut self) -> Option<Completion> {
+        let c = self.items.pop_front()?;
+        self.bytes -= payload(&c);
+        Some(c)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
 /// A completion queue. Cheap to clone; clones share the queue.
 #[derive(Clone)]
 pub struct CompletionQueue {
@@ -133,7 +182,13 @@ pub struct CompletionQueue {
 
 struct CqInner {
     doorbell: Arc<Doorbell>,
-    queue: Mutex<VecDeque<Completion>>,
+    queue: Mutex<Queue>,
+    /// Signalled when message bytes leave the queue, or when waiting for room should end.
+    room: Condvar,
+    /// The most message bytes a bounded push may bring the queue to.
+    cap: u64,
+    /// Set when the transport stops: bounded pushes stop waiting.
+    stopped: AtomicBool,
     sources: Mutex<Vec<Arc<dyn CqSource>>>,
     spin: Duration,
 }
@@ -142,16 +197,22 @@ impl std::fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CompletionQueue")
             .field("spin", &self.inner.spin)
+            .field("cap", &self.inner.cap)
             .finish()
     }
 }
 
 impl CompletionQueue {
-    pub(crate) fn new(spin: Duration) -> Result<Self> {
+    /// A queue whose bounded pushes hold it to `cap` bytes of messages (see
+    /// [`CompletionQueue::push_bounded`]).
+    pub(crate) fn new(spin: Duration, cap: u64) -> Result<Self> {
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 doorbell: Arc::new(Doorbell::create()?),
-                queue: Mutex::new(VecDeque::new()),
+                queue: Mutex::new(Queue::default()),
+                room: Condvar::new(),
+                cap,
+                stopped: AtomicBool::new(false),
                 sources: Mutex::new(Vec::new()),
                 spin,
             }),
@@ -167,28 +228,105 @@ impl CompletionQueue {
         self.inner.doorbell.ring();
     }
 
-    /// Delivers a completion from a progress thread.
+    /// Delivers a completion from a progress thread at once, whatever the queue holds. For
+    /// completions without payload, and for sources bounded elsewhere (rdma receive buffers).
     pub(crate) fn push(&self, c: Completion) {
         lock(&self.inner.queue).push_back(c);
         self.inner.doorbell.ring();
     }
 
+    /// Delivers a message from a progress thread that can wait (a tcp reader): while the queued
+    /// message bytes plus this one would exceed the cap, waits for the consumer to drain. A
+    /// message larger than the cap is delivered once the queue holds no other message, so
+    /// nothing deadlocks; queued bytes stay at most `max(cap, largest message)`.
+    ///
+    /// `give_up` is checked at least every 100 ms (and on [`CompletionQueue::wake_pushers`]):
+    /// when it returns true (the link is closing or failed), the message is delivered at once.
+    /// Returns false, without delivering, when the transport stopped
+    /// ([`CompletionQueue::stop`]): nobody will drain the queue, so the caller should end its
+    /// link.
+    pub(crate) fn push_bounded(
+        &self,
+        link: LinkId,
+        data: Vec<u8>,
+        give_up: impl Fn() -> bool,
+    ) -> bool {
+        let len = data.len() as u64;
+        let mut q = lock(&self.inner.queue);
+        while q.bytes != 0 && q.bytes.saturating_add(len) > self.inner.cap {
+            if self.inner.stopped.load(Ordering::Acquire) {
+                return false;
+            }
+            if give_up() {
+                break;
+            }
+            q.waiters += 1;
+            q = self
+                .inner
+                .room
+                .wait_timeout(q, ROOM_RECHECK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            q.waiters -= 1;
+        }
+        q.push_back(Completion::Message { link, data });
+        drop(q);
+        self.inner.doorbell.ring();
+        true
+    }
+
+    /// Makes bounded pushes waiting for room re-check their `give_up` now (a link closed).
+    pub(crate) fn wake_pushers(&self) {
+        let _q = lock(&self.inner.queue);
+        self.inner.room.notify_all();
+    }
+
+    /// The transport stopped: bounded pushes stop waiting for room (and deliver nothing).
+    pub(crate) fn stop(&self) {
+        self.inner.stopped.store(true, Ordering::Release);
+        self.wake_pushers();
+    }
+
+    /// Bytes of message payloads queued now (received, not yet returned by `poll`/`wait`).
+    pub fn queued_bytes(&self) -> u64 {
+        lock(&self.inner.queue).bytes
+    }
+
+    /// The most bytes of message payloads this queue has held at once.
+    pub fn peak_queued_bytes(&self) -> u64 {
+        lock(&self.inner.queue).peak
+    }
+
+    /// The cap on queued message bytes that tcp readers wait for (`max_queued_bytes`).
+    pub fn max_queued_bytes(&self) -> u64 {
+        self.inner.cap
+    }
+
+    /// Pops the next completion, waking a bounded push if it made room.
+    fn pop(&self, q: &mut Queue) -> Option<Completion> {
+        let c = q.pop_front()?;
+        if q.waiters != 0 && payload(&c) != 0 {
+            self.inner.room.notify_all();
+        }
+        Some(c)
+    }
+
     /// Returns a completion if one is ready, without waiting.
     pub fn poll(&self) -> Option<Completion> {
-        if let Some(c) = lock(&self.inner.queue).pop_front() {
+        if let Some(c) = self.pop(&mut lock(&self.inner.queue)) {
             return Some(c);
         }
         let mut sources = match self.inner.sources.try_lock() {
             Ok(s) => s,
             // Another thread is draining the sources; what it finds lands in `queue`.
-            Err(_) => return lock(&self.inner.queue).pop_front(),
+            Err(_) => return self.pop(&mut lock(&self.inner.queue)),
         };
         let mut found = VecDeque::new();
         sources.retain(|s| s.drain(&mut found));
         drop(sources);
         let mut q = lock(&self.inner.queue);
-        q.extend(found);
-        q.pop_front()
+        found.into_iter().for_each(|c| q.push_back(c));
+        self.pop(&mut q)
     }
 
     /// Waits for a completion: spins for the configured time, then parks. `None` waits forever.
@@ -231,7 +369,8 @@ impl CompletionQueue {
             return true;
         }
         let any = !found.is_empty();
-        lock(&self.inner.queue).extend(found);
+        let mut q = lock(&self.inner.queue);
+        found.into_iter().for_each(|c| q.push_back(c));
         any
     }
 }
@@ -284,5 +423,101 @@ impl Backoff {
             std::thread::sleep(Duration::from_micros(us));
         }
         self.round = self.round.saturating_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    fn msg(len: usize) -> Completion {
+        Completion::Message {
+            link: 1,
+            data: vec![0; len],
+        }
+    }
+
+    #[test]
+    fn counts_message_bytes_only() {
+        let cq = CompletionQueue::new(Duration::ZERO, 100).unwrap();
+        assert_eq!(cq.max_queued_bytes(), 100);
+        cq.push(msg(30));
+        cq.push(Completion::WriteImm { link: 1, imm: 9 });
+        assert!(cq.push_bounded(1, vec![1; 50], || false));
+        cq.push(Completion::Closed {
+            link: 1,
+            error: None,
+        });
+        assert_eq!(cq.queued_bytes(), 80);
+        assert!(matches!(cq.poll(), Some(Completion::Message { .. })));
+        assert_eq!(cq.queued_bytes(), 50);
+        assert!(matches!(
+            cq.poll(),
+            Some(Completion::WriteImm { imm: 9, .. })
+        ));
+        assert_eq!(cq.queued_bytes(), 50);
+        assert!(matches!(cq.poll(), Some(Completion::Message { data, .. }) if data == [1; 50]));
+        assert!(matches!(cq.poll(), Some(Completion::Closed { .. })));
+        assert!(cq.poll().is_none());
+        assert_eq!(cq.queued_bytes(), 0);
+        assert_eq!(cq.peak_queued_bytes(), 80);
+    }
+
+    #[test]
+    fn bounded_push_waits_for_room() {
+        let cq = CompletionQueue::new(Duration::ZERO, 100).unwrap();
+        assert!(cq.push_bounded(1, vec![0; 60], || false));
+        let done = Arc::new(AtomicBool::new(false));
+        let t = std::thread::spawn({
+            let (cq, done) = (cq.clone(), done.clone());
+            move || {
+                let r = cq.push_bounded(1, vec![0; 60], || false);
+                done.store(true, Ordering::Release);
+                r
+            }
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        // Whatever the timing, the second message cannot be queued before the first leaves.
+        assert!(!done.load(Ordering::Acquire));
+        assert_eq!(cq.queued_bytes(), 60);
+        // Payload-free completions still pass.
+        cq.push(Completion::WriteImm { link: 1, imm: 0 });
+        assert!(matches!(cq.poll(), Some(Completion::Message { .. })));
+        assert!(t.join().unwrap());
+        assert_eq!(cq.peak_queued_bytes(), 60);
+        assert!(matches!(cq.poll(), Some(Completion::WriteImm { .. })));
+        assert!(matches!(
+            cq.wait(Some(Duration::from_secs(10))),
+            Ok(Completion::Message { .. })
+        ));
+        assert_eq!(cq.queued_bytes(), 0);
+    }
+
+    #[test]
+    fn oversized_message_passes_alone() {
+        let cq = CompletionQueue::new(Duration::ZERO, 100).unwrap();
+        assert!(cq.push_bounded(1, vec![0; 500], || false));
+        assert_eq!(cq.queued_bytes(), 500);
+        // Not on top of another message, unless the pusher gives up waiting.
+        assert!(cq.push_bounded(1, vec![0; 1], || true));
+        assert_eq!(cq.queued_bytes(), 501);
+    }
+
+    #[test]
+    fn stop_releases_waiting_pushes() {
+        let cq = CompletionQueue::new(Duration::ZERO, 10).unwrap();
+        assert!(cq.push_bounded(1, vec![0; 10], || false));
+        let t = std::thread::spawn({
+            let cq = cq.clone();
+            move || cq.push_bounded(1, vec![0; 10], || false)
+        });
+        cq.stop();
+        assert!(
+            !t.join().unwrap(),
+            "a stopped queue takes no more waiting messages"
+        );
+        assert_eq!(cq.queued_bytes(), 10);
     }
 }

@@ -6,7 +6,9 @@
 //! - [`Link`]: a connection to one peer: two-sided [`Link::send`] for control messages,
 //!   one-sided [`Link::write`] (optionally with a 32-bit immediate) and [`Link::read`].
 //! - [`CompletionQueue`]: where immediates, messages and closures arrive; waiting spins
-//!   briefly, then parks, so an idle process burns no CPU.
+//!   briefly, then parks, so an idle process burns no CPU. It holds at most
+//!   [`TransportConfig::max_queued_bytes`] of messages: past that, tcp readers stop reading
+//!   (backpressure) until the process drains it.
 //! - [`Transport`]: a process's endpoint; listens, connects, chooses the medium.
 //!
 //! Media: `shm` (same host: memfd regions mapped by the peer, one memcpy per one-sided op,

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -101,6 +101,10 @@ struct Shared {
     pending: Mutex<HashMap<u64, PendingRead>>,
     next_req: AtomicU64,
     max_message: u64,
+    /// Set by the progress thread when the kernel timed the connection out (TCP_USER_TIMEOUT
+    /// on a peer that stopped reading, or failed keepalives). The progress thread usually
+    /// takes that error from the socket first, leaving a blocked sender only `EPIPE`.
+    timed_out: AtomicBool,
     /// Runs before `Closed` is delivered (an RDMA link drains its queue pair here, so every
     /// completion the peer caused precedes the closure).
     before_close: Option<Box<dyn Fn() + Send + Sync>>,
@@ -269,6 +273,7 @@ impl TcpLink {
             pending: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             max_message: cfg.max_message,
+            timed_out: AtomicBool::new(false),
             before_close,
         });
         let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("clone tcp socket", e));
@@ -319,11 +324,15 @@ impl TcpLink {
         let mut w = lock(&self.writer);
         let mut bufs = [IoSlice::new(header.as_bytes()), IoSlice::new(payload)];
         write_all_vectored(&mut w, &mut bufs).map_err(|e| {
-            let err = if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
+            use std::io::ErrorKind as K;
+            let err = if matches!(e.kind(), K::WouldBlock | K::TimedOut) {
                 Error::Timeout("tcp send (peer not reading)", self.op_timeout)
+            } else if matches!(
+                e.kind(),
+                K::BrokenPipe | K::ConnectionReset | K::ConnectionAborted
+            ) && self.kernel_timed_out()
+            {
+                Error::Timeout("tcp send (connection timed out)", self.op_timeout)
             } else {
                 Error::Closed {
                     peer: self.shared.peer.clone(),
@@ -334,6 +343,19 @@ impl TcpLink {
             let _ = w.shutdown(Shutdown::Both);
             err
         })
+    }
+
+    /// After a send found the connection gone: did the kernel time it out? The progress
+    /// thread, woken by the same event, says so; give it a moment to.
+    fn kernel_timed_out(&self) -> bool {
+        let deadline = std::time::Instant::now() + self.op_timeout.min(Duration::from_secs(1));
+        while self.shared.is_open()
+            && !self.shared.timed_out.load(Ordering::Acquire)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.shared.timed_out.load(Ordering::Acquire)
     }
 
     pub(crate) fn send(&self, data: &[u8]) -> Result<()> {
@@ -429,6 +451,7 @@ impl TcpLink {
     fn fail(&self, err: Error) {
         self.shared.record(err);
         let _ = self.stream.shutdown(Shutdown::Both);
+        self.shared.cq.wake_pushers();
     }
 
     /// A handle that fails this link from elsewhere (an RDMA queue pair in error).
@@ -443,6 +466,7 @@ impl TcpLink {
             shared.record(err);
             shared.open.store(false, Ordering::Release);
             let _ = stream.shutdown(Shutdown::Both);
+            shared.cq.wake_pushers();
         })
     }
 
@@ -454,6 +478,8 @@ impl TcpLink {
             let _ = self.send_frame(&FrameHeader::new(Op::Bye), &[]);
         }
         let _ = self.stream.shutdown(Shutdown::Both);
+        // A reader waiting for room in the completion queue delivers what it holds and ends.
+        self.shared.cq.wake_pushers();
     }
 
     /// Test hook: raw bytes onto the wire, as a broken peer would send them.
@@ -597,10 +623,19 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Shared) -> R
                 })?;
                 data.resize(len as usize, 0);
                 s.read_exact(&mut data).map_err(|e| lost(shared, e))?;
-                shared.cq.push(Completion::Message {
-                    link: shared.id,
-                    data,
-                });
+                // Backpressure: past the queue's cap, wait for the consumer without reading the
+                // socket, so the peer's sends block and then time out.
+                let give_up = || {
+                    !shared.is_open()
+                        || shared.closing.load(Ordering::Acquire)
+                        || lock(&shared.failure).is_some()
+                };
+                if !shared.cq.push_bounded(shared.id, data, give_up) {
+                    return Err(Error::Closed {
+                        peer: shared.peer.clone(),
+                        reason: "the transport stopped while messages waited to be read".into(),
+                    });
+                }
             }
             Op::ReadReq => {
                 let req = h.req.get();
@@ -676,6 +711,13 @@ fn granted(shared: &Shared, region: u64) -> Result<Region> {
 }
 
 fn lost(shared: &Shared, e: std::io::Error) -> Error {
+    // No read timeout is set once established: a timeout here is the kernel's.
+    if matches!(
+        e.kind(),
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+    ) {
+        shared.timed_out.store(true, Ordering::Release);
+    }
     Error::Closed {
         peer: shared.peer.clone(),
         reason: format!("connection lost mid-frame: {e}"),

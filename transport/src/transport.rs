@@ -43,6 +43,14 @@ pub struct TransportConfig {
     pub ring_bytes: u64,
     /// The largest control message accepted from a peer.
     pub max_message: u64,
+    /// The most bytes of received control messages held for the process before reading from a
+    /// tcp peer pauses (backpressure: the peer's sends then wait, and time out after
+    /// `op_timeout`). Counted over the whole completion queue (messages from every medium);
+    /// only tcp (and rdma control) readers wait. It may be below `max_message`: a message
+    /// larger than the cap is delivered alone, once no other message is queued, so the bytes
+    /// held stay at most `max(max_queued_bytes, max_message)`. 0 is refused (`Error::Config`);
+    /// `u64::MAX` means no cap. Default 256 MiB.
+    pub max_queued_bytes: u64,
     /// RDMA device to use (`None`: `$FALCON_RDMA_DEVICE`, else the first with an active port).
     pub rdma_device: Option<String>,
     /// GID index for RoCE (`None`: `$FALCON_RDMA_GID_INDEX`, else 0, which soft-RoCE needs).
@@ -63,6 +71,7 @@ impl Default for TransportConfig {
             spin: Duration::from_micros(50),
             ring_bytes: 1 << 20,
             max_message: 8 << 30,
+            max_queued_bytes: 256 << 20,
             rdma_device: None,
             rdma_gid_index: None,
         }
@@ -225,6 +234,7 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.common.stopping.store(true, Ordering::Release);
+        self.common.cq.stop();
         #[cfg(feature = "rdma")]
         if let Ok(dev) = &self.common.rdma {
             dev.stop();
@@ -251,8 +261,13 @@ impl std::fmt::Debug for Transport {
 impl Transport {
     /// Creates a transport and starts its listeners.
     pub fn new(cfg: TransportConfig) -> Result<Transport> {
+        if cfg.max_queued_bytes == 0 {
+            return Err(Error::Config(
+                "max_queued_bytes must be at least 1 (u64::MAX: no cap)".into(),
+            ));
+        }
         let node = random_u64();
-        let cq = CompletionQueue::new(cfg.spin)?;
+        let cq = CompletionQueue::new(cfg.spin, cfg.max_queued_bytes)?;
         let rdma = open_rdma(&cfg, &cq);
         if let Err(e) = &rdma
             && crate::RDMA_BUILT
