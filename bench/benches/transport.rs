@@ -66,31 +66,7 @@ fn bandwidth(c: &mut Criterion, medium: Medium, max: u64) {
     g.finish();
 }
 
-extern "C" fn on_segv(_sig: i32, info: *mut libc::siginfo_t, _: *mut std::ffi::c_void) {
-    let addr = unsafe { (*info).si_addr() };
-    eprintln!(
-        "SIGSEGV at {addr:?} in thread {:?}",
-        std::thread::current().name()
-    );
-    eprintln!("{}", std::backtrace::Backtrace::force_capture());
-    std::process::abort();
-}
-
 fn main() {
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_segv as usize;
-        sa.sa_flags = libc::SA_SIGINFO;
-        libc::sigaction(libc::SIGSEGV, &sa, std::ptr::null_mut());
-    }
-    if std::env::var_os("DBG_LOOP").is_some() {
-        for i in 0..6 {
-            eprintln!("DBG round {i}");
-            let rows = transport::summary(&transport::available_media(), Effort::QUICK);
-            eprintln!("DBG round {i} done, {} rows", rows.len());
-        }
-        return;
-    }
     let test_mode = std::env::args().any(|a| a == "--test");
     // FALCON_BENCH_QUICK without --test: the quick summary alone (the soft-RoCE guest runs
     // this: emulated, it shows function, not speed).
