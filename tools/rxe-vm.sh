@@ -11,6 +11,9 @@
 #   --args "A B"        arguments for every BIN, split on blanks (e.g. "--test-threads=1")
 #   --mem MiB           guest memory (default 4096)
 #   --keep              keep the staging dir (initramfs tree + guest log) of this run
+#   --retry-segv        rerun a BIN once, loudly, after a segmentation fault (a known rare
+#                       soft-RoCE crash, README "Known defects"); the kernel's segfault report
+#                       is printed either way
 # Every BIN is copied into the initramfs at its own absolute host path, with its ldd closure,
 # and run there with RDMA_TEST_DEVICE=rxe0 FALCON_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1.
 # Output ends with one line `N passed, N failed` (N counts BINs).
@@ -23,6 +26,7 @@ TIMEOUT=1200
 BIN_TIMEOUT=600
 MEM=4096
 KEEP=0
+RETRY_SEGV=0
 ENVS=()
 ARGS=()
 BINS=()
@@ -78,6 +82,7 @@ while [ $# -gt 0 ]; do
         --env) ENVS+=("${2:?}"); shift ;;
         --args) read -r -a a <<<"${2?}"; ARGS+=("${a[@]}"); shift ;;
         --mem) MEM=${2:?}; shift ;;
+        --retry-segv) RETRY_SEGV=1 ;;
         --keep) KEEP=1 ;;
         -h | --help) DONE=1; usage; exit 0 ;;
         --) shift; BINS+=("$@"); break ;;
@@ -281,6 +286,7 @@ printf 'hosts: files\npasswd: files\ngroup: files\n' >"$ST/etc/nsswitch.conf"
 # the per-run part of the guest script: environment and the BINs
 {
     echo "BIN_TIMEOUT=$BIN_TIMEOUT"
+    echo "RETRY_SEGV=$RETRY_SEGV"
     echo "NBINS=${#BINS[@]}"
     echo "export RDMA_TEST_DEVICE=rxe0 FALCON_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1"
     for e in "${ENVS[@]}"; do echo "export $(q "$e")"; done
@@ -329,6 +335,18 @@ run_bin() { # name path args...
     echo "RXE-RUN $name: $* (uptime=$(up)s)"
     (cd /tmp && exec timeout -s KILL "$BIN_TIMEOUT" "$@")
     rc=$?
+    if [ $rc = 139 ]; then
+        # A segmentation fault: the kernel's own report says where (the library and offset).
+        echo "RXE-SEGFAULT $name: $(dmesg | grep -E 'segfault at|general protection|traps:' | tail -3)"
+        if [ "$RETRY_SEGV" = 1 ]; then
+            # Known defect (README): a rare segfault under soft-RoCE that no local run
+            # reproduces. Run once more, loudly; a second crash fails the stage.
+            echo "RXE-RETRY $name: rerunning once after a segfault (a second one fails)"
+            (cd /tmp && exec timeout -s KILL "$BIN_TIMEOUT" "$@")
+            rc=$?
+            [ $rc = 139 ] && echo "RXE-SEGFAULT $name (again): $(dmesg | grep -E 'segfault at|general protection|traps:' | tail -3)"
+        fi
+    fi
     [ $rc = 0 ] && PASSED=$((PASSED + 1)) || FAILED=$((FAILED + 1))
     echo
     echo "RXE-TEST $name rc=$rc (uptime=$(up)s)"

@@ -77,7 +77,8 @@ rdma_guest() {
         return 1
     fi
     local rc=0
-    tools/rxe-vm.sh --env RUST_TEST_THREADS=2 --env FALCON_BENCH_QUICK=1 "${bins[@]}" || rc=$?
+    tools/rxe-vm.sh --retry-segv --env RUST_TEST_THREADS=2 --env FALCON_BENCH_QUICK=1 \
+        --env FALCON_BENCH_MEDIA=rdma "${bins[@]}" || rc=$?
     if [ "$rc" = 77 ]; then
         echo "::: SKIPPED (visibly): the soft-RoCE guest could not be set up here; RDMA ran nowhere"
         return 0

@@ -444,6 +444,7 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
         len: model.num_params() as u64,
     }];
     let w = falcon_engine::Worker::join(cfg, tensors, rank)?;
+    crate::spawn_link_dropper(&w)?;
     let me = w.rank();
     let mut hetero = Hetero::None;
     for entry in env(&["FALCON_HETERO"]).unwrap_or_default().split(';') {
@@ -483,13 +484,16 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
     out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut params))?;
     let (acc, loss) = evaluate(&*model, &params, &data.test, 0)?;
     println!(
-        "worker {me} [{hetero}]: {iters} iterations in {:.2} s, compute {:.2} s, blocked {:.2} s, tasks own {} / given {} / helped {}; test accuracy {:.2}% (loss {loss:.3}) on {}",
+        "worker {me} [{hetero}]: {iters} iterations in {:.2} s, compute {:.2} s, blocked {:.2} s, tasks own {} / given {} / helped {} / covered for dead workers {}, reconnects {}, lost updates {}; test accuracy {:.2}% (loss {loss:.3}) on {}",
         summary.secs,
         summary.compute_secs,
         summary.blocked_secs,
         summary.tasks_own,
         summary.tasks_given,
         summary.tasks_helped,
+        summary.tasks_covered,
+        w.stats().reconnects,
+        w.stats().lost_updates,
         100.0 * acc,
         data.source
     );

@@ -227,11 +227,17 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-/// The media this machine can benchmark: shm and tcp, and rdma where a device answers.
+/// The media this machine can benchmark: shm and tcp, and rdma where a device answers;
+/// `FALCON_BENCH_MEDIA` (comma-separated names) keeps only those it names (the soft-RoCE
+/// guest measures rdma alone: the host measures the others).
 pub fn available_media() -> Vec<Medium> {
     let mut media = vec![Medium::Shm, Medium::Tcp];
     if Transport::new(TransportConfig::default()).is_ok_and(|t| t.rdma_available()) {
         media.push(Medium::Rdma);
+    }
+    if let Ok(only) = std::env::var("FALCON_BENCH_MEDIA") {
+        let wanted: Vec<&str> = only.split(',').map(str::trim).collect();
+        media.retain(|m| wanted.contains(&m.name()));
     }
     media
 }
@@ -265,6 +271,8 @@ pub fn summary(media: &[Medium], effort: Effort) -> Vec<Row> {
     let max = *SIZES.iter().max().expect("sizes");
     let mut rows = Vec::new();
     for &medium in media {
+        // Progress on stderr: a crash in an emulated guest is then placed.
+        eprintln!("falcon transport summary: {medium} …");
         let bench = Bench::new(medium, max).expect("bench setup");
         let mut sock = PlainSocket::start(max as usize).expect("plain socket");
         let src = vec![0xA5u8; max as usize];
@@ -387,6 +395,8 @@ pub fn summary(media: &[Medium], effort: Effort) -> Vec<Row> {
                 unit: "µs p50".into(),
             });
         }
+        drop(bench);
+        eprintln!("falcon transport summary: {medium} done");
     }
     rows
 }

@@ -55,6 +55,8 @@ pub struct ShardState {
     pub pushes: Vec<u64>,
     /// Per worker, transferred-task gradients applied (the last sequence number).
     pub helps: Vec<u64>,
+    /// Per worker, sequence numbers passed over without a gradient.
+    pub skipped: Vec<u64>,
     /// Per worker, the version last sent to it by a released pull.
     pub sent_version: Vec<u64>,
     /// Sync mode: the next clock to apply.
@@ -131,6 +133,7 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<Checkpoint> {
             s.clocks.len(),
             s.pushes.len(),
             s.helps.len(),
+            s.skipped.len(),
             s.sent_version.len(),
         ]
         .iter()
@@ -222,6 +225,7 @@ mod tests {
                 clocks: vec![5, 4],
                 pushes: vec![5, 4],
                 helps: vec![0, 1],
+                skipped: vec![0, 2],
                 sent_version: vec![8, 7],
                 next_apply: 4,
                 pending: vec![(4, vec![Some(vec![0.5, 0.5, 0.5]), None])],

@@ -43,6 +43,9 @@ pub struct JobConfig {
     pub supervisor: SupervisorSettings,
     /// Server checkpoints and recovery (`None`: a dead server ends the job).
     pub checkpoint: Option<CheckpointSettings>,
+    /// Memory cap of a server shard's gradients waiting for their step (sync mode): above
+    /// it the server holds back acknowledgements, so the pushers' next pushes wait.
+    pub max_pending_bytes: u64,
 }
 
 /// Server checkpoints: where, how often, and how long the job waits for a dead server to
@@ -117,6 +120,7 @@ impl Default for JobConfig {
             },
             supervisor: SupervisorSettings::default(),
             checkpoint: None,
+            max_pending_bytes: 256 << 20,
         }
     }
 }

@@ -34,6 +34,6 @@ pub use config::{CheckpointSettings, JobConfig, SupervisorSettings};
 #[cfg(not(loom))]
 pub use scheduler::{Scheduler, SchedulerReport};
 #[cfg(not(loom))]
-pub use server::{Server, ServerHooks, ServerReport, ShardCounters, WorkerCounters};
+pub use server::{Server, ServerHooks, ServerReport, ShardAccount, ShardCounters, WorkerCounters};
 #[cfg(not(loom))]
 pub use worker::{Handle, Offer, Worker, WorkerStats};

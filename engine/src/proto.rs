@@ -220,6 +220,11 @@ pub enum Msg {
         /// Its new address.
         addr: String,
     },
+    /// scheduler → everyone: worker `rank`, declared dead, rejoined the job.
+    Rejoined {
+        /// Its rank.
+        rank: u32,
+    },
     /// worker → server, after `Keys` on a reattach or a rejoin: where this worker stands on
     /// each of the server's shards (what it had acknowledged; a rejoin: its starting clock).
     Resume {

@@ -598,6 +598,9 @@ impl Scheduler {
                     seen.insert((role, r), Instant::now());
                     report.rejoined.push((role, r));
                     tracing::info!("scheduler: {} {r} rejoined the job", role.name());
+                    if role == Role::Worker {
+                        broadcast(&nodes, &live, &Msg::Rejoined { rank: r });
+                    }
                     if role == Role::Server {
                         // It restarts knowing nobody's death: tell it who is gone.
                         for w in 0..self.cfg.workers {

@@ -6,7 +6,7 @@
 //! that worker, with an immediate naming the shard). The event loop is single-threaded: it
 //! owns every shard, so no lock is taken on the data path.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
@@ -68,6 +68,12 @@ pub struct ServerReport {
     pub dropped_gradients: u64,
     /// Pushes received again (retries) and not applied again.
     pub duplicate_pushes: u64,
+    /// Per shard: what an outside check of exactly-once needs (see [`ShardAccount`]).
+    pub accounts: Vec<ShardAccount>,
+    /// Sync mode: the most gradient bytes one shard held waiting for their step.
+    pub peak_pending_bytes: u64,
+    /// Sync mode: acknowledgements held back because a shard was over its memory cap.
+    pub held_acks: u64,
     /// Checkpoints written.
     pub checkpoints: u64,
     /// The checkpoint this server restarted from (its number), if it did.
@@ -104,6 +110,23 @@ pub struct WorkerCounters {
     pub staleness: BTreeMap<u64, u64>,
 }
 
+/// One shard's push accounting at the end: every sequence number of every worker up to
+/// `pushes` was applied once or passed over once (`skipped`), so with a constant gradient the
+/// parameters reveal whether any was applied twice.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ShardAccount {
+    /// Global shard id.
+    pub shard: u32,
+    /// Its first parameter.
+    pub first: f32,
+    /// Sum over workers of the last sequence number applied or passed over.
+    pub pushes: u64,
+    /// Sum over workers of the sequence numbers passed over.
+    pub skipped: u64,
+    /// Transferred-task gradients applied (sum over workers of the last help sequence).
+    pub helps: u64,
+}
+
 /// Traffic of one shard.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ShardCounters {
@@ -137,9 +160,27 @@ struct Shard {
     sent_version: Vec<u64>,
     /// Per worker, transferred-task gradients applied (the last sequence number seen).
     helps: Vec<u64>,
+    /// Per worker, sequence numbers passed over without a gradient: a rejoining worker's
+    /// jump to the current clock, and updates lost with a previous incarnation of this
+    /// server. Every number up to `pushes[w]` was applied once or passed over once.
+    skipped: Vec<u64>,
+    /// Sync mode: acknowledgements held back while `pending` is over the memory cap, in
+    /// arrival order (link, worker, clock). The pusher's next push waits for its ack: a
+    /// worker pushing faster than steps complete slows down instead of growing memory.
+    held: VecDeque<(LinkId, u32, u64)>,
 }
 
 impl Shard {
+    /// Bytes of gradients waiting for their step (sync mode).
+    fn pending_bytes(&self) -> u64 {
+        self.pending
+            .values()
+            .flatten()
+            .flatten()
+            .map(|g| g.len() as u64 * 4)
+            .sum()
+    }
+
     fn meta(&self) -> Meta<'_> {
         meta_of(&self.meta)
     }
@@ -282,6 +323,8 @@ impl Server {
                 initialized: false,
                 sent_version: vec![0; workers],
                 helps: vec![0; workers],
+                skipped: vec![0; workers],
+                held: VecDeque::new(),
             });
         }
         let token = cfg.token.clone();
@@ -699,14 +742,6 @@ impl Server {
                         }
                         UpdateMode::Sync => {
                             let g = s.slot(w as usize).to_vec();
-                            let _ = l.send(
-                                &Msg::PushAck {
-                                    shard: s.spec.id,
-                                    clock,
-                                    staleness: 0,
-                                }
-                                .encode(),
-                            );
                             // A policy that judges arrivals (Sync-opt) says now whether it counts.
                             let mut counts = true;
                             if s.policy.judges_arrivals() {
@@ -736,7 +771,16 @@ impl Server {
                                     .entry(clock)
                                     .or_insert_with(|| vec![None; workers])
                                     [w as usize] = Some(g);
-                            } else {
+                                let bytes = s.pending_bytes();
+                                report.peak_pending_bytes = report.peak_pending_bytes.max(bytes);
+                            }
+                            // The slot is free once copied; the ack waits while the
+                            // gradients waiting for their step are over the cap.
+                            s.held.push_back((link, w, clock));
+                            if s.pending_bytes() > cfg.max_pending_bytes {
+                                report.held_acks += 1;
+                            }
+                            if !counts {
                                 // Dropped: the shard is done with this worker's gradient.
                                 meta_of(&s.meta).write(|m| {
                                     m.set_clock(w as usize, m.clock(w as usize).max(clock + 1))
@@ -781,6 +825,9 @@ impl Server {
                     &mut report,
                 );
             }
+            for s in &mut shards {
+                release_held(s, &links, cfg.max_pending_bytes);
+            }
         }
         for s in &shards {
             for (w, c) in report.per_worker.iter_mut().enumerate() {
@@ -789,6 +836,13 @@ impl Server {
             report.delayed_pulls += s.policy.delayed_total();
             report.dropped_gradients += s.policy.dropped();
             report.params.insert(s.spec.id, s.params_mut().to_vec());
+            report.accounts.push(ShardAccount {
+                shard: s.spec.id,
+                first: s.params_mut().first().copied().unwrap_or(0.0),
+                pushes: s.pushes.iter().sum(),
+                skipped: s.skipped.iter().sum(),
+                helps: s.helps.iter().sum(),
+            });
         }
         Ok(report)
     }
@@ -1001,6 +1055,7 @@ fn snapshot(shards: &[Shard], job: u64, book: &Book, number: u64) -> Checkpoint 
                     clocks: (0..book.workers as usize).map(|w| meta.clock(w)).collect(),
                     pushes: s.pushes.clone(),
                     helps: s.helps.clone(),
+                    skipped: s.skipped.clone(),
                     sent_version: s.sent_version.clone(),
                     next_apply: s.next_apply,
                     pending: s.pending.iter().map(|(c, g)| (*c, g.clone())).collect(),
@@ -1049,6 +1104,7 @@ fn restore(shards: &mut [Shard], c: &Checkpoint) -> Result<()> {
         });
         s.pushes.clone_from(&st.pushes);
         s.helps.clone_from(&st.helps);
+        s.skipped.clone_from(&st.skipped);
         s.sent_version.clone_from(&st.sent_version);
         s.next_apply = st.next_apply;
         s.pending = st.pending.iter().cloned().collect();
@@ -1087,6 +1143,7 @@ fn resume_shard(
         if !rejoin {
             lost += r.pushes - from;
         }
+        s.skipped[wi] += r.pushes - from;
         s.pushes[wi] = r.pushes;
         if mode == UpdateMode::Sync {
             // Its places in the steps still to apply are held, empty.
@@ -1124,4 +1181,27 @@ fn resume_shard(
         apply_ready(s, agg, live, now, actions, report);
     }
     lost
+}
+
+/// Sends the held acknowledgements of `s` (sync mode) once its waiting gradients are within
+/// `cap` bytes.
+fn release_held(s: &mut Shard, links: &HashMap<LinkId, Link>, cap: u64) {
+    if s.held.is_empty() {
+        return;
+    }
+    if s.pending_bytes() > cap {
+        return;
+    }
+    while let Some((link, _w, clock)) = s.held.pop_front() {
+        if let Some(l) = links.get(&link) {
+            let _ = l.send(
+                &Msg::PushAck {
+                    shard: s.spec.id,
+                    clock,
+                    staleness: 0,
+                }
+                .encode(),
+            );
+        }
+    }
 }

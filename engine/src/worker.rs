@@ -672,6 +672,13 @@ impl Worker {
         self.inner.book.rejoin
     }
 
+    /// The workers the scheduler declared dead (and that have not rejoined), by rank.
+    pub fn dead_workers(&self) -> Vec<u32> {
+        let mut d: Vec<u32> = lock(&self.inner.dead).iter().copied().collect();
+        d.sort_unstable();
+        d
+    }
+
     /// This worker's rank.
     pub fn rank(&self) -> u32 {
         self.inner.book.rank
@@ -1450,6 +1457,9 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                     rank,
                 }) => {
                     lock(&w.dead).insert(rank);
+                }
+                Ok(Msg::Rejoined { rank }) => {
+                    lock(&w.dead).remove(&rank);
                 }
                 Ok(Msg::Dead {
                     role: Role::Server,

@@ -126,6 +126,8 @@ pub struct WorkerSummary {
     pub tasks_given: u64,
     /// Other workers' tasks it processed.
     pub tasks_helped: u64,
+    /// Tasks of dead workers it computed in their place.
+    pub tasks_covered: u64,
     /// Thread count per iteration (the parallelism manager's decisions).
     pub threads: Vec<usize>,
     /// Final training loss of its last iteration (mean per example).
@@ -470,6 +472,28 @@ impl Trainer {
             sum.tasks_given += u64::from(cfg.tasks).saturating_sub(done);
             let examples_per_task = cfg.batch as f64 / f64::from(cfg.tasks);
             sum.last_loss = loss / (done.max(1) as f64 * examples_per_task);
+
+            // A dead worker's tasks go to the survivors: each of its iterations to one of
+            // them in turn, added to that one's gradient (the step still sees every batch).
+            let dead = w.dead_workers();
+            if !dead.is_empty() {
+                let live: Vec<u32> = (0..w.workers()).filter(|r| !dead.contains(r)).collect();
+                for &d in &dead {
+                    if live.is_empty() || live[(c as usize + d as usize) % live.len()] != rank {
+                        continue;
+                    }
+                    let th = Instant::now();
+                    help.grad.iter_mut().for_each(|g| *g = 0.0);
+                    let params = sh.params.read().unwrap_or_else(|p| p.into_inner());
+                    sh.compute_tasks(&params, d, c, 0..cfg.tasks as usize, &mut help)?;
+                    drop(params);
+                    for (g, h) in grad.iter_mut().zip(&help.grad) {
+                        *g += h * scale;
+                    }
+                    sum.tasks_covered += u64::from(cfg.tasks);
+                    sum.helping_secs += th.elapsed().as_secs_f64();
+                }
+            }
 
             // 3. Push, heterogeneity, parallelism.
             grad_region.write_at(0, f32_bytes(&grad))?;

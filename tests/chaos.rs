@@ -1,0 +1,255 @@
+//! The chaos run: 4 workers and 2 servers, every role a real process, while a driver kills
+//! (SIGKILL) and restarts random workers and one server, and every worker's server links are
+//! dropped every ~1.5 s. The job must finish; no update may be applied twice; the trained
+//! model's accuracy must be within 1 point of an undisturbed run of the same job.
+//!
+//! `FALCON_CHAOS_ITERS` sets the length (CI runs a short one; `tools/chaos.sh` the 2-minute
+//! one), `FALCON_CHAOS_SEED` the driver's choices.
+
+mod common;
+
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use common::{Job, line_with, number_after, succeeds};
+
+const SERVERS: u32 = 2;
+const WORKERS: u32 = 4;
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// What a run left: the last incarnation of every role, finished, with its output.
+struct Run {
+    secs: f64,
+    workers: Vec<String>,
+    servers: Vec<String>,
+    scheduler: String,
+    actions: Vec<String>,
+}
+
+/// Runs a job; with `chaos`, the driver acts every `every` during the first 60% of
+/// `expected` (so restarted workers find the job still running).
+fn run(job: &Job, chaos: bool, expected: Duration, seed: u64) -> Run {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let start = Instant::now();
+    let sched = job.start("scheduler", None);
+    let mut servers: Vec<Child> = (0..SERVERS).map(|r| job.start("server", Some(r))).collect();
+    let mut workers: Vec<Child> = (0..WORKERS).map(|r| job.start("worker", Some(r))).collect();
+    let mut actions = Vec::new();
+    if chaos {
+        // Nothing happens before the first checkpoint exists.
+        let ckpt = job.dir.join("server-1.ckpt");
+        while !ckpt.exists() && start.elapsed() < expected {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let every = (expected / 8).max(Duration::from_millis(1500));
+        let mut server_done = false;
+        let mut next = Instant::now() + every / 2;
+        while start.elapsed() < expected.mul_f64(0.6) {
+            if workers.iter_mut().any(|w| w.try_wait().unwrap().is_some()) {
+                break;
+            }
+            if Instant::now() < next {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            next = Instant::now() + every;
+            let t = start.elapsed().as_secs_f64();
+            if !server_done && start.elapsed() > expected / 4 {
+                server_done = true;
+                servers[1].kill().unwrap();
+                servers[1].wait().unwrap();
+                actions.push(format!("{t:6.1} s  kill -9 server 1, restart it"));
+                std::thread::sleep(Duration::from_millis(300));
+                servers[1] = job.start("server", Some(1));
+            } else {
+                let r = rng.u32(0..WORKERS);
+                workers[r as usize].kill().unwrap();
+                workers[r as usize].wait().unwrap();
+                actions.push(format!("{t:6.1} s  kill -9 worker {r}, restart it"));
+                // The scheduler sees it gone at once (its links close); then it rejoins.
+                std::thread::sleep(Duration::from_millis(400));
+                workers[r as usize] = job.start("worker", Some(r));
+            }
+        }
+    }
+    let limit = expected * 4 + Duration::from_secs(60);
+    let workers: Vec<String> = workers
+        .into_iter()
+        .enumerate()
+        .map(|(r, w)| succeeds(w, &format!("worker {r}"), limit).0)
+        .collect();
+    let servers: Vec<String> = servers
+        .into_iter()
+        .enumerate()
+        .map(|(r, s)| succeeds(s, &format!("server {r}"), Duration::from_secs(60)).0)
+        .collect();
+    let (scheduler, _) = succeeds(sched, "the scheduler", Duration::from_secs(60));
+    Run {
+        secs: start.elapsed().as_secs_f64(),
+        workers,
+        servers,
+        scheduler,
+        actions,
+    }
+}
+
+fn accuracy(out: &str) -> f64 {
+    let line = line_with(out, "test accuracy");
+    let i = line.find("test accuracy ").unwrap() + "test accuracy ".len();
+    line[i..].split('%').next().unwrap().parse().unwrap()
+}
+
+/// Every shard's parameters count the gradients applied (constant gradients, step 1/8):
+/// they must equal the sequence numbers applied, no more (a double apply), no less.
+fn check_exactly_once(servers: &[String]) -> u64 {
+    let mut applied_total = 0;
+    for out in servers {
+        for line in out.lines().filter(|l| l.contains("first parameter")) {
+            let first: f64 = line
+                .split("first parameter ")
+                .nth(1)
+                .and_then(|t| t.split(',').next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{line}"));
+            let seqs = number_after(line, "sequence numbers").unwrap();
+            let skipped = number_after(line, "applied +").unwrap();
+            let applied = (first / 0.125).round() as u64;
+            assert_eq!(
+                applied,
+                seqs - skipped,
+                "the values count {applied} gradients applied; the sequence numbers say {}: {line}",
+                seqs - skipped
+            );
+            applied_total += applied;
+        }
+    }
+    applied_total
+}
+
+#[test]
+fn the_job_survives_kills_restarts_and_dropped_links() {
+    let common_vars = |name: &str, chaos: bool, workload: &str, iters: u64| {
+        let mut v = vec![
+            ("FALCON_POLICY".to_string(), "ssp(2)".to_string()),
+            ("FALCON_MEDIUM".into(), "tcp".into()),
+            ("FALCON_ITERS".into(), iters.to_string()),
+            ("FALCON_WORKLOAD".into(), workload.into()),
+            ("FALCON_SEED".into(), "1".into()),
+        ];
+        if chaos {
+            v.push(("FALCON_FAULT_DROP_MS".into(), "1500".into()));
+        }
+        if workload == "count" {
+            v.push(("FALCON_FLOATS".into(), "4096".into()));
+            v.push(("FALCON_MAX_SHARD_BYTES".into(), "4096".into()));
+        }
+        let v: Vec<(&str, &str)> = v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        Job::new(name, SERVERS, WORKERS, &v)
+    };
+
+    let seed = env_u64("FALCON_CHAOS_SEED", 7);
+    // FALCON_CHAOS_SECS: size the run to last about that long here (a short calibration run
+    // first); else FALCON_CHAOS_ITERS iterations (default: CI's short run).
+    let iters = match std::env::var("FALCON_CHAOS_SECS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+    {
+        Some(secs) => {
+            let probe = run(
+                &common_vars("probe", false, "train", 100),
+                false,
+                Duration::ZERO,
+                seed,
+            );
+            let iters = (secs / probe.secs * 100.0).max(100.0) as u64;
+            eprintln!(
+                "calibration: 100 iterations in {:.1} s; {iters} iterations for ~{secs} s",
+                probe.secs
+            );
+            iters
+        }
+        None => env_u64("FALCON_CHAOS_ITERS", 300),
+    };
+    // 1. Training: the undisturbed run, then the same job under chaos.
+    let calm = run(
+        &common_vars("calm", false, "train", iters),
+        false,
+        Duration::ZERO,
+        seed,
+    );
+    let expected = Duration::from_secs_f64(calm.secs);
+    let stormy = run(
+        &common_vars("chaos", true, "train", iters),
+        true,
+        expected,
+        seed,
+    );
+    eprintln!("chaos driver:\n{}", stormy.actions.join("\n"));
+    let (a_calm, a_storm) = (accuracy(&calm.workers[0]), accuracy(&stormy.workers[0]));
+    let reconnects: u64 = stormy
+        .workers
+        .iter()
+        .map(|w| number_after(w, "reconnects ").unwrap_or(0))
+        .sum();
+    let lost: u64 = stormy
+        .servers
+        .iter()
+        .filter_map(|s| number_after(s, "restarted from checkpoint").and(Some(s)))
+        .filter_map(|s| {
+            let l = line_with(s, "acknowledged updates lost");
+            l.rsplit("; ")
+                .next()?
+                .split(' ')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    eprintln!(
+        "undisturbed: {:.1} s, accuracy {a_calm:.2}%; chaos: {:.1} s, accuracy {a_storm:.2}%, {} actions, {reconnects} reattachments, {lost} updates lost with the killed server",
+        calm.secs,
+        stormy.secs,
+        stormy.actions.len()
+    );
+    assert!(
+        stormy.actions.iter().any(|a| a.contains("server 1"))
+            && stormy.actions.iter().any(|a| a.contains("worker")),
+        "the driver killed a server and a worker: {:?}",
+        stormy.actions
+    );
+    assert!(
+        stormy.scheduler.contains("rejoined: [") && !stormy.scheduler.contains("rejoined: []"),
+        "{}",
+        stormy.scheduler
+    );
+    assert!(reconnects > 0, "links were dropped and reattached");
+    assert!(
+        (a_calm - a_storm).abs() <= 1.0,
+        "accuracy within 1 point of the undisturbed run: {a_calm:.2}% vs {a_storm:.2}%"
+    );
+
+    // 2. Exactly once: constant gradients under the same chaos; the values count them.
+    let counted = run(
+        &common_vars("chaos-count", true, "count", iters * 4),
+        true,
+        expected,
+        seed + 1,
+    );
+    eprintln!("chaos driver (counting):\n{}", counted.actions.join("\n"));
+    let applied = check_exactly_once(&counted.servers);
+    let duplicates: u64 = counted
+        .servers
+        .iter()
+        .map(|s| number_after(s, "dropped gradients, ").unwrap_or(0))
+        .sum();
+    eprintln!(
+        "counting run: {applied} gradients applied once each; {duplicates} repeated pushes recognized and not applied again"
+    );
+    assert!(applied > 0);
+}

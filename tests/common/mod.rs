@@ -1,0 +1,137 @@
+//! Helpers of the multi-process fault tests: jobs of real `falcon role` processes started
+//! from ps-lite's variables, and their reports.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const FALCON: &str = env!("CARGO_BIN_EXE_falcon");
+
+pub fn port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A job's shared settings: ps-lite's variables, checkpoints in `dir`.
+pub struct Job {
+    pub port: u16,
+    pub dir: PathBuf,
+    pub vars: Vec<(String, String)>,
+}
+
+impl Job {
+    pub fn new(name: &str, servers: u32, workers: u32, vars: &[(&str, &str)]) -> Job {
+        let port = port();
+        let dir = std::env::temp_dir().join(format!("falcon-{name}-{port}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut all: Vec<(String, String)> = [
+            ("DMLC_PS_ROOT_URI", "127.0.0.1".to_string()),
+            ("DMLC_PS_ROOT_PORT", port.to_string()),
+            ("DMLC_NUM_SERVER", servers.to_string()),
+            ("DMLC_NUM_WORKER", workers.to_string()),
+            ("DMLC_NODE_HOST", "127.0.0.1".to_string()),
+            ("FALCON_JOB", format!("{name}-{port}")),
+            ("FALCON_TOKEN", "t0ken".to_string()),
+            ("FALCON_CHECKPOINT_DIR", dir.display().to_string()),
+            ("FALCON_CHECKPOINT_MS", "100".to_string()),
+            ("FALCON_HEARTBEAT_MS", "300".to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        all.extend(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        Job {
+            port,
+            dir,
+            vars: all,
+        }
+    }
+
+    pub fn start(&self, role: &str, rank: Option<u32>) -> Child {
+        let mut c = Command::new(FALCON);
+        c.arg("role")
+            .env("DMLC_ROLE", role)
+            .envs(self.vars.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(r) = rank {
+            c.env("FALCON_RANK", r.to_string());
+        }
+        c.spawn().expect("spawn role")
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = self.port;
+    }
+}
+
+pub fn wait_for(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    None
+}
+
+/// Waits for `child` to end successfully; returns its stdout and stderr.
+pub fn succeeds(mut child: Child, what: &str, limit: Duration) -> (String, String) {
+    let status = wait_for(&mut child, limit);
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{what} failed ({status:?}):\n{stdout}\n{stderr}"
+    );
+    (stdout, stderr)
+}
+
+/// The number after `key` in `text` (first occurrence).
+pub fn number_after(text: &str, key: &str) -> Option<u64> {
+    let i = text.find(key)? + key.len();
+    text[i..]
+        .trim_start()
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The first line of `text` containing `needle`.
+pub fn line_with<'a>(text: &'a str, needle: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no line with {needle:?} in:\n{text}"))
+}
+
+/// Kills `child` outright (SIGKILL) once its checkpoint file exists.
+pub fn kill_after_checkpoint(child: &mut Child, ckpt: &std::path::Path) {
+    let start = Instant::now();
+    while !ckpt.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no checkpoint at {}",
+            ckpt.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Let a few more updates land after the checkpoint: some are then lost.
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(child.try_wait().unwrap().is_none(), "still running");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
