@@ -114,6 +114,9 @@ pub fn plan_superstep(arrivals: &[(u32, u64, u64)], r: u32) -> Vec<SuperstepPlan
         .collect()
 }
 
+/// The job's nodes: (role, rank) → link.
+type Nodes = BTreeMap<(Role, u32), Link>;
+
 /// A scheduler bound to its address, not yet running.
 pub struct Scheduler {
     cfg: JobConfig,
@@ -222,10 +225,7 @@ impl Scheduler {
     }
 
     /// Admits S servers and W workers; returns (role, rank) → link, and the book (rank 0).
-    fn rendezvous(
-        &self,
-        report: &mut SchedulerReport,
-    ) -> Result<(BTreeMap<(Role, u32), Link>, Book)> {
+    fn rendezvous(&self, report: &mut SchedulerReport) -> Result<(Nodes, Book)> {
         let cfg = &self.cfg;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         let mut links: HashMap<LinkId, Link> = HashMap::new();
@@ -389,7 +389,7 @@ impl Scheduler {
 
     fn serve(
         self,
-        mut nodes: BTreeMap<(Role, u32), Link>,
+        mut nodes: Nodes,
         mut book: Book,
         mut report: SchedulerReport,
     ) -> Result<SchedulerReport> {
@@ -411,13 +411,12 @@ impl Scheduler {
         let silence = self.cfg.heartbeat * 3;
         let supervisor = supervisor_for(&self.cfg);
         let mut advised: Vec<usize> = supervisor.all_threads();
-        let broadcast =
-            |nodes: &BTreeMap<(Role, u32), Link>, live: &HashSet<(Role, u32)>, m: &Msg| {
-                let bytes = m.encode();
-                for k in live {
-                    let _ = nodes[k].send(&bytes);
-                }
-            };
+        let broadcast = |nodes: &Nodes, live: &HashSet<(Role, u32)>, m: &Msg| {
+            let bytes = m.encode();
+            for k in live {
+                let _ = nodes[k].send(&bytes);
+            }
+        };
         loop {
             while let Ok(l) = self.t.accept(Some(Duration::ZERO)) {
                 joining.insert(l.id(), l);

@@ -45,7 +45,12 @@ fn a_worker_pushing_ahead_of_the_step_is_held_back_by_the_servers_memory_cap() {
         // see whether it completes.
         let w = w0.clone();
         let h = std::thread::spawn(move || w.push("w", &region, c));
-        std::thread::sleep(Duration::from_millis(300));
+        // A push within the cap completes in milliseconds; a held one never does until the
+        // step falls (the generous wait keeps a loaded machine from looking held).
+        let t = std::time::Instant::now();
+        while !h.is_finished() && t.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         if !h.is_finished() {
             last = Some(h);
             break;
@@ -69,8 +74,10 @@ fn a_worker_pushing_ahead_of_the_step_is_held_back_by_the_servers_memory_cap() {
     }
     let report = cluster.finish().unwrap();
     let s = &report.servers[0];
+    // The cap, plus the one gradient whose ack is held, plus one arriving that completes a
+    // step (counted before the step applies).
     assert!(
-        s.peak_pending_bytes <= 4 * gradient,
+        s.peak_pending_bytes <= 5 * gradient,
         "the shard never held much more than its cap: {} bytes",
         s.peak_pending_bytes
     );
