@@ -12,6 +12,23 @@ use sha2::Sha256;
 
 use crate::{Error, Result};
 
+/// Answers a knock on `link`: sends a fresh challenge and remembers its nonce for the
+/// answer (a send that fails is the link's end, seen as its `Closed`).
+pub fn challenge(
+    link: &falcon_transport::Link,
+    nonces: &mut std::collections::HashMap<falcon_transport::LinkId, Vec<u8>>,
+) -> Result<()> {
+    let nonce = nonce()?;
+    let _ = link.send(
+        &crate::proto::Msg::Challenge {
+            nonce: nonce.clone(),
+        }
+        .encode(),
+    );
+    nonces.insert(link.id(), nonce);
+    Ok(())
+}
+
 /// Nonce length in bytes.
 pub const NONCE: usize = 32;
 

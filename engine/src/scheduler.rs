@@ -258,16 +258,7 @@ impl Scheduler {
                         continue;
                     };
                     match Msg::decode(&data) {
-                        Ok(Msg::Knock) => {
-                            let nonce = auth::nonce()?;
-                            let _ = l.send(
-                                &Msg::Challenge {
-                                    nonce: nonce.clone(),
-                                }
-                                .encode(),
-                            );
-                            nonces.insert(link, nonce);
-                        }
+                        Ok(Msg::Knock) => auth::challenge(&l, &mut nonces)?,
                         Ok(Msg::Hello {
                             role,
                             rank,
@@ -517,14 +508,7 @@ impl Scheduler {
                     };
                     let hello = match Msg::decode(&data) {
                         Ok(Msg::Knock) => {
-                            let nonce = auth::nonce()?;
-                            let _ = l.send(
-                                &Msg::Challenge {
-                                    nonce: nonce.clone(),
-                                }
-                                .encode(),
-                            );
-                            nonces.insert(link, nonce);
+                            auth::challenge(&l, &mut nonces)?;
                             continue;
                         }
                         Ok(Msg::Hello {

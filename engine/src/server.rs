@@ -459,13 +459,7 @@ impl Server {
                         let _ = l.send(&m.encode());
                     };
                     match Msg::decode(&data) {
-                        Ok(Msg::Knock) => {
-                            let nonce = auth::nonce()?;
-                            reply(Msg::Challenge {
-                                nonce: nonce.clone(),
-                            });
-                            nonces.insert(link, nonce);
-                        }
+                        Ok(Msg::Knock) => auth::challenge(&l, &mut nonces)?,
                         Ok(Msg::Attach { rank, proof }) => {
                             let proof_ok = nonces
                                 .remove(&link)
@@ -619,15 +613,8 @@ impl Server {
                                     book.rank
                                 );
                             }
+                            // Its releases go out with the loop's (below).
                             reply(Msg::Resumed { lost });
-                            dispatch(
-                                &mut actions,
-                                &mut parked,
-                                &mut shards,
-                                (&links, &link_of),
-                                &mut offered,
-                                &mut report,
-                            );
                         }
                         Ok(other) => tracing::warn!("server {}: unexpected {other:?}", book.rank),
                         Err(e) => {
