@@ -141,12 +141,15 @@ fn the_job_survives_kills_restarts_and_dropped_links() {
             ("FALCON_ITERS".into(), iters.to_string()),
             ("FALCON_WORKLOAD".into(), workload.into()),
             ("FALCON_SEED".into(), "1".into()),
+            // Shards on both servers (the model is 0.8 MB), so the killed one holds some.
+            ("FALCON_MAX_SHARD_BYTES".into(), "131072".into()),
         ];
         if chaos {
             v.push(("FALCON_FAULT_DROP_MS".into(), "1500".into()));
         }
         if workload == "count" {
             v.push(("FALCON_FLOATS".into(), "4096".into()));
+            v.retain(|(k, _)| k != "FALCON_MAX_SHARD_BYTES");
             v.push(("FALCON_MAX_SHARD_BYTES".into(), "4096".into()));
         }
         let v: Vec<(&str, &str)> = v.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
@@ -161,16 +164,21 @@ fn the_job_survives_kills_restarts_and_dropped_links() {
         .and_then(|v| v.parse::<f64>().ok())
     {
         Some(secs) => {
-            let probe = run(
-                &common_vars("probe", false, "train", 100),
-                false,
-                Duration::ZERO,
-                seed,
-            );
-            let iters = (secs / probe.secs * 100.0).max(100.0) as u64;
+            // Two probes: the difference is the iterations' time, the rest is start-up.
+            let t = |n: u64| {
+                run(
+                    &common_vars("probe", false, "train", n),
+                    false,
+                    Duration::ZERO,
+                    seed,
+                )
+                .secs
+            };
+            let (short, long) = (t(50), t(450));
+            let per = ((long - short) / 400.0).max(1e-4);
+            let iters = ((secs - (short - 50.0 * per)) / per).max(100.0) as u64;
             eprintln!(
-                "calibration: 100 iterations in {:.1} s; {iters} iterations for ~{secs} s",
-                probe.secs
+                "calibration: 50 iterations in {short:.1} s, 450 in {long:.1} s; {iters} iterations for ~{secs} s"
             );
             iters
         }

@@ -252,8 +252,9 @@ struct ShardRemote {
     spec: ShardSpec,
     server: usize,
     local: u32,
-    /// The server's keys for this shard (replaced when the worker reattaches).
-    keys: RwLock<Keys>,
+    /// The server's keys for this shard (replaced when the worker reattaches; `None` until
+    /// a server that was down when this worker joined is reached).
+    keys: RwLock<Option<Keys>>,
     /// Scratch for one-sided meta reads (one pull of this shard at a time).
     scratch: Mutex<Region>,
     /// Gradients pushed so far (the next push's clock).
@@ -331,6 +332,8 @@ struct ServerConn {
     next_try: Instant,
     /// Set once it is gone for good (the job failed or ended).
     gone: Option<Error>,
+    /// This process rejoined the job and has not resumed on this server yet.
+    rejoin: bool,
 }
 
 /// How many recent interval samples the ElasticBSP estimate averages.
@@ -487,19 +490,32 @@ impl Worker {
             ..cfg.transport_config()
         })?;
         let (sched, book, _early) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
+        // With recovery, a server that cannot be reached now (restarting from its checkpoint)
+        // is reached later: the progress thread reattaches when the scheduler announces it.
         let mut servers: Vec<Link> = Vec::new();
+        let mut reached: Vec<usize> = Vec::new();
         for (r, addr) in book.servers.iter().enumerate() {
             let peer = addr
                 .parse()
                 .map_err(|e| Error::Config(format!("server {r} address {addr:?}: {e}")))?;
             tracing::debug!("worker {}: connecting to server {r} at {addr}", book.rank);
-            let link = t.connect(&peer).map_err(|e| Error::PeerGone {
-                role: "server",
-                rank: r as u32,
-                why: e.to_string(),
-            })?;
-            link.send(&Msg::Knock.encode())?;
-            servers.push(link);
+            match t.connect(&peer) {
+                Ok(link) => {
+                    link.send(&Msg::Knock.encode())?;
+                    servers.push(link);
+                    reached.push(r);
+                }
+                Err(e) if book.recovery => {
+                    tracing::warn!("worker {}: server {r} unreachable for now: {e}", book.rank);
+                }
+                Err(e) => {
+                    return Err(Error::PeerGone {
+                        role: "server",
+                        rank: r as u32,
+                        why: e.to_string(),
+                    });
+                }
+            }
         }
         // Each server challenges its new link; the attach answers it, and the server sends
         // its shards' keys (servers answer in any order). A worker rejoining a running job
@@ -516,7 +532,7 @@ impl Worker {
                 // server reports (so no shard sees it go back).
                 let c = keys.values().map(|k| k.clock).max().unwrap_or(0);
                 start_clock = Some(c);
-                for (r, l) in servers.iter().enumerate() {
+                for (l, &r) in servers.iter().zip(&reached) {
                     let shards = book
                         .keymap
                         .shards
@@ -589,18 +605,24 @@ impl Worker {
         let mut shards = Vec::new();
         let mut local_index = vec![0u32; book.servers.len()];
         for spec in &book.keymap.shards {
-            let k = keys.get(&spec.id).ok_or_else(|| Error::PeerGone {
-                role: "server",
-                rank: spec.server,
-                why: format!("sent no keys for shard {}", spec.id),
-            })?;
+            let k = match keys.get(&spec.id) {
+                Some(k) => Some(Keys::from_wire(k)?),
+                None if !reached.contains(&(spec.server as usize)) => None,
+                None => {
+                    return Err(Error::PeerGone {
+                        role: "server",
+                        rank: spec.server,
+                        why: format!("sent no keys for shard {}", spec.id),
+                    });
+                }
+            };
             let local = local_index[spec.server as usize];
             local_index[spec.server as usize] += 1;
             shards.push(ShardRemote {
                 spec: *spec,
                 server: spec.server as usize,
                 local,
-                keys: RwLock::new(Keys::from_wire(k)?),
+                keys: RwLock::new(k),
                 scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
                 pushes: AtomicU32::new(u32::try_from(start).unwrap_or(u32::MAX)),
                 inflight: Mutex::new(None),
@@ -612,18 +634,29 @@ impl Worker {
         let timeout = cfg.transport.op_timeout;
         let gate = book.policy.job_barriers().map(|_| Mutex::new(Gate::new()));
         let fast_path = book.policy.build(book.workers).fast_path();
-        let servers = servers
-            .into_iter()
-            .zip(&book.servers)
-            .map(|(link, addr)| ServerSlot {
-                state: Mutex::new(ServerConn {
-                    link: Some(link),
-                    addr: addr.clone(),
-                    joining: None,
-                    next_try: Instant::now(),
-                    gone: None,
-                }),
-                changed: Condvar::new(),
+        let mut links = servers.into_iter();
+        let servers = book
+            .servers
+            .iter()
+            .enumerate()
+            .map(|(r, addr)| {
+                let link = if reached.contains(&r) {
+                    links.next()
+                } else {
+                    None
+                };
+                ServerSlot {
+                    state: Mutex::new(ServerConn {
+                        // A rejoining worker not yet resumed on it tells it so when it is.
+                        rejoin: book.rejoin && link.is_none(),
+                        link,
+                        addr: addr.clone(),
+                        joining: None,
+                        next_try: Instant::now(),
+                        gone: None,
+                    }),
+                    changed: Condvar::new(),
+                }
             })
             .collect();
         let recovery_wait = cfg
@@ -1181,7 +1214,9 @@ impl Worker {
         let Some(link) = self.inner.up_link(s.server) else {
             return Ok(false);
         };
-        let keys = *s.keys.read().unwrap_or_else(|p| p.into_inner());
+        let Some(keys) = *s.keys.read().unwrap_or_else(|p| p.into_inner()) else {
+            return Ok(false);
+        };
         let scratch = lock(&s.scratch);
         let workers = self.inner.book.workers;
         let dead = lock(&self.inner.dead).clone();
@@ -1666,7 +1701,7 @@ impl Inner {
                         continue;
                     };
                     match Keys::from_wire(k) {
-                        Ok(keys) => *s.keys.write().unwrap_or_else(|p| p.into_inner()) = keys,
+                        Ok(keys) => *s.keys.write().unwrap_or_else(|p| p.into_inner()) = Some(keys),
                         Err(e) => tracing::warn!("worker: server {r} sent a bad key: {e}"),
                     }
                 }
@@ -1680,9 +1715,10 @@ impl Inner {
                         helps: s.acked[1].load(Ordering::Acquire),
                     })
                     .collect();
+                let rejoin = lock(&self.servers[r].state).rejoin;
                 let _ = link.send(
                     &Msg::Resume {
-                        rejoin: false,
+                        rejoin,
                         shards: resume,
                     }
                     .encode(),
@@ -1693,6 +1729,7 @@ impl Inner {
                     let slot = &self.servers[r];
                     let mut st = lock(&slot.state);
                     st.joining = None;
+                    st.rejoin = false;
                     st.link = Some(link.clone());
                     slot.changed.notify_all();
                 }
@@ -1764,7 +1801,12 @@ impl Inner {
         s: &ShardRemote,
         rec: &PushRecord,
     ) -> std::result::Result<(), falcon_transport::Error> {
-        let keys = *s.keys.read().unwrap_or_else(|p| p.into_inner());
+        let Some(keys) = *s.keys.read().unwrap_or_else(|p| p.into_inner()) else {
+            return Err(falcon_transport::Error::Closed {
+                peer: format!("server {}", s.server),
+                reason: "not reached yet".into(),
+            });
+        };
         let scratch = lock(&s.scratch);
         let v = s.pulled_version.load(Ordering::Acquire);
         scratch.write_at(0, &v.to_le_bytes())?;
