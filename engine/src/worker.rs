@@ -1378,13 +1378,20 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
             Ok(c) => c,
             Err(_) => continue,
         };
+        // A completion on a reattachment under way (looked up once; none in steady state).
+        let joining = match &c {
+            Completion::Message { link, .. } | Completion::Closed { link, .. } => {
+                w.joining_server(*link)
+            }
+            Completion::WriteImm { .. } => None,
+        };
         match c {
-            Completion::Message { link, data } if w.joining_server(link).is_some() => {
-                let r = w.joining_server(link).expect("checked");
+            Completion::Message { data, .. } if joining.is_some() => {
+                let r = joining.expect("checked");
                 w.reattach_step(r, &data);
             }
-            Completion::Closed { link, error } if w.joining_server(link).is_some() => {
-                let r = w.joining_server(link).expect("checked");
+            Completion::Closed { error, .. } if joining.is_some() => {
+                let r = joining.expect("checked");
                 tracing::debug!("worker: reattaching to server {r} failed: {error:?}");
                 let mut st = lock(&w.servers[r].state);
                 st.joining = None;
