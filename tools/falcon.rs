@@ -544,10 +544,17 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         scale: env(&["FALCON_SCALE"])
             .unwrap_or_else(|| "none".into())
             .parse()?,
-        // A node silent for three heartbeats is declared dead (default 1 s: 3 s).
         heartbeat: std::time::Duration::from_millis(
             env_parse(&["FALCON_HEARTBEAT_MS"], 1000u64)?.max(10),
         ),
+        // A node silent this long is declared dead (0: never).
+        suspicion: match env_parse(
+            &["FALCON_SUSPICION_MS"],
+            falcon_engine::config::DEFAULT_SUSPICION.as_millis() as u64,
+        )? {
+            0 => None,
+            ms => Some(std::time::Duration::from_millis(ms)),
+        },
         // Server checkpoints and recovery: a dead server restarts from its checkpoint.
         checkpoint: match env(&["FALCON_CHECKPOINT_DIR"]) {
             Some(dir) => Some(falcon_engine::CheckpointSettings {

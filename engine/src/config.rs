@@ -8,6 +8,9 @@ use crate::keys::DEFAULT_MAX_SHARD_BYTES;
 use crate::sync::PolicySpec;
 use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
+/// Default suspicion timeout (see [`JobConfig::suspicion`]).
+pub const DEFAULT_SUSPICION: Duration = Duration::from_secs(15);
+
 /// Everything a node of a job needs to know before rendezvous.
 #[derive(Clone, Debug)]
 pub struct JobConfig {
@@ -33,8 +36,14 @@ pub struct JobConfig {
     pub scale: ScaleSpec,
     /// Largest shard.
     pub max_shard_bytes: u64,
-    /// Heartbeat interval; a node silent for 3 intervals is declared dead.
+    /// Heartbeat interval: every node sends one this often, from a thread that never waits on
+    /// training, on a peer or on a lock held across I/O.
     pub heartbeat: Duration,
+    /// How long the scheduler waits for a silent node before it declares it dead (`None`:
+    /// never, for roles that share one process, where a hung role is a bug reported as
+    /// such). The default, 15 s, survives a heavily loaded machine and a short pause
+    /// (`SIGSTOP`); killed processes are seen at once anyway (their links close).
+    pub suspicion: Option<Duration>,
     /// How long rendezvous may take.
     pub rendezvous_timeout: Duration,
     /// The transport of this node.
@@ -113,6 +122,7 @@ impl Default for JobConfig {
             scale: ScaleSpec::Unscaled,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             heartbeat: Duration::from_secs(1),
+            suspicion: Some(DEFAULT_SUSPICION),
             rendezvous_timeout: Duration::from_secs(60),
             transport: TransportConfig {
                 medium: Medium::Auto,

@@ -399,7 +399,7 @@ impl Scheduler {
         // ElasticBSP: R, and the workers at their barrier: rank → (clock, interval_ns).
         let elastic = self.cfg.policy.job_barriers();
         let mut arrivals: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-        let silence = self.cfg.heartbeat * 3;
+        let silence = self.cfg.suspicion;
         let supervisor = supervisor_for(&self.cfg);
         let mut advised: Vec<usize> = supervisor.all_threads();
         let broadcast = |nodes: &Nodes, live: &HashSet<(Role, u32)>, m: &Msg| {
@@ -728,7 +728,7 @@ impl Scheduler {
             }
             for (node, at) in &seen {
                 if live.contains(node)
-                    && at.elapsed() > silence
+                    && silence.is_some_and(|s| at.elapsed() > s)
                     && !(node.0 == Role::Worker && done.contains(&node.1))
                 {
                     tracing::warn!(
