@@ -148,6 +148,7 @@ impl JobConfig {
     pub fn transport_config(&self) -> TransportConfig {
         TransportConfig {
             job: job_hash(&self.job),
+            token: self.token.clone(),
             ..self.transport.clone()
         }
     }

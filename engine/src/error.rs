@@ -51,6 +51,17 @@ pub enum Error {
     /// A server checkpoint could not be written, or one found is unusable.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// Rendezvous did not complete: some nodes never joined.
+    #[error(
+        "rendezvous timed out after {} s: never joined: {missing} (are those processes started, and do they reach the scheduler's address?)",
+        after.as_secs_f64()
+    )]
+    Rendezvous {
+        /// The rendezvous timeout.
+        after: std::time::Duration,
+        /// The ranks that never joined, in words.
+        missing: String,
+    },
     /// Something did not happen in time.
     #[error("{0} timed out after {1:?}")]
     Timeout(&'static str, std::time::Duration),

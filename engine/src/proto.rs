@@ -299,6 +299,41 @@ pub enum Msg {
 }
 
 impl Msg {
+    /// The message's kind, for messages a user may see (never its contents).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Knock => "knock",
+            Msg::Challenge { .. } => "challenge",
+            Msg::Hello { .. } => "hello",
+            Msg::Refused { .. } => "refused",
+            Msg::Book(..) => "book",
+            Msg::Heartbeat => "heartbeat",
+            Msg::Barrier { .. } => "barrier",
+            Msg::BarrierDone { .. } => "barrier done",
+            Msg::Dead { .. } => "dead",
+            Msg::Done => "done",
+            Msg::Shutdown => "shutdown",
+            Msg::Attach { .. } => "attach",
+            Msg::Keys { .. } => "keys",
+            Msg::PullReq { .. } => "pull req",
+            Msg::Failed { .. } => "failed",
+            Msg::PushAck { .. } => "push ack",
+            Msg::Superstep { .. } => "superstep",
+            Msg::ServerBack { .. } => "server back",
+            Msg::Rejoined { .. } => "rejoined",
+            Msg::Resume { .. } => "resume",
+            Msg::Resumed { .. } => "resumed",
+            Msg::Plan { .. } => "plan",
+            Msg::Offer { .. } => "offer",
+            Msg::Steal { .. } => "steal",
+            Msg::IterationDone { .. } => "iteration done",
+            Msg::Threads { .. } => "threads",
+            Msg::Tasks { .. } => "tasks",
+        }
+    }
+}
+
+impl Msg {
     /// Encodes the message.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![MAGIC[0], MAGIC[1], VERSION];

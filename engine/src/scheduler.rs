@@ -131,6 +131,43 @@ struct Joined {
     tensors: Vec<TensorSpec>,
 }
 
+/// The ranks that have not joined yet, for a rendezvous that timed out ("server 1, workers
+/// 2 and 3"; ranks a node asked for count as taken, unasked places as "any").
+fn missing_ranks(cfg: &JobConfig, joined: &[Joined]) -> String {
+    let mut parts = Vec::new();
+    for (role, want) in [(Role::Server, cfg.servers), (Role::Worker, cfg.workers)] {
+        let asked: HashSet<u32> = joined
+            .iter()
+            .filter(|j| j.role == role)
+            .filter_map(|j| j.asked)
+            .collect();
+        let unasked = joined
+            .iter()
+            .filter(|j| j.role == role && j.asked.is_none())
+            .count();
+        // Places taken without a rank fill the lowest free ranks, as the plan will.
+        let mut free: Vec<u32> = (0..want).filter(|r| !asked.contains(r)).collect();
+        free.drain(..unasked.min(free.len()));
+        if !free.is_empty() {
+            let list: Vec<String> = free.iter().map(u32::to_string).collect();
+            parts.push(format!(
+                "{} {}",
+                if free.len() == 1 {
+                    role.name().to_string()
+                } else {
+                    format!("{}s", role.name())
+                },
+                list.join(", ")
+            ));
+        }
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join("; ")
+    }
+}
+
 /// Why a hello cannot be admitted, if it cannot.
 fn admission_error(
     cfg: &JobConfig,
@@ -228,7 +265,9 @@ impl Scheduler {
     fn rendezvous(&self, report: &mut SchedulerReport) -> Result<(Nodes, Book)> {
         let cfg = &self.cfg;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
-        let mut links: HashMap<LinkId, Link> = HashMap::new();
+        // Accepted links, with when they came (unadmitted ones expire).
+        let mut links: HashMap<LinkId, (Link, Instant)> = HashMap::new();
+        let admission = cfg.transport.handshake_timeout;
         // The challenge sent to each accepted link, used once.
         let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         let mut joined: Vec<Joined> = Vec::new();
@@ -236,27 +275,41 @@ impl Scheduler {
             || joined.iter().filter(|j| j.role == Role::Worker).count() < cfg.workers as usize
         {
             if Instant::now() > deadline {
-                return Err(Error::Timeout(
-                    "rendezvous (not every server and worker joined)",
-                    cfg.rendezvous_timeout,
-                ));
+                return Err(Error::Rendezvous {
+                    after: cfg.rendezvous_timeout,
+                    missing: missing_ranks(cfg, &joined),
+                });
             }
-            while let Ok(l) = self.t.accept(Some(Duration::ZERO)) {
-                links.insert(l.id(), l);
-            }
+            crate::worker::drain_accepted(&self.t, &mut links);
+            crate::worker::expire_unadmitted(
+                &mut links,
+                admission,
+                |id| joined.iter().any(|j| j.link.id() == id),
+                "scheduler",
+            );
             let c = match self.t.cq().wait(Some(Duration::from_millis(20))) {
                 Ok(c) => c,
                 Err(_) => continue,
             };
             match c {
                 Completion::Message { link, data } => {
-                    let Some(l) = links
-                        .get(&link)
-                        .cloned()
-                        .or_else(|| crate::worker::await_link(&self.t, &mut links, link))
-                    else {
+                    let Some(l) = crate::worker::known_link(&self.t, &mut links, link) else {
                         continue;
                     };
+                    let refuse = |reason: String, report: &mut SchedulerReport| {
+                        Self::refuse(&l, reason, report);
+                    };
+                    let forget =
+                        |links: &mut HashMap<LinkId, (Link, Instant)>,
+                         nonces: &mut HashMap<LinkId, Vec<u8>>| {
+                            links.remove(&link);
+                            nonces.remove(&link);
+                        };
+                    if joined.iter().any(|j| j.link.id() == link) {
+                        // A joined node speaks again before the job starts: nothing to say yet.
+                        tracing::debug!("scheduler: early message from {}", l.peer());
+                        continue;
+                    }
                     match Msg::decode(&data) {
                         Ok(Msg::Knock) => auth::challenge(&l, &mut nonces)?,
                         Ok(Msg::Hello {
@@ -271,7 +324,10 @@ impl Scheduler {
                             });
                             let reason = admission_error(cfg, &joined, role, rank, proof_ok);
                             match reason {
-                                Some(r) => Self::refuse(&l, r, report),
+                                Some(r) => {
+                                    refuse(r, report);
+                                    forget(&mut links, &mut nonces);
+                                }
                                 None => joined.push(Joined {
                                     link: l,
                                     role,
@@ -282,13 +338,18 @@ impl Scheduler {
                             }
                         }
                         Ok(other) => {
-                            Self::refuse(&l, format!("expected a hello, got {other:?}"), report)
+                            refuse(format!("expected a hello, got {}", other.name()), report);
+                            forget(&mut links, &mut nonces);
                         }
-                        Err(e) => Self::refuse(&l, e.to_string(), report),
+                        Err(e) => {
+                            refuse(e.to_string(), report);
+                            forget(&mut links, &mut nonces);
+                        }
                     }
                 }
                 Completion::Closed { link, .. } => {
                     // A node that left before the job started frees its place.
+                    crate::worker::drain_accepted(&self.t, &mut links);
                     joined.retain(|j| j.link.id() != link);
                     links.remove(&link);
                     nonces.remove(&link);
@@ -387,7 +448,8 @@ impl Scheduler {
         let mut by_link: HashMap<LinkId, (Role, u32)> =
             nodes.iter().map(|(k, l)| (l.id(), *k)).collect();
         // Links of nodes asking to join the running job, and the challenge sent to each.
-        let mut joining: HashMap<LinkId, Link> = HashMap::new();
+        let mut joining: HashMap<LinkId, (Link, Instant)> = HashMap::new();
+        let admission = self.cfg.transport.handshake_timeout;
         let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         // Dead servers that may come back from their checkpoint, with the deadline.
         let mut down: BTreeMap<u32, Instant> = BTreeMap::new();
@@ -409,9 +471,8 @@ impl Scheduler {
             }
         };
         loop {
-            while let Ok(l) = self.t.accept(Some(Duration::ZERO)) {
-                joining.insert(l.id(), l);
-            }
+            crate::worker::drain_accepted(&self.t, &mut joining);
+            crate::worker::expire_unadmitted(&mut joining, admission, |_| false, "scheduler");
             if let Some((&rank, _)) = down.iter().find(|(_, d)| Instant::now() > **d) {
                 broadcast(&nodes, &live, &Msg::Shutdown);
                 return Err(Error::PeerGone {
@@ -499,11 +560,7 @@ impl Scheduler {
             let mut gone = Vec::new();
             match self.t.cq().wait(Some(self.cfg.heartbeat)) {
                 Ok(Completion::Message { link, data }) if !by_link.contains_key(&link) => {
-                    let Some(l) = joining
-                        .get(&link)
-                        .cloned()
-                        .or_else(|| crate::worker::await_link(&self.t, &mut joining, link))
-                    else {
+                    let Some(l) = crate::worker::known_link(&self.t, &mut joining, link) else {
                         continue;
                     };
                     let hello = match Msg::decode(&data) {
@@ -522,7 +579,7 @@ impl Scheduler {
                             joining.remove(&link);
                             Self::refuse(
                                 &l,
-                                format!("expected a hello, got {other:?}"),
+                                format!("expected a hello, got {}", other.name()),
                                 &mut report,
                             );
                             continue;
@@ -715,6 +772,7 @@ impl Scheduler {
                     }
                 }
                 Ok(Completion::Closed { link, error }) => {
+                    crate::worker::drain_accepted(&self.t, &mut joining);
                     joining.remove(&link);
                     nonces.remove(&link);
                     if let Some(&node) = by_link.get(&link)

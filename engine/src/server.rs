@@ -341,6 +341,9 @@ impl Server {
             ..Default::default()
         };
         let mut links: HashMap<LinkId, Link> = HashMap::new();
+        // Accepted links not attached yet, with when they came.
+        let mut unattached: HashMap<LinkId, Instant> = HashMap::new();
+        let admission = cfg.transport.handshake_timeout;
         // The challenge sent to each accepted link, used once by its attach.
         let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         let mut worker_of: HashMap<LinkId, u32> = HashMap::new();
@@ -400,9 +403,24 @@ impl Server {
                     report.checkpoints -= 1;
                 }
             }
-            while let Ok(l) = t.accept(Some(Duration::ZERO)) {
-                links.insert(l.id(), l);
-            }
+            drain_accepted(&t, &mut links, &mut unattached);
+            // A link that has not attached within the handshake deadline is dropped.
+            unattached.retain(|id, at| {
+                if at.elapsed() < admission {
+                    return true;
+                }
+                if let Some(l) = links.remove(id) {
+                    tracing::warn!(
+                        "server {}: dropped {}: it did not attach within {} ms",
+                        book.rank,
+                        l.peer(),
+                        admission.as_millis()
+                    );
+                    l.close();
+                }
+                nonces.remove(id);
+                false
+            });
             let c = match early.next() {
                 Some(c) => c,
                 None => match t.cq().wait(Some(cfg.heartbeat)) {
@@ -448,11 +466,12 @@ impl Server {
                     }
                 }
                 Completion::Message { link, data } => {
-                    let Some(l) = links
-                        .get(&link)
-                        .cloned()
-                        .or_else(|| crate::worker::await_link(&t, &mut links, link))
-                    else {
+                    if !links.contains_key(&link) {
+                        // The transport hands a link over before its first completion: one
+                        // still unknown was refused or forgotten here already.
+                        drain_accepted(&t, &mut links, &mut unattached);
+                    }
+                    let Some(l) = links.get(&link).cloned() else {
                         continue;
                     };
                     let reply = |m: Msg| {
@@ -473,6 +492,8 @@ impl Server {
                                     ),
                                 });
                                 l.close();
+                                links.remove(&link);
+                                unattached.remove(&link);
                                 continue;
                             }
                             // A worker reconnecting (its old link dropped, perhaps not yet
@@ -506,6 +527,7 @@ impl Server {
                             }
                             worker_of.insert(link, rank);
                             link_of.insert(rank, link);
+                            unattached.remove(&link);
                             reply(Msg::Keys { shards: keys });
                         }
                         Ok(Msg::PullReq {
@@ -794,7 +816,9 @@ impl Server {
                     });
                 }
                 Completion::Closed { link, .. } => {
+                    drain_accepted(&t, &mut links, &mut unattached);
                     links.remove(&link);
+                    unattached.remove(&link);
                     nonces.remove(&link);
                     if let Some(w) = worker_of.remove(&link) {
                         link_of.remove(&w);
@@ -1190,5 +1214,17 @@ fn release_held(s: &mut Shard, links: &HashMap<LinkId, Link>, cap: u64) {
                 .encode(),
             );
         }
+    }
+}
+
+/// Moves every link the transport has accepted into `links`, noting it as not yet attached.
+fn drain_accepted(
+    t: &Transport,
+    links: &mut HashMap<LinkId, Link>,
+    unattached: &mut HashMap<LinkId, Instant>,
+) {
+    while let Ok(l) = t.accept(Some(Duration::ZERO)) {
+        unattached.insert(l.id(), Instant::now());
+        links.insert(l.id(), l);
     }
 }

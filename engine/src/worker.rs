@@ -144,23 +144,48 @@ fn from_scheduler<T>(
     }
 }
 
-/// A message came from link `id`, which the accept queue has not handed over yet (its
-/// progress thread can deliver before the acceptor does): wait for it briefly.
-pub(crate) fn await_link(
+/// Moves every link the transport has accepted into `links`, stamped with when it came.
+pub(crate) fn drain_accepted(t: &Transport, links: &mut HashMap<LinkId, (Link, Instant)>) {
+    while let Ok(l) = t.accept(Some(Duration::ZERO)) {
+        links.insert(l.id(), (l, Instant::now()));
+    }
+}
+
+/// The accepted link a completion came on, if this role knows it. The transport hands a link
+/// to the accept queue before it delivers any completion of it, so draining the queue first
+/// finds every link there is: a completion of a link still unknown is of one this role has
+/// already refused or forgotten, and is dropped — never waited for.
+pub(crate) fn known_link(
     t: &Transport,
-    links: &mut HashMap<LinkId, Link>,
+    links: &mut HashMap<LinkId, (Link, Instant)>,
     id: LinkId,
 ) -> Option<Link> {
-    let until = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < until {
-        if let Ok(l) = t.accept(Some(Duration::from_millis(10))) {
-            links.insert(l.id(), l);
-        }
-        if let Some(l) = links.get(&id) {
-            return Some(l.clone());
-        }
+    if !links.contains_key(&id) {
+        drain_accepted(t, links);
     }
-    None
+    links.get(&id).map(|(l, _)| l.clone())
+}
+
+/// Closes and forgets the links accepted more than `deadline` ago that `admitted` does not
+/// know: a peer that has not finished the role's admission by then is dropped.
+pub(crate) fn expire_unadmitted(
+    links: &mut HashMap<LinkId, (Link, Instant)>,
+    deadline: Duration,
+    admitted: impl Fn(LinkId) -> bool,
+    who: &str,
+) {
+    links.retain(|id, (l, at)| {
+        if admitted(*id) || at.elapsed() < deadline {
+            return true;
+        }
+        tracing::warn!(
+            "{who}: dropped {}: it did not finish admission within {} ms",
+            l.peer(),
+            deadline.as_millis()
+        );
+        l.close();
+        false
+    });
 }
 
 /// Time left before `deadline`, or the timeout error for `what`.

@@ -37,6 +37,10 @@ pub enum Error {
         /// Ours.
         ours: u64,
     },
+    /// The peer refused this connection (at the handshake: a wrong job token, or too many
+    /// connections waiting for admission).
+    #[error("refused by the peer: {0}")]
+    Refused(String),
     /// An access fell outside a region's bounds.
     #[error(
         "out of bounds: {what} [{offset}, {offset}+{len}) outside a region of {region_len} bytes"

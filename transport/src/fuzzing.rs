@@ -43,7 +43,7 @@ pub fn frame_header(data: &[u8]) {
                 );
             }
         }
-        Op::Hello | Op::Send | Op::ReadResp | Op::Error | Op::Bye => {}
+        Op::Hello | Op::Send | Op::ReadResp | Op::Error | Op::Bye | Op::Proof => {}
     }
 }
 

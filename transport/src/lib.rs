@@ -24,11 +24,13 @@
 #![warn(missing_docs)]
 
 mod addr;
+mod admit;
 mod cq;
 mod error;
 /// Fuzzing seam for the cargo-fuzz targets in `fuzz/`; not API.
 #[doc(hidden)]
 pub mod fuzzing;
+mod handshake;
 mod link;
 mod memfd;
 #[cfg(feature = "rdma")]
@@ -46,7 +48,7 @@ pub use cq::{Completion, CompletionQueue, LinkId};
 pub use error::{Error, Result};
 pub use link::Link;
 pub use region::{Region, RemoteKey};
-pub use transport::{Transport, TransportConfig};
+pub use transport::{AdmissionCounts, Transport, TransportConfig};
 
 /// RDMA device discovery, for diagnostics (`falcon doctor`).
 #[cfg(feature = "rdma")]

@@ -48,6 +48,14 @@ impl Link {
         }
     }
 
+    /// Starts a dormant accepted link delivering (shm links are accepted dormant).
+    pub(crate) fn activate(&self) -> Result<()> {
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.activate(),
+            _ => Ok(()),
+        }
+    }
+
     /// The link's id in this transport's completion queue.
     pub fn id(&self) -> LinkId {
         match &self.inner.imp {

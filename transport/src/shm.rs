@@ -239,6 +239,9 @@ pub(crate) struct ShmLink {
     peer_bell: Doorbell,
     op_timeout: Duration,
     pub(crate) peer_node: u64,
+    /// Until [`ShmLink::activate`]: the completion queue and the control socket the link's
+    /// control thread will read. A dormant link delivers nothing.
+    dormant: Mutex<Option<(CompletionQueue, OwnedFd)>>,
 }
 
 impl ShmLink {
@@ -264,10 +267,14 @@ impl ShmLink {
                 ours: cfg.job,
             });
         }
-        Self::finish(id, sock, peer, cfg, cq, ring, pkt, fds)
+        let link = Self::finish(id, sock, peer, cfg, cq, ring, pkt, fds)?;
+        link.activate()?;
+        Ok(link)
     }
 
-    /// Server side of the handshake on an accepted socket.
+    /// Server side of the handshake on an accepted socket. The link is dormant until
+    /// [`ShmLink::activate`]: the acceptor hands it out first, so its first completion can
+    /// never overtake it.
     pub(crate) fn accept(
         id: LinkId,
         sock: OwnedFd,
@@ -340,19 +347,29 @@ impl ShmLink {
             own_bell: cq.doorbell().clone(),
             max_message: cfg.max_message,
         });
-        cq.add_source(shared.clone());
-        let s2 = shared.clone();
-        std::thread::Builder::new()
-            .name(format!("falcon-shm-ctl-{id}"))
-            .spawn(move || ctl_loop(ctl_sock, s2))
-            .map_err(|e| Error::io("spawn shm control thread", e))?;
         Ok(ShmLink {
             shared,
             out: Mutex::new(out),
             peer_bell,
             op_timeout: cfg.op_timeout,
             peer_node: hello.b.get(),
+            dormant: Mutex::new(Some((cq.clone(), ctl_sock))),
         })
+    }
+
+    /// Starts delivering: the completion queue polls the link's ring and its control thread
+    /// runs. Idempotent.
+    pub(crate) fn activate(&self) -> Result<()> {
+        let Some((cq, ctl_sock)) = lock(&self.dormant).take() else {
+            return Ok(());
+        };
+        cq.add_source(self.shared.clone());
+        let s2 = self.shared.clone();
+        std::thread::Builder::new()
+            .name(format!("falcon-shm-ctl-{}", self.shared.id))
+            .spawn(move || ctl_loop(ctl_sock, s2))
+            .map_err(|e| Error::io("spawn shm control thread", e))?;
+        Ok(())
     }
 
     pub(crate) fn peer(&self) -> &str {

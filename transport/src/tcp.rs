@@ -19,6 +19,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::cq::{Completion, CompletionQueue, LinkId, lock, spin_for};
 use crate::error::{Error, Result, check_bounds};
+use crate::handshake::{Handshake, Local, Side};
 use crate::region::Region;
 use crate::state::LinkState;
 use crate::wire::{FLAG_IMM, FRAME_HEADER, FrameHeader, Op};
@@ -36,6 +37,20 @@ pub(crate) struct TcpSettings {
     pub(crate) max_message: u64,
     /// How long a hand-off between threads spins before it parks.
     pub(crate) spin: Duration,
+    /// The job token the handshake proves (empty: none).
+    pub(crate) token: Arc<[u8]>,
+}
+
+impl TcpSettings {
+    /// What this end says of itself in a handshake.
+    pub(crate) fn local(&self, ask: u32) -> Local {
+        Local {
+            job: self.job,
+            node: self.node,
+            ask,
+            token: self.token.clone(),
+        }
+    }
 }
 
 /// Receives from `rx`: a bounded spin (see [`spin_for`]), then a parked wait.
@@ -179,55 +194,77 @@ pub(crate) const HELLO_TCP: u32 = 0;
 /// The tcp connection is the control link of an RDMA queue pair.
 pub(crate) const HELLO_RDMA: u32 = 1;
 
-/// Exchanges hellos; returns the peer's node id and what it asked for (`HELLO_*`).
+/// The connecting side's handshake (see [`crate::handshake`]), under one deadline for the
+/// whole exchange; returns the peer's node id and what it asked for (`HELLO_*`).
 pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> Result<(u64, u32)> {
     tune(stream, cfg.op_timeout)?;
-    stream
-        .set_read_timeout(Some(cfg.handshake_timeout))
-        .map_err(|e| Error::io("set handshake timeout", e))?;
-    let mut hello = FrameHeader::new(Op::Hello);
-    hello.region = cfg.job.into();
-    hello.offset = cfg.node.into();
-    hello.imm = ask.into();
-    stream
-        .write_all(hello.as_bytes())
-        .map_err(|e| Error::io("send tcp hello", e))?;
-    let mut raw = [0u8; FRAME_HEADER];
-    match read_full(stream, &mut raw) {
-        Ok(true) => {}
-        Ok(false) => {
-            return Err(Error::Closed {
-                peer: peer_name(stream),
-                reason: "closed during handshake".into(),
-            });
+    let deadline = std::time::Instant::now() + cfg.handshake_timeout;
+    let timed_out = || Error::Timeout("tcp handshake", cfg.handshake_timeout);
+    let left = || {
+        let d = deadline.saturating_duration_since(std::time::Instant::now());
+        if d.is_zero() { Err(timed_out()) } else { Ok(d) }
+    };
+    let mut hs = Handshake::new(Side::Connect, cfg.local(ask), crate::admit::nonce()?);
+    loop {
+        while !hs.outgoing().is_empty() {
+            stream
+                .set_write_timeout(Some(left()?))
+                .map_err(|e| Error::io("set handshake timeout", e))?;
+            match stream.write(hs.outgoing()) {
+                Ok(0) => {
+                    return Err(Error::io(
+                        "send tcp hello",
+                        std::io::ErrorKind::WriteZero.into(),
+                    ));
+                }
+                Ok(n) => hs.sent(n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(timed_out());
+                }
+                Err(e) => return Err(Error::io("send tcp hello", e)),
+            }
         }
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
-            return Err(Error::Timeout("tcp handshake", cfg.handshake_timeout));
+        if let Some(peer) = hs.finished() {
+            stream
+                .set_write_timeout(Some(cfg.op_timeout))
+                .map_err(|e| Error::io("set send timeout", e))?;
+            // An rdma link's queue-pair exchange follows on this stream under its own timeout.
+            stream
+                .set_read_timeout(Some(cfg.handshake_timeout))
+                .map_err(|e| Error::io("set handshake timeout", e))?;
+            return Ok((peer.node, peer.ask));
         }
-        Err(e) => return Err(Error::io("receive tcp hello", e)),
+        let want = hs.wants();
+        let mut buf = [0u8; crate::handshake::MAX_RECORD];
+        stream
+            .set_read_timeout(Some(left()?))
+            .map_err(|e| Error::io("set handshake timeout", e))?;
+        match stream.read(&mut buf[..want]) {
+            Ok(0) => {
+                return Err(Error::Closed {
+                    peer: peer_name(stream),
+                    reason: "closed during handshake (a peer at its admission limit, or not a falcon node)".into(),
+                });
+            }
+            Ok(n) => hs.receive(&buf[..n])?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(timed_out());
+            }
+            Err(e) => return Err(Error::io("receive tcp hello", e)),
+        }
     }
-    let (op, h) = FrameHeader::decode(&raw)?;
-    if op != Op::Hello || h.len.get() != 0 {
-        return Err(Error::Malformed(format!("expected a hello, got {op:?}")));
-    }
-    if h.region.get() != cfg.job {
-        return Err(Error::WrongJob {
-            theirs: h.region.get(),
-            ours: cfg.job,
-        });
-    }
-    if h.imm.get() > HELLO_RDMA {
-        return Err(Error::Malformed(format!(
-            "hello asks for unknown medium {}",
-            h.imm.get()
-        )));
-    }
-    Ok((h.offset.get(), h.imm.get()))
 }
 
 /// Clears the handshake's read timeout once the connection is established.
@@ -252,10 +289,13 @@ impl TcpLink {
         cfg: &TcpSettings,
         cq: CompletionQueue,
     ) -> Result<TcpLink> {
-        Self::start_with(id, stream, peer_node, cfg, cq, None)
+        Self::start_with(id, stream, peer_node, cfg, cq, None, None)
     }
 
-    /// As `start`, with a hook run before `Closed` is delivered.
+    /// As `start`, with a hook run before `Closed` is delivered, and a gate: when given, the
+    /// link reads nothing (so delivers no completion) until the gate opens or its sender is
+    /// dropped — an acceptor hands the link out first, so its first completion can never
+    /// overtake it.
     pub(crate) fn start_with(
         id: LinkId,
         stream: TcpStream,
@@ -263,6 +303,7 @@ impl TcpLink {
         cfg: &TcpSettings,
         cq: CompletionQueue,
         before_close: Option<Box<dyn Fn() + Send + Sync>>,
+        gate: Option<Receiver<()>>,
     ) -> Result<TcpLink> {
         established(&stream)?;
         let peer = format!("tcp:{}", peer_name(&stream));
@@ -290,7 +331,12 @@ impl TcpLink {
             let (shared, reader) = (shared.clone(), clone(&stream)?);
             std::thread::Builder::new()
                 .name(format!("falcon-tcp-recv-{id}"))
-                .spawn(move || recv_loop(reader, tx, shared))
+                .spawn(move || {
+                    if let Some(g) = gate {
+                        let _ = g.recv();
+                    }
+                    recv_loop(reader, tx, shared)
+                })
                 .map_err(|e| Error::io("spawn tcp progress thread", e))?;
         }
         Ok(TcpLink {
@@ -695,7 +741,12 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Shared) -> R
                 return Err(e);
             }
             Op::Bye => said_bye = true,
-            Op::Hello => return Err(Error::Malformed("hello after the handshake".into())),
+            Op::Hello | Op::Proof => {
+                return Err(Error::Malformed(format!(
+                    "a {} frame after the handshake",
+                    op.name()
+                )));
+            }
         }
     }
 }

@@ -11,8 +11,10 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::addr::{Medium, PeerAddr, host_id};
+use crate::admit::{self, AdmitLimits, AdmitStats};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
+use crate::handshake::Peer;
 use crate::link::{Link, LinkImpl};
 use crate::shm::{self, ShmLink, ShmSettings};
 use crate::tcp::{self, TcpLink, TcpSettings};
@@ -35,8 +37,17 @@ pub struct TransportConfig {
     pub medium: Medium,
     /// Deadline of a single operation (a read's response, a full ring, a stuck socket).
     pub op_timeout: Duration,
-    /// Deadline of a connection handshake.
+    /// Deadline of a connection's whole handshake (hellos and proofs), counted from its
+    /// acceptance: a peer that has not proved it belongs to the job by then is dropped.
     pub handshake_timeout: Duration,
+    /// The job token every tcp connection proves it knows before it becomes a link (an
+    /// HMAC over both sides' nonces; the token never crosses the wire). Empty: no token; the
+    /// job id alone then keeps other jobs' processes out, and nothing keeps an attacker out.
+    pub token: String,
+    /// Most tcp connections waiting for admission at once; more are closed at once.
+    pub max_handshakes: usize,
+    /// Most tcp connections waiting for admission from one source address.
+    pub max_handshakes_per_source: usize,
     /// How long a completion-queue wait spins before it parks.
     pub spin: Duration,
     /// Capacity of each shm link's inbound ring.
@@ -68,6 +79,9 @@ impl Default for TransportConfig {
             medium: Medium::Auto,
             op_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(5),
+            token: String::new(),
+            max_handshakes: 128,
+            max_handshakes_per_source: 32,
             spin: Duration::from_micros(50),
             ring_bytes: 1 << 20,
             max_message: 8 << 30,
@@ -96,6 +110,21 @@ fn random_u64() -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// What a transport's tcp admission wall has done (see [`TransportConfig::token`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AdmissionCounts {
+    /// Connections that proved the job token and became links.
+    pub admitted: u64,
+    /// Connections refused: wrong token or job, malformed or closed handshakes.
+    pub refused: u64,
+    /// Connections dropped at the handshake deadline.
+    pub timed_out: u64,
+    /// Connections closed at once because too many waited for admission.
+    pub over_cap: u64,
+    /// Connections waiting for admission now.
+    pub pending: u64,
+}
+
 /// Shared between the transport and its acceptor threads (which must not keep it alive).
 struct Common {
     cq: CompletionQueue,
@@ -106,6 +135,20 @@ struct Common {
     local: String,
     /// The RDMA device, or why there is none.
     rdma: std::result::Result<RdmaDevice, Error>,
+    /// What the tcp admission wall did.
+    admit: Arc<AdmitStats>,
+    /// shm handshakes in flight, and their cap.
+    shm_pending: std::sync::atomic::AtomicUsize,
+    max_shm_pending: usize,
+}
+
+/// Counts an shm handshake out when its thread ends, however it ends.
+struct ShmPendingGuard<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for ShmPendingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 #[cfg(feature = "rdma")]
@@ -145,7 +188,12 @@ fn open_rdma(_: &TransportConfig, _: &CompletionQueue) -> std::result::Result<Rd
 
 /// Builds the RDMA half of a link on a tcp connection whose hellos asked for it.
 #[cfg(feature = "rdma")]
-fn rdma_link(common: &Common, mut stream: TcpStream, peer_node: u64) -> Result<Link> {
+fn rdma_link(
+    common: &Common,
+    mut stream: TcpStream,
+    peer_node: u64,
+    gate: Option<Receiver<()>>,
+) -> Result<Link> {
     use crate::rdma::{self, RdmaLink, RdmaQp};
     let id = common.link_id();
     let qp = match &common.rdma {
@@ -176,6 +224,7 @@ fn rdma_link(common: &Common, mut stream: TcpStream, peer_node: u64) -> Result<L
         &common.tcp,
         common.cq.clone(),
         Some(qp.drainer()),
+        gate,
     )?;
     qp.on_fail(Box::new(ctl.failer()?));
     Ok(Link::new(
@@ -189,24 +238,44 @@ fn rdma_link(common: &Common, mut stream: TcpStream, peer_node: u64) -> Result<L
 }
 
 #[cfg(not(feature = "rdma"))]
-fn rdma_link(common: &Common, _: TcpStream, _: u64) -> Result<Link> {
+fn rdma_link(common: &Common, _: TcpStream, _: u64, _: Option<Receiver<()>>) -> Result<Link> {
     Err(common.rdma.clone().expect_err("no rdma in this build"))
 }
 
-/// The accepting side of a tcp connection: plain tcp, or the control link of an RDMA link.
-fn accepted_tcp(common: &Common, mut stream: TcpStream) -> Result<Link> {
-    let (node, ask) = tcp::handshake(&mut stream, &common.tcp, tcp::HELLO_TCP)?;
-    if ask == tcp::HELLO_RDMA {
-        return rdma_link(common, stream, node);
+/// An admitted tcp connection becomes a link: plain tcp, or the control link of an RDMA
+/// link. It is handed to the accept queue before it reads anything, so its first completion
+/// can never overtake it.
+fn admitted_tcp(common: &Arc<Common>, stream: TcpStream, peer: Peer, tx: &Sender<Result<Link>>) {
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    if peer.ask == tcp::HELLO_RDMA {
+        // The queue-pair exchange blocks on an admitted peer: off the wall's thread.
+        let (common, tx) = (common.clone(), tx.clone());
+        let _ = spawn("falcon-rdma-setup", move || {
+            match rdma_link(&common, stream, peer.node, Some(gate)) {
+                Ok(link) => {
+                    let _ = tx.send(Ok(link));
+                }
+                Err(e) => tracing::warn!("{}: rdma link setup failed: {e}", common.local),
+            }
+            drop(open);
+        });
+        return;
     }
-    let link = TcpLink::start(
+    match TcpLink::start_with(
         common.link_id(),
         stream,
-        node,
+        peer.node,
         &common.tcp,
         common.cq.clone(),
-    )?;
-    Ok(Link::new(LinkImpl::Tcp(link), common.tcp.node))
+        None,
+        Some(gate),
+    ) {
+        Ok(link) => {
+            let _ = tx.send(Ok(Link::new(LinkImpl::Tcp(link), common.tcp.node)));
+        }
+        Err(e) => tracing::warn!("{}: tcp link setup failed: {e}", common.local),
+    }
+    drop(open);
 }
 
 impl Common {
@@ -285,6 +354,7 @@ impl Transport {
                 handshake_timeout: cfg.handshake_timeout,
                 max_message: cfg.max_message,
                 spin: cfg.spin,
+                token: cfg.token.as_bytes().into(),
             },
             shm: ShmSettings {
                 job: cfg.job,
@@ -296,6 +366,9 @@ impl Transport {
             },
             local: format!("node {node:#x}"),
             rdma,
+            admit: Arc::default(),
+            shm_pending: Default::default(),
+            max_shm_pending: cfg.max_handshakes.max(1),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut addr = PeerAddr {
@@ -323,9 +396,26 @@ impl Transport {
                 let l2 = l
                     .try_clone()
                     .map_err(|e| Error::io("clone tcp listener", e))?;
-                spawn("falcon-tcp-accept", {
+                spawn("falcon-tcp-admit", {
                     let (common, tx) = (common.clone(), tx.clone());
-                    move || tcp_accept_loop(l2, common, tx)
+                    let limits = AdmitLimits {
+                        deadline: cfg.handshake_timeout,
+                        max_pending: cfg.max_handshakes.max(1),
+                        max_per_source: cfg.max_handshakes_per_source.max(1),
+                    };
+                    move || {
+                        let local = common.tcp.local(tcp::HELLO_TCP);
+                        let stats = common.admit.clone();
+                        admit::run(
+                            l2,
+                            local,
+                            limits,
+                            stats,
+                            &common.stopping,
+                            &common.local,
+                            |stream, peer, _from| admitted_tcp(&common, stream, peer, &tx),
+                        )
+                    }
                 })?;
                 Some(l)
             }
@@ -440,6 +530,18 @@ impl Transport {
         }
     }
 
+    /// What the tcp admission wall has done so far.
+    pub fn admission(&self) -> AdmissionCounts {
+        let a = &self.inner.common.admit;
+        AdmissionCounts {
+            admitted: a.admitted.load(Ordering::Relaxed),
+            refused: a.refused.load(Ordering::Relaxed),
+            timed_out: a.timed_out.load(Ordering::Relaxed),
+            over_cap: a.over_cap.load(Ordering::Relaxed),
+            pending: a.pending.load(Ordering::Relaxed),
+        }
+    }
+
     /// True when this transport can use the rdma medium.
     pub fn rdma_available(&self) -> bool {
         self.inner.common.rdma.is_ok()
@@ -496,7 +598,7 @@ impl Transport {
             })?;
         let (peer_node, _) = tcp::handshake(&mut stream, &c.tcp, ask)?;
         if ask == tcp::HELLO_RDMA {
-            return rdma_link(c, stream, peer_node);
+            return rdma_link(c, stream, peer_node, None);
         }
         let link = TcpLink::start(c.link_id(), stream, peer_node, &c.tcp, c.cq.clone())?;
         Ok(Link::new(LinkImpl::Tcp(link), self.inner.node))
@@ -511,33 +613,6 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
         .map_err(|e| Error::io("spawn thread", e))
 }
 
-fn tcp_accept_loop(listener: TcpListener, common: Arc<Common>, tx: Sender<Result<Link>>) {
-    loop {
-        let (stream, from) = match listener.accept() {
-            Ok(s) => s,
-            Err(_) if common.stopping.load(Ordering::Acquire) => return,
-            Err(e) => {
-                tracing::warn!("tcp accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        if common.stopping.load(Ordering::Acquire) {
-            return;
-        }
-        // Handshake off the accept thread, so a silent client cannot stall other peers.
-        let (common, tx) = (common.clone(), tx.clone());
-        let _ = spawn("falcon-tcp-handshake", move || {
-            match accepted_tcp(&common, stream) {
-                Ok(link) => {
-                    let _ = tx.send(Ok(link));
-                }
-                Err(e) => tracing::warn!("{}: refused tcp peer {from}: {e}", common.local),
-            }
-        });
-    }
-}
-
 fn unix_accept_loop(listener: Arc<OwnedFd>, common: Arc<Common>, tx: Sender<Result<Link>>) {
     loop {
         let sock =
@@ -550,12 +625,29 @@ fn unix_accept_loop(listener: Arc<OwnedFd>, common: Arc<Common>, tx: Sender<Resu
                     continue;
                 }
             };
+        // Local peers of this user only (the socket's directory is 0700); still, handshakes
+        // in flight are capped like tcp's.
+        if common.shm_pending.fetch_add(1, Ordering::AcqRel) >= common.max_shm_pending {
+            common.shm_pending.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(
+                "{}: closed an shm peer at once: too many handshakes in flight",
+                common.local
+            );
+            drop(sock);
+            continue;
+        }
         let (common, tx) = (common.clone(), tx.clone());
         let _ = spawn("falcon-shm-handshake", move || {
+            let _done = ShmPendingGuard(&common.shm_pending);
             let id = common.link_id();
             match ShmLink::accept(id, sock, format!("shm-peer#{id}"), &common.shm, &common.cq) {
                 Ok(link) => {
-                    let _ = tx.send(Ok(Link::new(LinkImpl::Shm(link), common.shm.node)));
+                    let link = Link::new(LinkImpl::Shm(link), common.shm.node);
+                    let _ = tx.send(Ok(link.clone()));
+                    if let Err(e) = link.activate() {
+                        tracing::warn!("{}: shm link could not start: {e}", common.local);
+                        link.close();
+                    }
                 }
                 Err(e) => tracing::warn!("{}: refused shm peer: {e}", common.local),
             }

@@ -11,13 +11,14 @@ use crate::error::{Error, Result};
 /// "FLCN" as a little-endian u32.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"FLCN");
 /// Version of the wire protocol; bumped on any incompatible change.
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 
 /// Operations of a tcp frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]
 pub(crate) enum Op {
-    /// Connection opener: `region` = job id, `offset` = node id.
+    /// Connection opener: `region` = job id, `offset` = node id, `imm` = the medium asked
+    /// for; the payload is the sender's nonce (see `handshake`).
     Hello = 1,
     /// One-sided write: payload of `len` bytes into (`region`, `offset`); `imm` if flagged.
     Write = 2,
@@ -31,6 +32,8 @@ pub(crate) enum Op {
     Error = 6,
     /// Orderly close.
     Bye = 7,
+    /// The handshake's proof that the sender knows the job token (see `handshake`).
+    Proof = 8,
 }
 
 impl Op {
@@ -43,8 +46,25 @@ impl Op {
             5 => Op::ReadResp,
             6 => Op::Error,
             7 => Op::Bye,
+            8 => Op::Proof,
             _ => return None,
         })
+    }
+}
+
+impl Op {
+    /// The op's name, for messages.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::Hello => "hello",
+            Op::Write => "write",
+            Op::Send => "send",
+            Op::ReadReq => "read request",
+            Op::ReadResp => "read response",
+            Op::Error => "error",
+            Op::Bye => "goodbye",
+            Op::Proof => "proof",
+        }
     }
 }
 
@@ -102,8 +122,9 @@ impl FrameHeader {
             .ok_or_else(|| Error::Malformed(format!("frame op {}", h.op.get())))?;
         if h.flags.get() & !FLAG_IMM != 0 || (h.flags.get() != 0 && op != Op::Write) {
             return Err(Error::Malformed(format!(
-                "frame flags {:#x} on {op:?}",
-                h.flags.get()
+                "frame flags {:#x} on a {} frame",
+                h.flags.get(),
+                op.name()
             )));
         }
         Ok((op, h))
