@@ -51,6 +51,24 @@ pub enum Error {
     /// A server checkpoint could not be written, or one found is unusable.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// The scheduler evicted this worker (silent past the suspicion timeout, say); it may
+    /// rejoin under its rank at the current clock.
+    #[error("worker {rank} was evicted by the scheduler: {reason}; it can rejoin under its rank")]
+    Evicted {
+        /// The worker's rank.
+        rank: u32,
+        /// Why, as the scheduler said.
+        reason: String,
+    },
+    /// The scheduler declared this server dead (it was paused or cut off past the suspicion
+    /// timeout): it must not serve on, and restarts from its checkpoint.
+    #[error("server {rank} was fenced by the scheduler: {reason}")]
+    Fenced {
+        /// The server's rank.
+        rank: u32,
+        /// Why, as the scheduler said.
+        reason: String,
+    },
     /// Rendezvous did not complete: some nodes never joined.
     #[error(
         "rendezvous timed out after {} s: never joined: {missing} (are those processes started, and do they reach the scheduler's address?)",

@@ -17,6 +17,7 @@ pub use error::{Error, Result};
 pub mod auth;
 pub mod checkpoint;
 pub mod config;
+mod heartbeat;
 pub mod proto;
 // The roles map real shared memory with std atomics; the loom build (`--cfg loom`) models
 // the meta block alone, so they are left out of it.

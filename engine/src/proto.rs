@@ -296,6 +296,12 @@ pub enum Msg {
         /// One past the last task.
         end: u32,
     },
+    /// scheduler → node: you are declared dead (silent past the suspicion timeout); your links
+    /// close. A worker may rejoin under its rank; a server restarts from its checkpoint.
+    Evicted {
+        /// Why, in words.
+        reason: String,
+    },
 }
 
 impl Msg {
@@ -329,6 +335,7 @@ impl Msg {
             Msg::IterationDone { .. } => "iteration done",
             Msg::Threads { .. } => "threads",
             Msg::Tasks { .. } => "tasks",
+            Msg::Evicted { .. } => "evicted",
         }
     }
 }

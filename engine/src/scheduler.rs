@@ -30,6 +30,8 @@ pub struct SchedulerReport {
     pub refused: Vec<String>,
     /// Nodes declared dead (role, rank).
     pub dead: Vec<(Role, u32)>,
+    /// Nodes evicted for silence (role, rank, why): a subset of `dead`.
+    pub evicted: Vec<(Role, u32, String)>,
     /// ElasticBSP supersteps planned (barriers that fell); 0 under other policies.
     pub supersteps: u64,
     /// The last ElasticBSP plan, one entry per worker that took part, by rank.
@@ -401,9 +403,14 @@ impl Scheduler {
         let keymap = KeyMap::plan(tensors, cfg.servers, cfg.max_shard_bytes)?;
         report.bytes_per_server = keymap.bytes_per_server();
         tracing::info!(
-            "scheduler: job {} placed, bytes per server {:?}",
+            "scheduler: job {} placed, bytes per server {}",
             cfg.job,
-            report.bytes_per_server
+            report
+                .bytes_per_server
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         let servers: Vec<String> = (0..cfg.servers)
             .map(|r| addrs[&(Role::Server, r)].0.clone())
@@ -608,8 +615,9 @@ impl Scheduler {
                             Ok(r)
                         }
                         _ => Err(format!(
-                            "{} {rank:?} cannot join the running job (only a dead server of a job with checkpoints, or a dead worker, each by its rank)",
-                            role.name()
+                            "{} {} cannot join the running job (only a dead server of a job with checkpoints, or a dead worker, each by its rank)",
+                            role.name(),
+                            rank.map_or("without a rank".to_string(), |r| format!("rank {r}"))
                         )),
                     };
                     let r = match admitted {
@@ -766,9 +774,16 @@ impl Scheduler {
                             }
                         }
                         Ok(other) => {
-                            tracing::warn!("scheduler: unexpected {other:?} from {node:?}")
+                            tracing::warn!(
+                                "scheduler: unexpected {} message from {} {}",
+                                other.name(),
+                                node.0.name(),
+                                node.1
+                            )
                         }
-                        Err(e) => tracing::warn!("scheduler: {e} from {node:?}"),
+                        Err(e) => {
+                            tracing::warn!("scheduler: {e} from {} {}", node.0.name(), node.1)
+                        }
                     }
                 }
                 Ok(Completion::Closed { link, error }) => {
@@ -778,23 +793,38 @@ impl Scheduler {
                     if let Some(&node) = by_link.get(&link)
                         && !(node.0 == Role::Worker && done.contains(&node.1))
                     {
-                        tracing::warn!("scheduler: {} {} left: {error:?}", node.0.name(), node.1);
+                        tracing::warn!(
+                            "scheduler: {} {} left: {}",
+                            node.0.name(),
+                            node.1,
+                            crate::worker::closed_why(&error)
+                        );
                         gone.push(node);
                     }
                 }
                 Ok(Completion::WriteImm { .. }) | Err(_) => {}
             }
             for (node, at) in &seen {
-                if live.contains(node)
-                    && silence.is_some_and(|s| at.elapsed() > s)
+                if let Some(limit) = silence
+                    && live.contains(node)
+                    && at.elapsed() > limit
                     && !(node.0 == Role::Worker && done.contains(&node.1))
                 {
-                    tracing::warn!(
-                        "scheduler: {} {} silent for {:?}",
-                        node.0.name(),
-                        node.1,
-                        at.elapsed()
+                    let reason = format!(
+                        "silent for {:.1} s (suspicion timeout {:.1} s)",
+                        at.elapsed().as_secs_f64(),
+                        limit.as_secs_f64()
                     );
+                    tracing::warn!("scheduler: evicting {} {}: {reason}", node.0.name(), node.1);
+                    // Tell it why: a paused node reads this when it resumes (a worker then
+                    // rejoins, a server restarts from its checkpoint).
+                    let _ = nodes[node].send(
+                        &Msg::Evicted {
+                            reason: reason.clone(),
+                        }
+                        .encode(),
+                    );
+                    report.evicted.push((node.0, node.1, reason));
                     gone.push(*node);
                 }
             }
@@ -822,8 +852,8 @@ impl Scheduler {
                             });
                         };
                         tracing::warn!(
-                            "scheduler: waiting up to {:?} for server {} to restart from its checkpoint",
-                            c.recovery_timeout,
+                            "scheduler: waiting up to {:.1} s for server {} to restart from its checkpoint",
+                            c.recovery_timeout.as_secs_f64(),
                             node.1
                         );
                         down.insert(node.1, Instant::now() + c.recovery_timeout);

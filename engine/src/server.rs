@@ -78,6 +78,9 @@ pub struct ServerReport {
     pub checkpoints: u64,
     /// The checkpoint this server restarted from (its number), if it did.
     pub restored_from: Option<u64>,
+    /// Times the scheduler fenced this server (declared it dead while it was paused or cut
+    /// off) and it restarted itself from its checkpoint.
+    pub fenced: u32,
     /// Acknowledged updates lost with the previous incarnation of this server (applied after
     /// its last checkpoint), as the reattaching workers counted them.
     pub lost_updates: u64,
@@ -283,8 +286,35 @@ impl Server {
         self.book.rank
     }
 
-    /// Serves until the scheduler ends the job.
+    /// Serves until the scheduler ends the job. With checkpoints on, a server the scheduler
+    /// fenced (declared dead while it was paused or cut off) stops serving at once, drops
+    /// every link and state it had, and joins again under its rank, restarting from its last
+    /// checkpoint — the same path as a restarted process, so there are never two servers for
+    /// one rank.
     pub fn run(self) -> Result<ServerReport> {
+        let (cfg, hooks, rank) = (self.cfg.clone(), self.hooks.clone(), self.book.rank);
+        let mut server = self;
+        let mut fenced = 0;
+        loop {
+            let recovery = server.book.recovery;
+            match server.serve() {
+                Err(Error::Fenced { reason, .. }) if recovery => {
+                    fenced += 1;
+                    tracing::warn!(
+                        "server {rank}: fenced by the scheduler ({reason}); restarting from its checkpoint"
+                    );
+                    server = Server::join(cfg.clone(), Some(rank), hooks.clone())?;
+                }
+                Ok(mut report) => {
+                    report.fenced = fenced;
+                    return Ok(report);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn serve(self) -> Result<ServerReport> {
         let Server {
             cfg,
             t,
@@ -354,7 +384,6 @@ impl Server {
         let mut dead: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut actions = Vec::new();
         let start = Instant::now();
-        let mut last_beat = Instant::now();
         let job = crate::config::job_hash(&cfg.job);
         let checkpoints = match (&cfg.checkpoint, book.recovery) {
             (Some(c), true) => Some((c, Checkpointer::start(&c.dir, book.rank)?)),
@@ -385,11 +414,16 @@ impl Server {
             );
         }
         let mut last_ckpt = Instant::now();
+        // Heartbeats from their own thread, which ends with this incarnation.
+        let serving = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let _stop_beats = StopOnDrop(serving.clone());
+        crate::heartbeat::start(
+            &format!("falcon-server-{}-heartbeat", book.rank),
+            sched.clone(),
+            cfg.heartbeat,
+            move || serving.load(std::sync::atomic::Ordering::Acquire),
+        )?;
         loop {
-            if last_beat.elapsed() >= cfg.heartbeat {
-                let _ = sched.send(&Msg::Heartbeat.encode());
-                last_beat = Instant::now();
-            }
             if let Some((c, writer)) = &checkpoints
                 && last_ckpt.elapsed() >= c.every
             {
@@ -433,6 +467,12 @@ impl Server {
                 Completion::Message { link, data } if link == sched.id() => {
                     match Msg::decode(&data) {
                         Ok(Msg::Shutdown) => break,
+                        Ok(Msg::Evicted { reason }) => {
+                            return Err(Error::Fenced {
+                                rank: book.rank,
+                                reason,
+                            });
+                        }
                         Ok(Msg::Dead {
                             role: Role::Worker,
                             rank,
@@ -638,7 +678,11 @@ impl Server {
                             // Its releases go out with the loop's (below).
                             reply(Msg::Resumed { lost });
                         }
-                        Ok(other) => tracing::warn!("server {}: unexpected {other:?}", book.rank),
+                        Ok(other) => tracing::warn!(
+                            "server {}: unexpected {} message",
+                            book.rank,
+                            other.name()
+                        ),
                         Err(e) => {
                             tracing::warn!("server {}: {e}; closing that link", book.rank);
                             l.close();
@@ -808,11 +852,19 @@ impl Server {
                         &mut report,
                     );
                 }
-                Completion::Closed { link, .. } if link == sched.id() => {
+                Completion::Closed { link, error } if link == sched.id() => {
+                    let why = crate::worker::closed_why(&error);
+                    if book.recovery {
+                        // Cut off, or declared dead while paused: this incarnation must stop.
+                        return Err(Error::Fenced {
+                            rank: book.rank,
+                            reason: format!("the link to the scheduler closed ({why})"),
+                        });
+                    }
                     return Err(Error::PeerGone {
                         role: "scheduler",
                         rank: 0,
-                        why: "its link closed".into(),
+                        why: format!("its link closed ({why})"),
                     });
                 }
                 Completion::Closed { link, .. } => {
@@ -1226,5 +1278,14 @@ fn drain_accepted(
     while let Ok(l) = t.accept(Some(Duration::ZERO)) {
         unattached.insert(l.id(), Instant::now());
         links.insert(l.id(), l);
+    }
+}
+
+/// Clears a flag when dropped (ends a heartbeat thread with the incarnation that started it).
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Release);
     }
 }

@@ -135,7 +135,7 @@ fn from_scheduler<T>(
                 return Err(Error::PeerGone {
                     role: "scheduler",
                     rank: 0,
-                    why: format!("closed during rendezvous: {error:?}"),
+                    why: format!("closed during rendezvous: {}", closed_why(&error)),
                 });
             }
             Ok(other) => early.push(other),
@@ -620,7 +620,10 @@ impl Worker {
                     return Err(Error::PeerGone {
                         role,
                         rank,
-                        why: format!("closed while attaching to the servers: {error:?}"),
+                        why: format!(
+                            "closed while attaching to the servers: {}",
+                            closed_why(&error)
+                        ),
                     });
                 }
                 _ => {}
@@ -720,6 +723,17 @@ impl Worker {
             .name(format!("falcon-worker-{}", inner.book.rank))
             .spawn(move || progress(weak, heartbeat))
             .map_err(|e| Error::Config(format!("spawn worker progress thread: {e}")))?;
+        let weak = Arc::downgrade(&inner);
+        let sched = inner.sched.clone();
+        crate::heartbeat::start(
+            &format!("falcon-worker-{}-heartbeat", inner.book.rank),
+            sched,
+            heartbeat,
+            move || {
+                weak.upgrade()
+                    .is_some_and(|w| !w.stop.load(Ordering::Acquire))
+            },
+        )?;
         Ok(Worker { inner })
     }
 
@@ -815,10 +829,9 @@ impl Worker {
     pub fn push_for(&self, tensor: &str, grad: &Region, straggler: u32, clock: u64) -> Result<()> {
         self.check_running()?;
         if self.inner.book.mode == UpdateMode::Sync {
-            return Err(Error::Config(format!(
-                "transferred tasks need asynchronous updates; policy {:?} aggregates per clock",
-                self.inner.book.policy
-            )));
+            return Err(Error::Config(
+                "transferred tasks need asynchronous updates; this job's policy (BSP or Sync-opt) aggregates per clock".into(),
+            ));
         }
         if straggler >= self.workers() {
             return Err(Error::Config(format!("no worker {straggler}")));
@@ -1371,18 +1384,13 @@ impl Worker {
 }
 
 /// The worker's progress thread: routes acknowledgements, pull answers and scheduler news to
-/// waiting callers, and sends heartbeats.
+/// waiting callers. (Heartbeats have a thread of their own, which nothing here can block.)
 fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
-    let mut last = Instant::now();
     let mut last_resync = Instant::now();
     loop {
         let Some(w) = inner.upgrade() else { return };
         if w.stop.load(Ordering::Acquire) {
             return;
-        }
-        if last.elapsed() >= heartbeat {
-            let _ = w.sched.send(&Msg::Heartbeat.encode());
-            last = Instant::now();
         }
         if w.book.recovery {
             w.reconnect();
@@ -1534,6 +1542,20 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                 }) if w.book.recovery && (rank as usize) < w.servers.len() => {
                     tracing::warn!("worker: server {rank} died; waiting for its restart");
                     w.server_down(rank as usize);
+                    // Declared dead, it may only be paused: never reattach to that incarnation.
+                    // The scheduler announces its successor (`ServerBack`).
+                    lock(&w.servers[rank as usize].state).next_try =
+                        Instant::now() + Duration::from_secs(365 * 24 * 3600);
+                }
+                Ok(Msg::Evicted { reason }) => {
+                    tracing::error!("worker {}: evicted by the scheduler: {reason}", w.book.rank);
+                    fail_with(
+                        &w,
+                        Error::Evicted {
+                            rank: w.book.rank,
+                            reason,
+                        },
+                    );
                 }
                 Ok(Msg::ServerBack { rank, addr }) if (rank as usize) < w.servers.len() => {
                     tracing::info!("worker: server {rank} restarted at {addr}; reattaching");
@@ -1557,7 +1579,8 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                 match server {
                     Some(r) if w.book.recovery => {
                         tracing::warn!(
-                            "worker: link to server {r} closed ({error:?}); reconnecting"
+                            "worker: link to server {r} closed ({}); reconnecting",
+                            closed_why(&error)
                         );
                         w.server_down(r);
                     }
@@ -1565,11 +1588,16 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                         &w,
                         Role::Server,
                         r as u32,
-                        &format!("link closed: {error:?}"),
+                        &format!("link closed: {}", closed_why(&error)),
                     ),
                     // A link already replaced: nothing to do.
                     None if link != w.sched.id() => {}
-                    None => fail_all(&w, Role::Scheduler, 0, &format!("link closed: {error:?}")),
+                    None => fail_all(
+                        &w,
+                        Role::Scheduler,
+                        0,
+                        &format!("link closed: {}", closed_why(&error)),
+                    ),
                 }
             }
         }
@@ -1578,11 +1606,18 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
 
 /// Fails every waiting caller: a peer is gone, nothing they wait for will come.
 fn fail_all(w: &Inner, role: Role, rank: u32, why: &str) {
-    let err = Error::PeerGone {
-        role: role.name(),
-        rank,
-        why: why.to_string(),
-    };
+    fail_with(
+        w,
+        Error::PeerGone {
+            role: role.name(),
+            rank,
+            why: why.to_string(),
+        },
+    );
+}
+
+/// Fails every waiter, and every later operation, with `err`.
+fn fail_with(w: &Inner, err: Error) {
     for slot in &w.servers {
         let mut st = lock(&slot.state);
         if st.gone.is_none() {
@@ -1609,6 +1644,14 @@ fn fail_all(w: &Inner, role: Role, rank: u32, why: &str) {
         if let Some((s, _)) = g.pending.take() {
             s.set(Err(err));
         }
+    }
+}
+
+/// Why a link closed, in words: its error, or an orderly close.
+pub(crate) fn closed_why(error: &Option<falcon_transport::Error>) -> String {
+    match error {
+        Some(e) => e.to_string(),
+        None => "closed by the peer".into(),
     }
 }
 
