@@ -416,7 +416,7 @@ impl Server {
         let mut last_ckpt = Instant::now();
         // Heartbeats from their own thread, which ends with this incarnation.
         let serving = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let _stop_beats = StopOnDrop(serving.clone());
+        let _stop_beats = StopOnDrop(serving.clone(), sched.clone());
         crate::heartbeat::start(
             &format!("falcon-server-{}-heartbeat", book.rank),
             sched.clone(),
@@ -1281,11 +1281,13 @@ fn drain_accepted(
     }
 }
 
-/// Clears a flag when dropped (ends a heartbeat thread with the incarnation that started it).
-struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+/// Ends an incarnation's heartbeats when dropped: clears their flag and closes the scheduler
+/// link (with a goodbye; the heartbeat thread's clone would otherwise keep it open).
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>, Link);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
         self.0.store(false, std::sync::atomic::Ordering::Release);
+        self.1.close();
     }
 }

@@ -56,12 +56,37 @@ pub(crate) fn rendezvous(
     // Roles start in any order: retry until the rendezvous deadline, like ps-lite.
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     let mut pause = Duration::from_millis(20);
+    let mut attempt = 0u32;
+    let mut last_said = Instant::now();
     let sched = loop {
+        attempt += 1;
         match t.connect_with(&addr, falcon_transport::Medium::Auto) {
             Ok(l) => break l,
-            Err(e @ falcon_transport::Error::Unreachable { .. }) => {
+            // Not listening yet, or at its admission limit: retry until the deadline.
+            Err(
+                e @ (falcon_transport::Error::Unreachable { .. }
+                | falcon_transport::Error::Closed { .. }
+                | falcon_transport::Error::Timeout(..)),
+            ) => {
                 if Instant::now() + pause > deadline {
-                    return Err(e.into());
+                    return Err(Error::PeerGone {
+                        role: "scheduler",
+                        rank: 0,
+                        why: format!(
+                            "unreachable at {} after {attempt} attempts in {:.0} s: {e}",
+                            cfg.scheduler,
+                            cfg.rendezvous_timeout.as_secs_f64()
+                        ),
+                    });
+                }
+                if last_said.elapsed() >= Duration::from_secs(3) {
+                    tracing::warn!(
+                        "{}: waiting for the scheduler at {} (attempt {attempt}, {:.0} s left): {e}",
+                        role.name(),
+                        cfg.scheduler,
+                        deadline.saturating_duration_since(Instant::now()).as_secs_f64()
+                    );
+                    last_said = Instant::now();
                 }
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(500));
@@ -359,6 +384,8 @@ struct ServerConn {
     gone: Option<Error>,
     /// This process rejoined the job and has not resumed on this server yet.
     rejoin: bool,
+    /// Failed reconnection attempts in a row (every 15th is logged).
+    attempts: u32,
 }
 
 /// How many recent interval samples the ElasticBSP estimate averages.
@@ -682,6 +709,7 @@ impl Worker {
                         joining: None,
                         next_try: Instant::now(),
                         gone: None,
+                        attempts: 0,
                     }),
                     changed: Condvar::new(),
                 }
@@ -1383,6 +1411,15 @@ impl Worker {
     }
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The heartbeat thread holds a clone of the scheduler link: close it here, with a
+        // goodbye, rather than when that thread notices.
+        self.stop.store(true, Ordering::Release);
+        self.sched.close();
+    }
+}
+
 /// The worker's progress thread: routes acknowledgements, pull answers and scheduler news to
 /// waiting callers. (Heartbeats have a thread of their own, which nothing here can block.)
 fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
@@ -1744,10 +1781,20 @@ impl Inner {
                 });
             let mut st = lock(&slot.state);
             match attempt {
-                Ok(l) if st.link.is_none() && st.joining.is_none() => st.joining = Some(l),
+                Ok(l) if st.link.is_none() && st.joining.is_none() => {
+                    st.attempts = 0;
+                    st.joining = Some(l);
+                }
                 Ok(l) => l.close(),
                 Err(e) => {
-                    tracing::trace!("worker: server {r} not reachable yet: {e}");
+                    st.attempts += 1;
+                    if st.attempts % 15 == 1 {
+                        tracing::warn!(
+                            "worker {}: server {r} at {addr} not reachable yet (attempt {}): {e}",
+                            self.book.rank,
+                            st.attempts
+                        );
+                    }
                     st.next_try = Instant::now() + RETRY;
                 }
             }
