@@ -815,7 +815,7 @@ impl Scheduler {
                         at.elapsed().as_secs_f64(),
                         limit.as_secs_f64()
                     );
-                    tracing::warn!("scheduler: evicting {} {}: {reason}", node.0.name(), node.1);
+                    tracing::warn!("scheduler: {} {} evicted: {reason}", node.0.name(), node.1);
                     // Tell it why: a paused node reads this when it resumes (a worker then
                     // rejoins, a server restarts from its checkpoint).
                     let _ = nodes[node].send(

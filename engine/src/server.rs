@@ -78,9 +78,6 @@ pub struct ServerReport {
     pub checkpoints: u64,
     /// The checkpoint this server restarted from (its number), if it did.
     pub restored_from: Option<u64>,
-    /// Times the scheduler fenced this server (declared it dead while it was paused or cut
-    /// off) and it restarted itself from its checkpoint.
-    pub fenced: u32,
     /// Acknowledged updates lost with the previous incarnation of this server (applied after
     /// its last checkpoint), as the reattaching workers counted them.
     pub lost_updates: u64,
@@ -286,32 +283,13 @@ impl Server {
         self.book.rank
     }
 
-    /// Serves until the scheduler ends the job. With checkpoints on, a server the scheduler
-    /// fenced (declared dead while it was paused or cut off) stops serving at once, drops
-    /// every link and state it had, and joins again under its rank, restarting from its last
-    /// checkpoint — the same path as a restarted process, so there are never two servers for
-    /// one rank.
+    /// Serves until the scheduler ends the job. A server the scheduler fenced (declared dead
+    /// while it was paused or cut off; with checkpoints on, it is replaced by a restart from
+    /// its checkpoint) stops serving at once with [`Error::Fenced`]: its process must end, and
+    /// a successor started under its rank restores the checkpoint — so there are never two
+    /// servers for one rank.
     pub fn run(self) -> Result<ServerReport> {
-        let (cfg, hooks, rank) = (self.cfg.clone(), self.hooks.clone(), self.book.rank);
-        let mut server = self;
-        let mut fenced = 0;
-        loop {
-            let recovery = server.book.recovery;
-            match server.serve() {
-                Err(Error::Fenced { reason, .. }) if recovery => {
-                    fenced += 1;
-                    tracing::warn!(
-                        "server {rank}: fenced by the scheduler ({reason}); restarting from its checkpoint"
-                    );
-                    server = Server::join(cfg.clone(), Some(rank), hooks.clone())?;
-                }
-                Ok(mut report) => {
-                    report.fenced = fenced;
-                    return Ok(report);
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        self.serve()
     }
 
     fn serve(self) -> Result<ServerReport> {

@@ -84,7 +84,9 @@ pub(crate) fn rendezvous(
                         "{}: waiting for the scheduler at {} (attempt {attempt}, {:.0} s left): {e}",
                         role.name(),
                         cfg.scheduler,
-                        deadline.saturating_duration_since(Instant::now()).as_secs_f64()
+                        deadline
+                            .saturating_duration_since(Instant::now())
+                            .as_secs_f64()
                     );
                     last_said = Instant::now();
                 }

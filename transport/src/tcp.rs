@@ -189,6 +189,11 @@ fn tune(stream: &TcpStream, op_timeout: Duration) -> Result<()> {
     Ok(())
 }
 
+/// `MSG_DONTWAIT`: a send that fails rather than waits for room.
+fn libc_dontwait() -> std::ffi::c_int {
+    rustix::net::SendFlags::DONTWAIT.bits() as std::ffi::c_int
+}
+
 /// What a hello asks the connection to become.
 pub(crate) const HELLO_TCP: u32 = 0;
 /// The tcp connection is the control link of an RDMA queue pair.
@@ -520,8 +525,14 @@ impl TcpLink {
         if self.shared.closing.swap(true, Ordering::AcqRel) {
             return;
         }
-        if self.is_open() {
-            let _ = self.send_frame(&FrameHeader::new(Op::Bye), &[]);
+        // The goodbye goes out only if it can at once: a peer that stopped reading (paused,
+        // cut off) must not hold a closing link for the send timeout. Another thread's send
+        // blocked on such a peer holds the writer; the shutdown below ends that send.
+        if self.is_open()
+            && let Ok(w) = self.writer.try_lock()
+        {
+            let bye = FrameHeader::new(Op::Bye);
+            let _ = socket2::SockRef::from(&*w).send_with_flags(bye.as_bytes(), libc_dontwait());
         }
         let _ = self.stream.shutdown(Shutdown::Both);
         // A reader waiting for room in the completion queue delivers what it holds and ends.
