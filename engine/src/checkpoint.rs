@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::config::OnCheckpointFailure;
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"FALCONCK";
@@ -230,6 +231,56 @@ pub fn load(dir: &Path, rank: u32, job: u64, workers: u32) -> Result<Option<Chec
         ));
     }
     Ok(Some(c))
+}
+
+/// The scheduler's side of server `rank`'s `failures`-th failed checkpoint write: recorded in
+/// `seen` (per server: its rank, failed writes, the last failure), logged when a server first
+/// fails or fails otherwise than before (the server logs the rest, rate-limited), and under
+/// [`OnCheckpointFailure::Stop`] the error that ends the job.
+pub(crate) fn failure_reported(
+    on_failure: OnCheckpointFailure,
+    seen: &mut Vec<(u32, u64, String)>,
+    rank: u32,
+    failures: u64,
+    reason: String,
+) -> Option<Error> {
+    let at = match seen.iter().position(|s| s.0 == rank) {
+        Some(i) => i,
+        None => {
+            seen.push((rank, 0, String::new()));
+            seen.sort_by_key(|s| s.0);
+            seen.iter().position(|s| s.0 == rank).expect("just added")
+        }
+    };
+    let entry = &mut seen[at];
+    let new = entry.2 != reason;
+    // Messages of one server arrive in order; a restarted server counts from 0 again.
+    entry.1 = if failures > entry.1 {
+        failures
+    } else {
+        entry.1 + 1
+    };
+    entry.2 = reason;
+    match on_failure {
+        OnCheckpointFailure::Stop => {
+            let e = Error::CheckpointFailed {
+                rank,
+                failures: entry.1,
+                reason: entry.2.clone(),
+            };
+            tracing::error!("scheduler: stopping the job: {e}");
+            Some(e)
+        }
+        OnCheckpointFailure::Warn => {
+            if new {
+                tracing::warn!(
+                    "scheduler: server {rank} could not write its checkpoint: {}; the job goes on (failures are counted in the report)",
+                    entry.2
+                );
+            }
+            None
+        }
+    }
 }
 
 #[cfg(test)]

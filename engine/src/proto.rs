@@ -296,6 +296,15 @@ pub enum Msg {
         /// One past the last task.
         end: u32,
     },
+    /// server → scheduler: writing a checkpoint failed (sent at every failure).
+    CheckpointFailed {
+        /// The server's rank.
+        rank: u32,
+        /// Why, in words.
+        reason: String,
+        /// Its failed checkpoint writes so far, this one included.
+        failures: u64,
+    },
 }
 
 impl Msg {
@@ -329,6 +338,7 @@ impl Msg {
             Msg::IterationDone { .. } => "iteration done",
             Msg::Threads { .. } => "threads",
             Msg::Tasks { .. } => "tasks",
+            Msg::CheckpointFailed { .. } => "checkpoint failed",
         }
     }
 }
@@ -437,6 +447,11 @@ mod tests {
                 clock: 4,
                 start: 8,
                 end: 16,
+            },
+            Msg::CheckpointFailed {
+                rank: 1,
+                reason: "write server-1.ckpt: No space left on device".into(),
+                failures: 3,
             },
         ] {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
