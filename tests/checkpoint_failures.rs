@@ -34,7 +34,10 @@ fn block(p: &Path) {
         if std::fs::create_dir_all(p.join("blocker")).is_ok() {
             return;
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "cannot block {p:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "cannot block {p:?}"
+        );
     }
 }
 
@@ -46,7 +49,10 @@ fn replace_by_a_file(d: &Path) {
         if std::fs::write(d, b"not a directory").is_ok() && d.is_file() {
             return;
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "cannot replace {d:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "cannot replace {d:?}"
+        );
     }
 }
 
@@ -143,7 +149,11 @@ fn under_warn_the_job_finishes_and_reports_its_checkpoint_failures() {
         sched_lines.len(),
         blocked.elapsed().as_secs_f64()
     );
-    assert_eq!(temporaries(&job.dir), Vec::<String>::new(), "no temporary file is left");
+    assert_eq!(
+        temporaries(&job.dir),
+        Vec::<String>::new(),
+        "no temporary file is left"
+    );
 }
 
 #[test]

@@ -655,7 +655,9 @@ fn role() -> Res {
                 nodes(&report.rejoined)
             );
             for (rank, n, reason) in &report.checkpoint_failures {
-                println!("scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}");
+                println!(
+                    "scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}"
+                );
             }
         }
         Role::Server => {

@@ -268,12 +268,13 @@ pub(crate) fn failure_reported(
                 failures: entry.1,
                 reason: entry.2.clone(),
             };
-            tracing::error!("scheduler: stopping the job: {e}");
+            tracing::error!(target: "falcon_engine::scheduler", "scheduler: stopping the job: {e}");
             Some(e)
         }
         OnCheckpointFailure::Warn => {
             if new {
                 tracing::warn!(
+                    target: "falcon_engine::scheduler",
                     "scheduler: server {rank} could not write its checkpoint: {}; the job goes on (failures are counted in the report)",
                     entry.2
                 );
@@ -412,7 +413,11 @@ mod tests {
             other => panic!("{other}"),
         }
         assert_eq!(listing(&d), ["server-1.ckpt"], "no temporary file is left");
-        assert_eq!(load(&d, 1, 7, 2).unwrap(), Some(c), "the previous one is intact");
+        assert_eq!(
+            load(&d, 1, 7, 2).unwrap(),
+            Some(c),
+            "the previous one is intact"
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 
@@ -423,7 +428,10 @@ mod tests {
         let p = path(&d, 1);
         std::fs::create_dir_all(p.join("blocker")).unwrap();
         let e = save(&p, &sample()).unwrap_err().to_string();
-        assert!(e.contains("rename into place") && e.contains("server-1.ckpt"), "{e}");
+        assert!(
+            e.contains("rename into place") && e.contains("server-1.ckpt"),
+            "{e}"
+        );
         assert_eq!(listing(&d), ["server-1.ckpt"], "no temporary file is left");
         assert!(p.is_dir());
         std::fs::remove_dir_all(&d).unwrap();
@@ -444,6 +452,44 @@ mod tests {
         }
         assert_eq!(listing(&d), ["ckpt"], "nothing is left behind");
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_scheduler_counts_each_servers_failures_and_stops_when_told() {
+        use OnCheckpointFailure::{Stop, Warn};
+        let mut seen = Vec::new();
+        let full = || "write server-1.ckpt: No space left on device".to_string();
+        assert!(failure_reported(Warn, &mut seen, 1, 1, full()).is_none());
+        assert!(failure_reported(Warn, &mut seen, 0, 1, "gone".into()).is_none());
+        assert!(failure_reported(Warn, &mut seen, 1, 2, full()).is_none());
+        assert_eq!(seen, [(0, 1, "gone".to_string()), (1, 2, full())]);
+        // A restarted server counts from 1 again; the job's count goes on.
+        failure_reported(Warn, &mut seen, 1, 1, full());
+        assert_eq!(seen[1].1, 3);
+        match failure_reported(Stop, &mut seen, 0, 2, "gone".into()) {
+            Some(
+                e @ Error::CheckpointFailed {
+                    rank: 0,
+                    failures: 2,
+                    ..
+                },
+            ) => {
+                let m = e.to_string();
+                assert!(
+                    m.contains("server 0") && m.contains("gone") && m.contains("stopped"),
+                    "{m}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!("warn".parse::<OnCheckpointFailure>().unwrap(), Warn);
+        assert_eq!(" Stop ".parse::<OnCheckpointFailure>().unwrap(), Stop);
+        let e = "ignore"
+            .parse::<OnCheckpointFailure>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'ignore'") && e.contains("warn, stop"), "{e}");
+        assert_eq!(OnCheckpointFailure::default(), Warn);
     }
 
     #[test]

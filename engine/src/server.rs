@@ -860,7 +860,11 @@ impl Server {
             });
         }
         if let Some((_, writer)) = &checkpoints {
-            (report.checkpoint_failures, report.last_checkpoint_failure) = writer.failures();
+            // Written, not merely taken (a write under way now is not counted).
+            let (written, failed, last) = writer.counts();
+            report.checkpoints = written;
+            report.checkpoint_failures = failed;
+            report.last_checkpoint_failure = last;
         }
         Ok(report)
     }
@@ -1019,8 +1023,8 @@ fn dispatch(
 /// at most once per [`FAILURE_LOG_EVERY`], with the count of failures since the last line.
 struct Checkpointer {
     tx: crossbeam_channel::Sender<Checkpoint>,
-    /// Failed writes, and the last failure in words.
-    failures: Arc<std::sync::Mutex<(u64, Option<String>)>>,
+    /// Writes done, writes failed, and the last failure in words.
+    counts: Arc<std::sync::Mutex<(u64, u64, Option<String>)>>,
 }
 
 /// The least time between two log lines of one server's checkpoint failures.
@@ -1044,8 +1048,8 @@ impl Checkpointer {
             crate::config::OnCheckpointFailure::Warn => "training goes on without it",
             crate::config::OnCheckpointFailure::Stop => "the scheduler stops the job",
         };
-        let failures: Arc<std::sync::Mutex<(u64, Option<String>)>> = Arc::default();
-        let shared = Arc::clone(&failures);
+        let counts: Arc<std::sync::Mutex<(u64, u64, Option<String>)>> = Arc::default();
+        let shared = Arc::clone(&counts);
         let (tx, rx) = crossbeam_channel::bounded::<Checkpoint>(1);
         std::thread::Builder::new()
             .name(format!("falcon-ckpt-{rank}"))
@@ -1056,10 +1060,11 @@ impl Checkpointer {
                 for c in rx {
                     let e = match crate::checkpoint::save(&path, &c) {
                         Ok(()) => {
+                            shared.lock().unwrap_or_else(|p| p.into_inner()).0 += 1;
                             // Back to normal: said once, within the same rate limit.
                             if streak > 0 && logged.is_none_or(|t| t.elapsed() >= FAILURE_LOG_EVERY)
                             {
-                                let total = shared.lock().unwrap_or_else(|p| p.into_inner()).0;
+                                let total = shared.lock().unwrap_or_else(|p| p.into_inner()).1;
                                 tracing::warn!(
                                     "server {rank}: checkpoint {} written again ({unlogged} failed since the last line, {total} in all)",
                                     c.number
@@ -1076,9 +1081,9 @@ impl Checkpointer {
                     unlogged += 1;
                     let total = {
                         let mut f = shared.lock().unwrap_or_else(|p| p.into_inner());
-                        f.0 += 1;
-                        f.1 = Some(e.clone());
-                        f.0
+                        f.1 += 1;
+                        f.2 = Some(e.clone());
+                        f.1
                     };
                     let m = Msg::CheckpointFailed {
                         rank,
@@ -1099,7 +1104,7 @@ impl Checkpointer {
                 }
             })
             .map_err(|e| Error::Config(format!("spawn the checkpoint writer: {e}")))?;
-        Ok(Checkpointer { tx, failures })
+        Ok(Checkpointer { tx, counts })
     }
 
     /// Hands a snapshot to the writer; false when it is still busy with the previous one.
@@ -1107,9 +1112,9 @@ impl Checkpointer {
         self.tx.try_send(c).is_ok()
     }
 
-    /// Failed writes so far, and the last failure.
-    fn failures(&self) -> (u64, Option<String>) {
-        self.failures
+    /// Writes done so far, writes failed, and the last failure.
+    fn counts(&self) -> (u64, u64, Option<String>) {
+        self.counts
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
