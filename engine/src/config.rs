@@ -69,8 +69,8 @@ pub struct CheckpointSettings {
     /// How long the scheduler waits for a dead server to restart before it ends the job
     /// (workers wait as long; their pushes time out after the transport's op_timeout).
     pub recovery_timeout: Duration,
-    /// What a failed checkpoint write does (every failure is reported to the scheduler
-    /// either way).
+    /// What a failed checkpoint write does: every failure is reported to the scheduler, and
+    /// the scheduler's setting decides (a server's only words its log line).
     pub on_failure: OnCheckpointFailure,
 }
 
