@@ -555,9 +555,16 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
             0 => None,
             ms => Some(std::time::Duration::from_millis(ms)),
         },
-        // Server checkpoints and recovery: a dead server restarts from its checkpoint.
-        checkpoint: match env(&["FALCON_CHECKPOINT_DIR"]) {
-            Some(dir) => Some(falcon_engine::CheckpointSettings {
+        // Server checkpoints and recovery: a dead server restarts from its checkpoint. A failed
+        // checkpoint write warns, or stops the job (FALCON_CHECKPOINT_ON_FAILURE=warn|stop).
+        checkpoint: match (
+            env(&["FALCON_CHECKPOINT_DIR"]),
+            env(&["FALCON_CHECKPOINT_ON_FAILURE"])
+                .map(|v| v.parse())
+                .transpose()
+                .map_err(|e| format!("FALCON_CHECKPOINT_ON_FAILURE: {e}"))?,
+        ) {
+            (Some(dir), on_failure) => Some(falcon_engine::CheckpointSettings {
                 every: std::time::Duration::from_millis(
                     env_parse(&["FALCON_CHECKPOINT_MS"], 1000u64)?.max(10),
                 ),
@@ -565,9 +572,10 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
                     &["FALCON_RECOVERY_TIMEOUT_MS"],
                     60_000u64,
                 )?),
+                on_failure: on_failure.unwrap_or_default(),
                 ..falcon_engine::CheckpointSettings::new(dir)
             }),
-            None => None,
+            (None, _) => None,
         },
         ..JobConfig::default()
     };
@@ -646,6 +654,11 @@ fn role() -> Res {
                 nodes(&report.dead),
                 nodes(&report.rejoined)
             );
+            for (rank, n, reason) in &report.checkpoint_failures {
+                println!(
+                    "scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}"
+                );
+            }
         }
         Role::Server => {
             let report = Server::join(cfg, rank, Default::default())?.run()?;
@@ -674,6 +687,12 @@ fn role() -> Res {
                         .restored_from
                         .map_or("none".into(), |n| n.to_string()),
                     report.lost_updates
+                );
+            }
+            if let Some(last) = &report.last_checkpoint_failure {
+                println!(
+                    "server {}: {} checkpoint writes failed; the last: {last}",
+                    report.rank, report.checkpoint_failures
                 );
             }
             for (w, c) in report.per_worker.iter().enumerate() {

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::config::OnCheckpointFailure;
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"FALCONCK";
@@ -156,8 +157,34 @@ pub fn save(path: &Path, c: &Checkpoint) -> Result<()> {
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory, synced and
-/// renamed over it; the directory is synced so the rename survives a crash.
+/// renamed over it; the directory is synced so the rename survives a crash. On every failure
+/// (a full disk, a directory gone or replaced) the temporary file is removed: nothing is left
+/// behind but the previous checkpoint, untouched.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |f| f.write_all(bytes))
+}
+
+/// The temporary file `write_atomic` writes `path` through (this process's own).
+pub fn temp_path(path: &Path) -> PathBuf {
+    path.with_extension(format!("tmp.{}", std::process::id()))
+}
+
+/// Removes a temporary file when dropped, unless it was renamed into place.
+struct TempFile<'a>(Option<&'a Path>);
+
+impl Drop for TempFile<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// [`write_atomic`], the temporary file filled by `fill`.
+fn write_atomic_with(
+    path: &Path,
+    fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<()> {
     let io = |what: &str, e: std::io::Error| {
         Error::Checkpoint(format!("{what} {}: {e}", path.display()))
     };
@@ -166,15 +193,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| io("create the directory of", e))?;
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let tmp = temp_path(path);
     let mut f = std::fs::File::create(&tmp).map_err(|e| io("create a temporary file for", e))?;
-    f.write_all(bytes).map_err(|e| io("write", e))?;
+    // From here on, any failure removes the temporary file (a partial one on a full disk).
+    let mut guard = TempFile(Some(&tmp));
+    fill(&mut f).map_err(|e| io("write", e))?;
     f.sync_all().map_err(|e| io("sync", e))?;
     drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io("rename into place", e)
-    })?;
+    std::fs::rename(&tmp, path).map_err(|e| io("rename into place", e))?;
+    guard.0 = None;
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
@@ -204,6 +231,57 @@ pub fn load(dir: &Path, rank: u32, job: u64, workers: u32) -> Result<Option<Chec
         ));
     }
     Ok(Some(c))
+}
+
+/// The scheduler's side of server `rank`'s `failures`-th failed checkpoint write: recorded in
+/// `seen` (per server: its rank, failed writes, the last failure), logged when a server first
+/// fails or fails otherwise than before (the server logs the rest, rate-limited), and under
+/// [`OnCheckpointFailure::Stop`] the error that ends the job.
+pub(crate) fn failure_reported(
+    on_failure: OnCheckpointFailure,
+    seen: &mut Vec<(u32, u64, String)>,
+    rank: u32,
+    failures: u64,
+    reason: String,
+) -> Option<Error> {
+    let at = match seen.iter().position(|s| s.0 == rank) {
+        Some(i) => i,
+        None => {
+            seen.push((rank, 0, String::new()));
+            seen.sort_by_key(|s| s.0);
+            seen.iter().position(|s| s.0 == rank).expect("just added")
+        }
+    };
+    let entry = &mut seen[at];
+    let new = entry.2 != reason;
+    // Messages of one server arrive in order; a restarted server counts from 0 again.
+    entry.1 = if failures > entry.1 {
+        failures
+    } else {
+        entry.1 + 1
+    };
+    entry.2 = reason;
+    match on_failure {
+        OnCheckpointFailure::Stop => {
+            let e = Error::CheckpointFailed {
+                rank,
+                failures: entry.1,
+                reason: entry.2.clone(),
+            };
+            tracing::error!(target: "falcon_engine::scheduler", "scheduler: stopping the job: {e}");
+            Some(e)
+        }
+        OnCheckpointFailure::Warn => {
+            if new {
+                tracing::warn!(
+                    target: "falcon_engine::scheduler",
+                    "scheduler: server {rank} could not write its checkpoint: {}; the job goes on (failures are counted in the report)",
+                    entry.2
+                );
+            }
+            None
+        }
+    }
 }
 
 #[cfg(test)]
@@ -300,6 +378,118 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    fn listing(d: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_failed_write_removes_its_temporary_file_and_keeps_the_previous_checkpoint() {
+        let d = dir();
+        let p = path(&d, 1);
+        let c = sample();
+        save(&p, &c).unwrap();
+        // The disk fills up halfway through the write.
+        let e = write_atomic_with(&p, |f| {
+            f.write_all(b"FALCONCK partial")?;
+            assert!(temp_path(&p).exists(), "written through the temporary file");
+            Err(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "No space left on device",
+            ))
+        })
+        .unwrap_err();
+        match &e {
+            Error::Checkpoint(m) => {
+                assert!(m.contains("write") && m.contains("No space left"), "{m}");
+                assert!(m.contains("server-1.ckpt"), "{m} names the file");
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(listing(&d), ["server-1.ckpt"], "no temporary file is left");
+        assert_eq!(
+            load(&d, 1, 7, 2).unwrap(),
+            Some(c),
+            "the previous one is intact"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_failed_rename_removes_its_temporary_file() {
+        // Fails for root too: a file cannot be renamed over a non-empty directory.
+        let d = dir();
+        let p = path(&d, 1);
+        std::fs::create_dir_all(p.join("blocker")).unwrap();
+        let e = save(&p, &sample()).unwrap_err().to_string();
+        assert!(
+            e.contains("rename into place") && e.contains("server-1.ckpt"),
+            "{e}"
+        );
+        assert_eq!(listing(&d), ["server-1.ckpt"], "no temporary file is left");
+        assert!(p.is_dir());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_checkpoint_directory_replaced_by_a_file_is_a_typed_error() {
+        let d = dir();
+        std::fs::create_dir_all(&d).unwrap();
+        let gone = d.join("ckpt");
+        std::fs::write(&gone, b"not a directory").unwrap();
+        match save(&path(&gone, 0), &sample()) {
+            Err(Error::Checkpoint(m)) => {
+                assert!(m.contains("create the directory of"), "{m}");
+                assert!(m.contains("server-0.ckpt"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(listing(&d), ["ckpt"], "nothing is left behind");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_scheduler_counts_each_servers_failures_and_stops_when_told() {
+        use OnCheckpointFailure::{Stop, Warn};
+        let mut seen = Vec::new();
+        let full = || "write server-1.ckpt: No space left on device".to_string();
+        assert!(failure_reported(Warn, &mut seen, 1, 1, full()).is_none());
+        assert!(failure_reported(Warn, &mut seen, 0, 1, "gone".into()).is_none());
+        assert!(failure_reported(Warn, &mut seen, 1, 2, full()).is_none());
+        assert_eq!(seen, [(0, 1, "gone".to_string()), (1, 2, full())]);
+        // A restarted server counts from 1 again; the job's count goes on.
+        failure_reported(Warn, &mut seen, 1, 1, full());
+        assert_eq!(seen[1].1, 3);
+        match failure_reported(Stop, &mut seen, 0, 2, "gone".into()) {
+            Some(
+                e @ Error::CheckpointFailed {
+                    rank: 0,
+                    failures: 2,
+                    ..
+                },
+            ) => {
+                let m = e.to_string();
+                assert!(
+                    m.contains("server 0") && m.contains("gone") && m.contains("stopped"),
+                    "{m}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!("warn".parse::<OnCheckpointFailure>().unwrap(), Warn);
+        assert_eq!(" Stop ".parse::<OnCheckpointFailure>().unwrap(), Stop);
+        let e = "ignore"
+            .parse::<OnCheckpointFailure>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'ignore'") && e.contains("warn, stop"), "{e}");
+        assert_eq!(OnCheckpointFailure::default(), Warn);
     }
 
     #[test]

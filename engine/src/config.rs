@@ -69,15 +69,55 @@ pub struct CheckpointSettings {
     /// How long the scheduler waits for a dead server to restart before it ends the job
     /// (workers wait as long; their pushes time out after the transport's op_timeout).
     pub recovery_timeout: Duration,
+    /// What a failed checkpoint write does: every failure is reported to the scheduler, and
+    /// the scheduler's setting decides (a server's only words its log line).
+    pub on_failure: OnCheckpointFailure,
+}
+
+/// What the job does when a server cannot write its checkpoint (a full disk, a directory
+/// gone): without checkpoints a server that dies takes its data with it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnCheckpointFailure {
+    /// Train on: the server logs the failures (at most one line per 10 s, with their count)
+    /// and the scheduler's report lists them.
+    #[default]
+    Warn,
+    /// The scheduler ends the job at the first failure, naming the server and the reason.
+    Stop,
+}
+
+impl OnCheckpointFailure {
+    /// Its name, as [`std::str::FromStr`] reads it.
+    pub fn name(self) -> &'static str {
+        match self {
+            OnCheckpointFailure::Warn => "warn",
+            OnCheckpointFailure::Stop => "stop",
+        }
+    }
+}
+
+impl std::str::FromStr for OnCheckpointFailure {
+    type Err = crate::error::Error;
+    fn from_str(s: &str) -> crate::error::Result<OnCheckpointFailure> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "warn" => Ok(OnCheckpointFailure::Warn),
+            "stop" => Ok(OnCheckpointFailure::Stop),
+            _ => Err(crate::error::Error::Config(format!(
+                "'{s}' is not an action on a checkpoint failure (warn, stop)"
+            ))),
+        }
+    }
 }
 
 impl CheckpointSettings {
-    /// Checkpoints in `dir` every second; a dead server has 60 s to come back.
+    /// Checkpoints in `dir` every second; a dead server has 60 s to come back; a failed
+    /// checkpoint is a warning.
     pub fn new(dir: impl Into<std::path::PathBuf>) -> CheckpointSettings {
         CheckpointSettings {
             dir: dir.into(),
             every: Duration::from_secs(1),
             recovery_timeout: Duration::from_secs(60),
+            on_failure: OnCheckpointFailure::Warn,
         }
     }
 }

@@ -69,6 +69,19 @@ pub enum Error {
         /// Why, as the scheduler said.
         reason: String,
     },
+    /// A server could not write its checkpoint, and the job is set to stop on that
+    /// ([`crate::config::OnCheckpointFailure::Stop`]).
+    #[error(
+        "server {rank} could not write its checkpoint ({failures} failed): {reason}; the job was stopped (checkpoint failures are set to stop it)"
+    )]
+    CheckpointFailed {
+        /// The server's rank.
+        rank: u32,
+        /// Its failed checkpoint writes so far.
+        failures: u64,
+        /// The last failure, in words.
+        reason: String,
+    },
     /// Rendezvous did not complete: some nodes never joined.
     #[error(
         "rendezvous timed out after {} s: never joined: {missing} (are those processes started, and do they reach the scheduler's address?)",

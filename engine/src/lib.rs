@@ -31,7 +31,7 @@ pub mod supervisor;
 #[cfg(not(loom))]
 pub mod worker;
 
-pub use config::{CheckpointSettings, JobConfig, SupervisorSettings};
+pub use config::{CheckpointSettings, JobConfig, OnCheckpointFailure, SupervisorSettings};
 #[cfg(not(loom))]
 pub use scheduler::{Scheduler, SchedulerReport};
 #[cfg(not(loom))]

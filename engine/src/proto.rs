@@ -302,6 +302,15 @@ pub enum Msg {
         /// Why, in words.
         reason: String,
     },
+    /// server → scheduler: writing a checkpoint failed (sent at every failure).
+    CheckpointFailed {
+        /// The server's rank.
+        rank: u32,
+        /// Why, in words.
+        reason: String,
+        /// Its failed checkpoint writes so far, this one included.
+        failures: u64,
+    },
 }
 
 impl Msg {
@@ -336,6 +345,7 @@ impl Msg {
             Msg::Threads { .. } => "threads",
             Msg::Tasks { .. } => "tasks",
             Msg::Evicted { .. } => "evicted",
+            Msg::CheckpointFailed { .. } => "checkpoint failed",
         }
     }
 }
@@ -444,6 +454,11 @@ mod tests {
                 clock: 4,
                 start: 8,
                 end: 16,
+            },
+            Msg::CheckpointFailed {
+                rank: 1,
+                reason: "write server-1.ckpt: No space left on device".into(),
+                failures: 3,
             },
         ] {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);

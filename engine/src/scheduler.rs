@@ -32,6 +32,9 @@ pub struct SchedulerReport {
     pub dead: Vec<(Role, u32)>,
     /// Nodes evicted for silence (role, rank, why): a subset of `dead`.
     pub evicted: Vec<(Role, u32, String)>,
+    /// Servers whose checkpoint writes failed, by rank: (rank, failed writes, the last
+    /// failure in words).
+    pub checkpoint_failures: Vec<(u32, u64, String)>,
     /// ElasticBSP supersteps planned (barriers that fell); 0 under other policies.
     pub supersteps: u64,
     /// The last ElasticBSP plan, one entry per worker that took part, by rank.
@@ -683,6 +686,25 @@ impl Scheduler {
                         }
                         Ok(Msg::Done) if node.0 == Role::Worker => {
                             done.insert(node.1);
+                        }
+                        // A server could not write its checkpoint: counted, and the job ends
+                        // if it is set to stop on that.
+                        Ok(Msg::CheckpointFailed {
+                            reason, failures, ..
+                        }) if node.0 == Role::Server => {
+                            let on = self.cfg.checkpoint.as_ref().map(|c| c.on_failure);
+                            if let Some(e) = crate::checkpoint::failure_reported(
+                                on.unwrap_or_default(),
+                                &mut report.checkpoint_failures,
+                                node.1,
+                                failures,
+                                reason,
+                            ) {
+                                broadcast(&nodes, &live, &Msg::Shutdown);
+                                // Give the nodes a moment to read it before our links close.
+                                std::thread::sleep(Duration::from_millis(50));
+                                return Err(e);
+                            }
                         }
                         // The supervisor: project, re-plan, advise whose count changed.
                         Ok(Msg::IterationDone {

@@ -76,6 +76,10 @@ pub struct ServerReport {
     pub held_acks: u64,
     /// Checkpoints written.
     pub checkpoints: u64,
+    /// Checkpoint writes that failed (each one reported to the scheduler).
+    pub checkpoint_failures: u64,
+    /// The last checkpoint failure, in words.
+    pub last_checkpoint_failure: Option<String>,
     /// The checkpoint this server restarted from (its number), if it did.
     pub restored_from: Option<u64>,
     /// Acknowledged updates lost with the previous incarnation of this server (applied after
@@ -364,7 +368,7 @@ impl Server {
         let start = Instant::now();
         let job = crate::config::job_hash(&cfg.job);
         let checkpoints = match (&cfg.checkpoint, book.recovery) {
-            (Some(c), true) => Some((c, Checkpointer::start(&c.dir, book.rank)?)),
+            (Some(c), true) => Some((c, Checkpointer::start(c, book.rank, sched.clone())?)),
             _ => None,
         };
         if book.rejoin {
@@ -885,6 +889,13 @@ impl Server {
                 helps: s.helps.iter().sum(),
             });
         }
+        if let Some((_, writer)) = &checkpoints {
+            // Written, not merely taken (a write under way now is not counted).
+            let (written, failed, last) = writer.counts();
+            report.checkpoints = written;
+            report.checkpoint_failures = failed;
+            report.last_checkpoint_failure = last;
+        }
         Ok(report)
     }
 }
@@ -1037,13 +1048,25 @@ fn dispatch(
     }
 }
 
-/// Writes checkpoints on a thread of its own, so the event loop never waits for the disk.
+/// Writes checkpoints on a thread of its own, so the event loop never waits for the disk. A
+/// failed write is reported to the scheduler at once ([`Msg::CheckpointFailed`]) and logged
+/// at most once per [`FAILURE_LOG_EVERY`], with the count of failures since the last line.
 struct Checkpointer {
     tx: crossbeam_channel::Sender<Checkpoint>,
+    /// Writes done, writes failed, and the last failure in words.
+    counts: Arc<std::sync::Mutex<(u64, u64, Option<String>)>>,
 }
 
+/// The least time between two log lines of one server's checkpoint failures.
+const FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);
+
 impl Checkpointer {
-    fn start(dir: &std::path::Path, rank: u32) -> Result<Checkpointer> {
+    fn start(
+        settings: &crate::config::CheckpointSettings,
+        rank: u32,
+        sched: Link,
+    ) -> Result<Checkpointer> {
+        let dir = &settings.dir;
         let path = crate::checkpoint::path(dir, rank);
         std::fs::create_dir_all(dir).map_err(|e| {
             Error::Checkpoint(format!(
@@ -1051,23 +1074,80 @@ impl Checkpointer {
                 dir.display()
             ))
         })?;
+        let then = match settings.on_failure {
+            crate::config::OnCheckpointFailure::Warn => "training goes on without it",
+            crate::config::OnCheckpointFailure::Stop => "the scheduler stops the job",
+        };
+        let counts: Arc<std::sync::Mutex<(u64, u64, Option<String>)>> = Arc::default();
+        let shared = Arc::clone(&counts);
         let (tx, rx) = crossbeam_channel::bounded::<Checkpoint>(1);
         std::thread::Builder::new()
             .name(format!("falcon-ckpt-{rank}"))
             .spawn(move || {
+                // Failures since the last log line, and when that line was.
+                let (mut unlogged, mut logged) = (0u64, None::<Instant>);
+                let mut streak = 0u64;
                 for c in rx {
-                    if let Err(e) = crate::checkpoint::save(&path, &c) {
-                        tracing::error!("server {rank}: {e}");
+                    let e = match crate::checkpoint::save(&path, &c) {
+                        Ok(()) => {
+                            shared.lock().unwrap_or_else(|p| p.into_inner()).0 += 1;
+                            // Back to normal: said once, within the same rate limit.
+                            if streak > 0 && logged.is_none_or(|t| t.elapsed() >= FAILURE_LOG_EVERY)
+                            {
+                                let total = shared.lock().unwrap_or_else(|p| p.into_inner()).1;
+                                tracing::warn!(
+                                    "server {rank}: checkpoint {} written again ({unlogged} failed since the last line, {total} in all)",
+                                    c.number
+                                );
+                                logged = Some(Instant::now());
+                                unlogged = 0;
+                            }
+                            streak = 0;
+                            continue;
+                        }
+                        Err(e) => e.to_string(),
+                    };
+                    streak += 1;
+                    unlogged += 1;
+                    let total = {
+                        let mut f = shared.lock().unwrap_or_else(|p| p.into_inner());
+                        f.1 += 1;
+                        f.2 = Some(e.clone());
+                        f.1
+                    };
+                    let m = Msg::CheckpointFailed {
+                        rank,
+                        reason: e.clone(),
+                        failures: total,
+                    };
+                    let _ = sched.send(&m.encode());
+                    match logged {
+                        None => tracing::error!("server {rank}: {e}; {then}"),
+                        Some(t) if t.elapsed() >= FAILURE_LOG_EVERY => tracing::error!(
+                            "server {rank}: {unlogged} checkpoint writes failed in the last {} s ({total} in all); the last: {e}",
+                            t.elapsed().as_secs()
+                        ),
+                        Some(_) => continue,
                     }
+                    logged = Some(Instant::now());
+                    unlogged = 0;
                 }
             })
             .map_err(|e| Error::Config(format!("spawn the checkpoint writer: {e}")))?;
-        Ok(Checkpointer { tx })
+        Ok(Checkpointer { tx, counts })
     }
 
     /// Hands a snapshot to the writer; false when it is still busy with the previous one.
     fn offer(&self, c: Checkpoint) -> bool {
         self.tx.try_send(c).is_ok()
+    }
+
+    /// Writes done so far, writes failed, and the last failure.
+    fn counts(&self) -> (u64, u64, Option<String>) {
+        self.counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
