@@ -27,6 +27,10 @@ pub enum Error {
     /// CUDA is absent or failed.
     #[error("cuda: {0}")]
     Cuda(String),
+    /// A role of a job (a worker, the scheduler, a server) failed or panicked: the cause of
+    /// the job's failure.
+    #[error(transparent)]
+    Role(#[from] falcon_engine::local::RoleFailure),
     /// The parameter server said no.
     #[error(transparent)]
     Engine(#[from] falcon_engine::Error),
