@@ -86,13 +86,15 @@ pub struct Knobs {
     #[arg(long, value_parser = crate::checks::at_least_one_usize)]
     batch: Option<usize>,
     /// Server-side SGD learning rate (finite, > 0).
-    #[arg(long, value_parser = crate::checks::learning_rate)]
+    #[arg(long, value_parser = crate::checks::learning_rate,
+          allow_negative_numbers = true)]
     lr: Option<f32>,
     /// Model: mlp:784-256-10, mlp:784-10, cnn, …
     #[arg(long)]
     model: Option<String>,
     /// Target test accuracy of the time-to-accuracy column, a fraction in (0, 1].
-    #[arg(long, value_parser = crate::checks::accuracy_target)]
+    #[arg(long, value_parser = crate::checks::accuracy_target,
+          allow_negative_numbers = true)]
     target: Option<f64>,
     /// Runs of each real configuration (the median by time to accuracy is reported).
     #[arg(long, value_parser = crate::checks::at_least_one_u32)]

@@ -51,7 +51,8 @@ pub struct LocalArgs {
     /// Learning rate of the server-side SGD (finite, > 0): per round for the synthetic
     /// workload (default 0.5; async policies apply each worker's gradient with lr /
     /// workers), per gradient for the trainer (default 0.05).
-    #[arg(long, env = "FALCON_LR", value_parser = checks::learning_rate)]
+    #[arg(long, env = "FALCON_LR", value_parser = checks::learning_rate,
+          allow_negative_numbers = true)]
     lr: Option<f32>,
     /// Largest shard in bytes (tensors are cut into shards spread over the servers; at
     /// least 4, one float).

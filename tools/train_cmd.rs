@@ -64,7 +64,8 @@ pub struct TrainArgs {
           value_parser = checks::at_least_one_u32)]
     tasks: u32,
     /// Server-side SGD learning rate (finite, > 0).
-    #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate)]
+    #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
+          allow_negative_numbers = true)]
     lr: f32,
     /// Initial pool threads per worker (at least 1).
     #[arg(long, default_value_t = 1, env = "FALCON_THREADS",
@@ -79,7 +80,8 @@ pub struct TrainArgs {
     #[arg(long)]
     uniform: bool,
     /// Target test accuracy for the time-to-accuracy figure, a fraction in (0, 1].
-    #[arg(long, default_value_t = 0.75, value_parser = checks::accuracy_target)]
+    #[arg(long, default_value_t = 0.75, value_parser = checks::accuracy_target,
+          allow_negative_numbers = true)]
     target: f64,
     /// Snapshot worker 0's values every this many iterations (evaluated after training).
     #[arg(long, default_value_t = 10)]
@@ -640,7 +642,8 @@ pub struct SimArgs {
           value_parser = checks::at_least_one_usize)]
     batch: usize,
     /// Server-side SGD learning rate (finite, > 0).
-    #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate)]
+    #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
+          allow_negative_numbers = true)]
     lr: f32,
     /// A full-speed iteration, in virtual milliseconds (> 0).
     #[arg(long, default_value_t = 10.0, value_parser = checks::positive)]
@@ -680,7 +683,8 @@ pub struct SimArgs {
     #[arg(long)]
     no_transfer: bool,
     /// Target accuracy for time to accuracy, a fraction in (0, 1].
-    #[arg(long, default_value_t = 0.7, value_parser = checks::accuracy_target)]
+    #[arg(long, default_value_t = 0.7, value_parser = checks::accuracy_target,
+          allow_negative_numbers = true)]
     target: f64,
     /// Dataset directory (default: Debian's Fashion-MNIST, else the bundled sample).
     #[arg(long, env = "FALCON_DATA")]
