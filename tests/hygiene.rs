@@ -383,3 +383,39 @@ fn train_piped_into_head_ends_quietly() {
         "{status}: {err}"
     );
 }
+
+#[test]
+fn local_piped_into_head_ends_quietly_with_its_roles() {
+    let mut child = Command::new(FALCON)
+        .args(["local", "--servers", "1", "--workers", "2"])
+        .args([
+            "--iters",
+            "100000000",
+            "--floats",
+            "1000",
+            "--medium",
+            "shm",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while let Some(Ok(l)) = lines.next() {
+        if l.contains("worker 0 iteration") {
+            break;
+        }
+    }
+    let roles = children(child.id());
+    assert_eq!(roles.len(), 4, "{roles:?}");
+    // The reader leaves: the roles' next lines (on the same pipe) cannot be written.
+    drop(lines);
+    let status = wait_for(&mut child, Duration::from_secs(10)).expect("it ends");
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(STDOUT_CLOSED), "{status}: {err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("falcon: error"),
+        "{err}"
+    );
+    all_gone(&roles, Duration::from_secs(5));
+}

@@ -87,7 +87,7 @@ fn main() -> ExitCode {
     ) {
         Ok(argv) => argv,
         Err(e) => {
-            eprintln!("falcon: error: {e}");
+            hygiene::error_line(&e);
             // clap's exit code for usage errors.
             return ExitCode::from(2);
         }
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
     let code = match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("falcon: error: {e}");
+            hygiene::error_line(&e);
             exit_code(&*e)
         }
     };

@@ -67,6 +67,11 @@ pub fn stdout_failed(e: &std::io::Error) -> ! {
     std::process::exit(1);
 }
 
+/// Says `falcon: error: {e}` on stderr; a closed stderr is no reason to panic.
+pub fn error_line(e: &dyn std::fmt::Display) {
+    let _ = writeln!(std::io::stderr().lock(), "falcon: error: {e}");
+}
+
 /// The variable with which `falcon local` tells a role process its pid: the role then dies
 /// with it.
 pub const PARENT_PID_VAR: &str = "FALCON_PARENT_PID";

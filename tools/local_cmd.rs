@@ -494,9 +494,14 @@ pub fn local(a: LocalArgs) -> crate::Res {
     Ok(())
 }
 
-/// A role failed: stop the others; its error is the job's.
+/// A role failed: stop the others; its error is the job's. A role that ended because our
+/// shared standard output closed (`falcon local | head`) ends the job quietly, as it would
+/// have ended `falcon local` itself.
 fn failed(procs: &mut Procs, i: usize) -> LocalError {
     procs.stop(rustix::process::Signal::TERM);
+    if procs.procs[i].status.and_then(|s| s.code()) == Some(hygiene::EXIT_STDOUT_CLOSED) {
+        std::process::exit(hygiene::EXIT_STDOUT_CLOSED);
+    }
     let p = &mut procs.procs[i];
     LocalError::RoleFailed {
         role: p.name.clone(),
