@@ -210,6 +210,20 @@ pub fn heartbeat_ms(s: &str) -> Result<u64, BadValue> {
     }
 }
 
+/// A checkpoint interval in milliseconds: at least 10.
+pub fn checkpoint_ms(s: &str) -> Result<u64, BadValue> {
+    let ms: u64 = number(s, "a whole number of milliseconds")?;
+    if ms >= 10 {
+        Ok(ms)
+    } else {
+        Err(BadValue::OutOfRange {
+            what: "the checkpoint interval",
+            allowed: "at least 10 ms",
+            value: format!("{ms} ms"),
+        })
+    }
+}
+
 /// A timeout in milliseconds: at least 1 (0 would fail every wait at once).
 pub fn timeout_ms(s: &str) -> Result<u64, BadValue> {
     let ms: u64 = number(s, "a whole number of milliseconds")?;
@@ -251,6 +265,14 @@ pub enum Invalid {
         workers: u32,
         /// The most backups allowed.
         max: u32,
+    },
+    /// A list of configurations with none in it.
+    #[error("{flag}: no configuration given (e.g. {flag} {example})")]
+    NoConfiguration {
+        /// The flag.
+        flag: &'static str,
+        /// An example of its value.
+        example: &'static str,
     },
     /// More tasks per iteration than examples.
     #[error(
@@ -458,7 +480,8 @@ pub fn check_limits(
     let (end_fds, end_threads) = link_end(medium);
     let roles = 1 + s + w;
     let links = s + w + s * w;
-    let worker_threads = w * (threads + 1);
+    // A worker's own thread is the first of its pool's.
+    let worker_threads = w * threads.max(1);
     // The most descriptors one process needs, and the threads of all of them.
     let (fds, all_threads) = match layout {
         Layout::OneProcess => (

@@ -170,6 +170,17 @@ impl Knobs {
             "real" => vec!["real"],
             _ => vec!["sim"],
         };
+        if modes.contains(&"real") {
+            // The real runs are embedded clusters in this process (2 servers).
+            crate::checks::check_limits(
+                crate::checks::Layout::OneProcess,
+                &format!("a real run with {workers} worker(s) and 2 servers"),
+                2,
+                workers,
+                1,
+                falcon_transport::Medium::Auto,
+            )?;
+        }
         let entries = top_level_split(self.policies.as_deref().unwrap_or(d.entries));
         if entries.is_empty() {
             return Err("--policies: no configuration".into());

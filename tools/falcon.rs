@@ -413,7 +413,7 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
                 every: Duration::from_millis(env_value(
                     &["FALCON_CHECKPOINT_MS"],
                     1000,
-                    checks::heartbeat_ms,
+                    checks::checkpoint_ms,
                 )?),
                 recovery_timeout: Duration::from_millis(env_value(
                     &["FALCON_RECOVERY_TIMEOUT_MS"],

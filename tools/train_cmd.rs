@@ -199,7 +199,15 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
         None => vec![a.policy.clone()],
     };
     if texts.is_empty() {
-        return Err("--compare: no configuration (e.g. --compare bsp,epsp)".into());
+        return Err(Invalid::NoConfiguration {
+            flag: if a.compare.is_some() {
+                "--compare"
+            } else {
+                "--policy"
+            },
+            example: "bsp,epsp",
+        }
+        .into());
     }
     let mut entries = Vec::new();
     for text in texts {
@@ -708,7 +716,11 @@ pub fn sim(a: SimArgs) -> Res {
         entries.push((p, entry));
     }
     if entries.is_empty() {
-        return Err("--policies: no policy (e.g. --policies bsp,epsp)".into());
+        return Err(Invalid::NoConfiguration {
+            flag: "--policies",
+            example: "bsp,epsp",
+        }
+        .into());
     }
     let model: ModelSpec = a.model.parse()?;
     checks::tasks_fit(u64::from(a.tasks), a.batch as u64)?;
