@@ -356,6 +356,17 @@ fn a_closed_stdout_ends_each_command_quietly() {
 }
 
 #[test]
+fn the_exit_statuses_are_documented() {
+    let out = Command::new(FALCON).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("141 standard output closed"), "{help}");
+    assert!(
+        help.contains("130, 143, 129 `falcon local` stopped"),
+        "{help}"
+    );
+}
+
+#[test]
 fn train_piped_into_head_ends_quietly() {
     let dir = std::env::temp_dir().join(format!("falcon-head-{}", std::process::id()));
     let mut child = Command::new(FALCON)

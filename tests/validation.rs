@@ -1,7 +1,7 @@
 //! Values refused before anything starts, with the real binary: each bad value (as a flag,
 //! as its environment variable, in the configuration file) ends `falcon` at once with a
 //! message saying what is wrong and what is allowed, and starts nothing (no banner, no
-//! report, no role process, no output directory).
+//! report, no role process, no output directory). Such a refusal is a usage error: status 2.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -39,7 +39,11 @@ fn refused(args: &[&str], env: &[(&str, &str)], says: &str) -> String {
         !o.status.success(),
         "{args:?} {env:?} was accepted:\n{stdout}\n{stderr}"
     );
-    assert_ne!(o.status.code(), Some(101), "a panic: {stderr}");
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "a value refused before anything started is a usage error: {stderr}"
+    );
     assert!(
         stderr.contains(says),
         "{args:?} {env:?}: the message does not say {says:?}:\n{stderr}"

@@ -266,6 +266,10 @@ pub enum Invalid {
         /// The most backups allowed.
         max: u32,
     },
+    /// A setting refused by its parser (a policy, a model, a heterogeneity spec…), before
+    /// anything started: the parser's message.
+    #[error("{0}")]
+    Setting(String),
     /// A list of configurations with none in it.
     #[error("{flag}: no configuration given (e.g. {flag} {example})")]
     NoConfiguration {
@@ -312,6 +316,11 @@ pub enum Invalid {
     /// More than the machine's limits allow.
     #[error("{0}")]
     Limits(Box<Limits>),
+}
+
+/// A parser's refusal as a setting refused before anything started.
+pub fn setting<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, Invalid> {
+    r.map_err(|e| Invalid::Setting(e.to_string()))
 }
 
 /// Sync-opt's backups must be fewer than the workers (the engine would otherwise quietly

@@ -163,7 +163,7 @@ impl Knobs {
         } else {
             self.hetero.clone()
         };
-        let hetero = falcon_trainer::hetero::assign(workers, &specs)?;
+        let hetero = crate::checks::setting(falcon_trainer::hetero::assign(workers, &specs))?;
         let mode = self.mode.as_deref().unwrap_or(d.mode);
         let modes = match mode {
             "both" => vec!["real", "sim"],
@@ -186,7 +186,7 @@ impl Knobs {
             return Err("--policies: no configuration".into());
         }
         for e in &entries {
-            let parsed: Entry = e.parse()?;
+            let parsed: Entry = crate::checks::setting(e.parse())?;
             crate::checks::policy_fits(&parsed.policy, e, workers)?;
         }
         let batch = self.batch.unwrap_or(d.batch).max(1);
@@ -202,7 +202,7 @@ impl Knobs {
             batch,
             tasks: 4,
             lr: self.lr.unwrap_or(d.lr),
-            model: self.model.as_deref().unwrap_or(d.model).parse()?,
+            model: crate::checks::setting(self.model.as_deref().unwrap_or(d.model).parse())?,
             target: self.target.unwrap_or(d.target),
             repeat: self.repeat.unwrap_or(d.repeat).max(1),
             seed: self.seed,

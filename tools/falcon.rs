@@ -29,7 +29,7 @@ use crate::checks::env_value;
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = None,
+#[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = LONG_ABOUT,
           args_override_self = true, after_long_help = config::help_footer())]
 struct Cli {
     /// Read settings from this TOML file, a section per subcommand ([train], [local], [sim],
@@ -124,6 +124,15 @@ fn exit_code(e: &(dyn std::error::Error + 'static)) -> ExitCode {
     }
     ExitCode::FAILURE
 }
+
+/// What `falcon --help` says before the commands: the exit statuses.
+const LONG_ABOUT: &str = "\
+A heterogeneity-aware parameter server.
+
+Exit status: 0 done; 1 an error, said on stderr; 2 a usage error or a value refused before
+anything started; 130, 143, 129 `falcon local` stopped by SIGINT, SIGTERM or SIGHUP (after its
+role processes are gone); 141 standard output closed under it (e.g. `falcon train | head -1`):
+it ends at once and quietly, as a program killed by SIGPIPE would.";
 
 pub(crate) type Res = Result<(), Box<dyn std::error::Error>>;
 
@@ -393,9 +402,7 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
             )?,
         },
         scheduler,
-        policy: env(&["FALCON_POLICY"])
-            .unwrap_or_else(|| "bsp".into())
-            .parse()?,
+        policy: env_value(&["FALCON_POLICY"], PolicySpec::Bsp, str::parse)?,
         optimizer: Optimizer::Sgd {
             lr: env_value(&["FALCON_LR"], 0.5, checks::learning_rate)?,
         },
@@ -404,9 +411,11 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
             falcon_engine::keys::DEFAULT_MAX_SHARD_BYTES,
             checks::shard_bytes,
         )?,
-        scale: env(&["FALCON_SCALE"])
-            .unwrap_or_else(|| "none".into())
-            .parse()?,
+        scale: env_value(
+            &["FALCON_SCALE"],
+            falcon_engine::update::ScaleSpec::Unscaled,
+            str::parse,
+        )?,
         // Server checkpoints and recovery: a dead server restarts from its checkpoint.
         checkpoint: match env(&["FALCON_CHECKPOINT_DIR"]) {
             Some(dir) => Some(falcon_engine::CheckpointSettings {
@@ -497,9 +506,11 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
         cfg.optimizer = Optimizer::Sgd { lr };
     }
-    cfg.transport.medium = env(&["FALCON_MEDIUM"])
-        .unwrap_or_else(|| "auto".into())
-        .parse()?;
+    cfg.transport.medium = env_value(
+        &["FALCON_MEDIUM"],
+        falcon_transport::Medium::Auto,
+        str::parse,
+    )?;
     // The scheduler listens on the advertised scheduler address; other roles on any port of
     // their interface (FALCON_BIND / DMLC_NODE_HOST), advertised as FALCON_ADVERTISE.
     let host = env(&["FALCON_NODE_HOST", "DMLC_NODE_HOST"])

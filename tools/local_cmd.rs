@@ -314,20 +314,21 @@ fn forward_stderr(err: std::process::ChildStderr, said: &Mutex<Said>) {
 /// Runs `falcon local`.
 pub fn local(a: LocalArgs) -> crate::Res {
     // Everything checked before a process starts.
-    let policy: PolicySpec = a.policy.parse()?;
+    let policy: PolicySpec = checks::setting(a.policy.parse())?;
     checks::policy_fits(&policy, &a.policy, a.workers)?;
-    let _: falcon_engine::update::ScaleSpec = a.scale.parse()?;
+    let _: falcon_engine::update::ScaleSpec = checks::setting(a.scale.parse())?;
     let timeouts = a
         .timeouts
         .resolve(Some(falcon_engine::config::DEFAULT_SUSPICION))?;
     let train = a.workload == "train";
     if train {
-        let _: falcon_trainer::model::ModelSpec = a.model.parse()?;
+        let model: falcon_trainer::model::ModelSpec = checks::setting(a.model.parse())?;
+        checks::setting(model.build())?;
         // What the workers will read: FALCON_BATCH, FALCON_TASKS, FALCON_THREADS, …
         crate::train_cmd::trainer_env(a.workers)?;
     }
     // The heterogeneity's ranks must be workers of this job.
-    falcon_trainer::hetero::assign(a.workers, &a.hetero)?;
+    checks::setting(falcon_trainer::hetero::assign(a.workers, &a.hetero))?;
     let threads = if train {
         checks::env_value(&["FALCON_THREADS"], 1, checks::at_least_one_u64)?
     } else {

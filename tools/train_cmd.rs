@@ -211,11 +211,13 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
     }
     let mut entries = Vec::new();
     for text in texts {
-        let e: Entry = text.parse()?;
+        let e: Entry = checks::setting(text.parse())?;
         checks::policy_fits(&e.policy, &text, a.workers)?;
         entries.push((text, e));
     }
-    let model: ModelSpec = a.model.parse()?;
+    let model: ModelSpec = checks::setting(a.model.parse())?;
+    // Its shape too (cheap: no parameters are allocated).
+    checks::setting(model.build())?;
     checks::tasks_fit(u64::from(a.tasks), a.batch as u64)?;
     let hetero = if a.uniform {
         vec![Hetero::None; a.workers as usize]
@@ -226,7 +228,7 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
         }
         h
     } else {
-        falcon_trainer::hetero::assign(a.workers, &a.hetero)?
+        checks::setting(falcon_trainer::hetero::assign(a.workers, &a.hetero))?
     };
     let timeouts = a.timeouts.resolve(None)?;
     checks::check_limits(
@@ -711,7 +713,7 @@ pub fn sim(a: SimArgs) -> Res {
     // Everything checked before the data is read.
     let mut entries = Vec::new();
     for p in top_level_split(&a.policies) {
-        let entry: Entry = p.parse()?;
+        let entry: Entry = checks::setting(p.parse())?;
         checks::policy_fits(&entry.policy, &p, a.workers)?;
         entries.push((p, entry));
     }
@@ -722,18 +724,20 @@ pub fn sim(a: SimArgs) -> Res {
         }
         .into());
     }
-    let model: ModelSpec = a.model.parse()?;
+    let model: ModelSpec = checks::setting(a.model.parse())?;
+    // Its shape too (cheap: no parameters are allocated).
+    checks::setting(model.build())?;
     checks::tasks_fit(u64::from(a.tasks), a.batch as u64)?;
     let n = a.workers as usize;
     let mut hetero = vec![Hetero::None; n];
     let slow = (a.slow_fraction * n as f64).round() as usize;
     for h in hetero.iter_mut().skip(n - slow) {
-        *h = Hetero::parse(&a.slow_spec)?;
+        *h = checks::setting(Hetero::parse(&a.slow_spec))?;
     }
     if a.hetero.is_empty() && slow == 0 && n > 1 {
         hetero[n - 1] = Hetero::parse("h=0.25")?;
     }
-    falcon_trainer::hetero::assign_onto(&mut hetero, &a.hetero)?;
+    checks::setting(falcon_trainer::hetero::assign_onto(&mut hetero, &a.hetero))?;
     let data = Dataset::find(a.data.as_deref())?;
     std::fs::create_dir_all(&a.out)?;
     outln!(
