@@ -73,29 +73,31 @@ pub struct Knobs {
     #[arg(long)]
     policies: Option<String>,
     /// Workers.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::checks::at_least_one_u32)]
     workers: Option<u32>,
-    /// Heterogeneity RANK:SPEC, repeatable (h=0.5, gauss(5,2), episodes(10,3,4),
-    /// trace(FILE), …); replaces the experiment's profile.
+    /// Heterogeneity RANKS:SPEC with RANKS a rank N, a range A-B or *, repeatable (h=0.5,
+    /// gauss(5,2), episodes(10,3,4), trace(FILE), …); replaces the experiment's profile.
     #[arg(long)]
     hetero: Vec<String>,
     /// Iterations per worker.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::checks::at_least_one_u64)]
     iters: Option<u64>,
-    /// Examples per worker per iteration.
-    #[arg(long)]
+    /// Examples per worker per iteration (at least 4, the tasks of an iteration).
+    #[arg(long, value_parser = crate::checks::at_least_one_usize)]
     batch: Option<usize>,
-    /// Server-side SGD learning rate.
-    #[arg(long)]
+    /// Server-side SGD learning rate (finite, > 0).
+    #[arg(long, value_parser = crate::checks::learning_rate,
+          allow_negative_numbers = true)]
     lr: Option<f32>,
     /// Model: mlp:784-256-10, mlp:784-10, cnn, …
     #[arg(long)]
     model: Option<String>,
-    /// Target test accuracy of the time-to-accuracy column.
-    #[arg(long)]
+    /// Target test accuracy of the time-to-accuracy column, a fraction in (0, 1].
+    #[arg(long, value_parser = crate::checks::accuracy_target,
+          allow_negative_numbers = true)]
     target: Option<f64>,
     /// Runs of each real configuration (the median by time to accuracy is reported).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::checks::at_least_one_u32)]
     repeat: Option<u32>,
     /// Dataset directory (default: Debian's Fashion-MNIST, else the bundled sample).
     #[arg(long)]
@@ -161,20 +163,34 @@ impl Knobs {
         } else {
             self.hetero.clone()
         };
-        let hetero = hetero_of(workers, &specs)?;
+        let hetero = crate::checks::setting(falcon_trainer::hetero::assign(workers, &specs))?;
         let mode = self.mode.as_deref().unwrap_or(d.mode);
         let modes = match mode {
             "both" => vec!["real", "sim"],
             "real" => vec!["real"],
             _ => vec!["sim"],
         };
+        if modes.contains(&"real") {
+            // The real runs are embedded clusters in this process (2 servers).
+            crate::checks::check_limits(
+                crate::checks::Layout::OneProcess,
+                &format!("a real run with {workers} worker(s) and 2 servers"),
+                2,
+                workers,
+                1,
+                falcon_transport::Medium::Auto,
+            )?;
+        }
         let entries = top_level_split(self.policies.as_deref().unwrap_or(d.entries));
         if entries.is_empty() {
             return Err("--policies: no configuration".into());
         }
         for e in &entries {
-            e.parse::<Entry>()?;
+            let parsed: Entry = crate::checks::setting(e.parse())?;
+            crate::checks::policy_fits(&parsed.policy, e, workers)?;
         }
+        let batch = self.batch.unwrap_or(d.batch).max(1);
+        crate::checks::tasks_fit(4, batch as u64)?;
         let iters = self.iters.unwrap_or(d.iters);
         let iters = if self.quick { iters.min(20) } else { iters }.max(1);
         Ok(Setup {
@@ -183,10 +199,10 @@ impl Knobs {
             workers,
             hetero,
             iters,
-            batch: self.batch.unwrap_or(d.batch).max(1),
+            batch,
             tasks: 4,
             lr: self.lr.unwrap_or(d.lr),
-            model: self.model.as_deref().unwrap_or(d.model).parse()?,
+            model: crate::checks::setting(self.model.as_deref().unwrap_or(d.model).parse())?,
             target: self.target.unwrap_or(d.target),
             repeat: self.repeat.unwrap_or(d.repeat).max(1),
             seed: self.seed,
@@ -200,38 +216,6 @@ impl Knobs {
             eval_every: (iters / 40).max(1),
         })
     }
-}
-
-/// `RANK:SPEC` entries (`*:SPEC` for every worker, `A-B:SPEC` for a range).
-fn hetero_of(workers: u32, specs: &[String]) -> Res<Vec<Hetero>> {
-    let mut hetero = vec![Hetero::None; workers as usize];
-    for h in specs {
-        let (ranks, spec) = h
-            .split_once(':')
-            .ok_or_else(|| format!("--hetero {h:?}: expected RANK:SPEC"))?;
-        let spec = Hetero::parse(spec)?;
-        let bad = || format!("--hetero {h:?}: ranks are N, A-B or * below {workers}");
-        let (lo, hi) = match ranks.trim() {
-            "*" => (0, workers - 1),
-            r => match r.split_once('-') {
-                Some((a, b)) => (
-                    a.trim().parse().map_err(|_| bad())?,
-                    b.trim().parse().map_err(|_| bad())?,
-                ),
-                None => {
-                    let n = r.parse().map_err(|_| bad())?;
-                    (n, n)
-                }
-            },
-        };
-        if lo > hi || hi >= workers {
-            return Err(bad().into());
-        }
-        for slot in &mut hetero[lo as usize..=hi as usize] {
-            *slot = spec.clone();
-        }
-    }
-    Ok(hetero)
 }
 
 /// One configuration's result (the median run by time to accuracy when repeated).
@@ -388,9 +372,9 @@ fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> 
         let mut median = runs.swap_remove(n / 2);
         median.times = times;
         if rows.is_empty() {
-            println!("{}", table_header(s.target));
+            outln!("{}", table_header(s.target));
         }
-        println!("{}", table_row(&median, None));
+        outln!("{}", table_row(&median, None));
         rows.push(median);
     }
     Ok(rows)
@@ -513,7 +497,7 @@ fn write_outputs(dir: &Path, prefix: &str, title: &str, rows: &[Row], target: f6
 fn run_setup(s: &Setup, title: &str, data: &Arc<Dataset>) -> Res<Vec<Row>> {
     let mut all = Vec::new();
     for &mode in &s.modes {
-        println!(
+        outln!(
             "\n{title} — {mode}: {} workers × {} iterations, {}, batch {}, lr {}, on {}; profile {}",
             s.workers,
             s.iters,
@@ -536,10 +520,10 @@ fn run_setup(s: &Setup, title: &str, data: &Arc<Dataset>) -> Res<Vec<Row>> {
             &rows,
             s.target,
         )?;
-        println!("\n{t}");
+        outln!("\n{t}");
         all.extend(rows);
     }
-    println!("results: {}", s.out.display());
+    outln!("results: {}", s.out.display());
     Ok(all)
 }
 
@@ -617,12 +601,12 @@ fn dssp(k: &Knobs) -> Res {
     })?;
     let data = Arc::new(Dataset::find(k.data.as_deref())?);
     let rows = run_setup(&s, "DSSP Table I analogue (2 workers, 2:1)", &data)?;
-    println!(
+    outln!(
         "\nDSSP's time to target against the others (paper, Table I to 0.67: ASP 1.01×, BSP 0.49×, SSP 0.53–0.54×):"
     );
     for &mode in &s.modes {
         let Some(d) = time_of(&rows, "dssp(3,15)", mode) else {
-            println!("  [{mode}] DSSP did not reach the target");
+            outln!("  [{mode}] DSSP did not reach the target");
             continue;
         };
         let others: Vec<String> = ["asp", "bsp", "ssp(3)", "ssp(6)", "ssp(15)"]
@@ -631,7 +615,7 @@ fn dssp(k: &Knobs) -> Res {
                 time_of(&rows, c, mode).map_or(format!("{c} –"), |t| format!("{c} {:.2}×", d / t))
             })
             .collect();
-        println!("  [{mode}] DSSP / {}", others.join(", "));
+        outln!("  [{mode}] DSSP / {}", others.join(", "));
     }
     Ok(())
 }
@@ -665,12 +649,12 @@ fn fluentps(k: &Knobs) -> Res {
     let rows = run_setup(&s, "FluentPS parked pulls (64 workers)", &data)?;
     let parked = |c: &str| rows.iter().find(|r| r.config == c).map(|r| r.parked_pulls);
     if let Some(raw) = parked("ssp(3)") {
-        println!(
+        outln!(
             "\nparked pulls, raw SSP(3) against FluentPS (paper: up to 131× more under raw SSP):"
         );
         for c in s.entries.iter().filter(|c| c.starts_with("fluentps")) {
             if let Some(p) = parked(c) {
-                println!(
+                outln!(
                     "  {c}: {p} parked; raw SSP parks {}",
                     if p == 0 {
                         format!("{raw} (none here)")
@@ -732,18 +716,18 @@ fn falcon(k: &Knobs) -> Res {
             ));
         }
     }
-    println!(
+    outln!(
         "\nEPSP's time to target, shorter by (paper: up to 61.83% vs FlexRR, 55.19% vs Sync-opt, \
          38.92% vs ConSGD, 23.68% vs DynSGD):"
     );
     for l in &summary {
-        println!("{l}");
+        outln!("{l}");
     }
     let out = k
         .out
         .clone()
         .unwrap_or_else(|| PathBuf::from("target/falcon-experiment/falcon"));
-    println!("\ncompletion time and its variance against thread count:");
+    outln!("\ncompletion time and its variance against thread count:");
     crate::knee_run(k.quick, &out)?;
     Ok(())
 }
@@ -779,7 +763,7 @@ fn zipline(out: &Path, quick: bool) -> Res {
             z.speedup
         );
     }
-    println!("ZipLine decision cost (one thread; a cache miss costs {miss_ns:.1} ns here)\n\n{t}");
+    outln!("ZipLine decision cost (one thread; a cache miss costs {miss_ns:.1} ns here)\n\n{t}");
     std::fs::create_dir_all(out)?;
     std::fs::write(
         out.join("results.json"),
@@ -805,6 +789,6 @@ fn zipline(out: &Path, quick: bool) -> Res {
             &bars,
         )?;
     }
-    println!("results: {}", out.display());
+    outln!("results: {}", out.display());
     Ok(())
 }

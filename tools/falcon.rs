@@ -6,11 +6,15 @@
 //! pulls the model, pushes the gradient of ½‖w − target_r‖² with its own target, and the job
 //! converges to the targets' mean.
 
+#[macro_use]
+mod hygiene;
+mod checks;
 mod config;
 mod experiment;
+mod local_cmd;
 mod train_cmd;
 
-use std::process::{Child, Command, ExitCode};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand};
@@ -19,10 +23,13 @@ use falcon_engine::proto::Role;
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::Optimizer;
 use falcon_engine::{JobConfig, Scheduler, Server, Worker};
-use falcon_transport::{Medium, Transport, TransportConfig};
+use falcon_transport::{Transport, TransportConfig};
+
+use crate::checks::env_value;
+use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = None,
+#[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = LONG_ABOUT,
           args_override_self = true, after_long_help = config::help_footer())]
 struct Cli {
     /// Read settings from this TOML file, a section per subcommand ([train], [local], [sim],
@@ -41,7 +48,7 @@ enum Command_ {
     Train(train_cmd::TrainArgs),
     /// An embedded local cluster: scheduler, servers and workers as processes on this host.
     #[command(after_long_help = config::help_footer())]
-    Local(LocalArgs),
+    Local(local_cmd::LocalArgs),
     /// The deterministic simulator: many workers in virtual time, the real policies and
     /// model; every policy on the same workers and seed.
     #[command(after_long_help = config::help_footer())]
@@ -51,6 +58,7 @@ enum Command_ {
     #[command(after_long_help = config::help_footer())]
     Experiment(experiment::ExperimentArgs),
     /// One role of a job, configured from the environment (FALCON_*, or ps-lite's DMLC_*).
+    #[command(after_long_help = ROLE_HELP)]
     Role,
     /// Benchmarks, each figure beside its physical reference.
     Bench {
@@ -63,51 +71,6 @@ enum Command_ {
     },
     /// Explain this machine: host identity, media, RDMA devices, memlock limit.
     Doctor,
-}
-
-#[derive(clap::Args, Clone)]
-struct LocalArgs {
-    /// Server processes.
-    #[arg(long, default_value_t = 1, env = "FALCON_NUM_SERVER")]
-    servers: u32,
-    /// Worker processes.
-    #[arg(long, default_value_t = 2, env = "FALCON_NUM_WORKER")]
-    workers: u32,
-    /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B),
-    /// fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])],
-    /// flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)].
-    #[arg(long, default_value = "bsp", env = "FALCON_POLICY")]
-    policy: String,
-    /// Medium between processes: auto (shm on one host), shm, tcp, rdma.
-    #[arg(long, default_value = "auto", env = "FALCON_MEDIUM")]
-    medium: String,
-    /// Iterations each worker runs.
-    #[arg(long, default_value_t = 100, env = "FALCON_ITERS")]
-    iters: u64,
-    /// Model size in f32 parameters.
-    #[arg(long, default_value_t = 1 << 20)]
-    floats: u64,
-    /// Learning rate of the server-side SGD: per round for the synthetic workload (default
-    /// 0.5; async policies apply each worker's gradient with lr / workers), per gradient for
-    /// the trainer (default 0.05).
-    #[arg(long, env = "FALCON_LR")]
-    lr: Option<f32>,
-    /// Largest shard in bytes (tensors are cut into shards spread over the servers).
-    #[arg(long, default_value_t = 4 << 20)]
-    shard_bytes: u64,
-    /// Staleness scaling of asynchronously applied gradients: none, dynsgd, consgd(F).
-    #[arg(long, default_value = "none")]
-    scale: String,
-    /// What the workers run: synthetic (½‖w − target‖², exact answer under BSP) or train
-    /// (the trainer on Fashion-MNIST, each worker a process; see FALCON_MODEL, FALCON_DATA).
-    #[arg(long, default_value = "synthetic", value_parser = ["synthetic", "train"])]
-    workload: String,
-    /// With --workload train: the model.
-    #[arg(long, default_value = "mlp:784-256-10", env = "FALCON_MODEL")]
-    model: String,
-    /// With --workload train: the dataset directory (default: Debian's, else the sample).
-    #[arg(long, env = "FALCON_DATA")]
-    data: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -124,7 +87,7 @@ fn main() -> ExitCode {
     ) {
         Ok(argv) => argv,
         Err(e) => {
-            eprintln!("falcon: error: {e}");
+            hygiene::error_line(&e);
             // clap's exit code for usage errors.
             return ExitCode::from(2);
         }
@@ -132,23 +95,74 @@ fn main() -> ExitCode {
     let cli = Cli::parse_from(argv);
     let r = match cli.command {
         Command_::Train(a) => train_cmd::train(a),
-        Command_::Local(a) => local(a),
+        Command_::Local(a) => local_cmd::local(a),
         Command_::Sim(a) => train_cmd::sim(a),
         Command_::Experiment(a) => experiment::experiment(a),
         Command_::Role => role(),
         Command_::Bench { what, quick } => bench(&what, quick),
         Command_::Doctor => doctor(),
     };
-    match r {
+    let code = match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("falcon: error: {e}");
-            ExitCode::FAILURE
+            hygiene::error_line(&e);
+            exit_code(&*e)
         }
-    }
+    };
+    hygiene::flush_stdout();
+    code
 }
 
-type Res = Result<(), Box<dyn std::error::Error>>;
+/// The exit status for an error (see [`hygiene`] for the list): 2 for a value refused before
+/// anything started, 128 + N for `falcon local` stopped by signal N, else 1.
+fn exit_code(e: &(dyn std::error::Error + 'static)) -> ExitCode {
+    if let Some(l) = e.downcast_ref::<local_cmd::LocalError>() {
+        return ExitCode::from(l.exit_code());
+    }
+    if e.is::<checks::Invalid>() || e.is::<checks::BadValue>() {
+        return ExitCode::from(2);
+    }
+    ExitCode::FAILURE
+}
+
+/// What `falcon --help` says before the commands: the exit statuses.
+const LONG_ABOUT: &str = "\
+A heterogeneity-aware parameter server.
+
+Exit status: 0 done; 1 an error, said on stderr; 2 a usage error or a value refused before
+anything started; 130, 143, 129 `falcon local` stopped by SIGINT, SIGTERM or SIGHUP (after its
+role processes are gone); 141 standard output closed under it (e.g. `falcon train | head -1`):
+it ends at once and quietly, as a program killed by SIGPIPE would.";
+
+pub(crate) type Res = Result<(), Box<dyn std::error::Error>>;
+
+/// What `falcon role --help` shows after the usage.
+const ROLE_HELP: &str = "\
+Environment (each FALCON_* variable; ps-lite's DMLC_* names work too):
+  FALCON_ROLE                   scheduler, server or worker (or a launcher's RANK/WORLD_SIZE,
+                                SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/SIZE)
+  FALCON_RANK                   rank within the role (default: the scheduler assigns one)
+  FALCON_NUM_SERVER, FALCON_NUM_WORKER   servers (default 1) and workers (default 1)
+  FALCON_SCHEDULER, FALCON_SCHEDULER_URI, FALCON_SCHEDULER_PORT   where the scheduler is
+  FALCON_POLICY                 synchronization policy (default bsp)
+  FALCON_MEDIUM                 auto, shm, tcp, rdma (default auto)
+  FALCON_LR                     learning rate, finite and > 0 (default 0.5; 0.05 for train)
+  FALCON_ITERS, FALCON_FLOATS   iterations (default 100) and model size (default 1048576)
+  FALCON_WORKLOAD               synthetic (default) or train (with FALCON_MODEL, FALCON_DATA,
+                                FALCON_BATCH, FALCON_TASKS, FALCON_THREADS, FALCON_SEED,
+                                FALCON_HETERO=RANKS:SPEC;…)
+  FALCON_HEARTBEAT_MS           heartbeat interval, at least 10 (default 1000)
+  FALCON_SUSPICION_MS           a role silent this long is declared dead; 0: never
+                                (default 15000; longer than the heartbeat interval)
+  FALCON_RENDEZVOUS_TIMEOUT_MS  how long the roles may take to meet (default 60000)
+  FALCON_OP_TIMEOUT_MS          deadline of one transport operation (default 30000)
+  FALCON_HANDSHAKE_TIMEOUT_MS   deadline of one connection handshake (default 5000)
+  FALCON_CHECKPOINT_DIR         server checkpoints there (default: none)
+  FALCON_CHECKPOINT_MS          how often, at least 10 (default 1000)
+  FALCON_RECOVERY_TIMEOUT_MS    how long the job waits for a dead server to restart from its
+                                checkpoint (default 60000)
+  FALCON_PARENT_PID             die with that process (set by `falcon local`)
+";
 
 fn bench(what: &str, quick: bool) -> Res {
     if what == "knee" {
@@ -156,7 +170,7 @@ fn bench(what: &str, quick: bool) -> Res {
     }
     if what == "engine" {
         let rows = falcon_bench::engine::summary(quick)?;
-        println!("{}", falcon_bench::engine::markdown(&rows));
+        outln!("{}", falcon_bench::engine::markdown(&rows));
         return Ok(());
     }
     let effort = if quick {
@@ -166,7 +180,7 @@ fn bench(what: &str, quick: bool) -> Res {
     };
     let rows =
         falcon_bench::transport::summary(&falcon_bench::transport::available_media(), effort);
-    println!("{}", falcon_bench::transport::markdown(&rows));
+    outln!("{}", falcon_bench::transport::markdown(&rows));
     Ok(())
 }
 
@@ -213,7 +227,7 @@ pub(crate) fn knee_run(quick: bool, dir: &std::path::Path) -> Res {
         "\nknee: {} thread(s) on this {cores}-core machine",
         knee(&points)
     );
-    println!("{table}");
+    outln!("{table}");
     std::fs::create_dir_all(dir)?;
     let xs = |f: &dyn Fn(&falcon_trainer::pool::KneePoint) -> f64| -> Vec<(f64, f64)> {
         points.iter().map(|p| (p.threads as f64, f(p))).collect()
@@ -241,150 +255,8 @@ pub(crate) fn knee_run(quick: bool, dir: &std::path::Path) -> Res {
         )?;
     }
     std::fs::write(dir.join("knee.md"), table)?;
-    println!("plot: {}", dir.join("knee.png").display());
+    outln!("plot: {}", dir.join("knee.png").display());
     Ok(())
-}
-
-/// Starts every role as a process of this binary, configured through the environment.
-fn local(a: LocalArgs) -> Res {
-    let _: PolicySpec = a.policy.parse()?;
-    let _: falcon_engine::update::ScaleSpec = a.scale.parse()?;
-    let _: Medium = a.medium.parse()?;
-    if a.servers == 0 || a.workers == 0 || a.floats == 0 {
-        return Err("--servers, --workers and --floats must be at least 1".into());
-    }
-    let job = format!("local-{}", std::process::id());
-    let token = format!(
-        "{:016x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_nanos() as u64
-            ^ 0x5eed
-    );
-    println!(
-        "falcon: local cluster, {} server(s), {} worker(s), policy {}, medium {}, {} floats ({:.1} MiB), {} iterations",
-        a.servers,
-        a.workers,
-        a.policy,
-        a.medium,
-        a.floats,
-        a.floats as f64 * 4.0 / (1 << 20) as f64,
-        a.iters
-    );
-    let exe = std::env::current_exe()?;
-    let spawn = |role: &str, rank: Option<u32>| -> Command {
-        let mut c = Command::new(&exe);
-        c.arg("role")
-            .env("FALCON_ROLE", role)
-            .env("FALCON_JOB", &job)
-            .env("FALCON_TOKEN", &token)
-            .env("FALCON_NUM_SERVER", a.servers.to_string())
-            .env("FALCON_NUM_WORKER", a.workers.to_string())
-            .env("FALCON_POLICY", &a.policy)
-            .env("FALCON_MEDIUM", &a.medium)
-            .env("FALCON_ITERS", a.iters.to_string())
-            .env("FALCON_FLOATS", a.floats.to_string())
-            .env("FALCON_MAX_SHARD_BYTES", a.shard_bytes.to_string())
-            .env("FALCON_SCALE", &a.scale)
-            .env("FALCON_WORKLOAD", &a.workload)
-            .env("FALCON_MODEL", &a.model);
-        if let Some(d) = &a.data {
-            c.env("FALCON_DATA", d);
-        }
-        if let Some(lr) = a.lr {
-            c.env("FALCON_LR", lr.to_string());
-        }
-        if let Some(r) = rank {
-            c.env("FALCON_RANK", r.to_string());
-        }
-        c
-    };
-    let start = Instant::now();
-    // The scheduler binds a free port itself (no window in which another process could take
-    // it) and announces its full address, which the other roles are given.
-    let sched_env = [
-        ("FALCON_SCHEDULER_URI", "127.0.0.1".to_string()),
-        ("FALCON_SCHEDULER_PORT", "0".to_string()),
-        ("FALCON_ANNOUNCE", "1".to_string()),
-    ];
-    let mut scheduler = spawn_with(&spawn, "scheduler", None, &sched_env)?;
-    let (addr, forward) = read_announcement(&mut scheduler)?;
-    let mut children = vec![("scheduler".to_string(), scheduler)];
-    let others = [("FALCON_SCHEDULER", addr)];
-    for r in 0..a.servers {
-        children.push((
-            format!("server {r}"),
-            spawn_with(&spawn, "server", Some(r), &others)?,
-        ));
-    }
-    for r in 0..a.workers {
-        children.push((
-            format!("worker {r}"),
-            spawn_with(&spawn, "worker", Some(r), &others)?,
-        ));
-    }
-    let mut failed = Vec::new();
-    // Wait for all; if one fails, the others notice (links close) and exit on their own.
-    for (name, mut child) in children {
-        let status = child.wait()?;
-        if !status.success() {
-            failed.push(format!("{name} ({status})"));
-        }
-    }
-    let _ = forward.join();
-    let secs = start.elapsed().as_secs_f64();
-    if !failed.is_empty() {
-        return Err(format!("the job failed: {}", failed.join(", ")).into());
-    }
-    println!("falcon: job finished in {secs:.2} s");
-    Ok(())
-}
-
-/// Spawns a role with extra environment (the scheduler's output piped, for its announcement).
-fn spawn_with(
-    make: &dyn Fn(&str, Option<u32>) -> Command,
-    role: &str,
-    rank: Option<u32>,
-    env: &[(&str, String)],
-) -> std::io::Result<Child> {
-    let mut c = make(role, rank);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    if role == "scheduler" {
-        c.stdout(std::process::Stdio::piped());
-    }
-    c.spawn()
-}
-
-/// Marks the line with which a scheduler started by `falcon local` announces its address.
-const ANNOUNCE: &str = "falcon-scheduler-address: ";
-
-/// Reads the scheduler's announcement, then forwards the rest of its output.
-fn read_announcement(
-    child: &mut Child,
-) -> Result<(String, std::thread::JoinHandle<()>), Box<dyn std::error::Error>> {
-    use std::io::BufRead;
-    let out = child
-        .stdout
-        .take()
-        .ok_or("the scheduler's output is not piped")?;
-    let mut lines = std::io::BufReader::new(out).lines();
-    let addr = loop {
-        match lines.next() {
-            Some(Ok(l)) => match l.strip_prefix(ANNOUNCE) {
-                Some(a) => break a.to_string(),
-                None => println!("{l}"),
-            },
-            _ => return Err("the scheduler exited before announcing its address".into()),
-        }
-    };
-    let forward = std::thread::spawn(move || {
-        for l in lines.map_while(Result::ok) {
-            println!("{l}");
-        }
-    });
-    Ok((addr, forward))
 }
 
 /// Reads a variable by its falcon name or one of its aliases (ps-lite's DMLC_* names).
@@ -392,15 +264,6 @@ pub(crate) fn env(names: &[&str]) -> Option<String> {
     names
         .iter()
         .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
-}
-
-pub(crate) fn env_parse<T: std::str::FromStr>(names: &[&str], default: T) -> Result<T, String> {
-    match env(names) {
-        None => Ok(default),
-        Some(v) => v
-            .parse()
-            .map_err(|_| format!("{}={v:?} is not valid", names[0])),
-    }
 }
 
 /// The job configuration from the environment.
@@ -427,10 +290,10 @@ fn launcher_layout(servers: u32) -> Result<Option<Launch>, String> {
     };
     let rank: u32 = rank
         .parse()
-        .map_err(|_| format!("launcher rank {rank:?} is not a number"))?;
+        .map_err(|_| format!("launcher rank {rank}: not a whole number"))?;
     let world: u32 = world
         .parse()
-        .map_err(|_| format!("launcher world size {world:?} is not a number"))?;
+        .map_err(|_| format!("launcher world size {world}: not a whole number"))?;
     if world < servers + 2 || rank >= world {
         return Err(format!(
             "a launch of {world} processes cannot hold a scheduler, {servers} server(s) and a worker (rank {rank})"
@@ -489,7 +352,11 @@ fn first_host(list: &str) -> String {
 
 /// The job configuration from the environment.
 fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::Error>> {
-    let servers: u32 = env_parse(&["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"], 1)?;
+    let servers: u32 = env_value(
+        &["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"],
+        1,
+        checks::at_least_one_u32,
+    )?;
     let explicit = env(&["FALCON_ROLE", "DMLC_ROLE"]);
     let layout = if explicit.is_none() {
         launcher_layout(servers)?
@@ -512,7 +379,7 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
     let port: Option<u16> = env(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"])
         .map(|p| {
             p.parse()
-                .map_err(|_| format!("scheduler port {p:?} is not a port"))
+                .map_err(|_| format!("scheduler port {p}: not a port (0 to 65535)"))
         })
         .transpose()?;
     // Launched by Slurm or mpirun, which name no port: falcon's default.
@@ -528,33 +395,27 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         servers,
         workers: match world {
             Some(w) => w - 1 - servers,
-            None => env_parse(&["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"], 1)?,
+            None => env_value(
+                &["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"],
+                1,
+                checks::at_least_one_u32,
+            )?,
         },
         scheduler,
-        policy: env(&["FALCON_POLICY"])
-            .unwrap_or_else(|| "bsp".into())
-            .parse()?,
+        policy: env_value(&["FALCON_POLICY"], PolicySpec::Bsp, str::parse)?,
         optimizer: Optimizer::Sgd {
-            lr: env_parse(&["FALCON_LR"], 0.5)?,
+            lr: env_value(&["FALCON_LR"], 0.5, checks::learning_rate)?,
         },
-        max_shard_bytes: env_parse(
+        max_shard_bytes: env_value(
             &["FALCON_MAX_SHARD_BYTES"],
             falcon_engine::keys::DEFAULT_MAX_SHARD_BYTES,
+            checks::shard_bytes,
         )?,
-        scale: env(&["FALCON_SCALE"])
-            .unwrap_or_else(|| "none".into())
-            .parse()?,
-        heartbeat: std::time::Duration::from_millis(
-            env_parse(&["FALCON_HEARTBEAT_MS"], 1000u64)?.max(10),
-        ),
-        // A node silent this long is declared dead (0: never).
-        suspicion: match env_parse(
-            &["FALCON_SUSPICION_MS"],
-            falcon_engine::config::DEFAULT_SUSPICION.as_millis() as u64,
-        )? {
-            0 => None,
-            ms => Some(std::time::Duration::from_millis(ms)),
-        },
+        scale: env_value(
+            &["FALCON_SCALE"],
+            falcon_engine::update::ScaleSpec::Unscaled,
+            str::parse,
+        )?,
         // Server checkpoints and recovery: a dead server restarts from its checkpoint. A failed
         // checkpoint write warns, or stops the job (FALCON_CHECKPOINT_ON_FAILURE=warn|stop).
         checkpoint: match (
@@ -565,12 +426,15 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
                 .map_err(|e| format!("FALCON_CHECKPOINT_ON_FAILURE: {e}"))?,
         ) {
             (Some(dir), on_failure) => Some(falcon_engine::CheckpointSettings {
-                every: std::time::Duration::from_millis(
-                    env_parse(&["FALCON_CHECKPOINT_MS"], 1000u64)?.max(10),
-                ),
-                recovery_timeout: std::time::Duration::from_millis(env_parse(
+                every: Duration::from_millis(env_value(
+                    &["FALCON_CHECKPOINT_MS"],
+                    1000,
+                    checks::checkpoint_ms,
+                )?),
+                recovery_timeout: Duration::from_millis(env_value(
                     &["FALCON_RECOVERY_TIMEOUT_MS"],
-                    60_000u64,
+                    60_000,
+                    checks::timeout_ms,
                 )?),
                 on_failure: on_failure.unwrap_or_default(),
                 ..falcon_engine::CheckpointSettings::new(dir)
@@ -579,6 +443,60 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         },
         ..JobConfig::default()
     };
+    // The heartbeat and the timeouts (FALCON_HEARTBEAT_MS, FALCON_SUSPICION_MS: 0 never, …).
+    let timeouts = falcon_trainer::job::Timeouts {
+        heartbeat: Duration::from_millis(env_value(
+            &["FALCON_HEARTBEAT_MS"],
+            checks::default_ms(|d| d.heartbeat),
+            checks::heartbeat_ms,
+        )?),
+        suspicion: match env_value(
+            &["FALCON_SUSPICION_MS"],
+            falcon_engine::config::DEFAULT_SUSPICION.as_millis() as u64,
+            checks::suspicion_ms,
+        )? {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        },
+        rendezvous: Duration::from_millis(env_value(
+            &["FALCON_RENDEZVOUS_TIMEOUT_MS"],
+            checks::default_ms(|d| d.rendezvous_timeout),
+            checks::timeout_ms,
+        )?),
+        op: Duration::from_millis(env_value(
+            &["FALCON_OP_TIMEOUT_MS"],
+            checks::default_ms(|d| d.transport.op_timeout),
+            checks::timeout_ms,
+        )?),
+        handshake: Duration::from_millis(env_value(
+            &["FALCON_HANDSHAKE_TIMEOUT_MS"],
+            checks::default_ms(|d| d.transport.handshake_timeout),
+            checks::timeout_ms,
+        )?),
+    };
+    checks::check_timeouts(&timeouts)?;
+    timeouts.apply(&mut cfg);
+    if cfg.workers == 0 || cfg.servers == 0 {
+        return Err(checks::Invalid::Env {
+            var: "FALCON_NUM_WORKER",
+            value: format!("{} (with {} server(s))", cfg.workers, cfg.servers),
+            why: "a job needs at least one worker and one server".into(),
+        }
+        .into());
+    }
+    checks::policy_fits(
+        &cfg.policy,
+        &env(&["FALCON_POLICY"]).unwrap_or_else(|| "bsp".into()),
+        cfg.workers,
+    )?;
+    // The heterogeneity's ranks must be workers of the job (checked by every role).
+    let hetero = env(&["FALCON_HETERO"]).unwrap_or_default();
+    falcon_trainer::hetero::assign(cfg.workers, &falcon_trainer::hetero::split_entries(&hetero))
+        .map_err(|e| checks::Invalid::Env {
+            var: "FALCON_HETERO",
+            value: hetero.clone(),
+            why: e.to_string(),
+        })?;
     // The trainer's convention: the gradients of a clock are summed (each is already a mean
     // over its batch), each asynchronous one applied with the same step.
     if env(&["FALCON_WORKLOAD"]).as_deref() == Some("count") {
@@ -588,7 +506,7 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
     } else if env(&["FALCON_WORKLOAD"]).as_deref() == Some("train") {
         cfg.aggregate = falcon_engine::update::Aggregate::Sum;
         cfg.optimizer = Optimizer::Sgd {
-            lr: env_parse(&["FALCON_LR"], 0.05)?,
+            lr: env_value(&["FALCON_LR"], 0.05, checks::learning_rate)?,
         };
     } else if cfg.update_mode() == falcon_engine::update::UpdateMode::Async {
         // Async policies apply each worker's gradient on its own: lr / workers keeps the step
@@ -596,9 +514,11 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
         cfg.optimizer = Optimizer::Sgd { lr };
     }
-    cfg.transport.medium = env(&["FALCON_MEDIUM"])
-        .unwrap_or_else(|| "auto".into())
-        .parse()?;
+    cfg.transport.medium = env_value(
+        &["FALCON_MEDIUM"],
+        falcon_transport::Medium::Auto,
+        str::parse,
+    )?;
     // The scheduler listens on the advertised scheduler address; other roles on any port of
     // their interface (FALCON_BIND / DMLC_NODE_HOST), advertised as FALCON_ADVERTISE.
     let host = env(&["FALCON_NODE_HOST", "DMLC_NODE_HOST"])
@@ -611,14 +531,14 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         Some((h, p)) => resolve(
             h,
             p.parse()
-                .map_err(|_| format!("bind address {bind:?}: bad port"))?,
+                .map_err(|_| format!("bind address {bind}: not a port (0 to 65535)"))?,
         )?,
-        None => return Err(format!("bind address {bind:?} has no port").into()),
+        None => return Err(format!("bind address {bind}: no port (HOST:PORT)").into()),
     });
     if let Some(adv) = env(&["FALCON_ADVERTISE"]) {
         cfg.transport.advertise = Some(
             adv.parse()
-                .map_err(|e| format!("FALCON_ADVERTISE {adv:?}: {e}"))?,
+                .map_err(|e| format!("FALCON_ADVERTISE={adv}: {e} (expected IP:PORT)"))?,
         );
     }
     let rank = match launcher_rank {
@@ -632,13 +552,15 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
 }
 
 fn role() -> Res {
+    // Started by `falcon local`: die with it.
+    hygiene::die_with_parent()?;
     let (cfg, role, rank) = job_from_env()?;
     match role {
         Role::Scheduler => {
             let sched = Scheduler::bind(cfg)?;
             if env(&["FALCON_ANNOUNCE"]).is_some() {
                 use std::io::Write;
-                println!("{ANNOUNCE}{}", sched.address());
+                outln!("{}{}", local_cmd::ANNOUNCE, sched.address());
                 std::io::stdout().flush()?;
             }
             let report = sched.run()?;
@@ -648,9 +570,14 @@ fn role() -> Res {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
-            println!(
-                "scheduler: job done; bytes per server {:?}; dead: [{}]; rejoined: [{}]",
-                report.bytes_per_server,
+            outln!(
+                "scheduler: job done; bytes per server [{}]; dead: [{}]; rejoined: [{}]",
+                report
+                    .bytes_per_server
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 nodes(&report.dead),
                 nodes(&report.rejoined)
             );
@@ -662,7 +589,7 @@ fn role() -> Res {
         }
         Role::Server => {
             let report = Server::join(cfg, rank, Default::default())?.run()?;
-            println!(
+            outln!(
                 "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes",
                 report.rank,
                 report.gradients,
@@ -673,13 +600,18 @@ fn role() -> Res {
                 report.duplicate_pushes
             );
             for a in &report.accounts {
-                println!(
+                outln!(
                     "server {}: shard {} first parameter {:.6}, sequence numbers {} = applied + {} skipped, {} transferred-task gradients",
-                    report.rank, a.shard, a.first, a.pushes, a.skipped, a.helps
+                    report.rank,
+                    a.shard,
+                    a.first,
+                    a.pushes,
+                    a.skipped,
+                    a.helps
                 );
             }
             if report.checkpoints > 0 || report.restored_from.is_some() {
-                println!(
+                outln!(
                     "server {}: {} checkpoints written; restarted from checkpoint {}; {} acknowledged updates lost",
                     report.rank,
                     report.checkpoints,
@@ -699,7 +631,7 @@ fn role() -> Res {
                 let n: u64 = c.staleness.values().sum();
                 let sum: u64 = c.staleness.iter().map(|(d, k)| d * k).sum();
                 let max = c.staleness.keys().next_back().copied().unwrap_or(0);
-                println!(
+                outln!(
                     "server {}:   worker {w}: {} parked pulls, staleness mean {:.2} max {max}, {} grants, {} transfer offers, {} dropped",
                     report.rank,
                     c.parked_pulls,
@@ -713,7 +645,7 @@ fn role() -> Res {
                 .per_shard
                 .iter()
                 .fold((0, 0), |(i, o), c| (i + c.bytes_in, o + c.bytes_out));
-            println!(
+            outln!(
                 "server {}:   {} shards, {bytes_in} bytes in, {bytes_out} bytes out (answered pulls)",
                 report.rank,
                 report.per_shard.len()
@@ -730,7 +662,7 @@ fn role() -> Res {
 /// Fault injection for tests and the chaos run: with `FALCON_FAULT_DROP_MS`, a thread drops
 /// one of the worker's server links (in turn) that often, as a failing network would.
 pub(crate) fn spawn_link_dropper(w: &Worker) -> Res {
-    let ms: u64 = env_parse(&["FALCON_FAULT_DROP_MS"], 0)?;
+    let ms: u64 = env_value(&["FALCON_FAULT_DROP_MS"], 0, checks::whole)?;
     if ms == 0 {
         return Ok(());
     }
@@ -750,10 +682,10 @@ pub(crate) fn spawn_link_dropper(w: &Worker) -> Res {
 /// The synthetic workload: minimise ½‖w − (rank+1)‖² together; under BSP with the mean the
 /// model converges to the mean of the targets.
 fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
-    let iters: u64 = env_parse(&["FALCON_ITERS"], 100)?;
-    let floats: u64 = env_parse(&["FALCON_FLOATS"], 1 << 20)?;
+    let iters: u64 = env_value(&["FALCON_ITERS"], 100, checks::at_least_one_u64)?;
+    let floats: u64 = env_value(&["FALCON_FLOATS"], 1 << 20, checks::at_least_one_u64)?;
     // Fault injection (tests, the chaos run): drop a server link every N iterations.
-    let drop_every: u64 = env_parse(&["FALCON_FAULT_DROP_EVERY"], 0)?;
+    let drop_every: u64 = env_value(&["FALCON_FAULT_DROP_EVERY"], 0, checks::whole)?;
     // FALCON_WORKLOAD=count: constant gradients (see `job_from_env`).
     let count = env(&["FALCON_WORKLOAD"]).as_deref() == Some("count");
     let tensors = vec![TensorSpec {
@@ -784,7 +716,7 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
             w.drop_server_link((t / drop_every % w.server_media().len() as u64) as u32);
         }
         if w.rank() == 0 && (t % 25 == 0 || t + 1 == iters) {
-            println!("  worker 0 iteration {t:>4}: w[0] = {:.5}", p[0]);
+            outln!("  worker 0 iteration {t:>4}: w[0] = {:.5}", p[0]);
         }
     }
     let secs = start.elapsed().as_secs_f64();
@@ -794,7 +726,7 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let mean = (1..=w.workers()).map(|r| r as f32).sum::<f32>() / w.workers() as f32;
     let stats = w.stats();
     let bytes = 2.0 * iters as f64 * floats as f64 * 4.0;
-    println!(
+    outln!(
         "worker {}: {} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server, blocked {:.1} ms in pulls, {:.1} ms at superstep barriers, {} task offers, reconnects {}, lost updates {}",
         w.rank(),
         iters - first,
@@ -827,10 +759,10 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
 }
 
 fn doctor() -> Res {
-    println!("falcon doctor");
-    println!("  host id            {}", falcon_transport::host_id());
+    outln!("falcon doctor");
+    outln!("  host id            {}", falcon_transport::host_id());
     let t = Transport::new(TransportConfig::default())?;
-    println!(
+    outln!(
         "  shm                available (memfd + unix socket at {})",
         t.address()
             .shm
@@ -838,39 +770,44 @@ fn doctor() -> Res {
             .map(|p| p.display().to_string())
             .unwrap_or_default()
     );
-    println!(
+    outln!(
         "  tcp                available (loopback test listener {})",
         t.address().tcp.map(|a| a.to_string()).unwrap_or_default()
     );
     let (soft, hard) = memlock();
-    println!("  memlock (ulimit -l) soft {soft}, hard {hard}");
+    outln!("  memlock (ulimit -l) soft {soft}, hard {hard}");
     rdma_report();
-    println!("  cuda               not built in (rebuild with --features cuda)");
+    outln!("  cuda               not built in (rebuild with --features cuda)");
     Ok(())
 }
 
 #[cfg(feature = "rdma")]
 fn rdma_report() {
     match falcon_transport::rdma_ports() {
-        Ok(ports) if ports.is_empty() => println!(
+        Ok(ports) if ports.is_empty() => outln!(
             "  rdma               built in; no RDMA device found (tcp will be used between hosts)"
         ),
         Ok(ports) => {
-            println!("  rdma               built in; {} port(s):", ports.len());
+            outln!("  rdma               built in; {} port(s):", ports.len());
             for p in ports {
-                println!(
+                outln!(
                     "    {} port {}: {} · {} · MTU {} · LID {}",
-                    p.device, p.port, p.state, p.link_layer, p.mtu, p.lid
+                    p.device,
+                    p.port,
+                    p.state,
+                    p.link_layer,
+                    p.mtu,
+                    p.lid
                 );
                 for (i, g) in p.gids {
-                    println!("      GID[{i}] {g}");
+                    outln!("      GID[{i}] {g}");
                 }
             }
         }
-        Err(e) => println!("  rdma               built in; unavailable: {e}"),
+        Err(e) => outln!("  rdma               built in; unavailable: {e}"),
     }
     if let Some(limit) = falcon_transport::memlock_limit() {
-        println!(
+        outln!(
             "    memlock limit {} KiB: RDMA registers every region it moves; raise it if regions are larger (`ulimit -l unlimited`)",
             limit / 1024
         );
@@ -879,7 +816,7 @@ fn rdma_report() {
 
 #[cfg(not(feature = "rdma"))]
 fn rdma_report() {
-    println!("  rdma               not built in (rebuild with --features rdma)");
+    outln!("  rdma               not built in (rebuild with --features rdma)");
 }
 
 fn memlock() -> (String, String) {

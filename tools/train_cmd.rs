@@ -13,20 +13,24 @@ use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::ScaleSpec;
 use falcon_trainer::data::Dataset;
 use falcon_trainer::hetero::Hetero;
-use falcon_trainer::job::{JobReport, JobSpec, run_local};
+use falcon_trainer::job::{Fault, JobReport, JobSpec, Timeouts, run_local};
 use falcon_trainer::model::ModelSpec;
 use falcon_trainer::train::TrainConfig;
 use falcon_transport::Medium;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::checks::{self, Invalid, Layout, TimeoutArgs};
+
 /// Options of `falcon train`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct TrainArgs {
     /// Worker threads (each a falcon worker with its own pool).
-    #[arg(long, default_value_t = 4, env = "FALCON_NUM_WORKER")]
+    #[arg(long, default_value_t = 4, env = "FALCON_NUM_WORKER",
+          value_parser = checks::at_least_one_u32)]
     workers: u32,
     /// Parameter servers.
-    #[arg(long, default_value_t = 2, env = "FALCON_NUM_SERVER")]
+    #[arg(long, default_value_t = 2, env = "FALCON_NUM_SERVER",
+          value_parser = checks::at_least_one_u32)]
     servers: u32,
     /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B),
     /// fluentps(N[,…]), epsp[(S[,fixed][,no-transfer])], flexrr[(S,…)], elasticbsp[(R)].
@@ -46,32 +50,38 @@ pub struct TrainArgs {
     #[arg(long, env = "FALCON_DATA")]
     data: Option<PathBuf>,
     /// Epochs over each worker's share of the training set.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = checks::positive)]
     epochs: f64,
-    /// Iterations per worker (overrides --epochs).
-    #[arg(long, env = "FALCON_ITERS")]
+    /// Iterations per worker, at least 1 (overrides --epochs).
+    #[arg(long, env = "FALCON_ITERS", value_parser = checks::at_least_one_u64)]
     iters: Option<u64>,
     /// Examples per worker per iteration.
-    #[arg(long, default_value_t = 64, env = "FALCON_BATCH")]
+    #[arg(long, default_value_t = 64, env = "FALCON_BATCH",
+          value_parser = checks::at_least_one_usize)]
     batch: usize,
-    /// Tasks (micro-batches) per iteration.
-    #[arg(long, default_value_t = 4, env = "FALCON_TASKS")]
+    /// Tasks (micro-batches) per iteration, 1 to the batch.
+    #[arg(long, default_value_t = 4, env = "FALCON_TASKS",
+          value_parser = checks::at_least_one_u32)]
     tasks: u32,
-    /// Server-side SGD learning rate.
-    #[arg(long, default_value_t = 0.05, env = "FALCON_LR")]
+    /// Server-side SGD learning rate (finite, > 0).
+    #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
+          allow_negative_numbers = true)]
     lr: f32,
-    /// Initial pool threads per worker.
-    #[arg(long, default_value_t = 1, env = "FALCON_THREADS")]
+    /// Initial pool threads per worker (at least 1).
+    #[arg(long, default_value_t = 1, env = "FALCON_THREADS",
+          value_parser = checks::at_least_one_usize)]
     threads: usize,
-    /// Heterogeneity of a worker, RANK:SPEC (h=0.25, gauss(5,2), episodes(10,3,4),
-    /// contention(2), none); repeatable. Default: the last worker at h=0.25.
-    #[arg(long)]
+    /// Heterogeneity of workers, RANKS:SPEC with RANKS a rank N, a range A-B or * (SPEC:
+    /// h=0.25, gauss(5,2), episodes(10,3,4), contention(2), trace(PATH), none);
+    /// repeatable, or `;`-separated. Default: the last worker at h=0.25.
+    #[arg(long, env = "FALCON_HETERO", value_delimiter = ';')]
     hetero: Vec<String>,
     /// No heterogeneity at all.
     #[arg(long)]
     uniform: bool,
-    /// Target test accuracy for the time-to-accuracy figure.
-    #[arg(long, default_value_t = 0.75)]
+    /// Target test accuracy for the time-to-accuracy figure, a fraction in (0, 1].
+    #[arg(long, default_value_t = 0.75, value_parser = checks::accuracy_target,
+          allow_negative_numbers = true)]
     target: f64,
     /// Snapshot worker 0's values every this many iterations (evaluated after training).
     #[arg(long, default_value_t = 10)]
@@ -80,8 +90,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 2000)]
     eval_examples: usize,
     /// Medium between the nodes: auto, shm, tcp, rdma.
-    #[arg(long, default_value = "auto", env = "FALCON_MEDIUM")]
-    medium: String,
+    #[arg(long, default_value = "auto", env = "FALCON_MEDIUM", value_parser = checks::medium)]
+    medium: Medium,
     /// Where the JSON report and the PNG plot go.
     #[arg(long, default_value = "target/falcon-train")]
     out: PathBuf,
@@ -92,11 +102,13 @@ pub struct TrainArgs {
     #[arg(long)]
     quiet: bool,
     /// Runs of each configuration (the comparison uses the median time to accuracy).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = checks::at_least_one_u32)]
     repeat: u32,
     /// Write per-iteration metrics of every worker as JSON lines to `OUT/<run>.jsonl`.
     #[arg(long)]
     metrics: bool,
+    #[command(flatten)]
+    timeouts: TimeoutArgs,
 }
 
 type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -148,14 +160,16 @@ impl std::str::FromStr for Entry {
                 "static" => e.elastic = false,
                 other => {
                     e.scale = other.parse().map_err(|err| {
-                        format!("{entry:?}: after '+', static, dynsgd or consgd(F): {err}")
+                        format!(
+                            "configuration {entry}: after '+', static, dynsgd or consgd(F): {err}"
+                        )
                     })?
                 }
             }
         }
         if e.scale != ScaleSpec::Unscaled && is_sync(&e) {
             return Err(format!(
-                "{entry:?}: gradient scaling applies to asynchronously applied gradients, \
+                "configuration {entry}: gradient scaling applies to asynchronously applied gradients, \
                  not to the summed clocks of BSP or Sync-opt"
             )
             .into());
@@ -168,47 +182,122 @@ fn is_sync(e: &Entry) -> bool {
     matches!(e.policy, PolicySpec::Bsp | PolicySpec::SyncOpt { .. })
 }
 
-fn spec_for(a: &TrainArgs, entry: &str, data: &Dataset) -> Res<JobSpec> {
-    let Entry {
-        policy,
-        elastic,
-        scale,
-    } = entry.parse()?;
-    let model: ModelSpec = a.model.parse()?;
-    if a.workers == 0 || a.servers == 0 {
-        return Err("--workers and --servers must be at least 1".into());
+/// What `falcon train` runs, checked before anything starts (data included).
+struct Plan {
+    /// Each configuration: its text and its parse.
+    entries: Vec<(String, Entry)>,
+    model: ModelSpec,
+    hetero: Vec<Hetero>,
+    timeouts: Timeouts,
+    fault: Option<Fault>,
+}
+
+/// Checks everything that can be checked before the data is read and a cluster started.
+fn plan(a: &TrainArgs) -> Res<Plan> {
+    let texts = match &a.compare {
+        Some(c) => top_level_split(c),
+        None => vec![a.policy.clone()],
+    };
+    if texts.is_empty() {
+        return Err(Invalid::NoConfiguration {
+            flag: if a.compare.is_some() {
+                "--compare"
+            } else {
+                "--policy"
+            },
+            example: "bsp,epsp",
+        }
+        .into());
     }
+    let mut entries = Vec::new();
+    for text in texts {
+        let e: Entry = checks::setting(text.parse())?;
+        checks::policy_fits(&e.policy, &text, a.workers)?;
+        entries.push((text, e));
+    }
+    let model: ModelSpec = checks::setting(a.model.parse())?;
+    // Its shape too (cheap: no parameters are allocated).
+    checks::setting(model.build())?;
+    checks::tasks_fit(u64::from(a.tasks), a.batch as u64)?;
+    let hetero = if a.uniform {
+        vec![Hetero::None; a.workers as usize]
+    } else if a.hetero.is_empty() {
+        let mut h = vec![Hetero::None; a.workers as usize];
+        if a.workers > 1 {
+            h[a.workers as usize - 1] = Hetero::parse("h=0.25")?;
+        }
+        h
+    } else {
+        checks::setting(falcon_trainer::hetero::assign(a.workers, &a.hetero))?
+    };
+    let timeouts = a.timeouts.resolve(None)?;
+    checks::check_limits(
+        Layout::OneProcess,
+        &format!(
+            "falcon train with {} worker(s) and {} server(s) ({} thread(s) each)",
+            a.workers, a.servers, a.threads
+        ),
+        a.servers,
+        a.workers,
+        a.threads as u64,
+        a.medium,
+    )?;
+    let fault = fault_from_env(a.workers)?;
+    Ok(Plan {
+        entries,
+        model,
+        hetero,
+        timeouts,
+        fault,
+    })
+}
+
+/// The variable of the fault injection of tests: `RANK:error@MS` or `RANK:panic@MS` makes
+/// worker RANK's thread fail, or panic, MS milliseconds after it starts.
+const FAULT_VAR: &str = "FALCON_FAULT_WORKER";
+
+fn fault_from_env(workers: u32) -> Result<Option<Fault>, Invalid> {
+    let Some(v) = crate::env(&[FAULT_VAR]) else {
+        return Ok(None);
+    };
+    let bad = || Invalid::Env {
+        var: FAULT_VAR,
+        value: v.clone(),
+        why: format!(
+            "expected RANK:error@MS or RANK:panic@MS with RANK a worker (0 to {})",
+            workers.saturating_sub(1)
+        ),
+    };
+    let (rank, rest) = v.split_once(':').ok_or_else(bad)?;
+    let (kind, ms) = rest.split_once('@').unwrap_or((rest, "0"));
+    let rank: u32 = rank.trim().parse().map_err(|_| bad())?;
+    let ms: u64 = ms.trim().parse().map_err(|_| bad())?;
+    if rank >= workers {
+        return Err(bad());
+    }
+    let panic = match kind.trim() {
+        "panic" => true,
+        "error" => false,
+        _ => return Err(bad()),
+    };
+    Ok(Some(Fault {
+        rank,
+        after: Duration::from_millis(ms),
+        panic,
+    }))
+}
+
+fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) -> JobSpec {
     let share = data.train.len() / a.workers as usize;
     let per_epoch = (share / a.batch.max(1)).max(1) as f64;
     let iters = a
         .iters
         .unwrap_or_else(|| (a.epochs * per_epoch).ceil().max(1.0) as u64);
-    let mut hetero = vec![Hetero::None; a.workers as usize];
-    if !a.uniform {
-        if a.hetero.is_empty() {
-            if a.workers > 1 {
-                hetero[a.workers as usize - 1] = Hetero::parse("h=0.25")?;
-            }
-        } else {
-            for h in &a.hetero {
-                let (rank, spec) = h
-                    .split_once(':')
-                    .ok_or_else(|| format!("--hetero {h:?}: expected RANK:SPEC"))?;
-                let rank: usize = rank
-                    .parse()
-                    .map_err(|_| format!("--hetero {h:?}: bad rank"))?;
-                let slot = hetero
-                    .get_mut(rank)
-                    .ok_or_else(|| format!("--hetero {h:?}: no worker {rank}"))?;
-                *slot = Hetero::parse(spec)?;
-            }
-        }
-    }
-    Ok(JobSpec {
+    JobSpec {
         workers: a.workers,
         servers: a.servers,
-        policy,
-        model,
+        policy: e.policy,
+        model: plan.model.clone(),
         train: TrainConfig {
             batch: a.batch,
             tasks: a.tasks,
@@ -220,20 +309,27 @@ fn spec_for(a: &TrainArgs, entry: &str, data: &Dataset) -> Res<JobSpec> {
         },
         lr: a.lr,
         threads: a.threads,
-        elastic,
+        elastic: e.elastic,
         budget: 0,
-        hetero,
-        medium: a.medium.parse::<Medium>()?,
+        hetero: plan.hetero.clone(),
+        medium: a.medium,
         target: a.target,
         metrics: a
             .metrics
             .then(|| a.out.join(format!("{}.jsonl", file_name(entry)))),
-        scale,
-    })
+        scale: e.scale,
+        timeouts: plan.timeouts,
+        fault: plan.fault,
+    }
 }
 
-fn run_one(a: &TrainArgs, entry: &str, data: &Arc<Dataset>) -> Res<JobReport> {
-    let spec = spec_for(a, entry, data)?;
+fn run_one(
+    a: &TrainArgs,
+    plan: &Plan,
+    (entry, e): (&str, &Entry),
+    data: &Arc<Dataset>,
+) -> Res<JobReport> {
+    let spec = spec_for(a, plan, entry, e, data);
     let total = u64::from(spec.workers) * spec.train.iters;
     let bar = if a.quiet {
         ProgressBar::hidden()
@@ -262,7 +358,7 @@ fn run_one(a: &TrainArgs, entry: &str, data: &Arc<Dataset>) -> Res<JobReport> {
 }
 
 fn print_report(r: &JobReport, entry: &str) {
-    println!(
+    outln!(
         "{entry}: {} on {} — {} workers, {} servers, {:.2} s, final accuracy {:.2}% (loss {:.3}), time to {:.0}%: {}",
         r.model,
         r.data,
@@ -276,8 +372,8 @@ fn print_report(r: &JobReport, entry: &str) {
             .map_or("not reached".into(), |t| format!("{t:.2} s"))
     );
     for w in &r.per_worker {
-        println!(
-            "  worker {} [{}]: {} it in {:.2} s, compute {:.2} s, blocked {:.2} s, injected {:.2} s, tasks own {} / given {} / helped {}, threads {:?}",
+        outln!(
+            "  worker {} [{}]: {} it in {:.2} s, compute {:.2} s, blocked {:.2} s, injected {:.2} s, tasks own {} / given {} / helped {}, threads {}",
             w.rank,
             r.hetero.get(w.rank as usize).map_or("none", |s| s.as_str()),
             w.iterations,
@@ -291,9 +387,13 @@ fn print_report(r: &JobReport, entry: &str) {
             compress(&w.threads)
         );
     }
-    println!(
-        "  parked pulls {}, transfer offers {}, tasks transferred {}, parallelism plans {}, supervisor's classes {:?}",
-        r.parked_pulls, r.transfers_offered, r.tasks_transferred, r.parallelism_plans, r.classes
+    outln!(
+        "  parked pulls {}, transfer offers {}, tasks transferred {}, parallelism plans {}, supervisor's classes: {}",
+        r.parked_pulls,
+        r.transfers_offered,
+        r.tasks_transferred,
+        r.parallelism_plans,
+        r.classes.join(", ")
     );
 }
 
@@ -318,22 +418,20 @@ fn file_name(entry: &str) -> String {
 
 /// Runs `falcon train`.
 pub fn train(a: TrainArgs) -> Res {
+    let plan = plan(&a)?;
     let data = Arc::new(Dataset::find(a.data.as_deref())?);
-    let entries = match &a.compare {
-        Some(c) => top_level_split(c),
-        None => vec![a.policy.clone()],
-    };
-    if entries.is_empty() {
-        return Err("--compare: no configuration".into());
-    }
+    let entries: Vec<String> = plan.entries.iter().map(|(t, _)| t.clone()).collect();
     std::fs::create_dir_all(&a.out)?;
     let mut reports = Vec::new();
-    let mut runs: Vec<(String, Vec<JobReport>)> =
-        entries.iter().map(|e| (e.clone(), Vec::new())).collect();
+    let mut runs: Vec<(String, Entry, Vec<JobReport>)> = plan
+        .entries
+        .iter()
+        .map(|(t, e)| (t.clone(), *e, Vec::new()))
+        .collect();
     // Rounds: every configuration once per round, so a slow period of the machine hits all.
     for round in 0..a.repeat.max(1) {
-        for (entry, done) in runs.iter_mut() {
-            let r = run_one(&a, entry, &data)?;
+        for (entry, e, done) in runs.iter_mut() {
+            let r = run_one(&a, &plan, (entry, e), &data)?;
             print_report(&r, entry);
             let name = if a.repeat > 1 {
                 format!("{}-run{}.json", file_name(entry), round + 1)
@@ -346,7 +444,7 @@ pub fn train(a: TrainArgs) -> Res {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
-    for (entry, mut done) in runs {
+    for (entry, _, mut done) in runs {
         // The run of median time to accuracy represents the configuration.
         done.sort_by(|x, y| {
             let t = |r: &JobReport| r.time_to_target.unwrap_or(f64::INFINITY);
@@ -358,7 +456,7 @@ pub fn train(a: TrainArgs) -> Res {
             .map(|r| r.time_to_target.map_or("–".into(), |t| format!("{t:.2}")))
             .collect();
         if n > 1 {
-            println!(
+            outln!(
                 "{entry}: times to target over {n} runs: {}",
                 times.join(", ")
             );
@@ -383,14 +481,14 @@ pub fn train(a: TrainArgs) -> Res {
         "compare.png".into()
     });
     falcon_bench::plot::line_chart(&png, "test accuracy (%) against time (s)", &series)?;
-    println!(
+    outln!(
         "report: {} (JSON per run), plot: {}",
         a.out.display(),
         png.display()
     );
     if reports.len() > 1 {
         let (base_name, base) = &reports[0];
-        println!(
+        outln!(
             "\ntime to {:.0}% test accuracy, against {base_name}:",
             100.0 * a.target
         );
@@ -399,7 +497,7 @@ pub fn train(a: TrainArgs) -> Res {
                 (Some(t), Some(b)) if b > 0.0 => format!("{:.2}×", t / b),
                 _ => "–".into(),
             };
-            println!(
+            outln!(
                 "  {e:<28} {:>10}  {ratio:>7}  final {:.2}%",
                 r.time_to_target
                     .map_or("not reached".into(), |t| format!("{t:.2} s")),
@@ -410,35 +508,73 @@ pub fn train(a: TrainArgs) -> Res {
     Ok(())
 }
 
+/// What a worker process of `--workload train` reads from the environment, checked.
+pub(crate) struct TrainerEnv {
+    /// Its training knobs.
+    pub train: TrainConfig,
+    /// Its initial pool threads.
+    pub threads: usize,
+    /// Every worker's heterogeneity (`FALCON_HETERO`).
+    pub hetero: Vec<Hetero>,
+}
+
+/// Reads and checks `FALCON_BATCH`, `FALCON_TASKS`, `FALCON_ITERS`, `FALCON_SEED`,
+/// `FALCON_THREADS` and `FALCON_HETERO` (whose ranks must be workers of a job of `workers`).
+pub(crate) fn trainer_env(workers: u32) -> Res<TrainerEnv> {
+    use checks::env_value;
+    let batch = env_value(&["FALCON_BATCH"], 64, checks::at_least_one_usize)?;
+    let tasks = env_value(&["FALCON_TASKS"], 4, checks::at_least_one_u32)?;
+    checks::tasks_fit(u64::from(tasks), batch as u64)?;
+    let train = TrainConfig {
+        batch,
+        tasks,
+        iters: env_value(&["FALCON_ITERS"], 100, checks::at_least_one_u64)?,
+        seed: env_value(&["FALCON_SEED"], 1, checks::whole)?,
+        eval_every: 0,
+        eval_examples: 0,
+        transfer: true,
+    };
+    let threads = env_value(&["FALCON_THREADS"], 1, checks::at_least_one_usize)?;
+    let list = crate::env(&["FALCON_HETERO"]).unwrap_or_default();
+    let hetero =
+        falcon_trainer::hetero::assign(workers, &falcon_trainer::hetero::split_entries(&list))
+            .map_err(|e| checks::Invalid::Env {
+                var: "FALCON_HETERO",
+                value: list.clone(),
+                why: e.to_string(),
+            })?;
+    Ok(TrainerEnv {
+        train,
+        threads,
+        hetero,
+    })
+}
+
 /// A worker process of a multi-process job (`falcon role` with `FALCON_WORKLOAD=train`):
 /// trains its share with the trainer, then worker 0 reports the test accuracy of the final
 /// values. Configured from the environment: `FALCON_MODEL`, `FALCON_DATA`, `FALCON_ITERS`,
 /// `FALCON_BATCH`, `FALCON_TASKS`, `FALCON_THREADS`, `FALCON_SEED`, and `FALCON_HETERO`
 /// (`RANK:SPEC;RANK:SPEC…`, the entry of this worker's rank applies).
 pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
-    use crate::{env, env_parse};
+    use crate::env;
     use falcon_engine::keys::TensorSpec;
     use falcon_trainer::hetero::Injector;
     use falcon_trainer::train::{TENSOR, Trainer, evaluate};
 
-    let data = Arc::new(Dataset::find(
-        env(&["FALCON_DATA"]).as_deref().map(std::path::Path::new),
-    )?);
+    // Checked before the data is read or the job joined.
+    let TrainerEnv {
+        train,
+        threads,
+        hetero: all_hetero,
+    } = trainer_env(cfg.workers)?;
     let model: Arc<dyn falcon_trainer::model::Model> = env(&["FALCON_MODEL"])
         .unwrap_or_else(|| "mlp:784-256-10".into())
         .parse::<ModelSpec>()?
         .build()?
         .into();
-    let train = TrainConfig {
-        batch: env_parse(&["FALCON_BATCH"], 64)?,
-        tasks: env_parse(&["FALCON_TASKS"], 4)?,
-        iters: env_parse(&["FALCON_ITERS"], 100)?,
-        seed: env_parse(&["FALCON_SEED"], 1)?,
-        eval_every: 0,
-        eval_examples: 0,
-        transfer: true,
-    };
-    let threads: usize = env_parse(&["FALCON_THREADS"], 1)?;
+    let data = Arc::new(Dataset::find(
+        env(&["FALCON_DATA"]).as_deref().map(std::path::Path::new),
+    )?);
     let tensors = vec![TensorSpec {
         name: TENSOR.into(),
         len: model.num_params() as u64,
@@ -446,14 +582,7 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
     let w = falcon_engine::Worker::join(cfg, tensors, rank)?;
     crate::spawn_link_dropper(&w)?;
     let me = w.rank();
-    let mut hetero = Hetero::None;
-    for entry in env(&["FALCON_HETERO"]).unwrap_or_default().split(';') {
-        if let Some((r, spec)) = entry.split_once(':')
-            && r.trim().parse::<u32>().ok() == Some(me)
-        {
-            hetero = Hetero::parse(spec)?;
-        }
-    }
+    let hetero = all_hetero.get(me as usize).cloned().unwrap_or(Hetero::None);
     if me == 0 && !w.rejoined() {
         let init = w.buffer(TENSOR)?;
         init.write_at(
@@ -483,7 +612,7 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
     let mut params = vec![0f32; model.num_params()];
     out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut params))?;
     let (acc, loss) = evaluate(&*model, &params, &data.test, 0)?;
-    println!(
+    outln!(
         "worker {me} [{hetero}]: {iters} iterations in {:.2} s, compute {:.2} s, blocked {:.2} s, tasks own {} / given {} / helped {} / covered for dead workers {}, reconnects {}, lost updates {}; test accuracy {:.2}% (loss {loss:.3}) on {}",
         summary.secs,
         summary.compute_secs,
@@ -505,10 +634,12 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
 #[derive(clap::Args, Clone, Debug)]
 pub struct SimArgs {
     /// Simulated workers.
-    #[arg(long, default_value_t = 16, env = "FALCON_NUM_WORKER")]
+    #[arg(long, default_value_t = 16, env = "FALCON_NUM_WORKER",
+          value_parser = checks::at_least_one_u32)]
     workers: u32,
     /// Iterations per worker.
-    #[arg(long, default_value_t = 200, env = "FALCON_ITERS")]
+    #[arg(long, default_value_t = 200, env = "FALCON_ITERS",
+          value_parser = checks::at_least_one_u64)]
     iters: u64,
     /// Policies to compare, comma-separated at the top level (each as for `train`).
     #[arg(long, default_value = "bsp,ssp(3),dssp(3,15),epsp,asp")]
@@ -517,25 +648,29 @@ pub struct SimArgs {
     #[arg(long, default_value = "mlp:784-10", env = "FALCON_MODEL")]
     model: String,
     /// Examples per worker per iteration.
-    #[arg(long, default_value_t = 16, env = "FALCON_BATCH")]
+    #[arg(long, default_value_t = 16, env = "FALCON_BATCH",
+          value_parser = checks::at_least_one_usize)]
     batch: usize,
-    /// Server-side SGD learning rate.
-    #[arg(long, default_value_t = 0.05, env = "FALCON_LR")]
+    /// Server-side SGD learning rate (finite, > 0).
+    #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
+          allow_negative_numbers = true)]
     lr: f32,
-    /// A full-speed iteration, in virtual milliseconds.
-    #[arg(long, default_value_t = 10.0)]
+    /// A full-speed iteration, in virtual milliseconds (> 0).
+    #[arg(long, default_value_t = 10.0, value_parser = checks::positive)]
     base_ms: f64,
-    /// Uniform jitter of an iteration, as a fraction.
-    #[arg(long, default_value_t = 0.1)]
+    /// Uniform jitter of an iteration, as a fraction in [0, 1).
+    #[arg(long, default_value_t = 0.1, value_parser = checks::jitter)]
     jitter: f64,
-    /// One-way network latency, virtual microseconds.
-    #[arg(long, default_value_t = 50.0)]
+    /// One-way network latency, virtual microseconds (≥ 0).
+    #[arg(long, default_value_t = 50.0, value_parser = checks::non_negative)]
     latency_us: f64,
-    /// Heterogeneity RANK:SPEC (repeatable); default: the last worker at h=0.25.
-    #[arg(long)]
+    /// Heterogeneity RANKS:SPEC (RANKS: N, A-B or *; repeatable, or `;`-separated); default:
+    /// the last worker at h=0.25.
+    #[arg(long, env = "FALCON_HETERO", value_delimiter = ';')]
     hetero: Vec<String>,
-    /// Also slow every worker of this fraction of ranks (from the top) with --slow-spec.
-    #[arg(long, default_value_t = 0.0)]
+    /// Also slow every worker of this fraction of ranks (from the top) with --slow-spec, in
+    /// [0, 1].
+    #[arg(long, default_value_t = 0.0, value_parser = checks::fraction)]
     slow_fraction: f64,
     /// The profile of --slow-fraction's workers.
     #[arg(long, default_value = "h=0.5")]
@@ -549,14 +684,17 @@ pub struct SimArgs {
     /// Timing and policies only, no gradients.
     #[arg(long)]
     no_compute: bool,
-    /// Equal tasks per iteration: the unit EPSP's and FlexRR's task transfer moves.
-    #[arg(long, default_value_t = 4, env = "FALCON_TASKS")]
+    /// Equal tasks per iteration: the unit EPSP's and FlexRR's task transfer moves (1 to the
+    /// batch).
+    #[arg(long, default_value_t = 4, env = "FALCON_TASKS",
+          value_parser = checks::at_least_one_u32)]
     tasks: u32,
     /// Count the policies' task-transfer offers without carrying them out.
     #[arg(long)]
     no_transfer: bool,
-    /// Target accuracy for time to accuracy.
-    #[arg(long, default_value_t = 0.7)]
+    /// Target accuracy for time to accuracy, a fraction in (0, 1].
+    #[arg(long, default_value_t = 0.7, value_parser = checks::accuracy_target,
+          allow_negative_numbers = true)]
     target: f64,
     /// Dataset directory (default: Debian's Fashion-MNIST, else the bundled sample).
     #[arg(long, env = "FALCON_DATA")]
@@ -572,44 +710,55 @@ pub struct SimArgs {
 /// Runs `falcon sim`: every policy on the same simulated workers and seed.
 pub fn sim(a: SimArgs) -> Res {
     use falcon_trainer::sim::{SimSpec, simulate};
-    let data = Dataset::find(a.data.as_deref())?;
-    let n = a.workers.max(1) as usize;
+    // Everything checked before the data is read.
+    let mut entries = Vec::new();
+    for p in top_level_split(&a.policies) {
+        let entry: Entry = checks::setting(p.parse())?;
+        checks::policy_fits(&entry.policy, &p, a.workers)?;
+        entries.push((p, entry));
+    }
+    if entries.is_empty() {
+        return Err(Invalid::NoConfiguration {
+            flag: "--policies",
+            example: "bsp,epsp",
+        }
+        .into());
+    }
+    let model: ModelSpec = checks::setting(a.model.parse())?;
+    // Its shape too (cheap: no parameters are allocated).
+    checks::setting(model.build())?;
+    checks::tasks_fit(u64::from(a.tasks), a.batch as u64)?;
+    let n = a.workers as usize;
     let mut hetero = vec![Hetero::None; n];
-    let slow = (a.slow_fraction.clamp(0.0, 1.0) * n as f64).round() as usize;
+    let slow = (a.slow_fraction * n as f64).round() as usize;
     for h in hetero.iter_mut().skip(n - slow) {
-        *h = Hetero::parse(&a.slow_spec)?;
+        *h = checks::setting(Hetero::parse(&a.slow_spec))?;
     }
     if a.hetero.is_empty() && slow == 0 && n > 1 {
         hetero[n - 1] = Hetero::parse("h=0.25")?;
     }
-    for h in &a.hetero {
-        let (rank, spec) = h
-            .split_once(':')
-            .ok_or_else(|| format!("--hetero {h:?}: expected RANK:SPEC"))?;
-        let rank: usize = rank
-            .parse()
-            .map_err(|_| format!("--hetero {h:?}: bad rank"))?;
-        *hetero
-            .get_mut(rank)
-            .ok_or_else(|| format!("--hetero {h:?}: no worker {rank}"))? = Hetero::parse(spec)?;
-    }
+    checks::setting(falcon_trainer::hetero::assign_onto(&mut hetero, &a.hetero))?;
+    let data = Dataset::find(a.data.as_deref())?;
     std::fs::create_dir_all(&a.out)?;
-    println!(
+    outln!(
         "falcon sim: {} workers × {} iterations, model {}, batch {}, on {}",
-        a.workers, a.iters, a.model, a.batch, data.source
+        a.workers,
+        a.iters,
+        a.model,
+        a.batch,
+        data.source
     );
-    println!(
+    outln!(
         "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers / tasks moved | wall s | of which gradients s |\n|---|---|---|---|---|---|---|---|---|---|---|",
         100.0 * a.target
     );
     let mut series = Vec::new();
-    for p in top_level_split(&a.policies) {
-        let entry: Entry = p.parse()?;
+    for (p, entry) in entries {
         let spec = SimSpec {
             workers: a.workers,
             iters: a.iters,
             policy: entry.policy,
-            model: a.model.parse()?,
+            model: model.clone(),
             batch: a.batch,
             lr: a.lr,
             seed: a.seed,
@@ -627,7 +776,7 @@ pub fn sim(a: SimArgs) -> Res {
         };
         let r = simulate(&spec, &data)?;
         let mean_blocked = r.blocked_secs.iter().sum::<f64>() / r.blocked_secs.len().max(1) as f64;
-        println!(
+        outln!(
             "| {} | {:.2} | {:.0} | {} | {:.2}% | {:.2} | {} | {} | {} / {} | {:.2} | {:.2} |",
             p,
             r.virtual_secs,
@@ -653,7 +802,7 @@ pub fn sim(a: SimArgs) -> Res {
     }
     let png = a.out.join("accuracy.png");
     falcon_bench::plot::line_chart(&png, "test accuracy (%) against virtual time (s)", &series)?;
-    println!(
+    outln!(
         "\nreports: {} (JSON per policy), plot: {}",
         a.out.display(),
         png.display()

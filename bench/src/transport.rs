@@ -130,9 +130,10 @@ fn ab_key(ba: &Link, far: &Region, a: &Transport) -> falcon_transport::Result<Re
     ba.send(&key.to_bytes())?;
     match a.cq().wait(Some(Duration::from_secs(10)))? {
         Completion::Message { data, .. } => RemoteKey::from_bytes(&data),
-        other => Err(falcon_transport::Error::Config(format!(
-            "expected a key, got {other:?}"
-        ))),
+        _ => Err(falcon_transport::Error::Config(
+            "expected the peer's message carrying a remote key, got a completion of another kind"
+                .into(),
+        )),
     }
 }
 

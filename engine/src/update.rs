@@ -166,24 +166,36 @@ impl ScaleSpec {
 
 impl std::str::FromStr for ScaleSpec {
     type Err = crate::Error;
-    /// `none`, `dynsgd`, `consgd(0.5)`.
+    /// `none`, `dynsgd`, `consgd(0.5)`. A wrong spec is an
+    /// [`Error::Config`](crate::Error::Config) saying what is wrong and what is accepted.
     fn from_str(s: &str) -> Result<Self, crate::Error> {
-        let l = s.trim().to_ascii_lowercase();
+        let shown = s.trim();
+        let l = shown.to_ascii_lowercase().replace(' ', "");
+        let err = |why: String| crate::Error::Config(format!("gradient scaling {shown}: {why}"));
         match l.as_str() {
             "none" | "unscaled" => return Ok(ScaleSpec::Unscaled),
             "dynsgd" => return Ok(ScaleSpec::DynSgd),
             _ => {}
         }
-        l.strip_prefix("consgd(")
-            .and_then(|r| r.strip_suffix(')'))
-            .and_then(|f| f.trim().parse::<f32>().ok())
-            .filter(|f| f.is_finite() && *f > 0.0)
-            .map(|factor| ScaleSpec::ConSgd { factor })
-            .ok_or_else(|| {
-                crate::Error::Config(format!(
-                    "unknown gradient scaling {s:?} (none, dynsgd, consgd(F))"
-                ))
-            })
+        let Some(rest) = l.strip_prefix("consgd") else {
+            return Err(err(
+                "unknown scaling; the scalings: none, dynsgd, consgd(F) (F a factor > 0)".into(),
+            ));
+        };
+        let Some(f) = rest.strip_prefix('(').and_then(|r| r.strip_suffix(')')) else {
+            return Err(err(
+                "consgd takes its factor in parentheses: consgd(F), e.g. consgd(0.5)".into(),
+            ));
+        };
+        let factor: f32 = f
+            .parse()
+            .map_err(|_| err(format!("the factor F must be a number, not `{f}`")))?;
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(err(format!(
+                "the factor F = {factor} must be a finite number > 0"
+            )));
+        }
+        Ok(ScaleSpec::ConSgd { factor })
     }
 }
 
@@ -298,6 +310,31 @@ pub fn aggregate<'a>(out: &mut [f32], grads: impl IntoIterator<Item = &'a [f32]>
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn scale_specs_say_what_is_wrong() {
+        assert_eq!(
+            "consgd(0.5)".parse::<ScaleSpec>().unwrap(),
+            ScaleSpec::ConSgd { factor: 0.5 }
+        );
+        assert_eq!(" DynSGD ".parse::<ScaleSpec>().unwrap(), ScaleSpec::DynSgd);
+        for (bad, says) in [
+            ("consgd(0)", "the factor F = 0 must be a finite number > 0"),
+            ("consgd(nan)", "must be a finite number > 0"),
+            ("consgd(x)", "the factor F must be a number, not `x`"),
+            ("consgd", "consgd takes its factor in parentheses"),
+            (
+                "adam",
+                "unknown scaling; the scalings: none, dynsgd, consgd(F)",
+            ),
+        ] {
+            let e = bad.parse::<ScaleSpec>().unwrap_err().to_string();
+            assert!(
+                e.contains(says) && e.contains(&format!("gradient scaling {bad}:")),
+                "{bad}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn optimizers_move_downhill_on_a_quadratic() {

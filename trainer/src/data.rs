@@ -220,6 +220,12 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
         .chunks_exact(4)
         .map(|c| u64::from(u32::from_be_bytes([c[0], c[1], c[2], c[3]])))
         .collect();
+    // The dimensions as the header gives them, for messages: `60000 × 28 × 28`.
+    let shape = dims_v
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(" × ");
     // Each factor is below 2^32 and the running product is kept at or below MAX_IDX_BYTES
     // (2^32), so no step overflows u64.
     let mut payload: u64 = 1;
@@ -229,7 +235,7 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
             return Err(data_err(
                 source,
                 format!(
-                    "the header claims dimensions {dims_v:?}, more than the {MAX_IDX_BYTES} \
+                    "the header claims dimensions {shape}, more than the {MAX_IDX_BYTES} \
                      bytes (4 GiB) this reader accepts: a corrupt or lying header"
                 ),
             ));
@@ -242,7 +248,7 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
                 return Err(data_err(
                     source,
                     format!(
-                        "truncated: the header {dims_v:?} promises {payload} bytes of data, \
+                        "truncated: the header ({shape}) promises {payload} bytes of data, \
                          the file has {after}"
                     ),
                 ));
@@ -252,7 +258,7 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
                     source,
                     format!(
                         "trailing garbage: {} bytes after the {payload} bytes of data the \
-                         header {dims_v:?} promises",
+                         header ({shape}) promises",
                         after - payload
                     ),
                 ));
@@ -263,7 +269,7 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
                 return Err(data_err(
                     source,
                     format!(
-                        "truncated: the header {dims_v:?} promises {payload} bytes of data, \
+                        "truncated: the header ({shape}) promises {payload} bytes of data, \
                          more than this gzip file can hold (at most {bound})"
                     ),
                 ));
@@ -274,7 +280,7 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
     let too_big = |_| {
         data_err(
             source,
-            format!("the header {dims_v:?} does not fit in this machine's address space"),
+            format!("the header ({shape}) does not fit in this machine's address space"),
         )
     };
     let want = usize::try_from(payload).map_err(too_big)?;
@@ -293,7 +299,7 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
             source,
             format!(
                 "truncated: the data ends after {} of the {payload} bytes the header \
-                 {dims_v:?} promises",
+                 ({shape}) promises",
                 data.len()
             ),
         ));
@@ -308,7 +314,7 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
                 source,
                 format!(
                     "trailing garbage: the decompressed data goes on after the {payload} bytes \
-                     the header {dims_v:?} promises"
+                     the header ({shape}) promises"
                 ),
             ));
         }

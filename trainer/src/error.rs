@@ -27,6 +27,11 @@ pub enum Error {
     /// CUDA is absent or failed.
     #[error("cuda: {0}")]
     Cuda(String),
+    /// A role of a job (a worker, the scheduler, a server) failed or panicked: the cause of
+    /// the job's failure. (Not in the loom build, which leaves the engine's roles out.)
+    #[cfg(not(loom))]
+    #[error(transparent)]
+    Role(#[from] falcon_engine::local::RoleFailure),
     /// The parameter server said no.
     #[error(transparent)]
     Engine(#[from] falcon_engine::Error),

@@ -116,7 +116,7 @@ pub enum Hetero {
 
 fn config(spec: &str, why: &str) -> Error {
     Error::Config(format!(
-        "heterogeneity {spec:?}: {why}; accepted forms: {FORMS}"
+        "heterogeneity `{spec}`: {why}; accepted forms: {FORMS}"
     ))
 }
 
@@ -142,11 +142,11 @@ impl Hetero {
             .to_ascii_lowercase();
         let number = |text: &str| -> Result<f64> {
             text.parse::<f64>()
-                .map_err(|_| config(spec, &format!("{text:?} is not a number")))
+                .map_err(|_| config(spec, &format!("`{text}` is not a number")))
         };
         let integer = |text: &str| -> Result<u64> {
             text.parse::<u64>()
-                .map_err(|_| config(spec, &format!("{text:?} is not a whole number")))
+                .map_err(|_| config(spec, &format!("`{text}` is not a whole number")))
         };
         let parsed = if s == "none" {
             Hetero::None
@@ -194,7 +194,7 @@ impl Hetero {
                             .map_err(|_| config(spec, "too many threads"))?,
                     }
                 }
-                _ => return Err(config(spec, &format!("unknown kind {name:?}"))),
+                _ => return Err(config(spec, &format!("unknown kind `{name}`"))),
             }
         } else {
             return Err(config(spec, "not understood"));
@@ -339,7 +339,7 @@ fn split_trace_args(inner: &str) -> std::result::Result<(&Path, Option<u32>), St
             let w = w.trim();
             let worker = w
                 .parse::<u32>()
-                .map_err(|_| format!("worker {w:?} is not a worker rank"))?;
+                .map_err(|_| format!("worker `{w}` is not a worker rank"))?;
             (path.trim(), Some(worker))
         }
         _ => (inner.trim(), None),
@@ -370,23 +370,23 @@ fn check_factors(factors: &[f64]) -> std::result::Result<(), String> {
 fn read_trace(path: &Path, worker: Option<u32>) -> std::result::Result<Arc<[f64]>, String> {
     let shown = path.display();
     let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read trace file {shown:?}: {e}"))?;
+        .map_err(|e| format!("cannot read trace file {shown}: {e}"))?;
     let first = text
         .lines()
         .map(str::trim)
         .find(|l| !l.is_empty() && !l.starts_with('#'));
     let factors = if first.is_some_and(|l| l.starts_with('{')) {
-        metrics_factors(&text, worker).map_err(|why| format!("metrics file {shown:?}: {why}"))?
+        metrics_factors(&text, worker).map_err(|why| format!("metrics file {shown}: {why}"))?
     } else {
         if let Some(w) = worker {
             return Err(format!(
-                "trace file {shown:?} is a list of factors, not a metrics file: worker {w} \
+                "trace file {shown} is a list of factors, not a metrics file: worker {w} \
                  does not apply"
             ));
         }
-        plain_factors(&text).map_err(|why| format!("trace file {shown:?}: {why}"))?
+        plain_factors(&text).map_err(|why| format!("trace file {shown}: {why}"))?
     };
-    check_factors(&factors).map_err(|why| format!("trace file {shown:?}: {why}"))?;
+    check_factors(&factors).map_err(|why| format!("trace file {shown}: {why}"))?;
     Ok(factors.into())
 }
 
@@ -403,7 +403,7 @@ fn plain_factors(text: &str) -> std::result::Result<Vec<f64>, String> {
         }
         let f: f64 = line
             .parse()
-            .map_err(|_| format!("line {}: {line:?} is not a number", i + 1))?;
+            .map_err(|_| format!("line {}: `{line}` is not a number", i + 1))?;
         if !(f.is_finite() && f >= 1.0) {
             return Err(format!(
                 "line {}: factor {f} must be finite and ≥ 1 (a slowdown)",
@@ -552,6 +552,77 @@ impl fmt::Display for Hetero {
             } => write!(f, "trace({},{w})", path.display()),
         }
     }
+}
+
+/// Assigns heterogeneity to the workers of a job of `workers` from entries `RANKS:SPEC`,
+/// where RANKS is a worker rank `N`, a range `A-B` or `*` (every worker); later entries win.
+/// Workers no entry names run at full speed. A rank that is not a worker of the job, a
+/// missing `:` or a bad spec is an [`Error::Config`] naming the entry and saying what is
+/// wrong.
+pub fn assign<S: AsRef<str>>(workers: u32, entries: &[S]) -> Result<Vec<Hetero>> {
+    let mut out = vec![Hetero::None; workers as usize];
+    assign_onto(&mut out, entries)?;
+    Ok(out)
+}
+
+/// As [`assign`], onto `base` (one spec per worker of the job): the workers the entries
+/// name get their spec, the others keep theirs.
+pub fn assign_onto<S: AsRef<str>>(base: &mut [Hetero], entries: &[S]) -> Result<()> {
+    let workers = u32::try_from(base.len()).unwrap_or(u32::MAX);
+    let out = base;
+    for entry in entries {
+        let entry = entry.as_ref().trim();
+        let bad = |why: String| Error::Config(format!("heterogeneity entry `{entry}`: {why}"));
+        let (ranks, spec) = entry.split_once(':').ok_or_else(|| {
+            bad(
+                "expected RANKS:SPEC, e.g. 3:h=0.25 (RANKS: a worker rank N, a range A-B or *)"
+                    .into(),
+            )
+        })?;
+        let spec = Hetero::parse(spec)?;
+        let rank = |text: &str| -> Result<u32> {
+            text.trim().parse::<u32>().map_err(|_| {
+                bad(format!(
+                    "`{}` is not a worker rank (a whole number, a range A-B or *)",
+                    text.trim()
+                ))
+            })
+        };
+        let (lo, hi) = match ranks.trim() {
+            "*" => (0, workers.saturating_sub(1)),
+            r => match r.split_once('-') {
+                Some((a, b)) => (rank(a)?, rank(b)?),
+                None => {
+                    let n = rank(r)?;
+                    (n, n)
+                }
+            },
+        };
+        if lo > hi {
+            return Err(bad(format!(
+                "the range {lo}-{hi} is empty (write A-B with A ≤ B)"
+            )));
+        }
+        if workers == 0 || hi >= workers {
+            return Err(bad(format!(
+                "worker {hi} is out of range: this job has {workers} worker(s), ranks 0 to {}",
+                workers.saturating_sub(1)
+            )));
+        }
+        for slot in &mut out[lo as usize..=hi as usize] {
+            *slot = spec.clone();
+        }
+    }
+    Ok(())
+}
+
+/// The entries of a `;`-separated list such as `FALCON_HETERO` (`0:h=0.5;2-3:gauss(5,2)`),
+/// without empty ones.
+pub fn split_entries(list: &str) -> Vec<&str> {
+    list.split(';')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect()
 }
 
 impl FromStr for Hetero {
@@ -735,6 +806,36 @@ impl Injector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn assignments_name_workers_of_the_job() {
+        let h = assign(4, &["1:h=0.5", "2-3:gauss(5,2)", "3:none"]).unwrap();
+        assert_eq!(h[0], Hetero::None);
+        assert_eq!(h[1], Hetero::Ratio { h: 0.5 });
+        assert!(matches!(h[2], Hetero::Gaussian { .. }));
+        assert_eq!(h[3], Hetero::None);
+        assert!(
+            assign(3, &["*:h=0.5"])
+                .unwrap()
+                .iter()
+                .all(|x| *x == Hetero::Ratio { h: 0.5 })
+        );
+        for (entries, says) in [
+            (
+                &["7:h=0.25"][..],
+                "entry `7:h=0.25`: worker 7 is out of range: this job has 2 worker(s), ranks 0 to 1",
+            ),
+            (&["1-5:h=0.25"], "worker 5 is out of range"),
+            (&["h=0.25"], "expected RANKS:SPEC"),
+            (&["x:h=0.25"], "`x` is not a worker rank"),
+            (&["1-0:h=0.25"], "the range 1-0 is empty"),
+            (&["1:h=2"], "h = 2 is outside (0, 1]"),
+        ] {
+            let e = assign(2, entries).unwrap_err().to_string();
+            assert!(e.contains(says), "{entries:?}: {e}");
+        }
+        assert_eq!(split_entries(" 0:h=0.5 ;; 1:none;"), ["0:h=0.5", "1:none"]);
+    }
     use std::sync::atomic::AtomicU64;
 
     const MS: Duration = Duration::from_millis(1);
@@ -900,11 +1001,7 @@ mod tests {
         assert!(msg.contains("cannot read trace file"), "{msg}");
 
         let cases = [
-            (
-                "nan.txt",
-                "1\n2\nfast\n",
-                "line 3: \"fast\" is not a number",
-            ),
+            ("nan.txt", "1\n2\nfast\n", "line 3: `fast` is not a number"),
             (
                 "below.txt",
                 "1\n0.5\n",

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use falcon_engine::keys::TensorSpec;
-use falcon_engine::local::LocalCluster;
+use falcon_engine::local::{LocalCluster, RoleFailure};
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::{Aggregate, Optimizer, ScaleSpec};
 use falcon_engine::worker::f32_bytes;
@@ -60,7 +60,70 @@ pub struct JobSpec {
     pub metrics: Option<PathBuf>,
     /// Staleness scaling of asynchronously applied gradients (DynSGD, ConSGD).
     pub scale: ScaleSpec,
+    /// The roles' heartbeat interval and timeouts.
+    pub timeouts: Timeouts,
+    /// A failure to inject into one worker (tests of how a job ends when a role fails).
+    pub fault: Option<Fault>,
 }
+
+/// A failure injected into one worker's thread, `after` it starts: an error it returns, or a
+/// panic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// The worker.
+    pub rank: u32,
+    /// When, after its thread starts.
+    pub after: Duration,
+    /// Panic (else return an error).
+    pub panic: bool,
+}
+
+/// The heartbeat interval and timeouts of a job's roles (see [`JobConfig`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// How often every role sends a heartbeat.
+    pub heartbeat: Duration,
+    /// How long the scheduler waits for a silent role before it declares it dead (`None`:
+    /// never). The default here is never: the roles of this job are threads of one process,
+    /// so a role cannot die alone (an error or a panic is reported as such, at once), and a
+    /// silent one is a hung thread, a bug to see rather than to evict; while a loaded
+    /// machine (the workers' compute, injected slowness) could delay heartbeats past any
+    /// timeout and evict healthy workers.
+    pub suspicion: Option<Duration>,
+    /// How long rendezvous may take.
+    pub rendezvous: Duration,
+    /// The deadline of one transport operation.
+    pub op: Duration,
+    /// The deadline of one connection handshake.
+    pub handshake: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        let d = JobConfig::default();
+        Timeouts {
+            heartbeat: d.heartbeat,
+            suspicion: None,
+            rendezvous: d.rendezvous_timeout,
+            op: d.transport.op_timeout,
+            handshake: d.transport.handshake_timeout,
+        }
+    }
+}
+
+impl Timeouts {
+    /// Sets them in a job's configuration.
+    pub fn apply(&self, cfg: &mut JobConfig) {
+        cfg.heartbeat = self.heartbeat;
+        cfg.suspicion = self.suspicion;
+        cfg.rendezvous_timeout = self.rendezvous;
+        cfg.transport.op_timeout = self.op;
+        cfg.transport.handshake_timeout = self.handshake;
+    }
+}
+
+/// How long a failed job waits for its roles to wind down before it reports the failure.
+const WIND_DOWN: Duration = Duration::from_millis(1500);
 
 impl Default for JobSpec {
     fn default() -> Self {
@@ -81,6 +144,8 @@ impl Default for JobSpec {
             target: 0.75,
             metrics: None,
             scale: ScaleSpec::Unscaled,
+            timeouts: Timeouts::default(),
+            fault: None,
         }
     }
 }
@@ -171,6 +236,27 @@ pub fn run_local(
             t.batch, t.tasks
         )));
     }
+    if spec.workers == 0 || spec.servers == 0 {
+        return Err(Error::Config(format!(
+            "{} worker(s) and {} server(s): a job needs at least one of each",
+            spec.workers, spec.servers
+        )));
+    }
+    if let PolicySpec::SyncOpt { backups } = spec.policy
+        && backups >= spec.workers
+    {
+        return Err(Error::Config(format!(
+            "syncopt({backups}) with {} worker(s): the backups must be fewer than the workers",
+            spec.workers
+        )));
+    }
+    if spec.hetero.len() > spec.workers as usize {
+        return Err(Error::Config(format!(
+            "heterogeneity given for {} workers; the job has {}",
+            spec.hetero.len(),
+            spec.workers
+        )));
+    }
     if data.train.features() != model.input_len() {
         return Err(Error::Config(format!(
             "the model takes {} inputs, the data has {} features",
@@ -189,6 +275,7 @@ pub fn run_local(
         scale: spec.scale,
         ..JobConfig::default()
     };
+    spec.timeouts.apply(&mut cfg);
     cfg.transport.medium = spec.medium;
     // The scheduler's supervisor: each worker of the embedded cluster stands for one machine
     // of `budget` threads (on a real cluster each worker has its own host).
@@ -217,110 +304,159 @@ pub fn run_local(
     let done = Arc::new(AtomicU64::new(0));
     let snapshots: Arc<Mutex<Vec<Snapshot>>> = Arc::default();
     let start = Instant::now();
-    let results: Vec<Result<WorkerSummary>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = cluster
+    // One thread per worker. Not scoped: a job that fails reports its failure at once,
+    // without waiting for every worker thread to notice.
+    let failures = cluster.failures().clone();
+    let mut handles = Vec::with_capacity(cluster.workers.len());
+    for worker in &cluster.workers {
+        let (worker, model, data, done, snapshots, metrics, fail) = (
+            worker.clone(),
+            model.clone(),
+            data.clone(),
+            done.clone(),
+            snapshots.clone(),
+            metrics.clone(),
+            failures.clone(),
+        );
+        let hetero = spec
+            .hetero
+            .get(worker.rank() as usize)
+            .cloned()
+            .unwrap_or(Hetero::None);
+        let (train, threads) = (spec.train.clone(), spec.threads);
+        let rank = worker.rank();
+        let fault = spec.fault.filter(|f| f.rank == rank);
+        let body = move || -> Result<WorkerSummary> {
+            let run = || {
+                if let Some(f) = fault {
+                    std::thread::sleep(f.after);
+                    if f.panic {
+                        panic!("injected fault: worker {rank} panics");
+                    }
+                    return Err(Error::Config(format!(
+                        "injected fault: worker {rank} fails"
+                    )));
+                }
+                let injector = Injector::new(hetero, u64::from(worker.rank()) + 17)?;
+                let mut t = Trainer::new(worker.clone(), model, data, train, threads, injector)?;
+                if let Some(m) = metrics {
+                    t = t.with_metrics(m);
+                }
+                t.run(|p| {
+                    snapshots.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                })
+            };
+            let out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+                Ok(Ok(summary)) => Ok(summary),
+                Ok(Err(e)) => {
+                    let e = Arc::new(e);
+                    fail.record(RoleFailure::Failed {
+                        role: "worker",
+                        rank,
+                        error: e.clone(),
+                    });
+                    Err(Error::Config(format!("worker {rank} failed: {e}")))
+                }
+                Err(payload) => {
+                    let f = RoleFailure::panicked("worker", rank, &*payload);
+                    fail.record(f.clone());
+                    Err(Error::Role(f))
+                }
+            };
+            // Done, well or not. Leave at once: under barrier policies the others must not
+            // wait for us (a failed worker's peers see it leave).
+            done.fetch_add(1, Ordering::Relaxed);
+            let _ = worker.finish();
+            out
+        };
+        let h = std::thread::Builder::new()
+            .name(format!("falcon-train-{rank}"))
+            .spawn(body);
+        match h {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                let f = RoleFailure::failed("worker", rank, e);
+                failures.record(f);
+                break;
+            }
+        }
+    }
+    let total = u64::from(spec.workers) * spec.train.iters;
+    let mut last: Option<EvalPoint> = None;
+    let mut last_eval = Instant::now();
+    let mut last_progress = Instant::now();
+    let mut scratch = model.scratch(LIVE_EXAMPLES);
+    while done.load(Ordering::Relaxed) < handles.len() as u64 {
+        std::thread::sleep(Duration::from_millis(20));
+        // A failed role (a worker's error or panic, the scheduler's, a server's) ends the
+        // whole job at once, with its failure as the job's error.
+        if let Some(f) = failures.get() {
+            return Err(stop(cluster, handles, &done, f));
+        }
+        if last_progress.elapsed() < Duration::from_millis(100) {
+            continue;
+        }
+        last_progress = Instant::now();
+        let iterations = cluster
             .workers
             .iter()
-            .map(|worker| {
-                let (model, data, done, snapshots, metrics) = (
-                    model.clone(),
-                    data.clone(),
-                    done.clone(),
-                    snapshots.clone(),
-                    metrics.clone(),
-                );
-                let hetero = spec
-                    .hetero
-                    .get(worker.rank() as usize)
-                    .cloned()
-                    .unwrap_or(Hetero::None);
-                let train = spec.train.clone();
-                scope.spawn(move || -> Result<WorkerSummary> {
-                    let out = (|| {
-                        let injector = Injector::new(hetero, u64::from(worker.rank()) + 17)?;
-                        let mut t = Trainer::new(
-                            worker.clone(),
-                            model,
-                            data,
-                            train,
-                            spec.threads,
-                            injector,
-                        )?;
-                        if let Some(m) = metrics {
-                            t = t.with_metrics(m);
-                        }
-                        t.run(|p| {
-                            snapshots.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                        })
-                    })();
-                    // Done, well or not. Leave at once: under barrier policies the others
-                    // must not wait for us (a failed worker's peers see it leave).
-                    done.fetch_add(1, Ordering::Relaxed);
-                    let _ = worker.finish();
-                    out
-                })
-            })
-            .collect();
-        let total = u64::from(spec.workers) * spec.train.iters;
-        let mut last: Option<EvalPoint> = None;
-        let mut last_eval = Instant::now();
-        let mut scratch = model.scratch(LIVE_EXAMPLES);
-        while done.load(Ordering::Relaxed) < u64::from(spec.workers) {
-            std::thread::sleep(Duration::from_millis(100));
-            let iterations = cluster
-                .workers
-                .iter()
-                .map(|w| w.clock_of(TENSOR).unwrap_or(0))
-                .sum();
-            // A rough live estimate for the progress bar, on a few test examples.
-            let latest = snapshots
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .last()
-                .map(|s| (s.secs, s.iteration, s.params.clone()));
-            if let Some((secs, iteration, params)) = latest
-                && last.as_ref().is_none_or(|l| l.iteration != iteration)
-                && last_eval.elapsed() >= LIVE_EVERY
-            {
-                last_eval = Instant::now();
-                let n = LIVE_EXAMPLES.min(data.test.len());
-                let f = data.test.features();
-                if let Ok((loss, correct)) = model.evaluate(
-                    &params,
-                    &data.test.images[..n * f],
-                    &data.test.labels[..n],
-                    &mut scratch,
-                ) {
-                    last = Some(EvalPoint {
-                        secs,
-                        iteration,
-                        accuracy: correct as f64 / n.max(1) as f64,
-                        loss: f64::from(loss) / n.max(1) as f64,
-                    });
-                }
+            .map(|w| w.clock_of(TENSOR).unwrap_or(0))
+            .sum();
+        // A rough live estimate for the progress bar, on a few test examples.
+        let latest = snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .last()
+            .map(|s| (s.secs, s.iteration, s.params.clone()));
+        if let Some((secs, iteration, params)) = latest
+            && last.as_ref().is_none_or(|l| l.iteration != iteration)
+            && last_eval.elapsed() >= LIVE_EVERY
+        {
+            last_eval = Instant::now();
+            let n = LIVE_EXAMPLES.min(data.test.len());
+            let f = data.test.features();
+            if let Ok((loss, correct)) = model.evaluate(
+                &params,
+                &data.test.images[..n * f],
+                &data.test.labels[..n],
+                &mut scratch,
+            ) {
+                last = Some(EvalPoint {
+                    secs,
+                    iteration,
+                    accuracy: correct as f64 / n.max(1) as f64,
+                    loss: f64::from(loss) / n.max(1) as f64,
+                });
             }
-            let last = last.clone();
-            let blocked_secs = cluster
-                .workers
-                .iter()
-                .map(|w| w.stats().pull_wait.as_secs_f64())
-                .sum();
-            progress(&Progress {
-                iterations,
-                total,
-                blocked_secs,
-                secs: start.elapsed().as_secs_f64(),
-                last,
-            });
         }
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::Config("a worker thread panicked".into())))
+        let last = last.clone();
+        let blocked_secs = cluster
+            .workers
+            .iter()
+            .map(|w| w.stats().pull_wait.as_secs_f64())
+            .sum();
+        progress(&Progress {
+            iterations,
+            total,
+            blocked_secs,
+            secs: start.elapsed().as_secs_f64(),
+            last,
+        });
+    }
+    if let Some(f) = failures.get() {
+        return Err(stop(cluster, handles, &done, f));
+    }
+    let results: Vec<Result<WorkerSummary>> = handles
+        .into_iter()
+        .enumerate()
+        .map(|(r, h)| {
+            h.join().unwrap_or_else(|payload| {
+                Err(Error::Role(RoleFailure::panicked(
+                    "worker", r as u32, &*payload,
+                )))
             })
-            .collect()
-    });
+        })
+        .collect();
     let secs = start.elapsed().as_secs_f64();
     let fast_pull_bytes: u64 = cluster
         .workers
@@ -392,6 +528,27 @@ pub fn run_local(
         parallelism_plans: report.scheduler.parallelism_plans,
         classes: report.scheduler.classes.clone(),
     })
+}
+
+/// Ends a job whose role failed: every worker leaves (their pending operations fail at
+/// once), their threads and the cluster's get a moment to wind down, and the failure is the
+/// job's error. Threads still running after that are left to end on their own.
+fn stop(
+    cluster: LocalCluster,
+    handles: Vec<std::thread::JoinHandle<Result<WorkerSummary>>>,
+    done: &AtomicU64,
+    failure: RoleFailure,
+) -> Error {
+    tracing::debug!("the job stops: {failure}");
+    for w in &cluster.workers {
+        let _ = w.finish();
+    }
+    let start = Instant::now();
+    while done.load(Ordering::Relaxed) < handles.len() as u64 && start.elapsed() < WIND_DOWN {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = cluster.finish_within(WIND_DOWN.saturating_sub(start.elapsed()));
+    Error::Role(failure)
 }
 
 /// Where reports go by default.

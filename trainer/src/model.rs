@@ -229,7 +229,7 @@ impl FromStr for ModelSpec {
     fn from_str(s: &str) -> Result<Self> {
         let bad = |why: &str| {
             Error::Config(format!(
-                "model {s:?}: {why} (expected e.g. \"mlp:784-256-10\", \"cnn:8-16\" or \"cnn\")"
+                "model `{s}`: {why} (expected e.g. mlp:784-256-10, cnn:8-16 or cnn)"
             ))
         };
         let (kind, dims) = s.split_once(':').unwrap_or((s, ""));

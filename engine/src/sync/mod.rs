@@ -312,16 +312,39 @@ impl PolicySpec {
     }
 }
 
-fn args_of<'a>(l: &'a str, name: &str) -> Option<Vec<&'a str>> {
-    let rest = l.strip_prefix(name)?;
-    let inner = rest.trim().strip_prefix('(')?.strip_suffix(')')?;
-    Some(
-        inner
-            .split(',')
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
-            .collect(),
-    )
+/// The policies and their arguments, for messages.
+const POLICIES: &str = "bsp, asp, ssp(N), dssp(L,U), syncopt(B), \
+                        fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])], \
+                        flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)]";
+
+/// A whole number argument of a policy, or what is wrong with it.
+fn whole(what: &str, text: &str) -> Result<u64, String> {
+    text.parse::<u64>().map_err(|_| {
+        if text.is_empty() {
+            format!("{what} is missing (a whole number ≥ 0)")
+        } else {
+            format!("{what} must be a whole number ≥ 0, not {text}")
+        }
+    })
+}
+
+/// As [`whole`], at most `u32::MAX`.
+fn whole_u32(what: &str, text: &str) -> Result<u32, String> {
+    let n = whole(what, text)?;
+    u32::try_from(n).map_err(|_| format!("{what} = {n} is too large (at most {})", u32::MAX))
+}
+
+/// Exactly `n` arguments.
+fn arity(name: &str, args: &[&str], n: usize, form: &str) -> Result<(), String> {
+    if args.len() == n {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name} takes {n} argument{}, got {}: {form}",
+            if n == 1 { "" } else { "s" },
+            args.len()
+        ))
+    }
 }
 
 impl std::str::FromStr for PolicySpec {
@@ -331,116 +354,194 @@ impl std::str::FromStr for PolicySpec {
     /// `epsp` (= `epsp(4)`: slack up to 4, adaptive, transfer), `epsp(4,fixed)` (always slack 4;
     /// `epsp(0,fixed)` is always enforced), `epsp(4,no-transfer)`, `flexrr` (= `flexrr(1)`),
     /// `flexrr(1,theta=2,group=4)`, `elasticbsp` (= `elasticbsp(15)`), `elasticbsp(R)`.
+    ///
+    /// A wrong spec is an [`Error::Config`](crate::Error::Config) saying what is wrong with
+    /// it and what that policy accepts.
     fn from_str(s: &str) -> Result<Self, crate::Error> {
-        let l = s.trim().to_ascii_lowercase().replace(' ', "");
-        let bad = || {
-            crate::Error::Config(format!(
-                "cannot read policy {s:?}: bsp, asp, ssp(N), dssp(L,U), syncopt(B), fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])], flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)]"
-            ))
-        };
-        let num = |a: &str| a.parse::<u64>().map_err(|_| bad());
-        match l.as_str() {
-            "bsp" => return Ok(PolicySpec::Bsp),
-            "asp" => return Ok(PolicySpec::Asp),
-            _ => {}
-        }
-        if let Some(a) = args_of(&l, "ssp") {
-            return match a.as_slice() {
-                [n] => Ok(PolicySpec::Ssp { s: num(n)? }),
-                _ => Err(bad()),
-            };
-        }
-        if let Some(a) = args_of(&l, "dssp") {
-            return match a.as_slice() {
-                [lo, hi] if num(lo)? <= num(hi)? => Ok(PolicySpec::Dssp {
-                    s_lower: num(lo)?,
-                    s_upper: num(hi)?,
+        let shown = s.trim();
+        parse_policy(&shown.to_ascii_lowercase().replace(' ', ""))
+            .map_err(|why| crate::Error::Config(format!("policy {shown}: {why}")))
+    }
+}
+
+fn parse_policy(l: &str) -> Result<PolicySpec, String> {
+    let (name, args): (&str, Option<Vec<&str>>) = match l.split_once('(') {
+        None => (l, None),
+        Some((name, rest)) => match rest.strip_suffix(')') {
+            Some(inner) if !inner.contains(['(', ')']) => (
+                name,
+                Some(if inner.is_empty() {
+                    Vec::new()
+                } else {
+                    inner.split(',').collect()
                 }),
-                _ => Err(bad()),
-            };
+            ),
+            _ => {
+                return Err(format!(
+                    "unbalanced parentheses: write NAME(ARG,…) with one pair; the policies: \
+                     {POLICIES}"
+                ));
+            }
+        },
+    };
+    if name.is_empty() {
+        return Err(format!("no policy named; the policies: {POLICIES}"));
+    }
+    let a = args.clone().unwrap_or_default();
+    match name {
+        "bsp" | "asp" => {
+            if args.is_some() {
+                return Err(format!("{name} takes no arguments: write {name}"));
+            }
+            Ok(if name == "bsp" {
+                PolicySpec::Bsp
+            } else {
+                PolicySpec::Asp
+            })
         }
-        if let Some(a) = args_of(&l, "syncopt") {
-            return match a.as_slice() {
-                [b] => Ok(PolicySpec::SyncOpt {
-                    backups: num(b)?.min(u64::from(u32::MAX)) as u32,
-                }),
-                _ => Err(bad()),
-            };
+        "ssp" => {
+            arity(name, &a, 1, "ssp(N), N the staleness bound, e.g. ssp(3)")?;
+            Ok(PolicySpec::Ssp {
+                s: whole("the staleness bound N", a[0])?,
+            })
         }
-        if let Some(a) = args_of(&l, "elasticbsp") {
-            return match a.as_slice() {
-                [r] if (1..=100_000).contains(&num(r)?) => {
-                    Ok(PolicySpec::ElasticBsp { r: num(r)? as u32 })
+        "dssp" => {
+            arity(
+                name,
+                &a,
+                2,
+                "dssp(L,U), the bounds s_L ≤ s_U, e.g. dssp(3,15)",
+            )?;
+            let lo = whole("the lower bound L", a[0])?;
+            let hi = whole("the upper bound U", a[1])?;
+            if lo > hi {
+                return Err(format!(
+                    "the lower bound L = {lo} is above the upper bound U = {hi}: s_L must be \
+                     ≤ s_U, e.g. dssp({hi},{lo})"
+                ));
+            }
+            Ok(PolicySpec::Dssp {
+                s_lower: lo,
+                s_upper: hi,
+            })
+        }
+        "syncopt" => {
+            arity(
+                name,
+                &a,
+                1,
+                "syncopt(B), B backup workers (fewer than the workers), e.g. syncopt(1)",
+            )?;
+            Ok(PolicySpec::SyncOpt {
+                backups: whole_u32("the backups B", a[0])?,
+            })
+        }
+        "elasticbsp" => {
+            let r = match a.as_slice() {
+                [] => 15,
+                [r] => whole("the look-ahead R", r)?,
+                _ => {
+                    return Err(format!(
+                        "elasticbsp takes at most one argument, got {}: elasticbsp(R), R the \
+                         look-ahead in iterations (1 to 100000; default 15)",
+                        a.len()
+                    ));
                 }
-                _ => Err(bad()),
             };
+            if !(1..=100_000).contains(&r) {
+                return Err(format!(
+                    "the look-ahead R = {r} is outside 1 to 100000 iterations"
+                ));
+            }
+            Ok(PolicySpec::ElasticBsp { r: r as u32 })
         }
-        if l == "elasticbsp" {
-            return Ok(PolicySpec::ElasticBsp { r: 15 });
-        }
-        if l == "epsp" || l == "flexrr" {
-            return format!("{l}()").parse();
-        }
-        if let Some(a) = args_of(&l, "epsp") {
-            let mut spec = (4u64, true, true);
+        "epsp" => {
+            let (mut s_max, mut adaptive, mut transfer) = (4u64, true, true);
             for (i, arg) in a.iter().enumerate() {
                 match *arg {
-                    "fixed" => spec.1 = false,
-                    "no-transfer" => spec.2 = false,
-                    n if i == 0 => spec.0 = num(n)?,
-                    _ => return Err(bad()),
+                    "fixed" => adaptive = false,
+                    "no-transfer" => transfer = false,
+                    n if i == 0 => s_max = whole("the slack bound S", n)?,
+                    other => {
+                        return Err(format!(
+                            "unknown option `{other}` at position {}: epsp takes the slack bound \
+                             S (a whole number, first) and the options fixed and no-transfer, \
+                             e.g. epsp(4,fixed)",
+                            i + 1
+                        ));
+                    }
                 }
             }
-            return Ok(PolicySpec::Epsp {
-                s_max: spec.0,
-                adaptive: spec.1,
-                transfer: spec.2,
-            });
+            Ok(PolicySpec::Epsp {
+                s_max,
+                adaptive,
+                transfer,
+            })
         }
-        if let Some(a) = args_of(&l, "flexrr") {
+        "flexrr" => {
             let (mut s, mut theta, mut group) = (1u64, 1u64, 0u32);
             for (i, arg) in a.iter().enumerate() {
                 if let Some(t) = arg.strip_prefix("theta=") {
-                    theta = num(t)?.max(1);
+                    theta = whole("theta", t)?;
+                    if theta == 0 {
+                        return Err("theta = 0: help goes to a worker at least theta \
+                                    iterations behind, so theta must be ≥ 1"
+                            .into());
+                    }
                 } else if let Some(g) = arg.strip_prefix("group=") {
-                    group = num(g)?.min(u64::from(u32::MAX)) as u32;
+                    group = whole_u32("the group size", g)?;
                 } else if i == 0 {
-                    s = num(arg)?;
+                    s = whole("the staleness bound S", arg)?;
                 } else {
-                    return Err(bad());
+                    return Err(format!(
+                        "unknown option `{arg}` at position {}: flexrr takes the staleness \
+                         bound S (a whole number, first), theta=T (≥ 1) and group=G (0: one \
+                         group), e.g. flexrr(1,theta=2,group=4)",
+                        i + 1
+                    ));
                 }
             }
-            return Ok(PolicySpec::FlexRr { s, theta, group });
+            Ok(PolicySpec::FlexRr { s, theta, group })
         }
-        if let Some(a) = args_of(&l, "fluentps") {
-            let (n, variant) = match a.as_slice() {
-                [n] => (num(n)?, PauseSpec::RawSsp),
-                [n, "sigmoid"] => (num(n)?, PauseSpec::Sigmoid),
-                [n, "fastest-sigmoid"] => (num(n)?, PauseSpec::FastestSigmoid),
-                [n, p] => {
+        "fluentps" => {
+            let form = "fluentps(N[,p=P|sigmoid|fastest-sigmoid]), e.g. fluentps(3,p=0.5)";
+            if a.is_empty() || a.len() > 2 {
+                return Err(format!(
+                    "fluentps takes 1 or 2 arguments, got {}: {form}",
+                    a.len()
+                ));
+            }
+            let n = whole("the staleness bound N", a[0])?;
+            let pause = match a.get(1).copied() {
+                None => PauseSpec::RawSsp,
+                Some("sigmoid") => PauseSpec::Sigmoid,
+                Some("fastest-sigmoid") => PauseSpec::FastestSigmoid,
+                Some(v) => {
+                    let Some(p) = v.strip_prefix("p=") else {
+                        return Err(format!(
+                            "unknown pausing variant `{v}`: p=P (P in [0, 1]), sigmoid or \
+                             fastest-sigmoid"
+                        ));
+                    };
                     let p: f64 = p
-                        .strip_prefix("p=")
-                        .ok_or_else(bad)?
                         .parse()
-                        .map_err(|_| bad())?;
+                        .map_err(|_| format!("p must be a number in [0, 1], not {p}"))?;
                     if !(0.0..=1.0).contains(&p) {
-                        return Err(bad());
+                        return Err(format!(
+                            "p = {p} is a probability (of pausing the fastest worker): p must \
+                             be in [0, 1]"
+                        ));
                     }
-                    (
-                        num(n)?,
-                        PauseSpec::Fastest {
-                            permille: (p * 1000.0).round() as u32,
-                        },
-                    )
+                    PauseSpec::Fastest {
+                        permille: (p * 1000.0).round() as u32,
+                    }
                 }
-                _ => return Err(bad()),
             };
-            return Ok(PolicySpec::FluentPs {
-                s: n,
-                pause: variant,
-            });
+            Ok(PolicySpec::FluentPs { s: n, pause })
         }
-        Err(bad())
+        other => Err(format!(
+            "unknown policy `{other}`; the policies: {POLICIES}"
+        )),
     }
 }
 
@@ -541,5 +642,77 @@ impl Clocks {
             .map(|(a, _)| *a)
             .min()
             .unwrap_or(u64::MAX)
+    }
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::PolicySpec;
+
+    fn err(text: &str) -> String {
+        text.parse::<PolicySpec>().expect_err(text).to_string()
+    }
+
+    #[test]
+    fn each_wrong_spec_says_what_is_wrong() {
+        for (bad, says) in [
+            ("dssp(8,2)", "s_L must be ≤ s_U"),
+            ("dssp(3)", "dssp takes 2 arguments, got 1"),
+            (
+                "dssp(x,2)",
+                "the lower bound L must be a whole number ≥ 0, not x",
+            ),
+            ("fluentps(3,p=2)", "p must be in [0, 1]"),
+            ("fluentps(3,p=x)", "p must be a number in [0, 1], not x"),
+            ("fluentps(3,fast)", "unknown pausing variant `fast`"),
+            ("fluentps", "fluentps takes 1 or 2 arguments, got 0"),
+            ("ssp", "ssp takes 1 argument, got 0"),
+            (
+                "ssp(-1)",
+                "the staleness bound N must be a whole number ≥ 0, not -1",
+            ),
+            ("ssp(3", "unbalanced parentheses"),
+            ("syncopt(1,2)", "syncopt takes 1 argument, got 2"),
+            ("syncopt(99999999999)", "too large"),
+            ("elasticbsp(0)", "R = 0 is outside 1 to 100000"),
+            ("elasticbsp(1,2)", "at most one argument"),
+            (
+                "epsp(1,sideways)",
+                "unknown option `sideways` at position 2",
+            ),
+            ("epsp(1,2)", "unknown option `2` at position 2"),
+            ("flexrr(1,theta=0)", "theta must be ≥ 1"),
+            (
+                "flexrr(1,theta=x)",
+                "theta must be a whole number ≥ 0, not x",
+            ),
+            ("flexrr(1,2)", "unknown option `2` at position 2"),
+            ("bsp(2)", "bsp takes no arguments"),
+            ("zz", "unknown policy `zz`; the policies: bsp, asp"),
+            ("", "no policy named"),
+        ] {
+            let e = err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+            assert!(e.contains(&format!("policy {bad}:")), "{bad} named: {e}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_spaces_still_parse() {
+        assert_eq!(
+            "epsp()".parse::<PolicySpec>().unwrap(),
+            "epsp".parse().unwrap()
+        );
+        assert_eq!(
+            " DSSP( 3 , 15 ) ".parse::<PolicySpec>().unwrap(),
+            PolicySpec::Dssp {
+                s_lower: 3,
+                s_upper: 15
+            }
+        );
+        assert_eq!(
+            "elasticbsp".parse::<PolicySpec>().unwrap(),
+            PolicySpec::ElasticBsp { r: 15 }
+        );
     }
 }

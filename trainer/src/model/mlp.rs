@@ -57,17 +57,23 @@ impl Mlp {
     /// Fails with [`Error::Config`] with fewer than two widths, a zero width, or a
     /// parameter count that does not fit in memory.
     pub fn new(sizes: &[usize]) -> Result<Self> {
+        // The widths as written in a model spec: `784-256-10`.
+        let shown = sizes
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join("-");
         if sizes.len() < 2 {
             return Err(Error::Config(format!(
-                "an mlp needs at least an input and an output width, got {sizes:?}"
+                "an mlp needs at least an input and an output width, got mlp:{shown}"
             )));
         }
         if sizes.contains(&0) {
             return Err(Error::Config(format!(
-                "mlp widths must be positive, got {sizes:?}"
+                "mlp widths must be positive, got mlp:{shown}"
             )));
         }
-        let too_big = || Error::Config(format!("mlp {sizes:?} has too many parameters"));
+        let too_big = || Error::Config(format!("mlp:{shown} has too many parameters"));
         let mut layers = Vec::with_capacity(sizes.len() - 1);
         let mut offset = 0usize;
         for pair in sizes.windows(2) {
