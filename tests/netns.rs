@@ -174,12 +174,21 @@ fn wait_progress(c: &mut Cluster, w0: usize, at_least: u64, limit: Duration) {
     }
 }
 
-/// Does an ended role's output say it was evicted (fenced, declared dead) by the scheduler?
+/// Does an evicted role's output say so? Any of: "evict", "fence", "declared dead",
+/// "declared it dead", "declared this", "suspected" (case aside). Today's engine says only
+/// "scheduler 0 is gone: link closed".
 fn told_why(stderr: &str) -> bool {
     let e = stderr.to_lowercase();
-    ["evict", "fenced", "declared dead", "declared it dead"]
-        .iter()
-        .any(|k| e.contains(k))
+    [
+        "evict",
+        "fence",
+        "declared dead",
+        "declared it dead",
+        "declared this",
+        "suspected",
+    ]
+    .iter()
+    .any(|k| e.contains(k))
 }
 
 fn last_lines(text: &str, n: usize) -> String {
@@ -201,7 +210,7 @@ fn a_bsp_job_over_three_hosts_with_latency_and_loss_is_exact() {
     for a in &imp.applied {
         say(&format!("netns: {test}: {a}"));
     }
-    let (workers, iters) = (4u64, 300u64);
+    let (workers, iters) = (4u64, 200u64);
     let job = Job::new(
         "netns-bsp",
         1,
@@ -290,7 +299,11 @@ fn an_evicted_worker_host_rejoins_after_the_partition_heals() {
     let cut_at = progress(&c, w0).unwrap();
     c.net.partition(hc);
     let cut = Instant::now();
-    let Some(detected) = c.wait_line(sched, "worker 1 silent for", Duration::from_secs(10)) else {
+    let Some(detected) = c.wait_any(
+        sched,
+        &["worker 1 silent for", "worker 1 evicted"],
+        Duration::from_secs(10),
+    ) else {
         c.fail("the scheduler did not declare the cut-off worker silent within 10 s");
     };
     std::thread::sleep(Duration::from_millis(500));
@@ -379,7 +392,7 @@ fn a_partitioned_server_host_is_fenced_and_recovers_from_its_checkpoint() {
         "netns: {test}: {cap}; partition: {}",
         net.partition_means()
     ));
-    let (workers, iters) = (2u64, 600u64);
+    let (workers, iters) = (2u64, 400u64);
     // SSP(2): each gradient is applied on its own, so the values of the restarted server's
     // shards count exactly the updates its checkpoint kept (under BSP a step that lost some
     // of its gradients still moves by one step: the count would be a bound, not exact).
@@ -417,7 +430,11 @@ fn a_partitioned_server_host_is_fenced_and_recovers_from_its_checkpoint() {
     let cut_at = progress(&c, w0).unwrap();
     c.net.partition(hs);
     let cut = Instant::now();
-    let Some(detected) = c.wait_line(sched, "server 1 silent for", Duration::from_secs(10)) else {
+    let Some(detected) = c.wait_any(
+        sched,
+        &["server 1 silent for", "server 1 evicted", "server 1 fenced"],
+        Duration::from_secs(10),
+    ) else {
         c.fail("the scheduler did not declare the cut-off server silent within 10 s");
     };
     std::thread::sleep(Duration::from_millis(500));

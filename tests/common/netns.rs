@@ -622,7 +622,8 @@ impl Cluster {
             // Every host here shares the kernel's host id: without this, roles on different
             // "hosts" would pick shared memory and the network would not be used.
             .env("FALCON_MEDIUM", "tcp")
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1");
         let what = match rank {
             Some(r) => {
                 c.env("FALCON_RANK", r.to_string());
@@ -662,17 +663,19 @@ impl Cluster {
         panic!("{why}\n{all}");
     }
 
-    /// Waits up to `limit` for a line containing `needle` from role `i`.
-    pub fn wait_line(&mut self, i: usize, needle: &str, limit: Duration) -> Option<Instant> {
+    /// Waits up to `limit` for a line containing any of `needles` from role `i`; returns
+    /// when the first came.
+    pub fn wait_any(&mut self, i: usize, needles: &[&str], limit: Duration) -> Option<Instant> {
         let end = Instant::now() + limit;
+        let seen = |p: &Proc| needles.iter().filter_map(|n| p.seen(n)).min();
         loop {
-            if let Some(t) = self.procs[i].seen(needle) {
+            if let Some(t) = seen(&self.procs[i]) {
                 return Some(t);
             }
             if Instant::now() > end || self.procs[i].exited().is_some() {
                 // One more look: the line may have come with the exit.
                 self.procs[i].wait(Duration::from_millis(200));
-                return self.procs[i].seen(needle);
+                return seen(&self.procs[i]);
             }
             std::thread::sleep(Duration::from_millis(10));
         }
