@@ -22,22 +22,21 @@ mod netns;
 use std::time::{Duration, Instant};
 
 use common::{Job, number_after};
-use netns::{Cluster, Net, say, serial};
+use netns::{Cluster, Net, say, serial, skip};
 
 /// The hosts, or `None` after saying why not.
 fn hosts(test: &str, labels: &[&str]) -> Option<Net> {
     if std::env::var("FALCON_NETNS").as_deref() == Ok("0") {
-        say(&format!(
-            "SKIPPED: {test}: FALCON_NETNS=0 (the network-namespace tests run in a stage of their own)"
-        ));
+        skip(
+            test,
+            "FALCON_NETNS=0 (the network-namespace tests run in a stage of their own)",
+        );
         return None;
     }
     match Net::new(labels) {
         Ok(net) => Some(net),
         Err(why) => {
-            say(&format!(
-                "SKIPPED: {test}: no hosts of network namespaces here: {why}"
-            ));
+            skip(test, &format!("no hosts of network namespaces here: {why}"));
             None
         }
     }
@@ -205,7 +204,7 @@ fn a_bsp_job_over_three_hosts_with_latency_and_loss_is_exact() {
     };
     let imp = net.impair();
     for s in &imp.skipped {
-        say(&format!("SKIPPED: {test}: {s}"));
+        skip(test, s);
     }
     for a in &imp.applied {
         say(&format!("netns: {test}: {a}"));

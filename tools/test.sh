@@ -45,6 +45,18 @@ if ! dpkg -s $RDMA_PKGS >/dev/null 2>&1; then
     fi
 fi
 
+# The network-fault tests (tests/netns.rs) make hosts of network namespaces (iproute2) and
+# drop packets and cut hosts off with nftables where the kernel has no netem.
+NETNS_PKGS="iproute2 nftables"
+if ! dpkg -s $NETNS_PKGS >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "::: installing $NETNS_PKGS"
+        (apt-get install -y -q $NETNS_PKGS || { apt-get update -q && apt-get install -y -q $NETNS_PKGS; }) >/dev/null
+    else
+        echo "::: WARNING: cannot install $NETNS_PKGS (not root or no apt): the network-fault tests emulate less or skip (their SKIPPED: lines say what)"
+    fi
+fi
+
 # Reads cargo's JSON messages on stdin; prints the executables of the named test/bench targets.
 executables_named() {
     python3 -c '
@@ -99,7 +111,10 @@ rdma_host() {
 stage "cargo fmt --check" cargo fmt --all -- --check
 stage "cargo clippy (all targets, all features, -D warnings)" \
     cargo clippy --workspace --all-targets --all-features -- -D warnings
-stage "cargo test (workspace)" cargo test --workspace
+# The network-fault tests run in their own stage (FALCON_NETNS=0 skips them here, visibly).
+stage "cargo test (workspace)" env FALCON_NETNS=0 cargo test --workspace
+stage "network faults between namespace hosts (tests/netns.rs)" \
+    cargo test -p falcon --test netns -- --nocapture --test-threads=1
 stage "fuzz (short pass, 10 s per target)" tools/fuzz.sh 10
 stage "cargo test (transport with rdma, host)" rdma_host
 stage "loom: shard meta seqlock and clocks" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \

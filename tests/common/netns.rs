@@ -34,6 +34,12 @@ pub fn say(line: &str) {
     let _ = e.flush();
 }
 
+/// Says a test (or part of it) is skipped, and why, on a line of its own starting with
+/// `SKIPPED:` (after a line break: the harness may be mid-line when tests run in parallel).
+pub fn skip(test: &str, why: &str) {
+    say(&format!("\nSKIPPED: {test}: {why}"));
+}
+
 /// One network test at a time in this process: their timing must not depend on the others'
 /// load (the machine may have 2 cores).
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
