@@ -356,8 +356,9 @@ impl Net {
         self.cut.push(h);
     }
 
-    /// Heals host `h`'s partition; returns the frames dropped while it lasted (nft only).
-    pub fn heal(&mut self, h: usize) -> u64 {
+    /// Heals host `h`'s partition; returns, in words, the frames dropped while it lasted
+    /// (counted with nft only).
+    pub fn heal(&mut self, h: usize) -> String {
         self.cut.retain(|&c| c != h);
         if self.nft {
             let table = format!("falcon_cut_{h}");
@@ -375,7 +376,7 @@ impl Net {
             .map(|t| {
                 t.lines()
                     .filter_map(|l| number_after(l, "counter packets"))
-                    .sum()
+                    .sum::<u64>()
             })
             .unwrap_or(0);
             run(&[
@@ -390,12 +391,12 @@ impl Net {
                 &table,
             ])
             .unwrap_or_else(|e| panic!("heal: {e}"));
-            dropped
+            format!("{dropped} frames dropped meanwhile")
         } else {
             let port = &self.hosts[h].port;
             run(&["ip", "-n", &self.switch, "link", "set", port, "up"])
                 .unwrap_or_else(|e| panic!("heal: {e}"));
-            0
+            "its port down meanwhile".into()
         }
     }
 
@@ -597,6 +598,12 @@ impl Drop for Proc {
     }
 }
 
+/// Whether `setpriv --pdeathsig` is there to tie the roles' lives to the test's.
+fn pdeathsig() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| run(&["setpriv", "--pdeathsig", "KILL", "true"]).is_ok())
+}
+
 /// A job whose roles run on the hosts of a net. Roles are killed before the net goes.
 pub struct Cluster {
     pub procs: Vec<Proc>,
@@ -620,7 +627,12 @@ impl Cluster {
     pub fn start(&mut self, role: &str, rank: Option<u32>, h: usize) -> usize {
         let host = &self.net.hosts[h];
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", &host.ns, FALCON, "role"])
+        c.args(["netns", "exec", &host.ns]);
+        // Killed with this test's thread should the test itself be killed (util-linux).
+        if pdeathsig() {
+            c.args(["setpriv", "--pdeathsig", "KILL"]);
+        }
+        c.args([FALCON, "role"])
             .envs(self.job.vars.iter().map(|(k, v)| (k, v)))
             .env("DMLC_ROLE", role)
             .env("DMLC_PS_ROOT_URI", &self.net.hosts[0].ip)
