@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # falcon's one test entry point. Installs what it needs, then runs: rustfmt, clippy (all
-# targets, all features, warnings denied), every test of the workspace, the benchmarks in a
-# short mode (so they cannot rot), and a smoke run of the main command.
+# targets, all features, warnings denied), every test of the workspace, the network-fault
+# tests (hosts of network namespaces; root), the benchmarks in a short mode (so they cannot
+# rot), and a smoke run of the main command.
 # Ends with a line `N passed, N failed` counting the stages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
