@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # falcon's one test entry point. Installs what it needs, then runs: rustfmt, clippy (all
-# targets, all features, warnings denied), every test of the workspace, the benchmarks in a
-# short mode (so they cannot rot), and a smoke run of the main command.
+# targets, all features, warnings denied), every test of the workspace, the network-fault
+# tests (hosts of network namespaces; root), the benchmarks in a short mode (so they cannot
+# rot), and a smoke run of the main command.
 # Ends with a line `N passed, N failed` counting the stages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,18 @@ if ! dpkg -s $RDMA_PKGS >/dev/null 2>&1; then
         (apt-get install -y -q $RDMA_PKGS || { apt-get update -q && apt-get install -y -q $RDMA_PKGS; }) >/dev/null
     else
         echo "::: WARNING: cannot install $RDMA_PKGS (not root or no apt): the rdma feature will not build, full-dataset tests skip"
+    fi
+fi
+
+# The network-fault tests (tests/netns.rs) make hosts of network namespaces (iproute2) and
+# drop packets and cut hosts off with nftables where the kernel has no netem.
+NETNS_PKGS="iproute2 nftables"
+if ! dpkg -s $NETNS_PKGS >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "::: installing $NETNS_PKGS"
+        (apt-get install -y -q $NETNS_PKGS || { apt-get update -q && apt-get install -y -q $NETNS_PKGS; }) >/dev/null
+    else
+        echo "::: WARNING: cannot install $NETNS_PKGS (not root or no apt): the network-fault tests emulate less or skip (their SKIPPED: lines say what)"
     fi
 fi
 
@@ -99,7 +112,10 @@ rdma_host() {
 stage "cargo fmt --check" cargo fmt --all -- --check
 stage "cargo clippy (all targets, all features, -D warnings)" \
     cargo clippy --workspace --all-targets --all-features -- -D warnings
-stage "cargo test (workspace)" cargo test --workspace
+# The network-fault tests run in their own stage (FALCON_NETNS=0 skips them here, visibly).
+stage "cargo test (workspace)" env FALCON_NETNS=0 cargo test --workspace
+stage "network faults between namespace hosts (tests/netns.rs)" \
+    cargo test -p falcon --test netns -- --nocapture --test-threads=1
 stage "fuzz (short pass, 10 s per target)" tools/fuzz.sh 10
 stage "cargo test (transport with rdma, host)" rdma_host
 stage "loom: shard meta seqlock and clocks" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
