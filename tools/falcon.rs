@@ -570,8 +570,14 @@ fn role() -> Res {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
+            let evicted = report
+                .evicted
+                .iter()
+                .map(|(r, n, why)| format!("{} {n} ({why})", r.name()))
+                .collect::<Vec<_>>()
+                .join(", ");
             outln!(
-                "scheduler: job done; bytes per server [{}]; dead: [{}]; rejoined: [{}]",
+                "scheduler: job done; bytes per server [{}]; dead: [{}]; rejoined: [{}]; evicted: [{evicted}]",
                 report
                     .bytes_per_server
                     .iter()
@@ -582,7 +588,7 @@ fn role() -> Res {
                 nodes(&report.rejoined)
             );
             for (rank, n, reason) in &report.checkpoint_failures {
-                println!(
+                outln!(
                     "scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}"
                 );
             }
@@ -651,10 +657,29 @@ fn role() -> Res {
                 report.per_shard.len()
             );
         }
-        Role::Worker if env(&["FALCON_WORKLOAD"]).as_deref() == Some("train") => {
-            train_cmd::role_worker(&cfg, rank)?
+        Role::Worker => {
+            // An evicted worker (silent past the suspicion timeout: paused, cut off) is told
+            // why; it joins again under its rank and goes on at the job's current clock.
+            let train = env(&["FALCON_WORKLOAD"]).as_deref() == Some("train");
+            let mut rank = rank;
+            for rejoins in 0.. {
+                let r = if train {
+                    train_cmd::role_worker(&cfg, rank)
+                } else {
+                    worker_workload(&cfg, rank)
+                };
+                let Err(e) = r else { break };
+                match e.downcast_ref::<falcon_engine::Error>() {
+                    Some(falcon_engine::Error::Evicted { rank: r, reason }) if rejoins < 10 => {
+                        tracing::warn!(
+                            "worker {r}: evicted by the scheduler ({reason}); rejoining under rank {r} at the current clock"
+                        );
+                        rank = Some(*r);
+                    }
+                    _ => return Err(e),
+                }
+            }
         }
-        Role::Worker => worker_workload(&cfg, rank)?,
     }
     Ok(())
 }
