@@ -26,7 +26,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -70,8 +70,25 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(job: &Job, role: &str, rank: Option<u32>, extra: &[(&str, String)]) -> Proc {
-        let mut c = Command::new(FALCON);
+    /// Starts a role with the job's variables and `extra`; with `nofile`, under that limit of
+    /// open descriptors (`ulimit -n`, then `exec`: the pid is the role's).
+    fn spawn(
+        job: &Job,
+        role: &str,
+        rank: Option<u32>,
+        extra: &[(&str, String)],
+        nofile: Option<u32>,
+    ) -> Proc {
+        let mut c = match nofile {
+            None => Command::new(FALCON),
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(FALCON);
+                c
+            }
+        };
         c.arg("role")
             .env("DMLC_ROLE", role)
             .envs(job.vars.iter().map(|(k, v)| (k, v)))
@@ -164,7 +181,14 @@ struct Live {
 impl Live {
     /// Starts a job of `iters` iterations and returns once it trains. `worker3_via`, given
     /// the scheduler's address, may name another port for worker 3 to reach it by (a proxy).
-    fn start(name: &str, iters: u64, worker3_via: impl FnOnce(SocketAddr) -> Option<u16>) -> Live {
+    ///
+    /// `nofile`: a limit of open descriptors for the attacked roles (the scheduler, server 0).
+    fn start(
+        name: &str,
+        iters: u64,
+        nofile: Option<u32>,
+        worker3_via: impl FnOnce(SocketAddr) -> Option<u16>,
+    ) -> Live {
         let iters_s = iters.to_string();
         let job = Job::new(
             name,
@@ -191,14 +215,14 @@ impl Live {
         let scheduler_addr = SocketAddr::from(([127, 0, 0, 1], job.port));
         let server_addr = SocketAddr::from(([127, 0, 0, 1], port()));
         let worker3_via = worker3_via(scheduler_addr);
-        let scheduler = Proc::spawn(&job, "scheduler", None, &[]);
+        let scheduler = Proc::spawn(&job, "scheduler", None, &[], nofile);
         let servers = (0..SERVERS)
-            .map(|r| {
-                let bind = match r {
-                    0 => vec![("FALCON_BIND", server_addr.to_string())],
-                    _ => vec![],
-                };
-                Proc::spawn(&job, "server", Some(r), &bind)
+            .map(|r| match r {
+                0 => {
+                    let bind = [("FALCON_BIND", server_addr.to_string())];
+                    Proc::spawn(&job, "server", Some(r), &bind, nofile)
+                }
+                _ => Proc::spawn(&job, "server", Some(r), &[], None),
             })
             .collect();
         let workers = (0..WORKERS)
@@ -207,7 +231,7 @@ impl Live {
                     (3, Some(p)) => vec![("DMLC_PS_ROOT_PORT", p.to_string())],
                     _ => vec![],
                 };
-                Proc::spawn(&job, "worker", Some(r), &via)
+                Proc::spawn(&job, "worker", Some(r), &via, None)
             })
             .collect();
         let mut live = Live {
@@ -226,11 +250,13 @@ impl Live {
         while !live.workers[0].stdout().contains("worker 0 iteration") {
             assert!(
                 live.all_running(),
-                "a role ended before training began (see its output at the end)"
+                "a role ended before training began:\n{}",
+                live.dump()
             );
             assert!(
                 start.elapsed() < Duration::from_secs(30),
-                "the job did not start training in 30 s"
+                "the job did not start training in 30 s:\n{}",
+                live.dump()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -251,8 +277,18 @@ impl Live {
     fn still_running(&mut self, row: u32) {
         assert!(
             self.all_running(),
-            "row {row}: the job ended (or a role died) before the attack was over; give it more iterations"
+            "row {row}: the job ended (or a role died) before the attack was over; give it more iterations:\n{}",
+            self.dump()
         );
+    }
+
+    /// Every role's output so far.
+    fn dump(&self) -> String {
+        std::iter::once(&self.scheduler)
+            .chain(&self.servers)
+            .chain(&self.workers)
+            .map(|p| format!("--- {}:\n{}{}", p.what, p.stdout(), p.err.lock().unwrap()))
+            .collect()
     }
 
     fn pids(&self) -> [u32; 2] {
@@ -261,8 +297,9 @@ impl Live {
 
     /// Waits for the job to finish and checks it: every role succeeded, no node was declared
     /// dead or rejoined, no worker lost a link, and every shard's parameters count exactly
-    /// the gradients pushed (each applied once). Returns the scheduler's stderr.
-    fn finish(self) -> String {
+    /// the gradients pushed (each applied once). Returns the scheduler's stderr and worker 0's
+    /// stdout.
+    fn finish(self) -> (String, String) {
         let limit = Duration::from_secs(60);
         let Live {
             job,
@@ -317,8 +354,31 @@ impl Live {
         // 4096 floats in 4 KiB shards.
         assert_eq!(shards, 4, "every shard reported");
         drop(job);
-        sched_err
+        (sched_err, workers.into_iter().next().unwrap().0)
     }
+}
+
+/// Iterations for a job that trains through an attack of about `attack` seconds (and its
+/// measurements after), with a margin: the pace of an undisturbed job is measured once.
+fn iters_for(attack: f64) -> u64 {
+    static PACE: OnceLock<f64> = OnceLock::new();
+    let pace = *PACE.get_or_init(|| {
+        let live = Live::start("wall-pace", 60, None, |_| None);
+        let (_, worker0) = live.finish();
+        let line = worker0
+            .lines()
+            .find(|l| l.starts_with("worker 0: "))
+            .unwrap();
+        let pace: f64 = line
+            .split(" it/s")
+            .next()
+            .and_then(|t| t.rsplit('(').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no pace in {line}"));
+        eprintln!("WALL pace: an undisturbed job trains {pace:.1} iterations/s");
+        pace
+    });
+    (pace * (attack * 1.3 + 1.5)).ceil().max(40.0) as u64
 }
 
 // ---------------------------------------------------------------------------------------
@@ -545,6 +605,11 @@ impl Conn {
         let _ = self.s.shutdown(std::net::Shutdown::Both);
     }
 
+    /// Whether the peer held it past [`AT_ONCE`] (or still holds it): it waited for admission.
+    fn held(&self) -> bool {
+        self.closed.is_none_or(|d| d >= AT_ONCE)
+    }
+
     /// The ops the peer sent (its hello, perhaps a refusal; never a proof).
     fn ops(&self) -> Vec<u16> {
         records(&self.got).into_iter().map(|(op, _)| op).collect()
@@ -578,6 +643,33 @@ fn none_admitted(conns: &[Conn], row: u32) {
             c.target,
             c.ops()
         );
+    }
+}
+
+/// What becomes of a new connection: greeted (the wall's hello) or closed unanswered.
+fn newcomer_fate(to: SocketAddr) -> String {
+    let start = Instant::now();
+    let mut s = TcpStream::connect(to).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => {
+                return format!(
+                    "was closed unanswered after {:.3} s ({} bytes)",
+                    secs(start.elapsed()),
+                    got.len()
+                );
+            }
+            Ok(n) => {
+                got.extend_from_slice(&buf[..n]);
+                if records(&got).first().is_some_and(|r| r.0 == OP_HELLO) {
+                    return format!("was greeted in {:.3} s", secs(start.elapsed()));
+                }
+            }
+            Err(e) => return format!("got {e} after {:.3} s", secs(start.elapsed())),
+        }
     }
 }
 
@@ -746,13 +838,24 @@ fn row1_a_peer_without_the_token_pipelining_or_replaying_never_gets_a_link() {
     let _serial = serial();
     // Worker 3 reaches the scheduler through a recorder: its stream is captured.
     let mut recorder = None;
-    let mut live = Live::start("wall-row1", 140, |scheduler| {
+    let mut live = Live::start("wall-row1", iters_for(4.0), None, |scheduler| {
         let r = Recorder::start(scheduler);
         let port = r.port;
         recorder = Some(r);
         Some(port)
     });
     let recorder = recorder.unwrap();
+    // Worker 3's heartbeats follow its admission: let a few of them into the capture.
+    let t = Instant::now();
+    let sends_in = |bytes: &[u8]| {
+        records(bytes)
+            .iter()
+            .filter(|(op, _)| *op == OP_SEND)
+            .count()
+    };
+    while sends_in(&recorder.captured()) < 8 && t.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let captured = recorder.captured();
     let recs = records(&captured);
     assert!(
@@ -810,19 +913,20 @@ fn row1_a_peer_without_the_token_pipelining_or_replaying_never_gets_a_link() {
         std::thread::sleep(Duration::from_millis(250));
     }
     let attack = t0.elapsed();
-    live.still_running(1);
     let peaks = watch.peaks();
     std::thread::sleep(Duration::from_millis(300));
     let after = pids.map(Usage::of);
     none_admitted(&conns, 1);
     let worst = max_closed(&conns, |_| true);
     let told = conns.iter().filter(|c| c.ops().contains(&OP_ERROR)).count();
-    let refused_line = figures(before[0], peaks[0], after[0]);
+    let sched_line = figures(before[0], peaks[0], after[0]);
     let server_line = figures(before[1], peaks[1], after[1]);
-    let greet = still_greets(live.scheduler_addr, live.job_id);
-    let sched_err = live.finish();
+    let greet = [live.scheduler_addr, live.server_addr].map(|to| still_greets(to, live.job_id));
+    let iters = live.iters;
+    live.still_running(1);
+    let (sched_err, _) = live.finish();
     eprintln!(
-        "WALL row 1: {} no-token connections (hello + made-up proof + {} captured control messages, pipelined) and {} replays of worker 3's captured {:.1} KiB stream ({rounds} rounds to the scheduler and server 0 over {:.1} s): 0 admitted, closed in <= {:.3} s ({told} told the refusal, the rest reset with bytes unread), scheduler logged {} refusals; scheduler {refused_line}; server 0 {server_line}; fresh connection greeted in {:.3} s; job finished exact, no node declared dead (suspicion 900 ms)",
+        "WALL row 1: {} no-token connections (hello + made-up proof + {} captured control messages, pipelined) and {} replays of worker 3's captured {:.1} KiB stream ({rounds} rounds to the scheduler and server 0 over {:.1} s): 0 admitted, closed in <= {:.3} s ({told} of them sent the refusal frame first), scheduler logged {} refusal warnings (rate-limited); scheduler {sched_line}; server 0 {server_line}; a fresh connection greeted in {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact, no node declared dead (suspicion 900 ms)",
         conns.iter().filter(|c| c.kind == 0).count(),
         sends.len(),
         conns.iter().filter(|c| c.kind == 1).count(),
@@ -830,7 +934,8 @@ fn row1_a_peer_without_the_token_pipelining_or_replaying_never_gets_a_link() {
         secs(attack),
         secs(worst),
         count_lines(&sched_err, "refused tcp peer"),
-        secs(greet),
+        secs(greet[0]),
+        secs(greet[1]),
     );
     assert!(
         worst < AT_ONCE,
@@ -858,7 +963,7 @@ fn row1_a_peer_without_the_token_pipelining_or_replaying_never_gets_a_link() {
 #[test]
 fn row2_frame_headers_announcing_8_gib_reserve_nothing_and_are_closed() {
     let _serial = serial();
-    let mut live = Live::start("wall-row2", 220, |_| None);
+    let mut live = Live::start("wall-row2", iters_for(5.5), None, |_| None);
     let pids = live.pids();
     let before = pids.map(Usage::of);
     let watch = Watch::start(&pids);
@@ -889,7 +994,6 @@ fn row2_frame_headers_announcing_8_gib_reserve_nothing_and_are_closed() {
         }
     }
     watch_until_closed(&mut conns, DEADLINE + LATE + Duration::from_secs(1));
-    live.still_running(2);
     let peaks = watch.peaks();
     std::thread::sleep(Duration::from_millis(300));
     let after = pids.map(Usage::of);
@@ -899,11 +1003,13 @@ fn row2_frame_headers_announcing_8_gib_reserve_nothing_and_are_closed() {
         min_closed(&conns, |c| c.kind == 3),
         max_closed(&conns, |c| c.kind == 3),
     );
-    let greet = still_greets(live.scheduler_addr, live.job_id);
+    let greet = [live.scheduler_addr, live.server_addr].map(|to| still_greets(to, live.job_id));
     let lines = [0, 1].map(|t| figures(before[t], peaks[t], after[t]));
+    let iters = live.iters;
+    live.still_running(2);
     live.finish();
     eprintln!(
-        "WALL row 2: {} connections announcing 8 GiB Send frames ({COPIES} each per target: header first, after a hello, after a hello and a made-up proof — each then trickling 1 byte/s — and the header itself trickled 1 byte/s): scheduler {} ; server 0 {} ; closed in <= {:.3} s, the trickled headers at {:.2}..{:.2} s (deadline {} s); 0 admitted; fresh connection greeted in {:.3} s; job finished exact",
+        "WALL row 2: {} connections announcing 8 GiB Send frames ({COPIES} each per target: header first, after a hello, after a hello and a made-up proof — each then trickling 1 byte/s — and the header itself trickled 1 byte/s): scheduler {} ; server 0 {} ; closed in <= {:.3} s, the trickled headers at {:.2}..{:.2} s (deadline {} s); 0 admitted; a fresh connection greeted in {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact",
         conns.len(),
         lines[0],
         lines[1],
@@ -911,7 +1017,8 @@ fn row2_frame_headers_announcing_8_gib_reserve_nothing_and_are_closed() {
         secs(trickled_min),
         secs(trickled_max),
         DEADLINE.as_secs(),
-        secs(greet),
+        secs(greet[0]),
+        secs(greet[1]),
     );
     for t in 0..2 {
         assert!(
@@ -952,7 +1059,7 @@ fn row2_frame_headers_announcing_8_gib_reserve_nothing_and_are_closed() {
 #[test]
 fn row3_silent_and_trickling_connections_cost_no_thread_and_end_at_the_deadline() {
     let _serial = serial();
-    let mut live = Live::start("wall-row3", 240, |_| None);
+    let mut live = Live::start("wall-row3", iters_for(5.6), None, |_| None);
     let pids = live.pids();
     let before = pids.map(Usage::of);
     let watch = Watch::start(&pids);
@@ -982,8 +1089,14 @@ fn row3_silent_and_trickling_connections_cost_no_thread_and_end_at_the_deadline(
         }
     }
     let opening = t0.elapsed();
+    // While the wall is full: a newcomer from another address (127.0.0.1, the job's own),
+    // watched on its own thread so the attack's connections are watched meanwhile.
+    let newcomer = std::thread::spawn({
+        let to = live.scheduler_addr;
+        move || newcomer_fate(to)
+    });
     watch_until_closed(&mut conns, DEADLINE + LATE + Duration::from_secs(1));
-    live.still_running(3);
+    let newcomer = newcomer.join().unwrap();
     let peaks = watch.peaks();
     std::thread::sleep(Duration::from_millis(500));
     let after = pids.map(Usage::of);
@@ -998,31 +1111,21 @@ fn row3_silent_and_trickling_connections_cost_no_thread_and_end_at_the_deadline(
         .map(|&n| n.min(MAX_PER_SOURCE))
         .sum::<usize>()
         .min(MAX_PENDING);
-    let greet = still_greets(live.scheduler_addr, live.job_id);
+    let greet = [live.scheduler_addr, live.server_addr].map(|to| still_greets(to, live.job_id));
     let mut report = Vec::new();
     let mut failures = Vec::new();
     for (t, name) in TARGETS.iter().enumerate() {
         let mine = |c: &Conn| c.target == t;
-        let at_once = conns
-            .iter()
-            .filter(|c| mine(c) && c.closed.is_some_and(|d| d < AT_ONCE))
-            .count();
-        let held: Vec<&Conn> = conns
-            .iter()
-            .filter(|c| mine(c) && !c.closed.is_some_and(|d| d < AT_ONCE))
-            .collect();
+        let at_once = conns.iter().filter(|c| mine(c) && !c.held()).count();
+        let held: Vec<&Conn> = conns.iter().filter(|c| mine(c) && c.held()).collect();
         let last = max_closed(&conns, |c| mine(c));
         let held_min = held
             .iter()
             .map(|c| c.closed.unwrap_or(Duration::MAX))
             .min()
             .unwrap_or_default();
-        let trickle = max_closed(&conns, |c| {
-            mine(c) && c.kind == 2 && !c.closed.is_some_and(|d| d < AT_ONCE)
-        });
-        let trickle_min = min_closed(&conns, |c| {
-            mine(c) && c.kind == 2 && !c.closed.is_some_and(|d| d < AT_ONCE)
-        });
+        let trickle = max_closed(&conns, |c| mine(c) && c.kind == 2 && c.held());
+        let trickle_min = min_closed(&conns, |c| mine(c) && c.kind == 2 && c.held());
         report.push(format!(
             "{name}: {} held until {:.2}..{:.2} s (hello at 1 byte/s dropped at {:.2}..{:.2} s), {at_once} closed at once, {}",
             held.len(),
@@ -1070,15 +1173,18 @@ fn row3_silent_and_trickling_connections_cost_no_thread_and_end_at_the_deadline(
             ));
         }
     }
+    let iters = live.iters;
+    live.still_running(3);
     live.finish();
     eprintln!(
-        "WALL row 3: {PER_TARGET} connections per target from {} source addresses, opened in {:.2} s ({}); caps {MAX_PER_SOURCE} per source, {MAX_PENDING} in all; deadline {} s: {}; fresh connection greeted in {:.3} s; job finished exact",
+        "WALL row 3: {PER_TARGET} connections per target from {} source addresses, opened in {:.2} s ({}); caps {MAX_PER_SOURCE} per source, {MAX_PENDING} in all; deadline {} s: {}; meanwhile a newcomer from 127.0.0.1 to the scheduler {newcomer}; afterwards a fresh connection greeted in {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact",
         from.len(),
         secs(opening),
         KINDS.join(", "),
         DEADLINE.as_secs(),
         report.join("; "),
-        secs(greet)
+        secs(greet[0]),
+        secs(greet[1])
     );
     assert!(failures.is_empty(), "row 3: {}", failures.join("; "));
 }
@@ -1086,8 +1192,23 @@ fn row3_silent_and_trickling_connections_cost_no_thread_and_end_at_the_deadline(
 #[test]
 fn row4_connect_and_close_cycles_leave_no_descriptor_behind() {
     let _serial = serial();
-    let mut live = Live::start("wall-row4", 150, |_| None);
+    // The limit under which the old build refused connections once the cycles had leaked
+    // its descriptors.
+    const NOFILE: u32 = 256;
+    let mut live = Live::start("wall-row4", iters_for(2.0), Some(NOFILE), |_| None);
     let pids = live.pids();
+    for pid in pids {
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+        let line = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap();
+        assert_eq!(
+            line.split_whitespace().nth(3),
+            Some(NOFILE.to_string().as_str()),
+            "{line}"
+        );
+    }
     let before = pids.map(Usage::of);
     let watch = Watch::start(&pids);
     let targets = [live.scheduler_addr, live.server_addr];
@@ -1113,20 +1234,22 @@ fn row4_connect_and_close_cycles_leave_no_descriptor_behind() {
         }
     }
     let cycling = t0.elapsed();
-    live.still_running(4);
     // A short settle.
     std::thread::sleep(Duration::from_millis(500));
     let peaks = watch.peaks();
     let after = pids.map(Usage::of);
-    let greet = still_greets(live.scheduler_addr, live.job_id);
+    let greet = targets.map(|to| still_greets(to, live.job_id));
     let lines = [0, 1].map(|t| figures(before[t], peaks[t], after[t]));
-    let sched_err = live.finish();
+    let iters = live.iters;
+    live.still_running(4);
+    let (sched_err, _) = live.finish();
     eprintln!(
-        "WALL row 4: {CYCLES} connect-and-close cycles per target in {:.2} s (close at once / half a hello / reset), then 0.5 s settle: scheduler {} ; server 0 {} ; fresh connection greeted in {:.3} s; scheduler logged {} warnings; job finished exact",
+        "WALL row 4: {CYCLES} connect-and-close cycles per target (ulimit -n {NOFILE}) in {:.2} s (close at once / half a hello / reset), then 0.5 s settle: scheduler {} ; server 0 {} ; a fresh connection greeted in {:.3} s / {:.3} s; scheduler logged {} warnings; job of {iters} iterations x 4 workers finished exact",
         secs(cycling),
         lines[0],
         lines[1],
-        secs(greet),
+        secs(greet[0]),
+        secs(greet[1]),
         count_lines(&sched_err, "WARN"),
     );
     for t in 0..2 {
