@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{FALCON, Job, number_after, port};
+use common::{FALCON, Job, number_after};
 
 const SERVERS: u32 = 2;
 const WORKERS: u32 = 4;
@@ -140,20 +140,42 @@ impl Proc {
         self.child.try_wait().unwrap().is_none()
     }
 
-    /// Waits for a successful exit; returns stdout and stderr.
-    fn succeeds(mut self, limit: Duration) -> (String, String) {
+    /// Waits for the exit (killing it after `limit`); returns its status, stdout and stderr.
+    fn wait(mut self, limit: Duration) -> Ended {
         let status = common::wait_for(&mut self.child, limit);
         let _ = self.child.wait();
         for r in self.readers.drain(..) {
             let _ = r.join();
         }
-        let (out, err) = (self.stdout(), self.err.lock().unwrap().clone());
-        assert!(
-            status.is_some_and(|s| s.success()),
-            "{} failed ({status:?}):\n{out}\n{err}",
-            self.what
-        );
-        (out, err)
+        Ended {
+            what: self.what.clone(),
+            ok: status.is_some_and(|s| s.success()),
+            status: format!("{status:?}"),
+            out: self.stdout(),
+            err: self.err.lock().unwrap().clone(),
+        }
+    }
+}
+
+/// A role that ended.
+struct Ended {
+    what: String,
+    ok: bool,
+    status: String,
+    out: String,
+    err: String,
+}
+
+impl Ended {
+    /// Its output, without worker 0's progress lines.
+    fn dump(&self) -> String {
+        let out: String = self
+            .out
+            .lines()
+            .filter(|l| !l.contains(" iteration "))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        format!("--- {} ({}):\n{out}{}", self.what, self.status, self.err)
     }
 }
 
@@ -166,7 +188,7 @@ impl Drop for Proc {
     }
 }
 
-/// A live job: server 0 listens on a known port (`FALCON_BIND`).
+/// A live job, and where its scheduler and server 0 listen.
 struct Live {
     job: Job,
     iters: u64,
@@ -213,16 +235,12 @@ impl Live {
         };
         let job_id = falcon_engine::config::job_hash(&var("FALCON_JOB"));
         let scheduler_addr = SocketAddr::from(([127, 0, 0, 1], job.port));
-        let server_addr = SocketAddr::from(([127, 0, 0, 1], port()));
         let worker3_via = worker3_via(scheduler_addr);
         let scheduler = Proc::spawn(&job, "scheduler", None, &[], nofile);
         let servers = (0..SERVERS)
-            .map(|r| match r {
-                0 => {
-                    let bind = [("FALCON_BIND", server_addr.to_string())];
-                    Proc::spawn(&job, "server", Some(r), &bind, nofile)
-                }
-                _ => Proc::spawn(&job, "server", Some(r), &[], None),
+            .map(|r| {
+                let nofile = if r == 0 { nofile } else { None };
+                Proc::spawn(&job, "server", Some(r), &[], nofile)
             })
             .collect();
         let workers = (0..WORKERS)
@@ -239,7 +257,7 @@ impl Live {
             iters,
             job_id,
             scheduler_addr,
-            server_addr,
+            server_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
             scheduler,
             servers,
             workers,
@@ -260,6 +278,15 @@ impl Live {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Server 0 listens on a port of its own choosing (no port picked here and bound
+        // there: another connection may take it meanwhile).
+        let ports = listening_ports(live.servers[0].pid());
+        assert_eq!(
+            ports.len(),
+            1,
+            "server 0 listens on one tcp port: {ports:?}"
+        );
+        live.server_addr = SocketAddr::from(([127, 0, 0, 1], ports[0]));
         // Let the links settle (first heartbeats, checkpoints) before the baseline.
         std::thread::sleep(Duration::from_millis(300));
         live
@@ -309,16 +336,30 @@ impl Live {
             workers,
             ..
         } = self;
-        let workers: Vec<(String, String)> =
-            workers.into_iter().map(|w| w.succeeds(limit)).collect();
-        let servers: Vec<(String, String)> =
-            servers.into_iter().map(|s| s.succeeds(limit)).collect();
-        let (sched_out, sched_err) = scheduler.succeeds(limit);
+        let workers: Vec<Ended> = workers.into_iter().map(|w| w.wait(limit)).collect();
+        let servers: Vec<Ended> = servers.into_iter().map(|s| s.wait(limit)).collect();
+        let scheduler = scheduler.wait(limit);
+        let all = || {
+            std::iter::once(&scheduler)
+                .chain(&servers)
+                .chain(&workers)
+                .map(Ended::dump)
+                .collect::<String>()
+        };
+        let failed: Vec<&str> = std::iter::once(&scheduler)
+            .chain(&servers)
+            .chain(&workers)
+            .filter(|e| !e.ok)
+            .map(|e| e.what.as_str())
+            .collect();
+        assert!(failed.is_empty(), "{failed:?} failed:\n{}", all());
+        let (sched_out, sched_err) = (&scheduler.out, &scheduler.err);
         assert!(
             sched_out.contains("job done") && sched_out.contains("dead: []; rejoined: []"),
-            "the scheduler declared nodes dead or rejoined: {sched_out}\n{sched_err}"
+            "the scheduler declared nodes dead or rejoined:\n{}",
+            all()
         );
-        for (r, (out, _)) in workers.iter().enumerate() {
+        for (r, Ended { out, .. }) in workers.iter().enumerate() {
             let line = out
                 .lines()
                 .find(|l| l.starts_with(&format!("worker {r}: ")))
@@ -331,7 +372,7 @@ impl Live {
             );
         }
         let mut shards = 0;
-        for (out, _) in &servers {
+        for Ended { out, .. } in &servers {
             for line in out.lines().filter(|l| l.contains("first parameter")) {
                 let first: f64 = line
                     .split("first parameter ")
@@ -354,7 +395,7 @@ impl Live {
         // 4096 floats in 4 KiB shards.
         assert_eq!(shards, 4, "every shard reported");
         drop(job);
-        (sched_err, workers.into_iter().next().unwrap().0)
+        (sched_err.clone(), workers[0].out.clone())
     }
 }
 
@@ -379,6 +420,35 @@ fn iters_for(attack: f64) -> u64 {
         pace
     });
     (pace * (attack * 1.5 + 2.5)).ceil().max(40.0) as u64
+}
+
+/// The tcp ports process `pid` listens on (its sockets' inodes, found in its network
+/// namespace's table).
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap();
+    let mut ports: Vec<u16> = table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // local address, state (0A: listening), inode.
+            let listening = f.get(3) == Some(&"0A");
+            (listening && inodes.iter().any(|i| Some(&i.as_str()) == f.get(9)))
+                .then(|| u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok())
+                .flatten()
+        })
+        .collect();
+    ports.sort_unstable();
+    ports.dedup();
+    ports
 }
 
 // ---------------------------------------------------------------------------------------
