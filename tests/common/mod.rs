@@ -40,7 +40,7 @@ impl Job {
             ("FALCON_CHECKPOINT_DIR", dir.display().to_string()),
             ("FALCON_CHECKPOINT_MS", "100".to_string()),
             ("FALCON_HEARTBEAT_MS", "300".to_string()),
-            ("FALCON_SUSPICION_MS", "900".to_string()),
+            ("FALCON_SUSPICION_MS", "5000".to_string()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
