@@ -1079,7 +1079,7 @@ fn row2_frame_headers_announcing_8_gib_reserve_nothing_and_are_closed() {
     live.still_running(2);
     live.finish();
     eprintln!(
-        "WALL row 2: {} connections announcing 8 GiB Send frames ({COPIES} each per target: header first, after a hello, after a hello and a made-up proof — each then trickling 1 byte/s — and the header itself trickled 1 byte/s): scheduler {} ; server 0 {} ; closed in <= {:.3} s, the trickled headers at {:.2}..{:.2} s (deadline {} s); 0 admitted; a fresh connection greeted in {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact",
+        "WALL row 2: {} connections announcing 8 GiB Send frames ({COPIES} of each kind per target: header first, after a hello, after a hello and a made-up proof — each then trickling 1 byte/s — and the header itself trickled 1 byte/s): scheduler {} ; server 0 {} ; closed in <= {:.3} s, the trickled headers at {:.2}..{:.2} s (deadline {} s); 0 admitted; a fresh connection greeted in {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact",
         conns.len(),
         lines[0],
         lines[1],
