@@ -169,7 +169,7 @@ fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::i
     Ok(())
 }
 
-fn tune(stream: &TcpStream, op_timeout: Duration) -> Result<()> {
+pub(crate) fn tune(stream: &TcpStream, op_timeout: Duration) -> Result<()> {
     let sock = socket2::SockRef::from(stream);
     sock.set_tcp_nodelay(true)
         .map_err(|e| Error::io("set TCP_NODELAY", e))?;

@@ -246,6 +246,17 @@ fn rdma_link(common: &Common, _: TcpStream, _: u64, _: Option<Receiver<()>>) -> 
 /// link. It is handed to the accept queue before it reads anything, so its first completion
 /// can never overtake it.
 fn admitted_tcp(common: &Arc<Common>, stream: TcpStream, peer: Peer, tx: &Sender<Result<Link>>) {
+    // The socket options every link needs (no Nagle delay, keepalive, send timeout), and the
+    // handshake's read timeout for an rdma link's queue-pair exchange.
+    let tuned = tcp::tune(&stream, common.tcp.op_timeout).and_then(|()| {
+        stream
+            .set_read_timeout(Some(common.tcp.handshake_timeout))
+            .map_err(|e| Error::io("set handshake timeout", e))
+    });
+    if let Err(e) = tuned {
+        tracing::warn!("{}: tcp link setup failed: {e}", common.local);
+        return;
+    }
     let (open, gate) = crossbeam_channel::bounded::<()>(0);
     if peer.ask == tcp::HELLO_RDMA {
         // The queue-pair exchange blocks on an admitted peer: off the wall's thread.
