@@ -92,14 +92,14 @@ fn a_server_paused_for_10_s_under_the_defaults_is_not_declared_dead() {
 }
 
 #[test]
-fn a_server_paused_past_the_suspicion_timeout_is_fenced_and_its_successor_recovers() {
+fn a_server_paused_past_the_suspicion_timeout_is_fenced_and_restarts_from_its_checkpoint() {
     let iters = 2500u64;
     let job = Job::new(
         "fence-server",
         2,
         2,
         &[
-            ("FALCON_POLICY", "ssp(2)"),
+            ("FALCON_POLICY", "bsp"),
             ("FALCON_MEDIUM", "tcp"),
             ("FALCON_ITERS", &iters.to_string()),
             ("FALCON_FLOATS", "20000"),
@@ -112,33 +112,29 @@ fn a_server_paused_past_the_suspicion_timeout_is_fenced_and_its_successor_recove
     let s0 = job.start("server", Some(0));
     let mut s1 = job.start("server", Some(1));
     let workers: Vec<Child> = (0..2).map(|r| job.start("worker", Some(r))).collect();
+    let paused = Instant::now();
     pause(&mut s1, Duration::from_millis(1500), Duration::from_secs(4));
-    // Resumed, it learns it was fenced and stops serving at once.
-    let resumed = Instant::now();
-    let status = common::wait_for(&mut s1, Duration::from_secs(10));
-    let stopped = resumed.elapsed();
-    let out = s1.wait_with_output().unwrap();
-    let err1 = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        status.is_some_and(|s| !s.success()) && err1.contains("fenced by the scheduler"),
-        "the paused server stops, saying it was fenced ({status:?}):\n{err1}"
-    );
-    eprintln!(
-        "PAUSE server past suspicion: fenced and stopped {:.2} s after it resumed",
-        stopped.as_secs_f64()
-    );
-    // Its successor restores the checkpoint; never two servers for one rank.
-    let s1 = job.start("server", Some(1));
     for (r, w) in workers.into_iter().enumerate() {
-        succeeds(w, &format!("worker {r}"), Duration::from_secs(180));
+        succeeds(w, &format!("worker {r}"), Duration::from_secs(120));
     }
-    let (out1, _) = succeeds(s1, "the successor", Duration::from_secs(30));
+    eprintln!(
+        "PAUSE server past suspicion: workers finished {:.1} s after the pause began",
+        paused.elapsed().as_secs_f64()
+    );
+    // Resumed, it learnt it was fenced, stopped serving, and restarted itself from its
+    // checkpoint under its rank: the same process, never two servers for one rank.
+    let (out1, err1) = succeeds(s1, "the fenced server", Duration::from_secs(30));
+    assert!(
+        err1.contains("fenced by the scheduler"),
+        "it says it was fenced:\n{err1}"
+    );
     assert!(
         out1.contains("restarted from checkpoint") && !out1.contains("checkpoint none"),
-        "it restarted from the checkpoint:\n{out1}"
+        "it restarted from its checkpoint:\n{out1}"
     );
     let (out0, _) = succeeds(s0, "server 0", Duration::from_secs(30));
-    // The server that ran through applied every push exactly once.
+    // The server that ran through applied every push exactly once (and BSP's exact mean is
+    // checked by the workers).
     assert_eq!(applied(&out0, 0), shards(&out0) * 2 * iters, "{out0}");
     let (out, _) = succeeds(sched, "the scheduler", Duration::from_secs(30));
     let done = line_with(&out, "job done");

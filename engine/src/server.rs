@@ -293,7 +293,20 @@ impl Server {
     /// a successor started under its rank restores the checkpoint — so there are never two
     /// servers for one rank.
     pub fn run(self) -> Result<ServerReport> {
-        self.serve()
+        let (cfg, hooks, rank) = (self.cfg.clone(), self.hooks.clone(), self.book.rank);
+        let mut server = self;
+        loop {
+            let recovery = server.book.recovery;
+            match server.serve() {
+                Err(Error::Fenced { reason, .. }) if recovery => {
+                    tracing::warn!(
+                        "server {rank}: fenced by the scheduler ({reason}); restarting from its checkpoint"
+                    );
+                    server = Server::join(cfg.clone(), Some(rank), hooks.clone())?;
+                }
+                other => return other,
+            }
+        }
     }
 
     fn serve(self) -> Result<ServerReport> {
@@ -1052,7 +1065,11 @@ fn dispatch(
 /// failed write is reported to the scheduler at once ([`Msg::CheckpointFailed`]) and logged
 /// at most once per [`FAILURE_LOG_EVERY`], with the count of failures since the last line.
 struct Checkpointer {
-    tx: crossbeam_channel::Sender<Checkpoint>,
+    /// `None` once dropped: the writer then finishes and ends.
+    tx: Option<crossbeam_channel::Sender<Checkpoint>>,
+    /// The writer, joined on drop: an incarnation's last checkpoint is on disk (or failed)
+    /// before a successor in this process reads it.
+    writer: Option<std::thread::JoinHandle<()>>,
     /// Writes done, writes failed, and the last failure in words.
     counts: Arc<std::sync::Mutex<(u64, u64, Option<String>)>>,
 }
@@ -1081,7 +1098,7 @@ impl Checkpointer {
         let counts: Arc<std::sync::Mutex<(u64, u64, Option<String>)>> = Arc::default();
         let shared = Arc::clone(&counts);
         let (tx, rx) = crossbeam_channel::bounded::<Checkpoint>(1);
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name(format!("falcon-ckpt-{rank}"))
             .spawn(move || {
                 // Failures since the last log line, and when that line was.
@@ -1134,12 +1151,16 @@ impl Checkpointer {
                 }
             })
             .map_err(|e| Error::Config(format!("spawn the checkpoint writer: {e}")))?;
-        Ok(Checkpointer { tx, counts })
+        Ok(Checkpointer {
+            tx: Some(tx),
+            writer: Some(writer),
+            counts,
+        })
     }
 
     /// Hands a snapshot to the writer; false when it is still busy with the previous one.
     fn offer(&self, c: Checkpoint) -> bool {
-        self.tx.try_send(c).is_ok()
+        self.tx.as_ref().is_some_and(|tx| tx.try_send(c).is_ok())
     }
 
     /// Writes done so far, writes failed, and the last failure.
@@ -1148,6 +1169,15 @@ impl Checkpointer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
     }
 }
 
