@@ -662,6 +662,7 @@ fn role() -> Res {
             // why; it joins again under its rank and goes on at the job's current clock.
             let train = env(&["FALCON_WORKLOAD"]).as_deref() == Some("train");
             let mut rank = rank;
+            let mut cfg = cfg;
             for rejoins in 0.. {
                 let r = if train {
                     train_cmd::role_worker(&cfg, rank)
@@ -669,15 +670,22 @@ fn role() -> Res {
                     worker_workload(&cfg, rank)
                 };
                 let Err(e) = r else { break };
-                match e.downcast_ref::<falcon_engine::Error>() {
-                    Some(falcon_engine::Error::Evicted { rank: r, reason }) if rejoins < 10 => {
-                        tracing::warn!(
-                            "worker {r}: evicted by the scheduler ({reason}); rejoining under rank {r} at the current clock"
-                        );
-                        rank = Some(*r);
-                    }
+                let (r, why) = match e.downcast_ref::<falcon_engine::Error>() {
+                    Some(falcon_engine::Error::Evicted { rank: r, reason }) => (*r, reason),
+                    Some(falcon_engine::Error::SchedulerLost { rank: r, why }) => (*r, why),
                     _ => return Err(e),
+                };
+                if rejoins >= 10 {
+                    return Err(e);
                 }
+                tracing::warn!(
+                    "worker {r}: evicted by the scheduler or cut off from it ({why}); rejoining under rank {r} at the current clock"
+                );
+                rank = Some(r);
+                // A scheduler that is really gone is given up on soon.
+                cfg.rendezvous_timeout = cfg
+                    .rendezvous_timeout
+                    .min(falcon_engine::config::REJOIN_TIMEOUT);
             }
         }
     }

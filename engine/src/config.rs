@@ -11,6 +11,10 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 /// Default suspicion timeout (see [`JobConfig::suspicion`]).
 pub const DEFAULT_SUSPICION: Duration = Duration::from_secs(15);
 
+/// How long an evicted node (or one cut off from the scheduler) tries to join again before it
+/// gives the job up.
+pub const REJOIN_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Everything a node of a job needs to know before rendezvous.
 #[derive(Clone, Debug)]
 pub struct JobConfig {

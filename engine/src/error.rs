@@ -60,6 +60,16 @@ pub enum Error {
         /// Why, as the scheduler said.
         reason: String,
     },
+    /// This worker's link to the scheduler was lost mid-job (not closed in order): a
+    /// partition, after which the scheduler may have evicted it without being heard. It may
+    /// join again under its rank; a scheduler that is really gone refuses that quickly.
+    #[error("worker {rank} lost its link to the scheduler ({why}); it can rejoin under its rank")]
+    SchedulerLost {
+        /// The worker's rank.
+        rank: u32,
+        /// What the link said.
+        why: String,
+    },
     /// The scheduler declared this server dead (it was paused or cut off past the suspicion
     /// timeout): it must not serve on, and restarts from its checkpoint.
     #[error("server {rank} was fenced by the scheduler: {reason}")]

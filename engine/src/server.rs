@@ -302,7 +302,14 @@ impl Server {
                     tracing::warn!(
                         "server {rank}: fenced by the scheduler ({reason}); restarting from its checkpoint"
                     );
-                    server = Server::join(cfg.clone(), Some(rank), hooks.clone())?;
+                    // A scheduler that is really gone is given up on soon.
+                    let cfg = JobConfig {
+                        rendezvous_timeout: cfg
+                            .rendezvous_timeout
+                            .min(crate::config::REJOIN_TIMEOUT),
+                        ..cfg.clone()
+                    };
+                    server = Server::join(cfg, Some(rank), hooks.clone())?;
                 }
                 other => return other,
             }

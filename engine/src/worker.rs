@@ -1631,6 +1631,16 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
                     ),
                     // A link already replaced: nothing to do.
                     None if link != w.sched.id() => {}
+                    // Lost without a goodbye (a partition the scheduler may have evicted
+                    // this worker over, its eviction notice lost with the link): the worker
+                    // may join again under its rank.
+                    None if error.is_some() => fail_with(
+                        &w,
+                        Error::SchedulerLost {
+                            rank: w.book.rank,
+                            why: closed_why(&error),
+                        },
+                    ),
                     None => fail_all(
                         &w,
                         Role::Scheduler,
