@@ -996,7 +996,7 @@ fn row1_a_peer_without_the_token_pipelining_or_replaying_never_gets_a_link() {
     live.still_running(1);
     let (sched_err, _) = live.finish();
     eprintln!(
-        "WALL row 1: {} no-token connections (hello + made-up proof + {} captured control messages, pipelined) and {} replays of worker 3's captured {:.1} KiB stream ({rounds} rounds to the scheduler and server 0 over {:.1} s): 0 admitted, closed in <= {:.3} s ({told} of them sent the refusal frame first), scheduler logged {} refusal warnings (rate-limited); scheduler {sched_line}; server 0 {server_line}; a fresh connection greeted in {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact, no node declared dead (suspicion 900 ms)",
+        "WALL row 1: {} no-token connections (hello + made-up proof + {} captured control messages, pipelined) and {} replays of worker 3's captured {:.1} KiB stream ({rounds} rounds to the scheduler and server 0 over {:.1} s): 0 admitted, closed in <= {:.3} s ({told} of them sent the refusal frame first), scheduler logged {} refusal warnings (rate-limited); scheduler {sched_line}; server 0 {server_line}; a fresh connection greeted in {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact, no node declared dead",
         conns.iter().filter(|c| c.kind == 0).count(),
         sends.len(),
         conns.iter().filter(|c| c.kind == 1).count(),
@@ -1167,6 +1167,11 @@ fn row3_silent_and_trickling_connections_cost_no_thread_and_end_at_the_deadline(
     });
     watch_until_closed(&mut conns, DEADLINE + LATE + Duration::from_secs(1));
     let newcomer = newcomer.join().unwrap();
+    // A full wall takes a less represented newcomer in (a flooding connection gives way).
+    assert!(
+        newcomer.starts_with("was greeted"),
+        "a newcomer from the job's own address is not locked out: it {newcomer}"
+    );
     let peaks = watch.peaks();
     std::thread::sleep(Duration::from_millis(500));
     let after = pids.map(Usage::of);

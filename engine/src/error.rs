@@ -104,7 +104,7 @@ pub enum Error {
         missing: String,
     },
     /// Something did not happen in time.
-    #[error("{0} timed out after {1:?}")]
+    #[error("{what} timed out after {secs:.1} s", what = .0, secs = .1.as_secs_f64())]
     Timeout(&'static str, std::time::Duration),
 }
 

@@ -5,7 +5,9 @@
 //! [`MAX_RECORD`] bytes of buffer and one descriptor, and it lives at most the handshake
 //! deadline, counted from its connection (not per read: a peer trickling bytes is dropped on
 //! time). Connections waiting for admission are capped per source address and in total;
-//! one over a cap is closed at once. Refused, failed and timed-out connections release their
+//! one over a cap is closed at once — except that when the total is reached, a newcomer from a
+//! less represented source takes the place of the most represented source's oldest, so a few
+//! flooding addresses cannot lock everyone else out. Refused, failed and timed-out connections release their
 //! descriptor at once. Only an admitted connection becomes a link with threads of its own.
 
 use std::collections::HashMap;
@@ -202,6 +204,27 @@ pub(crate) fn run(
                     }
                 };
                 let from_here = per_source.get(&from.ip()).copied().unwrap_or(0);
+                // Fairness when the wall is full: a newcomer from a source with fewer
+                // connections waiting than the most represented one takes the place of that
+                // source's oldest, so a few addresses flooding the wall cannot lock others out.
+                if pending.len() >= limits.max_pending
+                    && from_here < limits.max_per_source
+                    && let Some((&crowded, _)) = per_source
+                        .iter()
+                        .filter(|&(_, &n)| n > from_here + 1)
+                        .max_by_key(|&(_, &n)| n)
+                    && let Some(oldest) = pending
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| p.from.ip() == crowded)
+                        .min_by_key(|(_, p)| p.deadline)
+                        .map(|(i, _)| i)
+                {
+                    let p = pending.swap_remove(oldest);
+                    release(&mut per_source, p.from.ip());
+                    stats.over_cap.fetch_add(1, Ordering::Relaxed);
+                    drop(p);
+                }
                 if pending.len() >= limits.max_pending || from_here >= limits.max_per_source {
                     stats.over_cap.fetch_add(1, Ordering::Relaxed);
                     if last_cap_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {

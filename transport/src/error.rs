@@ -75,7 +75,7 @@ pub enum Error {
         reason: String,
     },
     /// An operation did not complete within its deadline.
-    #[error("{0} timed out after {1:?}")]
+    #[error("{what} timed out after {secs:.1} s", what = .0, secs = .1.as_secs_f64())]
     Timeout(&'static str, std::time::Duration),
     /// The requested medium cannot reach this peer.
     #[error("medium {medium} cannot reach {peer}: {why}")]

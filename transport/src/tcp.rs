@@ -223,16 +223,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                     ));
                 }
                 Ok(n) => hs.sent(n),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Err(timed_out());
-                }
-                Err(e) => return Err(Error::io("send tcp hello", e)),
+                Err(e) => handshake_io(e, "send tcp hello", &timed_out)?,
             }
         }
         if let Some(peer) = hs.finished() {
@@ -258,17 +249,22 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                 });
             }
             Ok(n) => hs.receive(&buf[..n])?,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(timed_out());
-            }
-            Err(e) => return Err(Error::io("receive tcp hello", e)),
+            Err(e) => handshake_io(e, "receive tcp hello", &timed_out)?,
         }
+    }
+}
+
+/// An I/O error of the blocking handshake: an interruption is retried (Ok), a socket timeout
+/// is the handshake's deadline, anything else is what it says.
+fn handshake_io(
+    e: std::io::Error,
+    what: &'static str,
+    timed_out: &dyn Fn() -> Error,
+) -> Result<()> {
+    match e.kind() {
+        std::io::ErrorKind::Interrupted => Ok(()),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Err(timed_out()),
+        _ => Err(Error::io(what, e)),
     }
 }
 
