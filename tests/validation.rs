@@ -355,8 +355,9 @@ fn the_timeouts_are_documented_with_their_defaults() {
 
 #[test]
 fn a_roles_handshake_timeout_is_the_one_set() {
-    // A "scheduler" that accepts connections and never answers: the worker's handshake
-    // times out after FALCON_HANDSHAKE_TIMEOUT_MS, not the default 5 s.
+    // A "scheduler" that accepts connections and never answers: each of the worker's
+    // handshakes times out after FALCON_HANDSHAKE_TIMEOUT_MS, not the default 5 s; it retries
+    // (saying so) until its rendezvous deadline.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = silent.local_addr().unwrap();
     let start = Instant::now();
@@ -366,12 +367,17 @@ fn a_roles_handshake_timeout_is_the_one_set() {
         .env("FALCON_NODE_HOST", "127.0.0.1")
         .env("FALCON_SCHEDULER", format!("host=remote;tcp={addr}"))
         .env("FALCON_HANDSHAKE_TIMEOUT_MS", "300")
+        .env("FALCON_RENDEZVOUS_TIMEOUT_MS", "1500")
         .output()
         .unwrap();
     let took = start.elapsed();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("handshake timed out"), "{err}");
-    assert!(took < Duration::from_secs(3), "{took:?}: {err}");
+    assert!(err.contains("tcp handshake timed out after 0.3 s"), "{err}");
+    assert!(
+        err.contains("unreachable at"),
+        "it says where it tried: {err}"
+    );
+    assert!(took < Duration::from_secs(4), "{took:?}: {err}");
     drop(silent);
 }

@@ -156,7 +156,10 @@ Environment (each FALCON_* variable; ps-lite's DMLC_* names work too):
                                 (default 15000; longer than the heartbeat interval)
   FALCON_RENDEZVOUS_TIMEOUT_MS  how long the roles may take to meet (default 60000)
   FALCON_OP_TIMEOUT_MS          deadline of one transport operation (default 30000)
-  FALCON_HANDSHAKE_TIMEOUT_MS   deadline of one connection handshake (default 5000)
+  FALCON_HANDSHAKE_TIMEOUT_MS   deadline of one connection's whole handshake and admission
+                                (default 5000)
+  FALCON_MAX_HANDSHAKES         connections waiting for admission at once (default 128);
+  FALCON_MAX_HANDSHAKES_PER_SOURCE  from one address (default 32); more are closed at once
   FALCON_CHECKPOINT_DIR         server checkpoints there (default: none)
   FALCON_CHECKPOINT_MS          how often, at least 10 (default 1000)
   FALCON_RECOVERY_TIMEOUT_MS    how long the job waits for a dead server to restart from its
@@ -476,6 +479,17 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
     };
     checks::check_timeouts(&timeouts)?;
     timeouts.apply(&mut cfg);
+    // The admission wall's caps on connections waiting to prove the job token.
+    cfg.transport.max_handshakes = env_value(
+        &["FALCON_MAX_HANDSHAKES"],
+        cfg.transport.max_handshakes,
+        checks::at_least_one_usize,
+    )?;
+    cfg.transport.max_handshakes_per_source = env_value(
+        &["FALCON_MAX_HANDSHAKES_PER_SOURCE"],
+        cfg.transport.max_handshakes_per_source,
+        checks::at_least_one_usize,
+    )?;
     if cfg.workers == 0 || cfg.servers == 0 {
         return Err(checks::Invalid::Env {
             var: "FALCON_NUM_WORKER",

@@ -11,6 +11,8 @@
 #   --args "A B"        arguments for every BIN, split on blanks (e.g. "--test-threads=1")
 #   --mem MiB           guest memory (default 4096)
 #   --keep              keep the staging dir (initramfs tree + guest log) of this run
+#   --modprobe "M ..."  load these kernel modules too at boot (cached: sch_netem veth bridge)
+#   --file PATH         copy PATH (and its libraries) into the guest without running it
 #   --retry-segv        rerun a BIN once, loudly, after a segmentation fault (a known rare
 #                       soft-RoCE crash, README "Known defects"); the kernel's segfault report
 #                       is printed either way
@@ -30,7 +32,11 @@ RETRY_SEGV=0
 ENVS=()
 ARGS=()
 BINS=()
-MODULES="crc32_generic rdma_rxe ib_uverbs rdma_ucm dummy"
+MODULES="crc32_generic rdma_rxe ib_uverbs rdma_ucm dummy sch_netem veth bridge"
+# Loaded at boot besides the rdma ones (--modprobe): e.g. the network-namespace tests' netem.
+LOAD_EXTRA=
+# Copied into the guest (with their libraries) but not run (--file): tools a BIN calls.
+FILES=()
 # Packages the harness itself needs on the host (the BINs' own libraries are the caller's
 # business: they were built here, so they are installed). ibverbs-utils is for diagnostics.
 PKGS="busybox-static ibverbs-providers ibverbs-utils iproute2 xz-utils"
@@ -84,6 +90,8 @@ while [ $# -gt 0 ]; do
         --mem) MEM=${2:?}; shift ;;
         --retry-segv) RETRY_SEGV=1 ;;
         --keep) KEEP=1 ;;
+        --modprobe) LOAD_EXTRA="$LOAD_EXTRA ${2:?}"; shift ;;
+        --file) FILES+=("${2:?}"); shift ;;
         -h | --help) DONE=1; usage; exit 0 ;;
         --) shift; BINS+=("$@"); break ;;
         -*) die_usage "unknown option $1" ;;
@@ -251,7 +259,8 @@ exec 9>&-
 # ---------------------------------------------------------------- 3. initramfs
 STAGE=$(mktemp -d "$WORK/run.XXXXXX")
 ST=$STAGE/root
-mkdir -p "$ST"/{bin,sbin,usr/bin,usr/sbin,usr/lib,usr/lib64,etc,dev,proc,sys,tmp,root,rxe}
+mkdir -p "$ST"/{bin,sbin,usr/bin,usr/sbin,usr/lib,usr/lib64,etc,dev,proc,sys,tmp,root,rxe,run,var}
+ln -s ../run "$ST/var/run" # `ip netns` keeps its namespaces under /run/netns
 ln -s usr/lib "$ST/lib"
 ln -s usr/lib64 "$ST/lib64"
 cp /bin/busybox "$ST/bin/busybox"
@@ -278,6 +287,7 @@ copy_with_libs() {
 copy_with_libs /usr/sbin/ip /usr/bin/rdma /usr/bin/ibv_devinfo $ML/libgcc_s.so.1 "$RXE_SO"
 copy_file /etc/libibverbs.d/rxe.driver
 copy_with_libs "${BINS[@]}"
+[ "${#FILES[@]}" = 0 ] || copy_with_libs "${FILES[@]}"
 printf '127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n' >"$ST/etc/hosts"
 printf 'root:x:0:0:root:/root:/bin/sh\n' >"$ST/etc/passwd"
 printf 'root:x:0:\n' >"$ST/etc/group"
@@ -288,6 +298,7 @@ printf 'hosts: files\npasswd: files\ngroup: files\n' >"$ST/etc/nsswitch.conf"
     echo "BIN_TIMEOUT=$BIN_TIMEOUT"
     echo "RETRY_SEGV=$RETRY_SEGV"
     echo "NBINS=${#BINS[@]}"
+    echo "LOAD_EXTRA=$(q "$LOAD_EXTRA")"
     echo "export RDMA_TEST_DEVICE=rxe0 FALCON_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1"
     for e in "${ENVS[@]}"; do echo "export $(q "$e")"; done
     echo "run_bins() {"
@@ -318,7 +329,7 @@ echo "RXE-GUEST-UP kernel=$(uname -r) cpus=$(nproc) uptime=$(up)s"
 IP=/usr/sbin/ip
 setup() {
     $IP link set lo up || return 1 # TCP side channels on 127.0.0.1
-    for m in crc32_generic rdma_rxe ib_uverbs rdma_ucm dummy; do
+    for m in crc32_generic rdma_rxe ib_uverbs rdma_ucm dummy $LOAD_EXTRA; do
         modprobe $m || { echo "RXE-SETUP: modprobe $m failed"; return 1; }
     done
     # rxe refuses lo; a dummy netdev works (rxe loops back to its own MAC internally)

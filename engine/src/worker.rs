@@ -73,7 +73,7 @@ pub(crate) fn rendezvous(
                         role: "scheduler",
                         rank: 0,
                         why: format!(
-                            "unreachable at {} after {attempt} attempts in {:.0} s: {e}",
+                            "unreachable at {} after {attempt} attempts in {:.1} s: {e}",
                             cfg.scheduler,
                             cfg.rendezvous_timeout.as_secs_f64()
                         ),
