@@ -388,6 +388,8 @@ struct ServerConn {
     rejoin: bool,
     /// Failed reconnection attempts in a row (every 15th is logged).
     attempts: u32,
+    /// A reconnection attempt is under way on its own thread.
+    connecting: bool,
 }
 
 /// How many recent interval samples the ElasticBSP estimate averages.
@@ -712,6 +714,7 @@ impl Worker {
                         next_try: Instant::now(),
                         gone: None,
                         attempts: 0,
+                        connecting: false,
                     }),
                     changed: Condvar::new(),
                 }
@@ -1767,48 +1770,93 @@ impl Inner {
         })
     }
 
-    /// Starts a reconnection to every server that is down and due for an attempt: connect,
-    /// knock; [`Inner::reattach_step`] carries it on.
-    fn reconnect(&self) {
+    /// Starts a reconnection to every server that is down and due for an attempt: connect and
+    /// knock on a thread of its own (a host that drops packets would hold a connect for the
+    /// handshake deadline, and the progress thread must never wait on one peer);
+    /// [`Inner::reattach_step`] carries it on.
+    fn reconnect(self: &Arc<Self>) {
         for (r, slot) in self.servers.iter().enumerate() {
             let addr = {
-                let st = lock(&slot.state);
+                let mut st = lock(&slot.state);
                 if st.link.is_some()
                     || st.joining.is_some()
+                    || st.connecting
                     || st.gone.is_some()
                     || Instant::now() < st.next_try
                 {
                     continue;
                 }
+                st.connecting = true;
                 st.addr.clone()
             };
-            let attempt = addr
-                .parse()
-                .map_err(|e| format!("address {addr:?}: {e}"))
-                .and_then(|peer| self.t.connect(&peer).map_err(|e| e.to_string()))
-                .and_then(|l| {
-                    l.send(&Msg::Knock.encode())
-                        .map(|()| l)
-                        .map_err(|e| e.to_string())
-                });
-            let mut st = lock(&slot.state);
-            match attempt {
-                Ok(l) if st.link.is_none() && st.joining.is_none() => {
-                    st.attempts = 0;
-                    st.joining = Some(l);
-                }
-                Ok(l) => l.close(),
-                Err(e) => {
-                    st.attempts += 1;
-                    if st.attempts % 15 == 1 {
-                        tracing::warn!(
-                            "worker {}: server {r} at {addr} not reachable yet (attempt {}): {e}",
-                            self.book.rank,
-                            st.attempts
-                        );
+            let w = Arc::downgrade(self);
+            let spawned = std::thread::Builder::new()
+                .name(format!("falcon-reconnect-{r}"))
+                .spawn(move || {
+                    if let Some(w) = w.upgrade() {
+                        w.connect_to(r, &addr);
                     }
-                    st.next_try = Instant::now() + RETRY;
+                });
+            if let Err(e) = spawned {
+                let mut st = lock(&slot.state);
+                st.connecting = false;
+                st.next_try = Instant::now() + RETRY;
+                tracing::warn!(
+                    "worker {}: cannot start a reconnection: {e}",
+                    self.book.rank
+                );
+            }
+        }
+    }
+
+    /// One reconnection attempt to server `r` at `addr` (on its own thread).
+    fn connect_to(&self, r: usize, addr: &str) {
+        let attempt = addr
+            .parse()
+            .map_err(|e| format!("address {addr:?}: {e}"))
+            .and_then(|peer| self.t.connect(&peer).map_err(|e| e.to_string()));
+        let slot = &self.servers[r];
+        let mut st = lock(&slot.state);
+        st.connecting = false;
+        match attempt {
+            // Still wanted, and still the address the scheduler gave last (a successor
+            // announced meanwhile must not be shadowed by its predecessor).
+            Ok(l)
+                if st.link.is_none()
+                    && st.joining.is_none()
+                    && st.gone.is_none()
+                    && st.addr == addr =>
+            {
+                st.attempts = 0;
+                // Known as this server's reconnection before the server can answer it.
+                st.joining = Some(l.clone());
+                drop(st);
+                if let Err(e) = l.send(&Msg::Knock.encode()) {
+                    let mut st = lock(&slot.state);
+                    if st.joining.as_ref().is_some_and(|j| j.id() == l.id()) {
+                        st.joining = None;
+                        st.next_try = Instant::now() + RETRY;
+                    }
+                    drop(st);
+                    tracing::debug!("worker: knocking on server {r} failed: {e}");
+                    l.close();
                 }
+            }
+            Ok(l) => {
+                st.next_try = Instant::now();
+                drop(st);
+                l.close();
+            }
+            Err(e) => {
+                st.attempts += 1;
+                if st.attempts % 15 == 1 {
+                    tracing::warn!(
+                        "worker {}: server {r} at {addr} not reachable yet (attempt {}): {e}",
+                        self.book.rank,
+                        st.attempts
+                    );
+                }
+                st.next_try = Instant::now() + RETRY;
             }
         }
     }
