@@ -332,12 +332,24 @@ fn an_unreachable_scheduler_is_a_prompt_error() {
     c.rendezvous_timeout = Duration::from_secs(2);
     let start = std::time::Instant::now();
     let err = Worker::join(&c, tensors(), None).err().expect("fails");
+    // The error says where it tried, how often and why it failed.
     assert!(
         matches!(
             err,
-            Error::Transport(falcon_transport::Error::Unreachable { .. })
+            Error::PeerGone {
+                role: "scheduler",
+                ..
+            }
         ),
         "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!(
+            "unreachable at host=elsewhere;tcp=127.0.0.1:{port}"
+        )) && text.contains("attempts in 2.0 s")
+            && text.contains("cannot reach"),
+        "{text}"
     );
     assert!(start.elapsed() < Duration::from_secs(10));
 }
