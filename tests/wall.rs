@@ -461,6 +461,27 @@ struct Usage {
     fds: u64,
 }
 
+/// No thread of an attacker's own (peak within 2 of before) and no descriptor left behind
+/// (after within 3 of before), for both attacked processes.
+fn no_threads_nor_fds_held(row: &str, before: &[Usage], peaks: &[Usage], after: &[Usage]) {
+    for t in 0..2 {
+        assert!(
+            peaks[t].threads <= before[t].threads + 2,
+            "{row}: {} threads {} -> {}",
+            TARGETS[t],
+            before[t].threads,
+            peaks[t].threads
+        );
+        assert!(
+            after[t].fds <= before[t].fds + 3,
+            "{row}: {} fds {} -> {} after",
+            TARGETS[t],
+            before[t].fds,
+            after[t].fds
+        );
+    }
+}
+
 impl Usage {
     fn of(pid: u32) -> Usage {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -1012,22 +1033,7 @@ fn row1_a_peer_without_the_token_pipelining_or_replaying_never_gets_a_link() {
         "row 1: a refused connection stayed open {:.3} s",
         secs(worst)
     );
-    for t in 0..2 {
-        assert!(
-            peaks[t].threads <= before[t].threads + 2,
-            "row 1: {} threads {} -> {}",
-            TARGETS[t],
-            before[t].threads,
-            peaks[t].threads
-        );
-        assert!(
-            after[t].fds <= before[t].fds + 3,
-            "row 1: {} fds {} -> {} after",
-            TARGETS[t],
-            before[t].fds,
-            after[t].fds
-        );
-    }
+    no_threads_nor_fds_held("row 1", &before, &peaks, &after);
 }
 
 #[test]
@@ -1098,21 +1104,8 @@ fn row2_frame_headers_announcing_8_gib_reserve_nothing_and_are_closed() {
             before[t].mib(),
             peaks[t].mib()
         );
-        assert!(
-            peaks[t].threads <= before[t].threads + 2,
-            "row 2: {} threads {} -> {}",
-            TARGETS[t],
-            before[t].threads,
-            peaks[t].threads
-        );
-        assert!(
-            after[t].fds <= before[t].fds + 3,
-            "row 2: {} fds {} -> {} after",
-            TARGETS[t],
-            before[t].fds,
-            after[t].fds
-        );
     }
+    no_threads_nor_fds_held("row 2", &before, &peaks, &after);
     assert!(
         prompt < AT_ONCE,
         "row 2: a connection announcing 8 GiB stayed open {:.3} s",
@@ -1327,20 +1320,5 @@ fn row4_connect_and_close_cycles_leave_no_descriptor_behind() {
         secs(greet[1]),
         count_lines(&sched_err, "WARN"),
     );
-    for t in 0..2 {
-        assert!(
-            after[t].fds <= before[t].fds + 3,
-            "row 4: {} fds {} -> {} after {CYCLES} cycles",
-            TARGETS[t],
-            before[t].fds,
-            after[t].fds
-        );
-        assert!(
-            peaks[t].threads <= before[t].threads + 2,
-            "row 4: {} threads {} -> {}",
-            TARGETS[t],
-            before[t].threads,
-            peaks[t].threads
-        );
-    }
+    no_threads_nor_fds_held(&format!("row 4 ({CYCLES} cycles)"), &before, &peaks, &after);
 }
