@@ -11,6 +11,17 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 /// Default suspicion timeout (see [`JobConfig::suspicion`]).
 pub const DEFAULT_SUSPICION: Duration = Duration::from_secs(15);
 
+/// How long a link that passed the transport's admission wall (its peer proved the job token)
+/// may take to finish a role's own admission (knock, challenge, hello or attach) before the
+/// role drops it: the operation timeout, at least the handshake deadline. Strangers never get
+/// this far; this only keeps a stuck or buggy token holder from holding a link forever, so it
+/// is generous (an emulated or heavily loaded machine is slow).
+pub fn admission_deadline(cfg: &JobConfig) -> Duration {
+    cfg.transport
+        .op_timeout
+        .max(cfg.transport.handshake_timeout)
+}
+
 /// How long an evicted node (or one cut off from the scheduler) tries to join again before it
 /// gives the job up.
 pub const REJOIN_TIMEOUT: Duration = Duration::from_secs(10);

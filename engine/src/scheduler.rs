@@ -272,7 +272,7 @@ impl Scheduler {
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         // Accepted links, with when they came (unadmitted ones expire).
         let mut links: HashMap<LinkId, (Link, Instant)> = HashMap::new();
-        let admission = cfg.transport.handshake_timeout;
+        let admission = crate::config::admission_deadline(cfg);
         // The challenge sent to each accepted link, used once.
         let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         let mut joined: Vec<Joined> = Vec::new();
@@ -459,7 +459,7 @@ impl Scheduler {
             nodes.iter().map(|(k, l)| (l.id(), *k)).collect();
         // Links of nodes asking to join the running job, and the challenge sent to each.
         let mut joining: HashMap<LinkId, (Link, Instant)> = HashMap::new();
-        let admission = self.cfg.transport.handshake_timeout;
+        let admission = crate::config::admission_deadline(&self.cfg);
         let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         // Dead servers that may come back from their checkpoint, with the deadline.
         let mut down: BTreeMap<u32, Instant> = BTreeMap::new();

@@ -375,7 +375,7 @@ impl Server {
         let mut links: HashMap<LinkId, Link> = HashMap::new();
         // Accepted links not attached yet, with when they came.
         let mut unattached: HashMap<LinkId, Instant> = HashMap::new();
-        let admission = cfg.transport.handshake_timeout;
+        let admission = crate::config::admission_deadline(&cfg);
         // The challenge sent to each accepted link, used once by its attach.
         let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
         let mut worker_of: HashMap<LinkId, u32> = HashMap::new();
