@@ -290,7 +290,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("must be longer than the heartbeat interval (a few intervals, e.g. 5000 ms)"),
+            e.contains(
+                "must be longer than the heartbeat interval (a few intervals, e.g. 5000 ms)"
+            ),
             "{e}"
         );
         assert!(suspicion_fits(hb, None).is_ok());

@@ -224,9 +224,12 @@ pub enum AddressError {
 pub fn scheduler_address(text: &str) -> Result<PeerAddr, AddressError> {
     let text = text.trim();
     if text.contains('=') {
-        return text
-            .parse()
-            .map_err(|e: falcon_transport::Error| AddressError::PeerAddr(e.to_string()));
+        return text.parse().map_err(|e| {
+            AddressError::PeerAddr(match e {
+                falcon_transport::Error::Config(why) => why,
+                other => other.to_string(),
+            })
+        });
     }
     Ok(PeerAddr {
         host: REMOTE_HOST.into(),
@@ -367,30 +370,30 @@ fn launcher_layout<F: Fn(&str) -> Option<String>>(
     env: &Env<F>,
     servers: u32,
 ) -> Result<Option<Placed>, LaunchError> {
-    let (rank, world, host) =
-        if let (Some(r), Some(w)) = (env.get(&["RANK"]), env.get(&["WORLD_SIZE"])) {
-            let host = env.get(&["MASTER_ADDR"]).map(|from| SchedulerHost {
-                host: from.value.trim().to_string(),
+    let (rank, world, host) = if let (Some(r), Some(w)) =
+        (env.get(&["RANK"]), env.get(&["WORLD_SIZE"]))
+    {
+        let host = env.get(&["MASTER_ADDR"]).map(|from| SchedulerHost {
+            host: from.value.trim().to_string(),
+            from,
+        });
+        (r, w, host)
+    } else if let (Some(r), Some(w)) = (env.get(&["SLURM_PROCID"]), env.get(&["SLURM_NTASKS"])) {
+        let host = env
+            .get(&["SLURM_NODELIST", "SLURM_JOB_NODELIST"])
+            .map(|from| SchedulerHost {
+                host: first_host(&from.value),
                 from,
             });
-            (r, w, host)
-        } else if let (Some(r), Some(w)) = (env.get(&["SLURM_PROCID"]), env.get(&["SLURM_NTASKS"]))
-        {
-            let host = env
-                .get(&["SLURM_NODELIST", "SLURM_JOB_NODELIST"])
-                .map(|from| SchedulerHost {
-                    host: first_host(&from.value),
-                    from,
-                });
-            (r, w, host)
-        } else if let (Some(r), Some(w)) = (
-            env.get(&["OMPI_COMM_WORLD_RANK"]),
-            env.get(&["OMPI_COMM_WORLD_SIZE"]),
-        ) {
-            (r, w, None)
-        } else {
-            return Ok(None);
-        };
+        (r, w, host)
+    } else if let (Some(r), Some(w)) = (
+        env.get(&["OMPI_COMM_WORLD_RANK"]),
+        env.get(&["OMPI_COMM_WORLD_SIZE"]),
+    ) {
+        (r, w, None)
+    } else {
+        return Ok(None);
+    };
     let n: u32 = checks::number(&rank.value, "")
         .map_err(|_| rank.refused("not a whole number (the launcher's global rank)"))?;
     let size: u32 = checks::number(&world.value, "")
@@ -420,9 +423,7 @@ fn launcher_layout<F: Fn(&str) -> Option<String>>(
 impl Launch {
     /// This process's part in a job, from its environment (see the [module](self)'s list).
     pub fn from_env() -> Result<Launch, LaunchError> {
-        Launch::from_vars(|name| {
-            std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
-        })
+        Launch::from_vars(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
     }
 
     /// As [`Launch::from_env`], with `var` answering for the environment: `var(NAME)` is the
@@ -454,14 +455,11 @@ impl Launch {
                 from,
             })
             .or_else(|| placed.as_ref().and_then(|p| p.host.clone()));
-        let port: Option<u16> = match env.get(&[
-            "FALCON_SCHEDULER_PORT",
-            "DMLC_PS_ROOT_PORT",
-            "MASTER_PORT",
-        ]) {
-            Some(set) => Some(checks::port(&set.value).map_err(|e| set.refused(e))?),
-            None => None,
-        };
+        let port: Option<u16> =
+            match env.get(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"]) {
+                Some(set) => Some(checks::port(&set.value).map_err(|e| set.refused(e))?),
+                None => None,
+            };
         // Launched by Slurm or mpirun, which name no port: falcon's default.
         let port = port.or(placed.as_ref().map(|_| DEFAULT_SCHEDULER_PORT));
         // The scheduler's address; given as HOST:PORT, also where a scheduler listens.
@@ -588,7 +586,9 @@ impl Launch {
         // The scheduler listens on its advertised address; other roles on any port of their
         // interface (FALCON_NODE_HOST / DMLC_NODE_HOST), or FALCON_BIND.
         cfg.transport.bind = Some(match (role, &uri, port) {
-            (Role::Scheduler, Some(u), Some(p)) => resolve(&u.host, p).map_err(|e| u.from.refused(e))?,
+            (Role::Scheduler, Some(u), Some(p)) => {
+                resolve(&u.host, p).map_err(|e| u.from.refused(e))?
+            }
             _ => match (env.get(&["FALCON_BIND"]), role, scheduler_tcp) {
                 (Some(set), _, _) => socket_address(&set.value).map_err(|e| set.refused(e))?,
                 (None, Role::Scheduler, Some(addr)) => addr,
@@ -606,20 +606,525 @@ impl Launch {
                 set.refused("not a socket address: expected IP:PORT, e.g. 10.0.0.5:9000")
             })?);
         }
-        let rank = match placed {
-            Some(p) => Some(p.rank),
-            None => match env.get(&["FALCON_RANK"]) {
-                Some(set) => Some(
-                    checks::number(&set.value, "")
-                        .map_err(|_| set.refused("not a whole number (the rank within the role)"))?,
-                ),
-                None => None,
-            },
-        };
+        let rank =
+            match placed {
+                Some(p) => Some(p.rank),
+                None => match env.get(&["FALCON_RANK"]) {
+                    Some(set) => Some(checks::number(&set.value, "").map_err(|_| {
+                        set.refused("not a whole number (the rank within the role)")
+                    })?),
+                    None => None,
+                },
+            };
         Ok(Launch {
             config: cfg,
             role,
             rank,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::collections::BTreeSet;
+
+    fn launch(vars: &[(&str, &str)]) -> Result<Launch, LaunchError> {
+        Launch::from_vars(|name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    fn refused(vars: &[(&str, &str)]) -> String {
+        let e = launch(vars).expect_err("refused").to_string();
+        assert!(
+            !e.contains("Some(") && !e.contains("None") && !e.contains('"'),
+            "no Rust debug output: {e}"
+        );
+        e
+    }
+
+    const LOCAL: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::LOCALHOST,
+        0,
+    ));
+
+    #[test]
+    fn ps_lite_variables_configure_a_role() {
+        let l = launch(&[
+            ("DMLC_ROLE", "server"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9000"),
+            ("DMLC_NUM_SERVER", "2"),
+            ("DMLC_NUM_WORKER", "3"),
+            ("DMLC_NODE_HOST", "127.0.0.1"),
+        ])
+        .unwrap();
+        assert_eq!(l.role, Role::Server);
+        assert_eq!(l.rank, None);
+        assert_eq!(l.config.servers, 2);
+        assert_eq!(l.config.workers, 3);
+        assert_eq!(l.config.scheduler, "host=remote;tcp=127.0.0.1:9000");
+        assert_eq!(l.config.transport.bind, Some(LOCAL));
+        // The defaults.
+        let d = JobConfig::default();
+        assert_eq!(l.config.job, "falcon");
+        assert_eq!(l.config.token, "");
+        assert_eq!(l.config.policy, PolicySpec::Bsp);
+        assert_eq!(l.config.optimizer.lr(), DEFAULT_LR);
+        assert_eq!(l.config.max_shard_bytes, d.max_shard_bytes);
+        assert_eq!(l.config.heartbeat, d.heartbeat);
+        assert_eq!(l.config.suspicion, Some(DEFAULT_SUSPICION));
+        assert_eq!(l.config.rendezvous_timeout, d.rendezvous_timeout);
+        assert_eq!(l.config.transport.op_timeout, d.transport.op_timeout);
+        assert_eq!(
+            l.config.transport.handshake_timeout,
+            d.transport.handshake_timeout
+        );
+        assert_eq!(l.config.transport.medium, Medium::Auto);
+        assert_eq!(l.config.transport.advertise, None);
+        assert!(l.config.checkpoint.is_none());
+        // The scheduler listens on the address the others are given.
+        let s = launch(&[
+            ("DMLC_ROLE", "scheduler"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9000"),
+        ])
+        .unwrap();
+        assert_eq!(s.role, Role::Scheduler);
+        assert_eq!(
+            s.config.transport.bind,
+            Some("127.0.0.1:9000".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn falcon_names_win_over_their_aliases_and_empty_is_unset() {
+        let l = launch(&[
+            ("FALCON_ROLE", "Worker"),
+            ("DMLC_ROLE", "server"),
+            ("FALCON_RANK", "3"),
+            ("FALCON_NUM_WORKER", "4"),
+            ("DMLC_NUM_WORKER", "9"),
+            ("FALCON_NUM_SERVER", ""),
+            ("DMLC_NUM_SERVER", "2"),
+            ("FALCON_SCHEDULER_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_URI", "10.9.9.9"),
+            ("FALCON_SCHEDULER_PORT", "7000"),
+            ("MASTER_PORT", "8000"),
+            ("FALCON_JOB", "j"),
+            ("FALCON_TOKEN", "t"),
+        ])
+        .unwrap();
+        assert_eq!(l.role, Role::Worker);
+        assert_eq!(l.rank, Some(3));
+        assert_eq!((l.config.servers, l.config.workers), (2, 4));
+        assert_eq!(l.config.scheduler, "host=remote;tcp=127.0.0.1:7000");
+        assert_eq!((l.config.job.as_str(), l.config.token.as_str()), ("j", "t"));
+    }
+
+    #[test]
+    fn every_setting_is_read() {
+        let l = launch(&[
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "host=remote;tcp=127.0.0.1:9"),
+            ("FALCON_NUM_WORKER", "4"),
+            ("FALCON_POLICY", "ssp(2)"),
+            ("FALCON_LR", "0.4"),
+            ("FALCON_SCALE", "dynsgd"),
+            ("FALCON_MAX_SHARD_BYTES", "4096"),
+            ("FALCON_MEDIUM", "tcp"),
+            ("FALCON_HEARTBEAT_MS", "100"),
+            ("FALCON_SUSPICION_MS", "0"),
+            ("FALCON_RENDEZVOUS_TIMEOUT_MS", "1500"),
+            ("FALCON_OP_TIMEOUT_MS", "2500"),
+            ("FALCON_HANDSHAKE_TIMEOUT_MS", "300"),
+            ("FALCON_MAX_HANDSHAKES", "7"),
+            ("FALCON_MAX_HANDSHAKES_PER_SOURCE", "3"),
+            ("FALCON_CHECKPOINT_DIR", "/tmp/ckpt"),
+            ("FALCON_CHECKPOINT_MS", "100"),
+            ("FALCON_RECOVERY_TIMEOUT_MS", "2000"),
+            ("FALCON_CHECKPOINT_ON_FAILURE", "stop"),
+            ("FALCON_BIND", "127.0.0.1:5555"),
+            ("FALCON_ADVERTISE", "10.0.0.5:5555"),
+        ])
+        .unwrap();
+        let c = &l.config;
+        assert_eq!(c.policy, "ssp(2)".parse().unwrap());
+        // An asynchronous policy applies each of the 4 workers' gradients with lr / 4.
+        assert_eq!(c.optimizer.lr(), 0.1);
+        assert_eq!(c.scale, "dynsgd".parse().unwrap());
+        assert_eq!(c.max_shard_bytes, 4096);
+        assert_eq!(c.transport.medium, Medium::Tcp);
+        assert_eq!(c.heartbeat, Duration::from_millis(100));
+        assert_eq!(c.suspicion, None);
+        assert_eq!(c.rendezvous_timeout, Duration::from_millis(1500));
+        assert_eq!(c.transport.op_timeout, Duration::from_millis(2500));
+        assert_eq!(c.transport.handshake_timeout, Duration::from_millis(300));
+        assert_eq!(c.transport.max_handshakes, 7);
+        assert_eq!(c.transport.max_handshakes_per_source, 3);
+        assert_eq!(
+            c.checkpoint,
+            Some(CheckpointSettings {
+                dir: "/tmp/ckpt".into(),
+                every: Duration::from_millis(100),
+                recovery_timeout: Duration::from_millis(2000),
+                on_failure: OnCheckpointFailure::Stop,
+            })
+        );
+        assert_eq!(c.transport.bind, Some("127.0.0.1:5555".parse().unwrap()));
+        assert_eq!(
+            c.transport.advertise,
+            Some("10.0.0.5:5555".parse().unwrap())
+        );
+        // BSP keeps the learning rate as given.
+        let l = launch(&[
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "127.0.0.1:9"),
+            ("FALCON_NUM_WORKER", "4"),
+            ("FALCON_LR", "0.4"),
+        ])
+        .unwrap();
+        assert_eq!(l.config.optimizer.lr(), 0.4);
+    }
+
+    #[test]
+    fn launchers_place_processes_by_global_rank() {
+        // torchrun: 0 the scheduler, 1..=S the servers, the rest the workers.
+        let torchrun = |rank: &str| {
+            launch(&[
+                ("RANK", rank),
+                ("WORLD_SIZE", "5"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("FALCON_NUM_SERVER", "2"),
+            ])
+            .unwrap()
+        };
+        let placed: Vec<(Role, Option<u32>)> = ["0", "1", "2", "3", "4"]
+            .iter()
+            .map(|r| {
+                let l = torchrun(r);
+                (l.role, l.rank)
+            })
+            .collect();
+        assert_eq!(
+            placed,
+            [
+                (Role::Scheduler, Some(0)),
+                (Role::Server, Some(0)),
+                (Role::Server, Some(1)),
+                (Role::Worker, Some(0)),
+                (Role::Worker, Some(1)),
+            ]
+        );
+        let w = torchrun("4");
+        assert_eq!((w.config.servers, w.config.workers), (2, 2));
+        assert_eq!(w.config.scheduler, "host=remote;tcp=127.0.0.1:29500");
+        assert_eq!(
+            torchrun("0").config.transport.bind,
+            Some("127.0.0.1:29500".parse().unwrap())
+        );
+        // Slurm names hosts and no port: the first node, falcon's default port.
+        let l = launch(&[
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "localhost,node[2-3]"),
+        ])
+        .unwrap();
+        assert_eq!((l.role, l.rank), (Role::Worker, Some(0)));
+        assert_eq!(l.config.workers, 2);
+        let tcp = scheduler_address(&l.config.scheduler).unwrap().tcp.unwrap();
+        assert!(tcp.ip().is_loopback(), "{tcp}");
+        assert_eq!(tcp.port(), DEFAULT_SCHEDULER_PORT);
+        // Open MPI names neither: FALCON_SCHEDULER_URI does.
+        let l = launch(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("FALCON_SCHEDULER_URI", "127.0.0.1"),
+        ])
+        .unwrap();
+        assert_eq!((l.role, l.rank), (Role::Server, Some(0)));
+        assert_eq!(l.config.scheduler, "host=remote;tcp=127.0.0.1:9091");
+        // An explicit role wins over the launcher's rank.
+        let l = launch(&[
+            ("DMLC_ROLE", "worker"),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("FALCON_SCHEDULER", "127.0.0.1:9"),
+        ])
+        .unwrap();
+        assert_eq!((l.role, l.rank, l.config.workers), (Role::Worker, None, 1));
+    }
+
+    #[test]
+    fn a_plain_scheduler_address_is_where_the_scheduler_listens() {
+        let l = launch(&[
+            ("FALCON_ROLE", "scheduler"),
+            ("FALCON_SCHEDULER", "127.0.0.1:7000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            l.config.transport.bind,
+            Some("127.0.0.1:7000".parse().unwrap())
+        );
+        let l = launch(&[
+            ("FALCON_ROLE", "scheduler"),
+            ("FALCON_SCHEDULER", "127.0.0.1:7000"),
+            ("FALCON_BIND", "127.0.0.1:7001"),
+        ])
+        .unwrap();
+        assert_eq!(
+            l.config.transport.bind,
+            Some("127.0.0.1:7001".parse().unwrap())
+        );
+        // The transport's text form keeps its meaning: not the scheduler's own address.
+        let l = launch(&[
+            ("FALCON_ROLE", "scheduler"),
+            ("FALCON_SCHEDULER", "host=remote;tcp=127.0.0.1:7000"),
+        ])
+        .unwrap();
+        assert_eq!(l.config.transport.bind, Some(LOCAL));
+        let w = launch(&[
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "127.0.0.1:7000"),
+        ])
+        .unwrap();
+        assert_eq!(w.config.scheduler, "host=remote;tcp=127.0.0.1:7000");
+        assert_eq!(w.config.transport.bind, Some(LOCAL));
+    }
+
+    #[test]
+    fn refusals_name_the_variable_the_value_and_what_is_allowed() {
+        let worker = [
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "127.0.0.1:9"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = worker.to_vec();
+            v.extend_from_slice(extra);
+            refused(&v)
+        };
+        assert!(refused(&[]).starts_with("no role: set FALCON_ROLE (or DMLC_ROLE)"));
+        assert!(
+            refused(&[("FALCON_ROLE", "worker")]).starts_with("no scheduler: set FALCON_SCHEDULER")
+        );
+        assert_eq!(
+            refused(&[("DMLC_ROLE", "boss")]),
+            "DMLC_ROLE=boss: not a role: scheduler, server or worker"
+        );
+        assert_eq!(
+            with(&[("DMLC_NUM_SERVER", "0")]),
+            "DMLC_NUM_SERVER=0: the count must be at least 1; 0 is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_NUM_WORKER", "two")]),
+            "FALCON_NUM_WORKER=two: not a whole number"
+        );
+        assert_eq!(
+            with(&[("FALCON_LR", "nan")]),
+            "FALCON_LR=nan: the learning rate must be a finite number greater than 0 (e.g. 0.05); nan is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_HEARTBEAT_MS", "5")]),
+            "FALCON_HEARTBEAT_MS=5: the heartbeat interval must be at least 10 ms; 5 ms is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_OP_TIMEOUT_MS", "0")]),
+            "FALCON_OP_TIMEOUT_MS=0: a timeout must be at least 1 ms (0 would give up at once); 0 ms is not"
+        );
+        assert!(
+            with(&[
+                ("FALCON_HEARTBEAT_MS", "1000"),
+                ("FALCON_SUSPICION_MS", "500")
+            ])
+            .contains("the suspicion timeout must be longer than the heartbeat interval")
+        );
+        assert!(
+            with(&[("FALCON_POLICY", "syncopt(2)"), ("FALCON_NUM_WORKER", "2")])
+                .contains("policy syncopt(2) with 2 worker(s): the backups must be fewer")
+        );
+        assert!(with(&[("FALCON_POLICY", "nope")]).starts_with("FALCON_POLICY=nope: "));
+        assert_eq!(
+            with(&[("FALCON_MEDIUM", "pigeon")]),
+            "FALCON_MEDIUM=pigeon: not a medium: auto, shm, tcp or rdma"
+        );
+        assert_eq!(
+            with(&[("FALCON_CHECKPOINT_ON_FAILURE", "panic")]),
+            "FALCON_CHECKPOINT_ON_FAILURE=panic: not an action on a failed checkpoint write: warn or stop"
+        );
+        assert_eq!(
+            with(&[
+                ("FALCON_CHECKPOINT_DIR", "/tmp/x"),
+                ("FALCON_CHECKPOINT_MS", "1")
+            ]),
+            "FALCON_CHECKPOINT_MS=1: the checkpoint interval must be at least 10 ms; 1 ms is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_RANK", "-1")]),
+            "FALCON_RANK=-1: not a whole number (the rank within the role)"
+        );
+        assert_eq!(
+            with(&[("FALCON_BIND", "127.0.0.1")]),
+            "FALCON_BIND=127.0.0.1: no port: expected HOST:PORT, IP:PORT or host=ID;tcp=IP:PORT"
+        );
+        assert_eq!(
+            with(&[("FALCON_ADVERTISE", "nowhere")]),
+            "FALCON_ADVERTISE=nowhere: not a socket address: expected IP:PORT, e.g. 10.0.0.5:9000"
+        );
+        assert_eq!(
+            refused(&[
+                ("FALCON_ROLE", "worker"),
+                ("FALCON_SCHEDULER", "127.0.0.1:99999")
+            ]),
+            "FALCON_SCHEDULER=127.0.0.1:99999: 99999 is not a port (a whole number from 0 to 65535)"
+        );
+        assert!(
+            refused(&[("FALCON_ROLE", "worker"), ("FALCON_SCHEDULER", "host=x")])
+                .starts_with("FALCON_SCHEDULER=host=x: ")
+        );
+        assert_eq!(
+            refused(&[
+                ("FALCON_ROLE", "worker"),
+                ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+                ("DMLC_PS_ROOT_PORT", "http"),
+            ]),
+            "DMLC_PS_ROOT_PORT=http: not a port (a whole number from 0 to 65535)"
+        );
+        assert_eq!(
+            refused(&[("RANK", "first"), ("WORLD_SIZE", "4")]),
+            "RANK=first: not a whole number (the launcher's global rank)"
+        );
+        assert_eq!(
+            refused(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "n")]),
+            "SLURM_NTASKS=n: not a whole number (the launcher's world size)"
+        );
+        assert_eq!(
+            refused(&[
+                ("RANK", "4"),
+                ("WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "127.0.0.1")
+            ]),
+            "RANK=4 with WORLD_SIZE=4: a launch of 4 processes must hold a scheduler, 1 server(s) \
+             (FALCON_NUM_SERVER) and at least one worker, and the rank must be below the world size"
+        );
+        assert!(
+            refused(&[
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "3"),
+                ("FALCON_NUM_SERVER", "2")
+            ])
+            .starts_with(
+                "OMPI_COMM_WORLD_RANK=0 with OMPI_COMM_WORLD_SIZE=3: a launch of 3 processes"
+            )
+        );
+        // A launcher that names no scheduler host (mpirun) needs FALCON_SCHEDULER_URI.
+        assert!(
+            refused(&[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "3")])
+                .starts_with("no scheduler")
+        );
+        let e = refused(&[
+            ("FALCON_ROLE", "worker"),
+            ("MASTER_ADDR", "no-such-host.invalid"),
+            ("FALCON_SCHEDULER_URI", "no-such-host.invalid"),
+            ("FALCON_SCHEDULER_PORT", "9000"),
+        ]);
+        assert!(
+            e.starts_with("FALCON_SCHEDULER_URI=no-such-host.invalid: cannot resolve no-such-host.invalid:9000"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn scheduler_addresses_may_be_host_and_port() {
+        let a = scheduler_address("10.1.2.3:9000").unwrap();
+        assert_eq!(
+            a,
+            PeerAddr {
+                host: "remote".into(),
+                tcp: Some("10.1.2.3:9000".parse().unwrap()),
+                shm: None,
+            }
+        );
+        // Its text is the transport's form, read back the same.
+        assert_eq!(a.to_string(), "host=remote;tcp=10.1.2.3:9000");
+        assert_eq!(scheduler_address(&a.to_string()).unwrap(), a);
+        assert_eq!(
+            scheduler_address(" [::1]:9000 ").unwrap().tcp,
+            Some("[::1]:9000".parse().unwrap())
+        );
+        // A host name that resolves; IPv4 first.
+        let l = scheduler_address("localhost:9000").unwrap();
+        assert_eq!(l.host, "remote");
+        let tcp = l.tcp.unwrap();
+        assert!(tcp.ip().is_loopback() && tcp.port() == 9000, "{tcp}");
+        // The transport's text form, as before.
+        let p = scheduler_address("host=n1-abc;tcp=10.0.0.1:9000;shm=/run/falcon/x.sock").unwrap();
+        assert_eq!(p.host, "n1-abc");
+        assert_eq!(p.shm, Some("/run/falcon/x.sock".into()));
+        assert_eq!(
+            scheduler_address("node01").unwrap_err(),
+            AddressError::NoPort
+        );
+        assert_eq!(
+            scheduler_address(":9000").unwrap_err(),
+            AddressError::NoPort
+        );
+        assert_eq!(
+            scheduler_address("node01:http").unwrap_err(),
+            AddressError::BadPort {
+                port: "http".into()
+            }
+        );
+        assert!(matches!(
+            scheduler_address("no-such-host.invalid:9000").unwrap_err(),
+            AddressError::Unresolved { port: 9000, .. }
+        ));
+        let e = scheduler_address("host=x").unwrap_err();
+        assert!(matches!(e, AddressError::PeerAddr(_)), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("(expected HOST:PORT, IP:PORT or host=ID;tcp=IP:PORT)")
+        );
+    }
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(first_host("node[01-04,07],gpu5"), "node01");
+        assert_eq!(first_host("gpu5,node[1-2]"), "gpu5");
+        assert_eq!(first_host("single"), "single");
+        assert_eq!(first_host("n[7]"), "n7");
+    }
+
+    /// `VARIABLES` is exactly what `from_vars` asks for, over every branch.
+    #[test]
+    fn the_variables_listed_are_the_variables_read() {
+        let asked = RefCell::new(BTreeSet::new());
+        let run = |vars: &[(&str, &str)]| {
+            let _ = Launch::from_vars(|name| {
+                asked.borrow_mut().insert(name.to_string());
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            });
+        };
+        // No role, no launcher: every launcher's variables.
+        run(&[]);
+        // A role, ps-lite's names (each FALCON_* name unset, so its alias is read), with
+        // checkpoints.
+        run(&[
+            ("DMLC_ROLE", "worker"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("MASTER_PORT", "9000"),
+            ("FALCON_CHECKPOINT_DIR", "/tmp/x"),
+        ]);
+        run(&[("RANK", "1"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "9000")]);
+        run(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "3")]);
+        let listed: BTreeSet<String> = VARIABLES.iter().map(|v| v.to_string()).collect();
+        assert_eq!(listed.len(), VARIABLES.len(), "no duplicates");
+        assert_eq!(asked.into_inner(), listed);
     }
 }
