@@ -381,3 +381,70 @@ fn a_roles_handshake_timeout_is_the_one_set() {
     assert!(took < Duration::from_secs(4), "{took:?}: {err}");
     drop(silent);
 }
+
+#[test]
+fn role_help_lists_every_variable_of_the_launch_contract() {
+    let out = Command::new(FALCON)
+        .args(["role", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let part = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    for var in falcon_engine::launch::VARIABLES {
+        // As a whole name: RANK, not inside FALCON_RANK.
+        let named = help
+            .match_indices(var)
+            .any(|(i, _)| !help[..i].ends_with(part) && !help[i + var.len()..].starts_with(part));
+        assert!(named, "role --help misses {var}:\n{help}");
+    }
+}
+
+#[test]
+fn role_refuses_a_launch_it_cannot_use_naming_the_variable() {
+    // Nothing of this process's own environment decides the role.
+    let role = |env: &[(&str, &str)]| -> String {
+        let mut c = Command::new(FALCON);
+        c.arg("role");
+        for var in falcon_engine::launch::VARIABLES {
+            c.env_remove(var);
+        }
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(2), "a usage error: {stderr}");
+        assert!(o.stdout.is_empty(), "{stderr}");
+        assert!(
+            !stderr.contains("Some(") && !stderr.contains('"'),
+            "{stderr}"
+        );
+        stderr
+    };
+    let e = role(&[]);
+    assert!(e.contains("no role: set FALCON_ROLE (or DMLC_ROLE)"), "{e}");
+    let e = role(&[("FALCON_ROLE", "worker")]);
+    assert!(
+        e.contains("no scheduler: set FALCON_SCHEDULER (HOST:PORT)"),
+        "{e}"
+    );
+    let e = role(&[("FALCON_ROLE", "worker"), ("FALCON_SCHEDULER", "node01")]);
+    assert!(
+        e.contains("FALCON_SCHEDULER=node01: no port: expected HOST:PORT"),
+        "{e}"
+    );
+    let e = role(&[("RANK", "5"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "9")]);
+    assert!(
+        e.contains("RANK=5 with WORLD_SIZE=4: a launch of 4 processes must hold"),
+        "{e}"
+    );
+    let e = role(&[
+        ("DMLC_ROLE", "server"),
+        ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+        ("DMLC_PS_ROOT_PORT", "70000"),
+    ]);
+    assert!(
+        e.contains("DMLC_PS_ROOT_PORT=70000: not a port (a whole number from 0 to 65535)"),
+        "{e}"
+    );
+}

@@ -8,47 +8,17 @@
 
 use std::time::Duration;
 
+use falcon_engine::checks::{Conflict, number};
 use falcon_engine::sync::PolicySpec;
 use falcon_transport::Medium;
 
-/// A value refused on its own; clap shows it after "invalid value 'X' for '--flag'".
-#[derive(Debug, thiserror::Error)]
-pub enum BadValue {
-    /// Not a number of the kind asked for.
-    #[error("not {kind}")]
-    NotANumber {
-        /// What was expected, e.g. "a number".
-        kind: &'static str,
-    },
-    /// A number out of its range.
-    #[error("{what} must be {allowed}; {value} is not")]
-    OutOfRange {
-        /// What the number is.
-        what: &'static str,
-        /// Its allowed range, in words.
-        allowed: &'static str,
-        /// The value given.
-        value: String,
-    },
-}
-
-fn number<T: std::str::FromStr>(s: &str, kind: &'static str) -> Result<T, BadValue> {
-    s.trim().parse().map_err(|_| BadValue::NotANumber { kind })
-}
-
-/// A learning rate: finite and > 0.
-pub fn learning_rate(s: &str) -> Result<f32, BadValue> {
-    let lr: f32 = number(s, "a number")?;
-    if lr.is_finite() && lr > 0.0 {
-        Ok(lr)
-    } else {
-        Err(BadValue::OutOfRange {
-            what: "the learning rate",
-            allowed: "a finite number greater than 0 (e.g. 0.05)",
-            value: s.trim().to_string(),
-        })
-    }
-}
+// The values a role's environment holds are checked by the engine's launch contract
+// (`falcon_engine::launch`); the flags, their variables and the configuration file use the
+// same checks.
+pub use falcon_engine::checks::{
+    BadValue, at_least_one_u32, at_least_one_u64, at_least_one_usize, heartbeat_ms, learning_rate,
+    shard_bytes, suspicion_ms, timeout_ms, whole,
+};
 
 /// An accuracy target: a fraction in (0, 1].
 pub fn accuracy_target(s: &str) -> Result<f64, BadValue> {
@@ -62,40 +32,6 @@ pub fn accuracy_target(s: &str) -> Result<f64, BadValue> {
             value: s.trim().to_string(),
         })
     }
-}
-
-/// A count of at least 1 (iterations, threads, workers, servers, batch, tasks, runs).
-pub fn at_least_one_u64(s: &str) -> Result<u64, BadValue> {
-    let n: u64 = number(s, "a whole number")?;
-    if n >= 1 {
-        Ok(n)
-    } else {
-        Err(BadValue::OutOfRange {
-            what: "the count",
-            allowed: "at least 1",
-            value: s.trim().to_string(),
-        })
-    }
-}
-
-/// [`at_least_one_u64`] as a `u32`.
-pub fn at_least_one_u32(s: &str) -> Result<u32, BadValue> {
-    let n = at_least_one_u64(s)?;
-    u32::try_from(n).map_err(|_| BadValue::OutOfRange {
-        what: "the count",
-        allowed: "between 1 and 4294967295",
-        value: s.trim().to_string(),
-    })
-}
-
-/// [`at_least_one_u64`] as a `usize`.
-pub fn at_least_one_usize(s: &str) -> Result<usize, BadValue> {
-    let n = at_least_one_u64(s)?;
-    usize::try_from(n).map_err(|_| BadValue::OutOfRange {
-        what: "the count",
-        allowed: "a count this machine can address",
-        value: s.trim().to_string(),
-    })
 }
 
 /// A positive finite number (epochs).
@@ -154,25 +90,6 @@ pub fn jitter(s: &str) -> Result<f64, BadValue> {
     }
 }
 
-/// A largest shard in bytes: at least 4 (one float).
-pub fn shard_bytes(s: &str) -> Result<u64, BadValue> {
-    let n: u64 = number(s, "a whole number of bytes")?;
-    if n >= 4 {
-        Ok(n)
-    } else {
-        Err(BadValue::OutOfRange {
-            what: "the largest shard",
-            allowed: "at least 4 bytes (one float)",
-            value: format!("{n} bytes"),
-        })
-    }
-}
-
-/// A whole number ≥ 0 (a seed).
-pub fn whole(s: &str) -> Result<u64, BadValue> {
-    number(s, "a whole number ≥ 0")
-}
-
 /// The value of the first of `names` that is set (and not empty), read with `parse`; none
 /// set: `default`. A value `parse` refuses is an [`Invalid::Env`] naming the variable.
 pub fn env_value<T, E: std::fmt::Display>(
@@ -193,56 +110,6 @@ pub fn env_value<T, E: std::fmt::Display>(
     Ok(default)
 }
 
-/// The smallest heartbeat interval accepted.
-pub const MIN_HEARTBEAT_MS: u64 = 10;
-
-/// A heartbeat interval in milliseconds: at least [`MIN_HEARTBEAT_MS`].
-pub fn heartbeat_ms(s: &str) -> Result<u64, BadValue> {
-    let ms: u64 = number(s, "a whole number of milliseconds")?;
-    if ms >= MIN_HEARTBEAT_MS {
-        Ok(ms)
-    } else {
-        Err(BadValue::OutOfRange {
-            what: "the heartbeat interval",
-            allowed: "at least 10 ms",
-            value: format!("{ms} ms"),
-        })
-    }
-}
-
-/// A checkpoint interval in milliseconds: at least 10.
-pub fn checkpoint_ms(s: &str) -> Result<u64, BadValue> {
-    let ms: u64 = number(s, "a whole number of milliseconds")?;
-    if ms >= 10 {
-        Ok(ms)
-    } else {
-        Err(BadValue::OutOfRange {
-            what: "the checkpoint interval",
-            allowed: "at least 10 ms",
-            value: format!("{ms} ms"),
-        })
-    }
-}
-
-/// A timeout in milliseconds: at least 1 (0 would fail every wait at once).
-pub fn timeout_ms(s: &str) -> Result<u64, BadValue> {
-    let ms: u64 = number(s, "a whole number of milliseconds")?;
-    if ms >= 1 {
-        Ok(ms)
-    } else {
-        Err(BadValue::OutOfRange {
-            what: "a timeout",
-            allowed: "at least 1 ms (0 would give up at once)",
-            value: "0 ms".into(),
-        })
-    }
-}
-
-/// A suspicion timeout in milliseconds; 0 means never.
-pub fn suspicion_ms(s: &str) -> Result<u64, BadValue> {
-    number(s, "a whole number of milliseconds (0: never)")
-}
-
 /// A medium, parsed.
 pub fn medium(s: &str) -> Result<Medium, falcon_transport::Error> {
     s.parse()
@@ -251,21 +118,10 @@ pub fn medium(s: &str) -> Result<Medium, falcon_transport::Error> {
 /// Values that are wrong together, or a job this machine cannot hold.
 #[derive(Debug, thiserror::Error)]
 pub enum Invalid {
-    /// Sync-opt with as many backups as workers or more.
-    #[error(
-        "policy {policy} with {workers} worker(s): the backups must be fewer than the workers \
-         (0 to {max}), since the first workers − backups gradients of each step count"
-    )]
-    Backups {
-        /// The policy as given.
-        policy: String,
-        /// Its backups.
-        backups: u32,
-        /// The job's workers.
-        workers: u32,
-        /// The most backups allowed.
-        max: u32,
-    },
+    /// Values wrong together: a policy and the workers, a suspicion timeout and the
+    /// heartbeat.
+    #[error(transparent)]
+    Conflict(#[from] Conflict),
     /// A setting refused by its parser (a policy, a model, a heterogeneity spec…), before
     /// anything started: the parser's message.
     #[error("{0}")]
@@ -288,20 +144,6 @@ pub enum Invalid {
         tasks: u64,
         /// Batch.
         batch: u64,
-    },
-    /// A suspicion timeout not longer than the heartbeat interval.
-    #[error(
-        "suspicion timeout {suspicion_ms} ms with heartbeats every {heartbeat_ms} ms: the \
-         suspicion timeout must be longer than the heartbeat interval (a few intervals, \
-         e.g. {suggest} ms), or 0 to never declare a silent role dead"
-    )]
-    Suspicion {
-        /// The suspicion timeout.
-        suspicion_ms: u64,
-        /// The heartbeat interval.
-        heartbeat_ms: u64,
-        /// A sensible value.
-        suggest: u64,
     },
     /// An environment variable a role reads has a value it cannot use.
     #[error("{var}={value}: {why}")]
@@ -326,17 +168,7 @@ pub fn setting<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, Invalid> {
 /// Sync-opt's backups must be fewer than the workers (the engine would otherwise quietly
 /// use workers − 1).
 pub fn policy_fits(policy: &PolicySpec, text: &str, workers: u32) -> Result<(), Invalid> {
-    if let PolicySpec::SyncOpt { backups } = *policy
-        && backups >= workers
-    {
-        return Err(Invalid::Backups {
-            policy: text.trim().to_string(),
-            backups,
-            workers,
-            max: workers.saturating_sub(1),
-        });
-    }
-    Ok(())
+    Ok(falcon_engine::checks::policy_fits(policy, text, workers)?)
 }
 
 /// Tasks per iteration must be between 1 and the batch.
@@ -408,17 +240,10 @@ impl TimeoutArgs {
 
 /// A suspicion timeout must be longer than the heartbeat interval.
 pub fn check_timeouts(t: &falcon_trainer::job::Timeouts) -> Result<(), Invalid> {
-    if let Some(s) = t.suspicion
-        && s <= t.heartbeat
-    {
-        let hb = t.heartbeat.as_millis() as u64;
-        return Err(Invalid::Suspicion {
-            suspicion_ms: s.as_millis() as u64,
-            heartbeat_ms: hb,
-            suggest: (hb * 5).max(1000),
-        });
-    }
-    Ok(())
+    Ok(falcon_engine::checks::suspicion_fits(
+        t.heartbeat,
+        t.suspicion,
+    )?)
 }
 
 /// How a job's roles are placed, for [`Limits`].
@@ -580,15 +405,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn learning_rates_must_be_finite_and_positive() {
-        assert_eq!(learning_rate("0.05").unwrap(), 0.05);
-        for bad in ["nan", "NaN", "inf", "-inf", "0", "-0.1"] {
-            let e = learning_rate(bad).unwrap_err().to_string();
-            assert!(
-                e.contains("the learning rate must be a finite number greater than 0"),
-                "{bad}: {e}"
-            );
-        }
+    fn the_engines_checks_are_the_flags_checks() {
+        // Shared with the launch contract: one type, one message.
+        let e: BadValue = learning_rate("nan").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("the learning rate must be a finite number greater than 0")
+        );
         assert_eq!(learning_rate("x").unwrap_err().to_string(), "not a number");
     }
 
@@ -602,25 +425,9 @@ mod tests {
     }
 
     #[test]
-    fn counts_timeouts_and_heartbeats() {
-        assert!(at_least_one_u64("0").is_err());
-        assert_eq!(at_least_one_u32("3").unwrap(), 3);
-        assert!(at_least_one_u32("4294967296").is_err());
-        assert!(
-            heartbeat_ms("9")
-                .unwrap_err()
-                .to_string()
-                .contains("at least 10 ms")
-        );
-        assert_eq!(heartbeat_ms("10").unwrap(), 10);
-        assert!(
-            timeout_ms("0")
-                .unwrap_err()
-                .to_string()
-                .contains("at least 1 ms")
-        );
-        assert_eq!(suspicion_ms("0").unwrap(), 0);
+    fn positives() {
         assert!(positive("0").is_err() && positive("inf").is_err());
+        assert_eq!(positive("2.5").unwrap(), 2.5);
     }
 
     #[test]

@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use falcon_engine::keys::TensorSpec;
+use falcon_engine::launch::Launch;
 use falcon_engine::proto::Role;
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::Optimizer;
@@ -26,7 +27,6 @@ use falcon_engine::{JobConfig, Scheduler, Server, Worker};
 use falcon_transport::{Transport, TransportConfig};
 
 use crate::checks::env_value;
-use std::time::Duration;
 
 #[derive(Parser)]
 #[command(name = "falcon", version, about = "A heterogeneity-aware parameter server", long_about = LONG_ABOUT,
@@ -119,7 +119,10 @@ fn exit_code(e: &(dyn std::error::Error + 'static)) -> ExitCode {
     if let Some(l) = e.downcast_ref::<local_cmd::LocalError>() {
         return ExitCode::from(l.exit_code());
     }
-    if e.is::<checks::Invalid>() || e.is::<checks::BadValue>() {
+    if e.is::<checks::Invalid>()
+        || e.is::<checks::BadValue>()
+        || e.is::<falcon_engine::launch::LaunchError>()
+    {
         return ExitCode::from(2);
     }
     ExitCode::FAILURE
@@ -136,21 +139,39 @@ it ends at once and quietly, as a program killed by SIGPIPE would.";
 
 pub(crate) type Res = Result<(), Box<dyn std::error::Error>>;
 
-/// What `falcon role --help` shows after the usage.
+/// What `falcon role --help` shows after the usage: every variable `falcon role` reads
+/// (the launch contract's, `falcon_engine::launch::VARIABLES`, then its own).
 const ROLE_HELP: &str = "\
-Environment (each FALCON_* variable; ps-lite's DMLC_* names work too):
-  FALCON_ROLE                   scheduler, server or worker (or a launcher's RANK/WORLD_SIZE,
-                                SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/SIZE)
+Environment: the launch contract, the same for a worker process of one's own
+(falcon_engine::launch::Launch::from_env()); ps-lite's DMLC_* names work too:
+  FALCON_ROLE (DMLC_ROLE)       scheduler, server or worker. Unset: a launcher's global rank
+                                decides (0 the scheduler, the next FALCON_NUM_SERVER the
+                                servers, the rest the workers): torchrun's RANK and
+                                WORLD_SIZE, Slurm's SLURM_PROCID and SLURM_NTASKS, Open MPI's
+                                OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE
   FALCON_RANK                   rank within the role (default: the scheduler assigns one)
-  FALCON_NUM_SERVER, FALCON_NUM_WORKER   servers (default 1) and workers (default 1)
-  FALCON_SCHEDULER, FALCON_SCHEDULER_URI, FALCON_SCHEDULER_PORT   where the scheduler is
+  FALCON_NUM_SERVER (DMLC_NUM_SERVER)  servers (default 1)
+  FALCON_NUM_WORKER (DMLC_NUM_WORKER)  workers (default 1; under a launcher, the world size
+                                less the scheduler and the servers)
+  FALCON_SCHEDULER              the scheduler's address: HOST:PORT, IP:PORT, or
+                                host=ID;tcp=IP:PORT; a scheduler given HOST:PORT listens there
+  FALCON_SCHEDULER_URI          or the scheduler's host (DMLC_PS_ROOT_URI; torchrun's
+                                MASTER_ADDR; the first node of Slurm's SLURM_NODELIST or
+                                SLURM_JOB_NODELIST)...
+  FALCON_SCHEDULER_PORT         ...and port, where it listens (DMLC_PS_ROOT_PORT, MASTER_PORT;
+                                under Slurm or mpirun, default 9091)
+  FALCON_NODE_HOST (DMLC_NODE_HOST)  this node's interface (default: the scheduler's host)
+  FALCON_BIND                   this node's listening address, HOST:PORT (default: any port
+                                of its interface)
+  FALCON_ADVERTISE              the address it advertises, IP:PORT (behind NAT)
+  FALCON_JOB, FALCON_TOKEN      job id (default falcon) and its secret token
   FALCON_POLICY                 synchronization policy (default bsp)
+  FALCON_LR                     learning rate, finite and > 0 (default 0.5; 0.05 for train);
+                                asynchronous policies apply each gradient with lr / workers
+  FALCON_SCALE                  staleness scaling of asynchronous gradients: none (default),
+                                dynsgd, consgd(F)
+  FALCON_MAX_SHARD_BYTES        largest shard, at least 4 (default 4194304)
   FALCON_MEDIUM                 auto, shm, tcp, rdma (default auto)
-  FALCON_LR                     learning rate, finite and > 0 (default 0.5; 0.05 for train)
-  FALCON_ITERS, FALCON_FLOATS   iterations (default 100) and model size (default 1048576)
-  FALCON_WORKLOAD               synthetic (default) or train (with FALCON_MODEL, FALCON_DATA,
-                                FALCON_BATCH, FALCON_TASKS, FALCON_THREADS, FALCON_SEED,
-                                FALCON_HETERO=RANKS:SPEC;…)
   FALCON_HEARTBEAT_MS           heartbeat interval, at least 10 (default 1000)
   FALCON_SUSPICION_MS           a role silent this long is declared dead; 0: never
                                 (default 15000; longer than the heartbeat interval)
@@ -164,7 +185,21 @@ Environment (each FALCON_* variable; ps-lite's DMLC_* names work too):
   FALCON_CHECKPOINT_MS          how often, at least 10 (default 1000)
   FALCON_RECOVERY_TIMEOUT_MS    how long the job waits for a dead server to restart from its
                                 checkpoint (default 60000)
+  FALCON_CHECKPOINT_ON_FAILURE  a failed checkpoint write: warn (default) or stop the job
+
+Read by falcon role itself:
+  FALCON_WORKLOAD               a worker's work: synthetic (default), count (every gradient
+                                -1, exactly-once checks) or train (with FALCON_MODEL,
+                                FALCON_DATA, FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
+                                FALCON_SEED)
+  FALCON_HETERO                 workers' heterogeneity, RANKS:SPEC;... (checked by every role)
+  FALCON_ITERS, FALCON_FLOATS   iterations (default 100) and model size (default 1048576)
+  FALCON_FAULT_DROP_MS, FALCON_FAULT_DROP_EVERY  fault injection: a worker drops one of its
+                                server links every N ms, or every N iterations
+  FALCON_RDMA_DEVICE, FALCON_RDMA_GID_INDEX  the RDMA device and GID index (rdma builds)
+  FALCON_ANNOUNCE               the scheduler prints its address on stdout
   FALCON_PARENT_PID             die with that process (set by `falcon local`)
+  RUST_LOG                      log filter (default warn)
 ";
 
 fn bench(what: &str, quick: bool) -> Res {
@@ -269,240 +304,16 @@ pub(crate) fn env(names: &[&str]) -> Option<String> {
         .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
 }
 
-/// The job configuration from the environment.
-/// One launcher line for every process (Slurm's `srun`, torchrun, mpirun): the role comes
-/// from the global rank — 0 is the scheduler, the next `servers` ranks the servers, the rest
-/// the workers — and the scheduler's host from MASTER_ADDR or the first node of
-/// SLURM_NODELIST.
-fn launcher_layout(servers: u32) -> Result<Option<Launch>, String> {
-    let (rank, world, host) = if let (Some(r), Some(w)) = (env(&["RANK"]), env(&["WORLD_SIZE"])) {
-        (r, w, env(&["MASTER_ADDR"]))
-    } else if let (Some(r), Some(w)) = (env(&["SLURM_PROCID"]), env(&["SLURM_NTASKS"])) {
-        (
-            r,
-            w,
-            env(&["SLURM_NODELIST", "SLURM_JOB_NODELIST"]).map(|l| first_host(&l)),
-        )
-    } else if let (Some(r), Some(w)) = (
-        env(&["OMPI_COMM_WORLD_RANK"]),
-        env(&["OMPI_COMM_WORLD_SIZE"]),
-    ) {
-        (r, w, None)
-    } else {
-        return Ok(None);
-    };
-    let rank: u32 = rank
-        .parse()
-        .map_err(|_| format!("launcher rank {rank}: not a whole number"))?;
-    let world: u32 = world
-        .parse()
-        .map_err(|_| format!("launcher world size {world}: not a whole number"))?;
-    if world < servers + 2 || rank >= world {
-        return Err(format!(
-            "a launch of {world} processes cannot hold a scheduler, {servers} server(s) and a worker (rank {rank})"
-        ));
-    }
-    let (role, r) = match rank {
-        0 => (Role::Scheduler, 0),
-        r if r <= servers => (Role::Server, r - 1),
-        r => (Role::Worker, r - 1 - servers),
-    };
-    Ok(Some(Launch {
-        role,
-        rank: r,
-        world,
-        host,
-    }))
-}
-
-/// Where a launcher put this process.
-struct Launch {
-    role: Role,
-    /// Rank within the role.
-    rank: u32,
-    /// Processes in the launch.
-    world: u32,
-    /// The scheduler's host, if the launcher names it.
-    host: Option<String>,
-}
-
-/// The scheduler's port when a launcher names none.
-const DEFAULT_SCHEDULER_PORT: u16 = 9091;
-
-/// Resolves `host:port` (a name or an address) to a socket address.
-fn resolve(host: &str, port: u16) -> Result<std::net::SocketAddr, String> {
-    use std::net::ToSocketAddrs;
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host}:{port}: {e}"))?
-        .find(|a| a.is_ipv4())
-        .or_else(|| (host, port).to_socket_addrs().ok()?.next())
-        .ok_or_else(|| format!("{host} has no address"))
-}
-
-/// The first host of a Slurm node list: `node[01-04,07],gpu5` → `node01`.
-fn first_host(list: &str) -> String {
-    let first = match list.find('[') {
-        Some(open) if list[..open].find(',').is_none() => {
-            let inner = &list[open + 1..list[open..].find(']').map_or(list.len(), |c| open + c)];
-            let token = inner.split([',', '-']).next().unwrap_or("");
-            format!("{}{token}", &list[..open])
-        }
-        _ => list.split(',').next().unwrap_or("").to_string(),
-    };
-    first.trim().to_string()
-}
-
-/// The job configuration from the environment.
+/// The job configuration from the environment: the engine's launch contract
+/// ([`Launch::from_env`], the same for a worker process of one's own), then what the
+/// workloads of `falcon role` add to it.
 fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::Error>> {
-    let servers: u32 = env_value(
-        &["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"],
-        1,
-        checks::at_least_one_u32,
-    )?;
-    let explicit = env(&["FALCON_ROLE", "DMLC_ROLE"]);
-    let layout = if explicit.is_none() {
-        launcher_layout(servers)?
-    } else {
-        None
-    };
-    let (role, launcher_rank, world, launcher_host): (
-        Role,
-        Option<u32>,
-        Option<u32>,
-        Option<String>,
-    ) = match (explicit, layout) {
-        (Some(r), _) => (r.parse()?, None, None, None),
-        (None, Some(l)) => (l.role, Some(l.rank), Some(l.world), l.host),
-        (None, None) => {
-            return Err("set FALCON_ROLE (or DMLC_ROLE), or launch with srun, torchrun or mpirun (RANK/WORLD_SIZE, SLURM_PROCID/SLURM_NTASKS)".into());
-        }
-    };
-    let uri = env(&["FALCON_SCHEDULER_URI", "DMLC_PS_ROOT_URI"]).or(launcher_host);
-    let port: Option<u16> = env(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"])
-        .map(|p| {
-            p.parse()
-                .map_err(|_| format!("scheduler port {p}: not a port (0 to 65535)"))
-        })
-        .transpose()?;
-    // Launched by Slurm or mpirun, which name no port: falcon's default.
-    let port = port.or(world.map(|_| DEFAULT_SCHEDULER_PORT));
-    let scheduler = match (env(&["FALCON_SCHEDULER"]), &uri, port) {
-        (Some(full), _, _) => full,
-        (None, Some(u), Some(p)) => format!("host=remote;tcp={}", resolve(u, p)?),
-        _ => return Err("set FALCON_SCHEDULER, or FALCON_SCHEDULER_URI and FALCON_SCHEDULER_PORT (DMLC_PS_ROOT_URI/PORT)".into()),
-    };
-    let mut cfg = JobConfig {
-        job: env(&["FALCON_JOB"]).unwrap_or_else(|| "falcon".into()),
-        token: env(&["FALCON_TOKEN"]).unwrap_or_default(),
-        servers,
-        workers: match world {
-            Some(w) => w - 1 - servers,
-            None => env_value(
-                &["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"],
-                1,
-                checks::at_least_one_u32,
-            )?,
-        },
-        scheduler,
-        policy: env_value(&["FALCON_POLICY"], PolicySpec::Bsp, str::parse)?,
-        optimizer: Optimizer::Sgd {
-            lr: env_value(&["FALCON_LR"], 0.5, checks::learning_rate)?,
-        },
-        max_shard_bytes: env_value(
-            &["FALCON_MAX_SHARD_BYTES"],
-            falcon_engine::keys::DEFAULT_MAX_SHARD_BYTES,
-            checks::shard_bytes,
-        )?,
-        scale: env_value(
-            &["FALCON_SCALE"],
-            falcon_engine::update::ScaleSpec::Unscaled,
-            str::parse,
-        )?,
-        // Server checkpoints and recovery: a dead server restarts from its checkpoint. A failed
-        // checkpoint write warns, or stops the job (FALCON_CHECKPOINT_ON_FAILURE=warn|stop).
-        checkpoint: match (
-            env(&["FALCON_CHECKPOINT_DIR"]),
-            env(&["FALCON_CHECKPOINT_ON_FAILURE"])
-                .map(|v| v.parse())
-                .transpose()
-                .map_err(|e| format!("FALCON_CHECKPOINT_ON_FAILURE: {e}"))?,
-        ) {
-            (Some(dir), on_failure) => Some(falcon_engine::CheckpointSettings {
-                every: Duration::from_millis(env_value(
-                    &["FALCON_CHECKPOINT_MS"],
-                    1000,
-                    checks::checkpoint_ms,
-                )?),
-                recovery_timeout: Duration::from_millis(env_value(
-                    &["FALCON_RECOVERY_TIMEOUT_MS"],
-                    60_000,
-                    checks::timeout_ms,
-                )?),
-                on_failure: on_failure.unwrap_or_default(),
-                ..falcon_engine::CheckpointSettings::new(dir)
-            }),
-            (None, _) => None,
-        },
-        ..JobConfig::default()
-    };
-    // The heartbeat and the timeouts (FALCON_HEARTBEAT_MS, FALCON_SUSPICION_MS: 0 never, …).
-    let timeouts = falcon_trainer::job::Timeouts {
-        heartbeat: Duration::from_millis(env_value(
-            &["FALCON_HEARTBEAT_MS"],
-            checks::default_ms(|d| d.heartbeat),
-            checks::heartbeat_ms,
-        )?),
-        suspicion: match env_value(
-            &["FALCON_SUSPICION_MS"],
-            falcon_engine::config::DEFAULT_SUSPICION.as_millis() as u64,
-            checks::suspicion_ms,
-        )? {
-            0 => None,
-            ms => Some(Duration::from_millis(ms)),
-        },
-        rendezvous: Duration::from_millis(env_value(
-            &["FALCON_RENDEZVOUS_TIMEOUT_MS"],
-            checks::default_ms(|d| d.rendezvous_timeout),
-            checks::timeout_ms,
-        )?),
-        op: Duration::from_millis(env_value(
-            &["FALCON_OP_TIMEOUT_MS"],
-            checks::default_ms(|d| d.transport.op_timeout),
-            checks::timeout_ms,
-        )?),
-        handshake: Duration::from_millis(env_value(
-            &["FALCON_HANDSHAKE_TIMEOUT_MS"],
-            checks::default_ms(|d| d.transport.handshake_timeout),
-            checks::timeout_ms,
-        )?),
-    };
-    checks::check_timeouts(&timeouts)?;
-    timeouts.apply(&mut cfg);
-    // The admission wall's caps on connections waiting to prove the job token.
-    cfg.transport.max_handshakes = env_value(
-        &["FALCON_MAX_HANDSHAKES"],
-        cfg.transport.max_handshakes,
-        checks::at_least_one_usize,
-    )?;
-    cfg.transport.max_handshakes_per_source = env_value(
-        &["FALCON_MAX_HANDSHAKES_PER_SOURCE"],
-        cfg.transport.max_handshakes_per_source,
-        checks::at_least_one_usize,
-    )?;
-    if cfg.workers == 0 || cfg.servers == 0 {
-        return Err(checks::Invalid::Env {
-            var: "FALCON_NUM_WORKER",
-            value: format!("{} (with {} server(s))", cfg.workers, cfg.servers),
-            why: "a job needs at least one worker and one server".into(),
-        }
-        .into());
-    }
-    checks::policy_fits(
-        &cfg.policy,
-        &env(&["FALCON_POLICY"]).unwrap_or_else(|| "bsp".into()),
-        cfg.workers,
-    )?;
+    let Launch {
+        config: mut cfg,
+        role,
+        rank,
+        ..
+    } = Launch::from_env()?;
     // The heterogeneity's ranks must be workers of the job (checked by every role).
     let hetero = env(&["FALCON_HETERO"]).unwrap_or_default();
     falcon_trainer::hetero::assign(cfg.workers, &falcon_trainer::hetero::split_entries(&hetero))
@@ -511,57 +322,22 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
             value: hetero.clone(),
             why: e.to_string(),
         })?;
-    // The trainer's convention: the gradients of a clock are summed (each is already a mean
-    // over its batch), each asynchronous one applied with the same step.
-    if env(&["FALCON_WORKLOAD"]).as_deref() == Some("count") {
+    match env(&["FALCON_WORKLOAD"]).as_deref() {
         // Every gradient is −1: each one applied adds exactly 1/8 to every parameter, so the
         // values count the gradients applied (exactly-once checks).
-        cfg.optimizer = Optimizer::Sgd { lr: 0.125 };
-    } else if env(&["FALCON_WORKLOAD"]).as_deref() == Some("train") {
-        cfg.aggregate = falcon_engine::update::Aggregate::Sum;
-        cfg.optimizer = Optimizer::Sgd {
-            lr: env_value(&["FALCON_LR"], 0.05, checks::learning_rate)?,
-        };
-    } else if cfg.update_mode() == falcon_engine::update::UpdateMode::Async {
-        // Async policies apply each worker's gradient on its own: lr / workers keeps the step
-        // of a round equal to BSP's (mean of W gradients) and delayed-gradient descent stable.
-        let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
-        cfg.optimizer = Optimizer::Sgd { lr };
+        Some("count") => cfg.optimizer = Optimizer::Sgd { lr: 0.125 },
+        // The trainer's convention: the gradients of a clock are summed (each is already a
+        // mean over its batch), each asynchronous one applied with the same step.
+        Some("train") => {
+            cfg.aggregate = falcon_engine::update::Aggregate::Sum;
+            cfg.optimizer = Optimizer::Sgd {
+                lr: env_value(&["FALCON_LR"], 0.05, checks::learning_rate)?,
+            };
+        }
+        // The synthetic workload: the launch contract's learning rate (lr / workers under
+        // asynchronous policies).
+        _ => {}
     }
-    cfg.transport.medium = env_value(
-        &["FALCON_MEDIUM"],
-        falcon_transport::Medium::Auto,
-        str::parse,
-    )?;
-    // The scheduler listens on the advertised scheduler address; other roles on any port of
-    // their interface (FALCON_BIND / DMLC_NODE_HOST), advertised as FALCON_ADVERTISE.
-    let host = env(&["FALCON_NODE_HOST", "DMLC_NODE_HOST"])
-        .unwrap_or_else(|| uri.clone().unwrap_or_else(|| "127.0.0.1".into()));
-    let bind = match (role, &uri, port) {
-        (Role::Scheduler, Some(u), Some(p)) => format!("{u}:{p}"),
-        _ => env(&["FALCON_BIND"]).unwrap_or_else(|| format!("{host}:0")),
-    };
-    cfg.transport.bind = Some(match bind.rsplit_once(':') {
-        Some((h, p)) => resolve(
-            h,
-            p.parse()
-                .map_err(|_| format!("bind address {bind}: not a port (0 to 65535)"))?,
-        )?,
-        None => return Err(format!("bind address {bind}: no port (HOST:PORT)").into()),
-    });
-    if let Some(adv) = env(&["FALCON_ADVERTISE"]) {
-        cfg.transport.advertise = Some(
-            adv.parse()
-                .map_err(|e| format!("FALCON_ADVERTISE={adv}: {e} (expected IP:PORT)"))?,
-        );
-    }
-    let rank = match launcher_rank {
-        Some(r) => Some(r),
-        None => env(&["FALCON_RANK"])
-            .map(|r| r.parse())
-            .transpose()
-            .map_err(|_| "FALCON_RANK is not a number")?,
-    };
     Ok((cfg, role, rank))
 }
 
@@ -888,13 +664,45 @@ fn rustix_limit() -> (Option<u64>, Option<u64>) {
 
 #[cfg(test)]
 mod tests {
-    use super::first_host;
+    use super::ROLE_HELP;
+
+    /// The variables `falcon role` reads besides the launch contract's (all in [`ROLE_HELP`]).
+    const ROLE_OWN_VARIABLES: &[&str] = &[
+        "FALCON_WORKLOAD",
+        "FALCON_HETERO",
+        "FALCON_ITERS",
+        "FALCON_FLOATS",
+        "FALCON_MODEL",
+        "FALCON_DATA",
+        "FALCON_BATCH",
+        "FALCON_TASKS",
+        "FALCON_THREADS",
+        "FALCON_SEED",
+        "FALCON_FAULT_DROP_MS",
+        "FALCON_FAULT_DROP_EVERY",
+        "FALCON_RDMA_DEVICE",
+        "FALCON_RDMA_GID_INDEX",
+        "FALCON_ANNOUNCE",
+        "FALCON_PARENT_PID",
+        "RUST_LOG",
+    ];
+
+    /// Whether `name` appears in `text` as a whole name (`RANK`, not inside `FALCON_RANK`).
+    fn names(text: &str, name: &str) -> bool {
+        let part = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        text.match_indices(name)
+            .any(|(i, _)| !text[..i].ends_with(part) && !text[i + name.len()..].starts_with(part))
+    }
 
     #[test]
-    fn slurm_node_lists() {
-        assert_eq!(first_host("node[01-04,07],gpu5"), "node01");
-        assert_eq!(first_host("gpu5,node[1-2]"), "gpu5");
-        assert_eq!(first_host("single"), "single");
-        assert_eq!(first_host("n[7]"), "n7");
+    fn role_help_lists_every_variable_role_reads() {
+        for var in falcon_engine::launch::VARIABLES
+            .iter()
+            .chain(ROLE_OWN_VARIABLES)
+        {
+            assert!(names(ROLE_HELP, var), "falcon role --help misses {var}");
+        }
+        assert!(!names("FALCON_RANK", "RANK"));
+        assert!(names("RANK and", "RANK"));
     }
 }

@@ -37,7 +37,10 @@ pub struct JobConfig {
     pub servers: u32,
     /// Number of workers.
     pub workers: u32,
-    /// The scheduler's address (`PeerAddr` text). Ignored by the scheduler itself.
+    /// The scheduler's address: `HOST:PORT` or `IP:PORT` (a remote tcp endpoint), or the
+    /// transport's `PeerAddr` text (`host=ID;tcp=IP:PORT;shm=PATH`); see
+    /// [`launch::scheduler_address`](crate::launch::scheduler_address). Ignored by the
+    /// scheduler itself.
     pub scheduler: String,
     /// Synchronization policy.
     pub policy: PolicySpec,

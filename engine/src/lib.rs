@@ -16,8 +16,10 @@ pub mod update;
 pub use error::{Error, Result};
 pub mod auth;
 pub mod checkpoint;
+pub mod checks;
 pub mod config;
 mod heartbeat;
+pub mod launch;
 pub mod proto;
 // The roles map real shared memory with std atomics; the loom build (`--cfg loom`) models
 // the meta block alone, so they are left out of it.

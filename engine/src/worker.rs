@@ -47,10 +47,9 @@ pub(crate) fn rendezvous(
     tensors: Vec<TensorSpec>,
 ) -> Result<(Link, Book, Vec<Completion>)> {
     let mut early = Vec::new();
-    let addr = cfg
-        .scheduler
-        .parse()
-        .map_err(|e| Error::Config(format!("scheduler address {:?}: {e}", cfg.scheduler)))?;
+    // HOST:PORT, IP:PORT (a remote tcp endpoint) or the transport's text form.
+    let addr = crate::launch::scheduler_address(&cfg.scheduler)
+        .map_err(|e| Error::Config(format!("scheduler address {}: {e}", cfg.scheduler)))?;
     // The configured medium is for the data path; the control link to the scheduler takes
     // whatever reaches it (its address may be a bare tcp endpoint from the environment).
     // Roles start in any order: retry until the rendezvous deadline, like ps-lite.

@@ -487,3 +487,50 @@ fn admission_is_challenge_response_and_answers_do_not_replay() {
     drop((l, first, second, t));
     drop(s);
 }
+
+/// `JobConfig::scheduler` as plain `IP:PORT` and `HOST:PORT` (a host name that resolves):
+/// a server and a worker reach the scheduler by tcp and the job runs.
+#[test]
+fn the_scheduler_may_be_given_as_host_and_port() {
+    let mut c = cfg(1, 1, PolicySpec::Bsp);
+    c.optimizer = Optimizer::Sgd { lr: 0.5 };
+    let sched = falcon_engine::Scheduler::bind(c.clone()).unwrap();
+    let tcp = falcon_engine::launch::scheduler_address(&sched.address())
+        .unwrap()
+        .tcp
+        .expect("the scheduler listens on tcp");
+    assert!(tcp.ip().is_loopback(), "{tcp}");
+    let s = std::thread::spawn(move || sched.run());
+    let mut server_cfg = c.clone();
+    server_cfg.scheduler = format!("127.0.0.1:{}", tcp.port());
+    let server = std::thread::spawn(move || {
+        falcon_engine::Server::join(server_cfg, None, Default::default())?.run()
+    });
+    c.scheduler = format!("localhost:{}", tcp.port());
+    let w = Worker::join(
+        &c,
+        vec![TensorSpec {
+            name: "w".into(),
+            len: 4,
+        }],
+        None,
+    )
+    .unwrap();
+    let mut v = vec![0f32; 4];
+    w.pull_slice("w", &mut v, 0).unwrap();
+    assert_eq!(v, [0.0; 4]);
+    w.push_slice("w", &[-1.0, -2.0, -3.0, -4.0], 0).unwrap();
+    w.pull_slice("w", &mut v, 1).unwrap();
+    assert_eq!(v, [0.5, 1.0, 1.5, 2.0]);
+    w.finish().unwrap();
+    server.join().unwrap().unwrap();
+    s.join().unwrap().unwrap();
+    // Neither an address nor the transport's text form: a typed error naming it.
+    c.scheduler = "nowhere".into();
+    let e = Worker::join(&c, tensors(), None).err().expect("refused");
+    assert!(matches!(e, Error::Config(_)), "{e}");
+    assert!(
+        e.to_string().contains("scheduler address nowhere: no port"),
+        "{e}"
+    );
+}

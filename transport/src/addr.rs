@@ -88,24 +88,28 @@ impl FromStr for PeerAddr {
         let (mut host, mut tcp, mut shm) = (None, None, None);
         for part in s.split(';').filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once('=').ok_or_else(|| {
-                Error::Config(format!("peer address part {part:?} is not key=value"))
+                Error::Config(format!("peer address part `{part}` is not key=value"))
             })?;
             match k {
                 "host" => host = Some(v.to_string()),
                 "tcp" => {
                     tcp = Some(
                         v.parse()
-                            .map_err(|e| Error::Config(format!("peer tcp address {v:?}: {e}")))?,
+                            .map_err(|e| Error::Config(format!("peer tcp address `{v}`: {e}")))?,
                     )
                 }
                 "shm" => shm = Some(PathBuf::from(v)),
-                _ => return Err(Error::Config(format!("unknown peer address key {k:?}"))),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown peer address key `{k}` (host, tcp, shm)"
+                    )));
+                }
             }
         }
-        let host = host.ok_or_else(|| Error::Config(format!("peer address {s:?} has no host=")))?;
+        let host = host.ok_or_else(|| Error::Config(format!("peer address `{s}` has no host=")))?;
         if tcp.is_none() && shm.is_none() {
             return Err(Error::Config(format!(
-                "peer address {s:?} names neither tcp= nor shm="
+                "peer address `{s}` names neither tcp= nor shm="
             )));
         }
         Ok(PeerAddr { host, tcp, shm })

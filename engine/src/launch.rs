@@ -1,0 +1,1130 @@
+//! The launch contract: how a process learns its part in a job from its environment.
+//!
+//! `falcon role` reads its configuration here, and so can a process of one's own (a
+//! program embedding [`Worker`](crate::Worker), say) that joins a job whose scheduler and
+//! servers are `falcon role` processes, the arrangement of ps-lite and BytePS:
+//!
+//! ```no_run
+//! use falcon_engine::{Worker, keys::TensorSpec, launch::Launch};
+//! let launch = Launch::from_env()?; // FALCON_*, DMLC_*, torchrun's, Slurm's or mpirun's
+//! let w = Worker::join(&launch.config, vec![TensorSpec { name: "w".into(), len: 4 }], launch.rank)?;
+//! let mut values = vec![0f32; 4];
+//! for clock in 0..10 {
+//!     w.pull_slice("w", &mut values, clock)?;
+//!     w.push_slice("w", &[1.0; 4], clock)?;
+//! }
+//! w.finish()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! The variables ([`VARIABLES`] lists every one read here):
+//!
+//! - the role: `FALCON_ROLE` (`DMLC_ROLE`), `scheduler`, `server` or `worker`, and
+//!   `FALCON_RANK`, the rank within the role (default: the scheduler assigns one). Without
+//!   a role, a launcher's global rank decides: torchrun's `RANK`/`WORLD_SIZE`, Slurm's
+//!   `SLURM_PROCID`/`SLURM_NTASKS` or Open MPI's `OMPI_COMM_WORLD_RANK`/`_SIZE`; rank 0 is
+//!   the scheduler, the next `FALCON_NUM_SERVER` ranks the servers, the rest the workers;
+//! - the job's size: `FALCON_NUM_SERVER` (`DMLC_NUM_SERVER`, default 1) and
+//!   `FALCON_NUM_WORKER` (`DMLC_NUM_WORKER`, default 1; under a launcher, the world less the
+//!   scheduler and the servers);
+//! - the scheduler: `FALCON_SCHEDULER`, an address (`HOST:PORT`, `IP:PORT`, or the
+//!   transport's `host=ID;tcp=IP:PORT` text), or a host and a port:
+//!   `FALCON_SCHEDULER_URI` (`DMLC_PS_ROOT_URI`; torchrun's `MASTER_ADDR`; the first node of
+//!   Slurm's `SLURM_NODELIST`/`SLURM_JOB_NODELIST`) and `FALCON_SCHEDULER_PORT`
+//!   (`DMLC_PS_ROOT_PORT`, `MASTER_PORT`; under a launcher that names none,
+//!   [`DEFAULT_SCHEDULER_PORT`]);
+//! - this node's addresses: `FALCON_NODE_HOST` (`DMLC_NODE_HOST`), `FALCON_BIND`,
+//!   `FALCON_ADVERTISE`;
+//! - the job: `FALCON_JOB`, `FALCON_TOKEN`, `FALCON_POLICY`, `FALCON_LR`, `FALCON_SCALE`,
+//!   `FALCON_MAX_SHARD_BYTES`, `FALCON_MEDIUM`;
+//! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
+//!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
+//!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`;
+//! - server checkpoints: `FALCON_CHECKPOINT_DIR`, `FALCON_CHECKPOINT_MS`,
+//!   `FALCON_RECOVERY_TIMEOUT_MS`, `FALCON_CHECKPOINT_ON_FAILURE`.
+//!
+//! A variable set to the empty string counts as unset; of a variable and its aliases, the
+//! first set one counts. Every value is checked before anything starts: a refusal is a
+//! [`LaunchError`] naming the variable, its value and what is allowed.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use falcon_transport::{Medium, PeerAddr};
+
+use crate::checks::{self, Conflict};
+use crate::config::{CheckpointSettings, DEFAULT_SUSPICION, JobConfig, OnCheckpointFailure};
+use crate::proto::Role;
+use crate::sync::PolicySpec;
+use crate::update::{Optimizer, ScaleSpec, UpdateMode};
+
+/// The scheduler's port when a launcher (Slurm, mpirun) names none.
+pub const DEFAULT_SCHEDULER_PORT: u16 = 9091;
+
+/// The learning rate when `FALCON_LR` is unset.
+pub const DEFAULT_LR: f32 = 0.5;
+
+/// The host identity of a scheduler address given as `HOST:PORT`: not this host's (nor any
+/// host's), so the control link to the scheduler is always tcp.
+const REMOTE_HOST: &str = "remote";
+
+/// Every variable [`Launch::from_vars`] reads, aliases included.
+pub const VARIABLES: &[&str] = &[
+    "FALCON_ROLE",
+    "DMLC_ROLE",
+    "FALCON_RANK",
+    "FALCON_NUM_SERVER",
+    "DMLC_NUM_SERVER",
+    "FALCON_NUM_WORKER",
+    "DMLC_NUM_WORKER",
+    "FALCON_SCHEDULER",
+    "FALCON_SCHEDULER_URI",
+    "DMLC_PS_ROOT_URI",
+    "FALCON_SCHEDULER_PORT",
+    "DMLC_PS_ROOT_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "FALCON_NODE_HOST",
+    "DMLC_NODE_HOST",
+    "FALCON_BIND",
+    "FALCON_ADVERTISE",
+    "FALCON_JOB",
+    "FALCON_TOKEN",
+    "FALCON_POLICY",
+    "FALCON_LR",
+    "FALCON_SCALE",
+    "FALCON_MAX_SHARD_BYTES",
+    "FALCON_MEDIUM",
+    "FALCON_HEARTBEAT_MS",
+    "FALCON_SUSPICION_MS",
+    "FALCON_RENDEZVOUS_TIMEOUT_MS",
+    "FALCON_OP_TIMEOUT_MS",
+    "FALCON_HANDSHAKE_TIMEOUT_MS",
+    "FALCON_MAX_HANDSHAKES",
+    "FALCON_MAX_HANDSHAKES_PER_SOURCE",
+    "FALCON_CHECKPOINT_DIR",
+    "FALCON_CHECKPOINT_MS",
+    "FALCON_RECOVERY_TIMEOUT_MS",
+    "FALCON_CHECKPOINT_ON_FAILURE",
+];
+
+/// A process's part in a job, read from its environment.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Launch {
+    /// The job's configuration, as this process should join it ([`Worker::join`],
+    /// [`Server::join`], [`Scheduler::bind`]).
+    ///
+    /// [`Worker::join`]: crate::Worker::join
+    /// [`Server::join`]: crate::Server::join
+    /// [`Scheduler::bind`]: crate::Scheduler::bind
+    pub config: JobConfig,
+    /// This process's role.
+    pub role: Role,
+    /// Its rank within the role, if the environment names one (`FALCON_RANK`, or the
+    /// launcher's global rank); `None`: the scheduler assigns one.
+    pub rank: Option<u32>,
+}
+
+/// A launch refused: which variable, its value, and what is allowed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LaunchError {
+    /// A variable whose value cannot be used.
+    #[error("{var}={value}: {why}")]
+    Value {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong and what is allowed.
+        why: String,
+    },
+    /// Neither a role nor a launcher's rank.
+    #[error(
+        "no role: set FALCON_ROLE (or DMLC_ROLE) to scheduler, server or worker, or launch \
+         with srun, torchrun or mpirun (SLURM_PROCID/SLURM_NTASKS, RANK/WORLD_SIZE, \
+         OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE)"
+    )]
+    NoRole,
+    /// No scheduler address.
+    #[error(
+        "no scheduler: set FALCON_SCHEDULER (HOST:PORT), or FALCON_SCHEDULER_URI and \
+         FALCON_SCHEDULER_PORT (DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT, MASTER_ADDR and \
+         MASTER_PORT)"
+    )]
+    NoScheduler,
+    /// A launch too small for a scheduler, the servers and a worker, or a rank outside it.
+    #[error(
+        "{rank_var}={rank} with {world_var}={world}: a launch of {world} processes must hold \
+         a scheduler, {servers} server(s) (FALCON_NUM_SERVER) and at least one worker, and \
+         the rank must be below the world size"
+    )]
+    Launcher {
+        /// The launcher's rank variable.
+        rank_var: &'static str,
+        /// The rank.
+        rank: u32,
+        /// The launcher's world-size variable.
+        world_var: &'static str,
+        /// The world size.
+        world: u32,
+        /// The job's servers.
+        servers: u32,
+    },
+    /// Values wrong together (a policy and the workers, a suspicion timeout and the
+    /// heartbeat).
+    #[error(transparent)]
+    Conflict(#[from] Conflict),
+}
+
+/// A scheduler (or bind) address refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddressError {
+    /// Neither `HOST:PORT` nor the transport's `host=…;tcp=…` text.
+    #[error("no port: expected HOST:PORT, IP:PORT or host=ID;tcp=IP:PORT")]
+    NoPort,
+    /// The part after the last `:` is not a port.
+    #[error("{port} is not a port (a whole number from 0 to 65535)")]
+    BadPort {
+        /// What was given as the port.
+        port: String,
+    },
+    /// A host name that does not resolve.
+    #[error("cannot resolve {host}:{port}: {why}")]
+    Unresolved {
+        /// The host.
+        host: String,
+        /// The port.
+        port: u16,
+        /// The resolver's answer.
+        why: String,
+    },
+    /// A host name that resolves to nothing.
+    #[error("{host} has no address")]
+    NoAddress {
+        /// The host.
+        host: String,
+    },
+    /// The transport's `host=ID;tcp=IP:PORT;shm=PATH` text, refused.
+    #[error("{0} (expected HOST:PORT, IP:PORT or host=ID;tcp=IP:PORT)")]
+    PeerAddr(String),
+}
+
+/// A scheduler's address: `HOST:PORT` (a name that resolves, preferring IPv4), `IP:PORT`
+/// (`[IPV6]:PORT` too), each a remote tcp endpoint, or the transport's text form
+/// `host=ID;tcp=IP:PORT;shm=PATH` ([`PeerAddr`]'s `FromStr`).
+pub fn scheduler_address(text: &str) -> Result<PeerAddr, AddressError> {
+    let text = text.trim();
+    if text.contains('=') {
+        return text.parse().map_err(|e| {
+            AddressError::PeerAddr(match e {
+                falcon_transport::Error::Config(why) => why,
+                other => other.to_string(),
+            })
+        });
+    }
+    Ok(PeerAddr {
+        host: REMOTE_HOST.into(),
+        tcp: Some(socket_address(text)?),
+        shm: None,
+    })
+}
+
+/// `HOST:PORT` or `IP:PORT` (`[IPV6]:PORT` too) as a socket address, a host name resolved
+/// (preferring IPv4).
+pub fn socket_address(text: &str) -> Result<SocketAddr, AddressError> {
+    let text = text.trim();
+    if let Ok(a) = text.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let (host, port) = text.rsplit_once(':').ok_or(AddressError::NoPort)?;
+    let port: u16 = port.parse().map_err(|_| AddressError::BadPort {
+        port: port.to_string(),
+    })?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(AddressError::NoPort);
+    }
+    resolve(host, port)
+}
+
+/// Resolves a host (a name or an address) and a port to a socket address, preferring IPv4.
+pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, AddressError> {
+    let all: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| AddressError::Unresolved {
+            host: host.to_string(),
+            port,
+            why: e.to_string(),
+        })?
+        .collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| all.first())
+        .copied()
+        .ok_or_else(|| AddressError::NoAddress {
+            host: host.to_string(),
+        })
+}
+
+/// The first host of a Slurm node list: `node[01-04,07],gpu5` → `node01`.
+pub fn first_host(list: &str) -> String {
+    let first = match list.find('[') {
+        Some(open) if list[..open].find(',').is_none() => {
+            let inner = &list[open + 1..list[open..].find(']').map_or(list.len(), |c| open + c)];
+            let token = inner.split([',', '-']).next().unwrap_or("");
+            format!("{}{token}", &list[..open])
+        }
+        _ => list.split(',').next().unwrap_or("").to_string(),
+    };
+    first.trim().to_string()
+}
+
+/// A variable that was set: its name and value.
+#[derive(Clone, Debug)]
+struct Set {
+    var: &'static str,
+    value: String,
+}
+
+impl Set {
+    /// This value refused, saying `why`.
+    fn refused(&self, why: impl std::fmt::Display) -> LaunchError {
+        LaunchError::Value {
+            var: self.var,
+            value: self.value.clone(),
+            why: why.to_string(),
+        }
+    }
+}
+
+/// Where the scheduler is, as a host: the variable that named it and the host.
+#[derive(Clone, Debug)]
+struct SchedulerHost {
+    from: Set,
+    host: String,
+}
+
+/// The environment, through a lookup function.
+struct Env<F>(F);
+
+impl<F: Fn(&str) -> Option<String>> Env<F> {
+    /// The first of `names` that is set and not empty.
+    fn get(&self, names: &[&'static str]) -> Option<Set> {
+        names.iter().find_map(|&var| {
+            (self.0)(var)
+                .filter(|v| !v.is_empty())
+                .map(|value| Set { var, value })
+        })
+    }
+
+    /// The first of `names` that is set, read with `parse`; none set: `default`.
+    fn value<T, E: std::fmt::Display>(
+        &self,
+        names: &[&'static str],
+        default: T,
+        parse: impl Fn(&str) -> Result<T, E>,
+    ) -> Result<T, LaunchError> {
+        match self.get(names) {
+            None => Ok(default),
+            Some(set) => parse(&set.value).map_err(|e| set.refused(e)),
+        }
+    }
+
+    /// A duration in milliseconds.
+    fn millis(
+        &self,
+        var: &'static str,
+        default: Duration,
+        parse: impl Fn(&str) -> Result<u64, checks::BadValue>,
+    ) -> Result<Duration, LaunchError> {
+        self.value(&[var], default.as_millis() as u64, parse)
+            .map(Duration::from_millis)
+    }
+}
+
+/// Where a launcher put this process.
+struct Placed {
+    role: Role,
+    /// Rank within the role.
+    rank: u32,
+    /// Processes in the launch.
+    world: u32,
+    /// The scheduler's host, if the launcher names it.
+    host: Option<SchedulerHost>,
+}
+
+/// One launcher line for every process (Slurm's `srun`, torchrun, mpirun): the role comes
+/// from the global rank — 0 is the scheduler, the next `servers` ranks the servers, the rest
+/// the workers — and the scheduler's host from MASTER_ADDR or the first node of
+/// SLURM_NODELIST.
+fn launcher_layout<F: Fn(&str) -> Option<String>>(
+    env: &Env<F>,
+    servers: u32,
+) -> Result<Option<Placed>, LaunchError> {
+    let (rank, world, host) = if let (Some(r), Some(w)) =
+        (env.get(&["RANK"]), env.get(&["WORLD_SIZE"]))
+    {
+        let host = env.get(&["MASTER_ADDR"]).map(|from| SchedulerHost {
+            host: from.value.trim().to_string(),
+            from,
+        });
+        (r, w, host)
+    } else if let (Some(r), Some(w)) = (env.get(&["SLURM_PROCID"]), env.get(&["SLURM_NTASKS"])) {
+        let host = env
+            .get(&["SLURM_NODELIST", "SLURM_JOB_NODELIST"])
+            .map(|from| SchedulerHost {
+                host: first_host(&from.value),
+                from,
+            });
+        (r, w, host)
+    } else if let (Some(r), Some(w)) = (
+        env.get(&["OMPI_COMM_WORLD_RANK"]),
+        env.get(&["OMPI_COMM_WORLD_SIZE"]),
+    ) {
+        (r, w, None)
+    } else {
+        return Ok(None);
+    };
+    let n: u32 = checks::number(&rank.value, "")
+        .map_err(|_| rank.refused("not a whole number (the launcher's global rank)"))?;
+    let size: u32 = checks::number(&world.value, "")
+        .map_err(|_| world.refused("not a whole number (the launcher's world size)"))?;
+    if u64::from(size) < u64::from(servers) + 2 || n >= size {
+        return Err(LaunchError::Launcher {
+            rank_var: rank.var,
+            rank: n,
+            world_var: world.var,
+            world: size,
+            servers,
+        });
+    }
+    let (role, r) = match n {
+        0 => (Role::Scheduler, 0),
+        r if r <= servers => (Role::Server, r - 1),
+        r => (Role::Worker, r - 1 - servers),
+    };
+    Ok(Some(Placed {
+        role,
+        rank: r,
+        world: size,
+        host,
+    }))
+}
+
+impl Launch {
+    /// This process's part in a job, from its environment (see the [module](self)'s list).
+    pub fn from_env() -> Result<Launch, LaunchError> {
+        Launch::from_vars(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+    }
+
+    /// As [`Launch::from_env`], with `var` answering for the environment: `var(NAME)` is the
+    /// value of the variable NAME, `None` when unset.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Launch, LaunchError> {
+        let env = Env(var);
+        let servers: u32 = env.value(
+            &["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"],
+            1,
+            checks::at_least_one_u32,
+        )?;
+        let (role, placed) = match env.get(&["FALCON_ROLE", "DMLC_ROLE"]) {
+            Some(set) => (
+                set.value
+                    .trim()
+                    .parse::<Role>()
+                    .map_err(|_| set.refused("not a role: scheduler, server or worker"))?,
+                None,
+            ),
+            None => match launcher_layout(&env, servers)? {
+                Some(p) => (p.role, Some(p)),
+                None => return Err(LaunchError::NoRole),
+            },
+        };
+        let uri = env
+            .get(&["FALCON_SCHEDULER_URI", "DMLC_PS_ROOT_URI"])
+            .map(|from| SchedulerHost {
+                host: from.value.trim().to_string(),
+                from,
+            })
+            .or_else(|| placed.as_ref().and_then(|p| p.host.clone()));
+        let port: Option<u16> =
+            match env.get(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"]) {
+                Some(set) => Some(checks::port(&set.value).map_err(|e| set.refused(e))?),
+                None => None,
+            };
+        // Launched by Slurm or mpirun, which name no port: falcon's default.
+        let port = port.or(placed.as_ref().map(|_| DEFAULT_SCHEDULER_PORT));
+        // The scheduler's address; given as HOST:PORT, also where a scheduler listens.
+        let (scheduler, scheduler_tcp) = match (env.get(&["FALCON_SCHEDULER"]), &uri, port) {
+            (Some(set), _, _) => {
+                let addr = scheduler_address(&set.value).map_err(|e| set.refused(e))?;
+                let plain = (!set.value.contains('=')).then_some(addr.tcp).flatten();
+                (addr.to_string(), plain)
+            }
+            (None, Some(u), Some(p)) => {
+                let addr = resolve(&u.host, p).map_err(|e| u.from.refused(e))?;
+                (format!("host={REMOTE_HOST};tcp={addr}"), None)
+            }
+            _ => return Err(LaunchError::NoScheduler),
+        };
+        let policy_set = env.get(&["FALCON_POLICY"]);
+        let d = JobConfig::default();
+        let mut cfg = JobConfig {
+            job: env
+                .get(&["FALCON_JOB"])
+                .map_or_else(|| "falcon".into(), |s| s.value),
+            token: env
+                .get(&["FALCON_TOKEN"])
+                .map(|s| s.value)
+                .unwrap_or_default(),
+            servers,
+            workers: match &placed {
+                Some(p) => p.world - 1 - servers,
+                None => env.value(
+                    &["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"],
+                    1,
+                    checks::at_least_one_u32,
+                )?,
+            },
+            scheduler,
+            policy: env.value(&["FALCON_POLICY"], PolicySpec::Bsp, str::parse)?,
+            optimizer: Optimizer::Sgd {
+                lr: env.value(&["FALCON_LR"], DEFAULT_LR, checks::learning_rate)?,
+            },
+            max_shard_bytes: env.value(
+                &["FALCON_MAX_SHARD_BYTES"],
+                d.max_shard_bytes,
+                checks::shard_bytes,
+            )?,
+            scale: env.value(&["FALCON_SCALE"], ScaleSpec::Unscaled, str::parse)?,
+            ..JobConfig::default()
+        };
+        // Server checkpoints and recovery: a dead server restarts from its checkpoint. A
+        // failed checkpoint write warns, or stops the job.
+        let on_failure = env.value(
+            &["FALCON_CHECKPOINT_ON_FAILURE"],
+            OnCheckpointFailure::default(),
+            |s| {
+                s.parse::<OnCheckpointFailure>()
+                    .map_err(|_| "not an action on a failed checkpoint write: warn or stop")
+            },
+        )?;
+        if let Some(dir) = env.get(&["FALCON_CHECKPOINT_DIR"]) {
+            let c = CheckpointSettings::new(dir.value);
+            cfg.checkpoint = Some(CheckpointSettings {
+                every: env.millis("FALCON_CHECKPOINT_MS", c.every, checks::checkpoint_ms)?,
+                recovery_timeout: env.millis(
+                    "FALCON_RECOVERY_TIMEOUT_MS",
+                    c.recovery_timeout,
+                    checks::timeout_ms,
+                )?,
+                on_failure,
+                ..c
+            });
+        }
+        // The heartbeat and the timeouts (FALCON_SUSPICION_MS: 0 never).
+        cfg.heartbeat = env.millis("FALCON_HEARTBEAT_MS", d.heartbeat, checks::heartbeat_ms)?;
+        cfg.suspicion = match env.millis(
+            "FALCON_SUSPICION_MS",
+            DEFAULT_SUSPICION,
+            checks::suspicion_ms,
+        )? {
+            Duration::ZERO => None,
+            s => Some(s),
+        };
+        cfg.rendezvous_timeout = env.millis(
+            "FALCON_RENDEZVOUS_TIMEOUT_MS",
+            d.rendezvous_timeout,
+            checks::timeout_ms,
+        )?;
+        cfg.transport.op_timeout = env.millis(
+            "FALCON_OP_TIMEOUT_MS",
+            d.transport.op_timeout,
+            checks::timeout_ms,
+        )?;
+        cfg.transport.handshake_timeout = env.millis(
+            "FALCON_HANDSHAKE_TIMEOUT_MS",
+            d.transport.handshake_timeout,
+            checks::timeout_ms,
+        )?;
+        checks::suspicion_fits(cfg.heartbeat, cfg.suspicion)?;
+        // The admission wall's caps on connections waiting to prove the job token.
+        cfg.transport.max_handshakes = env.value(
+            &["FALCON_MAX_HANDSHAKES"],
+            cfg.transport.max_handshakes,
+            checks::at_least_one_usize,
+        )?;
+        cfg.transport.max_handshakes_per_source = env.value(
+            &["FALCON_MAX_HANDSHAKES_PER_SOURCE"],
+            cfg.transport.max_handshakes_per_source,
+            checks::at_least_one_usize,
+        )?;
+        checks::policy_fits(
+            &cfg.policy,
+            policy_set.as_ref().map_or("bsp", |s| s.value.as_str()),
+            cfg.workers,
+        )?;
+        // Async policies apply each worker's gradient on its own: lr / workers keeps the step
+        // of a round equal to BSP's (mean of W gradients) and delayed-gradient descent stable.
+        if cfg.update_mode() == UpdateMode::Async {
+            let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
+            cfg.optimizer = Optimizer::Sgd { lr };
+        }
+        cfg.transport.medium = env.value(&["FALCON_MEDIUM"], Medium::Auto, |s| {
+            s.trim()
+                .parse::<Medium>()
+                .map_err(|_| "not a medium: auto, shm, tcp or rdma")
+        })?;
+        // The scheduler listens on its advertised address; other roles on any port of their
+        // interface (FALCON_NODE_HOST / DMLC_NODE_HOST), or FALCON_BIND.
+        cfg.transport.bind = Some(match (role, &uri, port) {
+            (Role::Scheduler, Some(u), Some(p)) => {
+                resolve(&u.host, p).map_err(|e| u.from.refused(e))?
+            }
+            _ => match (env.get(&["FALCON_BIND"]), role, scheduler_tcp) {
+                (Some(set), _, _) => socket_address(&set.value).map_err(|e| set.refused(e))?,
+                (None, Role::Scheduler, Some(addr)) => addr,
+                _ => match env.get(&["FALCON_NODE_HOST", "DMLC_NODE_HOST"]) {
+                    Some(set) => resolve(set.value.trim(), 0).map_err(|e| set.refused(e))?,
+                    None => match &uri {
+                        Some(u) => resolve(&u.host, 0).map_err(|e| u.from.refused(e))?,
+                        None => SocketAddr::from(([127, 0, 0, 1], 0)),
+                    },
+                },
+            },
+        });
+        if let Some(set) = env.get(&["FALCON_ADVERTISE"]) {
+            cfg.transport.advertise = Some(set.value.trim().parse().map_err(|_| {
+                set.refused("not a socket address: expected IP:PORT, e.g. 10.0.0.5:9000")
+            })?);
+        }
+        let rank =
+            match placed {
+                Some(p) => Some(p.rank),
+                None => match env.get(&["FALCON_RANK"]) {
+                    Some(set) => Some(checks::number(&set.value, "").map_err(|_| {
+                        set.refused("not a whole number (the rank within the role)")
+                    })?),
+                    None => None,
+                },
+            };
+        Ok(Launch {
+            config: cfg,
+            role,
+            rank,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::collections::BTreeSet;
+
+    fn launch(vars: &[(&str, &str)]) -> Result<Launch, LaunchError> {
+        Launch::from_vars(|name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    fn refused(vars: &[(&str, &str)]) -> String {
+        let e = launch(vars).expect_err("refused").to_string();
+        assert!(
+            !e.contains("Some(") && !e.contains("None") && !e.contains('"'),
+            "no Rust debug output: {e}"
+        );
+        e
+    }
+
+    const LOCAL: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::LOCALHOST,
+        0,
+    ));
+
+    #[test]
+    fn ps_lite_variables_configure_a_role() {
+        let l = launch(&[
+            ("DMLC_ROLE", "server"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9000"),
+            ("DMLC_NUM_SERVER", "2"),
+            ("DMLC_NUM_WORKER", "3"),
+            ("DMLC_NODE_HOST", "127.0.0.1"),
+        ])
+        .unwrap();
+        assert_eq!(l.role, Role::Server);
+        assert_eq!(l.rank, None);
+        assert_eq!(l.config.servers, 2);
+        assert_eq!(l.config.workers, 3);
+        assert_eq!(l.config.scheduler, "host=remote;tcp=127.0.0.1:9000");
+        assert_eq!(l.config.transport.bind, Some(LOCAL));
+        // The defaults.
+        let d = JobConfig::default();
+        assert_eq!(l.config.job, "falcon");
+        assert_eq!(l.config.token, "");
+        assert_eq!(l.config.policy, PolicySpec::Bsp);
+        assert_eq!(l.config.optimizer.lr(), DEFAULT_LR);
+        assert_eq!(l.config.max_shard_bytes, d.max_shard_bytes);
+        assert_eq!(l.config.heartbeat, d.heartbeat);
+        assert_eq!(l.config.suspicion, Some(DEFAULT_SUSPICION));
+        assert_eq!(l.config.rendezvous_timeout, d.rendezvous_timeout);
+        assert_eq!(l.config.transport.op_timeout, d.transport.op_timeout);
+        assert_eq!(
+            l.config.transport.handshake_timeout,
+            d.transport.handshake_timeout
+        );
+        assert_eq!(l.config.transport.medium, Medium::Auto);
+        assert_eq!(l.config.transport.advertise, None);
+        assert!(l.config.checkpoint.is_none());
+        // The scheduler listens on the address the others are given.
+        let s = launch(&[
+            ("DMLC_ROLE", "scheduler"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9000"),
+        ])
+        .unwrap();
+        assert_eq!(s.role, Role::Scheduler);
+        assert_eq!(
+            s.config.transport.bind,
+            Some("127.0.0.1:9000".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn falcon_names_win_over_their_aliases_and_empty_is_unset() {
+        let l = launch(&[
+            ("FALCON_ROLE", "Worker"),
+            ("DMLC_ROLE", "server"),
+            ("FALCON_RANK", "3"),
+            ("FALCON_NUM_WORKER", "4"),
+            ("DMLC_NUM_WORKER", "9"),
+            ("FALCON_NUM_SERVER", ""),
+            ("DMLC_NUM_SERVER", "2"),
+            ("FALCON_SCHEDULER_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_URI", "10.9.9.9"),
+            ("FALCON_SCHEDULER_PORT", "7000"),
+            ("MASTER_PORT", "8000"),
+            ("FALCON_JOB", "j"),
+            ("FALCON_TOKEN", "t"),
+        ])
+        .unwrap();
+        assert_eq!(l.role, Role::Worker);
+        assert_eq!(l.rank, Some(3));
+        assert_eq!((l.config.servers, l.config.workers), (2, 4));
+        assert_eq!(l.config.scheduler, "host=remote;tcp=127.0.0.1:7000");
+        assert_eq!((l.config.job.as_str(), l.config.token.as_str()), ("j", "t"));
+    }
+
+    #[test]
+    fn every_setting_is_read() {
+        let l = launch(&[
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "host=remote;tcp=127.0.0.1:9"),
+            ("FALCON_NUM_WORKER", "4"),
+            ("FALCON_POLICY", "ssp(2)"),
+            ("FALCON_LR", "0.4"),
+            ("FALCON_SCALE", "dynsgd"),
+            ("FALCON_MAX_SHARD_BYTES", "4096"),
+            ("FALCON_MEDIUM", "tcp"),
+            ("FALCON_HEARTBEAT_MS", "100"),
+            ("FALCON_SUSPICION_MS", "0"),
+            ("FALCON_RENDEZVOUS_TIMEOUT_MS", "1500"),
+            ("FALCON_OP_TIMEOUT_MS", "2500"),
+            ("FALCON_HANDSHAKE_TIMEOUT_MS", "300"),
+            ("FALCON_MAX_HANDSHAKES", "7"),
+            ("FALCON_MAX_HANDSHAKES_PER_SOURCE", "3"),
+            ("FALCON_CHECKPOINT_DIR", "/tmp/ckpt"),
+            ("FALCON_CHECKPOINT_MS", "100"),
+            ("FALCON_RECOVERY_TIMEOUT_MS", "2000"),
+            ("FALCON_CHECKPOINT_ON_FAILURE", "stop"),
+            ("FALCON_BIND", "127.0.0.1:5555"),
+            ("FALCON_ADVERTISE", "10.0.0.5:5555"),
+        ])
+        .unwrap();
+        let c = &l.config;
+        assert_eq!(c.policy, "ssp(2)".parse().unwrap());
+        // An asynchronous policy applies each of the 4 workers' gradients with lr / 4.
+        assert_eq!(c.optimizer.lr(), 0.1);
+        assert_eq!(c.scale, "dynsgd".parse().unwrap());
+        assert_eq!(c.max_shard_bytes, 4096);
+        assert_eq!(c.transport.medium, Medium::Tcp);
+        assert_eq!(c.heartbeat, Duration::from_millis(100));
+        assert_eq!(c.suspicion, None);
+        assert_eq!(c.rendezvous_timeout, Duration::from_millis(1500));
+        assert_eq!(c.transport.op_timeout, Duration::from_millis(2500));
+        assert_eq!(c.transport.handshake_timeout, Duration::from_millis(300));
+        assert_eq!(c.transport.max_handshakes, 7);
+        assert_eq!(c.transport.max_handshakes_per_source, 3);
+        assert_eq!(
+            c.checkpoint,
+            Some(CheckpointSettings {
+                dir: "/tmp/ckpt".into(),
+                every: Duration::from_millis(100),
+                recovery_timeout: Duration::from_millis(2000),
+                on_failure: OnCheckpointFailure::Stop,
+            })
+        );
+        assert_eq!(c.transport.bind, Some("127.0.0.1:5555".parse().unwrap()));
+        assert_eq!(
+            c.transport.advertise,
+            Some("10.0.0.5:5555".parse().unwrap())
+        );
+        // BSP keeps the learning rate as given.
+        let l = launch(&[
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "127.0.0.1:9"),
+            ("FALCON_NUM_WORKER", "4"),
+            ("FALCON_LR", "0.4"),
+        ])
+        .unwrap();
+        assert_eq!(l.config.optimizer.lr(), 0.4);
+    }
+
+    #[test]
+    fn launchers_place_processes_by_global_rank() {
+        // torchrun: 0 the scheduler, 1..=S the servers, the rest the workers.
+        let torchrun = |rank: &str| {
+            launch(&[
+                ("RANK", rank),
+                ("WORLD_SIZE", "5"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("FALCON_NUM_SERVER", "2"),
+            ])
+            .unwrap()
+        };
+        let placed: Vec<(Role, Option<u32>)> = ["0", "1", "2", "3", "4"]
+            .iter()
+            .map(|r| {
+                let l = torchrun(r);
+                (l.role, l.rank)
+            })
+            .collect();
+        assert_eq!(
+            placed,
+            [
+                (Role::Scheduler, Some(0)),
+                (Role::Server, Some(0)),
+                (Role::Server, Some(1)),
+                (Role::Worker, Some(0)),
+                (Role::Worker, Some(1)),
+            ]
+        );
+        let w = torchrun("4");
+        assert_eq!((w.config.servers, w.config.workers), (2, 2));
+        assert_eq!(w.config.scheduler, "host=remote;tcp=127.0.0.1:29500");
+        assert_eq!(
+            torchrun("0").config.transport.bind,
+            Some("127.0.0.1:29500".parse().unwrap())
+        );
+        // Slurm names hosts and no port: the first node, falcon's default port.
+        let l = launch(&[
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "localhost,node[2-3]"),
+        ])
+        .unwrap();
+        assert_eq!((l.role, l.rank), (Role::Worker, Some(0)));
+        assert_eq!(l.config.workers, 2);
+        let tcp = scheduler_address(&l.config.scheduler).unwrap().tcp.unwrap();
+        assert!(tcp.ip().is_loopback(), "{tcp}");
+        assert_eq!(tcp.port(), DEFAULT_SCHEDULER_PORT);
+        // Open MPI names neither: FALCON_SCHEDULER_URI does.
+        let l = launch(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("FALCON_SCHEDULER_URI", "127.0.0.1"),
+        ])
+        .unwrap();
+        assert_eq!((l.role, l.rank), (Role::Server, Some(0)));
+        assert_eq!(l.config.scheduler, "host=remote;tcp=127.0.0.1:9091");
+        // An explicit role wins over the launcher's rank.
+        let l = launch(&[
+            ("DMLC_ROLE", "worker"),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("FALCON_SCHEDULER", "127.0.0.1:9"),
+        ])
+        .unwrap();
+        assert_eq!((l.role, l.rank, l.config.workers), (Role::Worker, None, 1));
+    }
+
+    #[test]
+    fn a_plain_scheduler_address_is_where_the_scheduler_listens() {
+        let l = launch(&[
+            ("FALCON_ROLE", "scheduler"),
+            ("FALCON_SCHEDULER", "127.0.0.1:7000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            l.config.transport.bind,
+            Some("127.0.0.1:7000".parse().unwrap())
+        );
+        let l = launch(&[
+            ("FALCON_ROLE", "scheduler"),
+            ("FALCON_SCHEDULER", "127.0.0.1:7000"),
+            ("FALCON_BIND", "127.0.0.1:7001"),
+        ])
+        .unwrap();
+        assert_eq!(
+            l.config.transport.bind,
+            Some("127.0.0.1:7001".parse().unwrap())
+        );
+        // The transport's text form keeps its meaning: not the scheduler's own address.
+        let l = launch(&[
+            ("FALCON_ROLE", "scheduler"),
+            ("FALCON_SCHEDULER", "host=remote;tcp=127.0.0.1:7000"),
+        ])
+        .unwrap();
+        assert_eq!(l.config.transport.bind, Some(LOCAL));
+        let w = launch(&[
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "127.0.0.1:7000"),
+        ])
+        .unwrap();
+        assert_eq!(w.config.scheduler, "host=remote;tcp=127.0.0.1:7000");
+        assert_eq!(w.config.transport.bind, Some(LOCAL));
+    }
+
+    #[test]
+    fn refusals_name_the_variable_the_value_and_what_is_allowed() {
+        let worker = [
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "127.0.0.1:9"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = worker.to_vec();
+            v.extend_from_slice(extra);
+            refused(&v)
+        };
+        assert!(refused(&[]).starts_with("no role: set FALCON_ROLE (or DMLC_ROLE)"));
+        assert!(
+            refused(&[("FALCON_ROLE", "worker")]).starts_with("no scheduler: set FALCON_SCHEDULER")
+        );
+        assert_eq!(
+            refused(&[("DMLC_ROLE", "boss")]),
+            "DMLC_ROLE=boss: not a role: scheduler, server or worker"
+        );
+        assert_eq!(
+            with(&[("DMLC_NUM_SERVER", "0")]),
+            "DMLC_NUM_SERVER=0: the count must be at least 1; 0 is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_NUM_WORKER", "two")]),
+            "FALCON_NUM_WORKER=two: not a whole number"
+        );
+        assert_eq!(
+            with(&[("FALCON_LR", "nan")]),
+            "FALCON_LR=nan: the learning rate must be a finite number greater than 0 (e.g. 0.05); nan is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_HEARTBEAT_MS", "5")]),
+            "FALCON_HEARTBEAT_MS=5: the heartbeat interval must be at least 10 ms; 5 ms is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_OP_TIMEOUT_MS", "0")]),
+            "FALCON_OP_TIMEOUT_MS=0: a timeout must be at least 1 ms (0 would give up at once); 0 ms is not"
+        );
+        assert!(
+            with(&[
+                ("FALCON_HEARTBEAT_MS", "1000"),
+                ("FALCON_SUSPICION_MS", "500")
+            ])
+            .contains("the suspicion timeout must be longer than the heartbeat interval")
+        );
+        assert!(
+            with(&[("FALCON_POLICY", "syncopt(2)"), ("FALCON_NUM_WORKER", "2")])
+                .contains("policy syncopt(2) with 2 worker(s): the backups must be fewer")
+        );
+        assert!(with(&[("FALCON_POLICY", "nope")]).starts_with("FALCON_POLICY=nope: "));
+        assert_eq!(
+            with(&[("FALCON_MEDIUM", "pigeon")]),
+            "FALCON_MEDIUM=pigeon: not a medium: auto, shm, tcp or rdma"
+        );
+        assert_eq!(
+            with(&[("FALCON_CHECKPOINT_ON_FAILURE", "panic")]),
+            "FALCON_CHECKPOINT_ON_FAILURE=panic: not an action on a failed checkpoint write: warn or stop"
+        );
+        assert_eq!(
+            with(&[
+                ("FALCON_CHECKPOINT_DIR", "/tmp/x"),
+                ("FALCON_CHECKPOINT_MS", "1")
+            ]),
+            "FALCON_CHECKPOINT_MS=1: the checkpoint interval must be at least 10 ms; 1 ms is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_RANK", "-1")]),
+            "FALCON_RANK=-1: not a whole number (the rank within the role)"
+        );
+        assert_eq!(
+            with(&[("FALCON_BIND", "127.0.0.1")]),
+            "FALCON_BIND=127.0.0.1: no port: expected HOST:PORT, IP:PORT or host=ID;tcp=IP:PORT"
+        );
+        assert_eq!(
+            with(&[("FALCON_ADVERTISE", "nowhere")]),
+            "FALCON_ADVERTISE=nowhere: not a socket address: expected IP:PORT, e.g. 10.0.0.5:9000"
+        );
+        assert_eq!(
+            refused(&[
+                ("FALCON_ROLE", "worker"),
+                ("FALCON_SCHEDULER", "127.0.0.1:99999")
+            ]),
+            "FALCON_SCHEDULER=127.0.0.1:99999: 99999 is not a port (a whole number from 0 to 65535)"
+        );
+        assert!(
+            refused(&[("FALCON_ROLE", "worker"), ("FALCON_SCHEDULER", "host=x")])
+                .starts_with("FALCON_SCHEDULER=host=x: ")
+        );
+        assert_eq!(
+            refused(&[
+                ("FALCON_ROLE", "worker"),
+                ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+                ("DMLC_PS_ROOT_PORT", "http"),
+            ]),
+            "DMLC_PS_ROOT_PORT=http: not a port (a whole number from 0 to 65535)"
+        );
+        assert_eq!(
+            refused(&[("RANK", "first"), ("WORLD_SIZE", "4")]),
+            "RANK=first: not a whole number (the launcher's global rank)"
+        );
+        assert_eq!(
+            refused(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "n")]),
+            "SLURM_NTASKS=n: not a whole number (the launcher's world size)"
+        );
+        assert_eq!(
+            refused(&[
+                ("RANK", "4"),
+                ("WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "127.0.0.1")
+            ]),
+            "RANK=4 with WORLD_SIZE=4: a launch of 4 processes must hold a scheduler, 1 server(s) \
+             (FALCON_NUM_SERVER) and at least one worker, and the rank must be below the world size"
+        );
+        assert!(
+            refused(&[
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "3"),
+                ("FALCON_NUM_SERVER", "2")
+            ])
+            .starts_with(
+                "OMPI_COMM_WORLD_RANK=0 with OMPI_COMM_WORLD_SIZE=3: a launch of 3 processes"
+            )
+        );
+        // A launcher that names no scheduler host (mpirun) needs FALCON_SCHEDULER_URI.
+        assert!(
+            refused(&[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "3")])
+                .starts_with("no scheduler")
+        );
+        let e = refused(&[
+            ("FALCON_ROLE", "worker"),
+            ("MASTER_ADDR", "no-such-host.invalid"),
+            ("FALCON_SCHEDULER_URI", "no-such-host.invalid"),
+            ("FALCON_SCHEDULER_PORT", "9000"),
+        ]);
+        assert!(
+            e.starts_with("FALCON_SCHEDULER_URI=no-such-host.invalid: cannot resolve no-such-host.invalid:9000"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn scheduler_addresses_may_be_host_and_port() {
+        let a = scheduler_address("10.1.2.3:9000").unwrap();
+        assert_eq!(
+            a,
+            PeerAddr {
+                host: "remote".into(),
+                tcp: Some("10.1.2.3:9000".parse().unwrap()),
+                shm: None,
+            }
+        );
+        // Its text is the transport's form, read back the same.
+        assert_eq!(a.to_string(), "host=remote;tcp=10.1.2.3:9000");
+        assert_eq!(scheduler_address(&a.to_string()).unwrap(), a);
+        assert_eq!(
+            scheduler_address(" [::1]:9000 ").unwrap().tcp,
+            Some("[::1]:9000".parse().unwrap())
+        );
+        // A host name that resolves; IPv4 first.
+        let l = scheduler_address("localhost:9000").unwrap();
+        assert_eq!(l.host, "remote");
+        let tcp = l.tcp.unwrap();
+        assert!(tcp.ip().is_loopback() && tcp.port() == 9000, "{tcp}");
+        // The transport's text form, as before.
+        let p = scheduler_address("host=n1-abc;tcp=10.0.0.1:9000;shm=/run/falcon/x.sock").unwrap();
+        assert_eq!(p.host, "n1-abc");
+        assert_eq!(p.shm, Some("/run/falcon/x.sock".into()));
+        assert_eq!(
+            scheduler_address("node01").unwrap_err(),
+            AddressError::NoPort
+        );
+        assert_eq!(
+            scheduler_address(":9000").unwrap_err(),
+            AddressError::NoPort
+        );
+        assert_eq!(
+            scheduler_address("node01:http").unwrap_err(),
+            AddressError::BadPort {
+                port: "http".into()
+            }
+        );
+        assert!(matches!(
+            scheduler_address("no-such-host.invalid:9000").unwrap_err(),
+            AddressError::Unresolved { port: 9000, .. }
+        ));
+        let e = scheduler_address("host=x").unwrap_err();
+        assert!(matches!(e, AddressError::PeerAddr(_)), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("(expected HOST:PORT, IP:PORT or host=ID;tcp=IP:PORT)")
+        );
+    }
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(first_host("node[01-04,07],gpu5"), "node01");
+        assert_eq!(first_host("gpu5,node[1-2]"), "gpu5");
+        assert_eq!(first_host("single"), "single");
+        assert_eq!(first_host("n[7]"), "n7");
+    }
+
+    /// `VARIABLES` is exactly what `from_vars` asks for, over every branch.
+    #[test]
+    fn the_variables_listed_are_the_variables_read() {
+        let asked = RefCell::new(BTreeSet::new());
+        let run = |vars: &[(&str, &str)]| {
+            let _ = Launch::from_vars(|name| {
+                asked.borrow_mut().insert(name.to_string());
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            });
+        };
+        // No role, no launcher: every launcher's variables.
+        run(&[]);
+        // A role, ps-lite's names (each FALCON_* name unset, so its alias is read), with
+        // checkpoints.
+        run(&[
+            ("DMLC_ROLE", "worker"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("MASTER_PORT", "9000"),
+            ("FALCON_CHECKPOINT_DIR", "/tmp/x"),
+        ]);
+        run(&[("RANK", "1"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "9000")]);
+        run(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "3")]);
+        let listed: BTreeSet<String> = VARIABLES.iter().map(|v| v.to_string()).collect();
+        assert_eq!(listed.len(), VARIABLES.len(), "no duplicates");
+        assert_eq!(asked.into_inner(), listed);
+    }
+}
