@@ -188,11 +188,16 @@ fn open_rdma(_: &TransportConfig, _: &CompletionQueue) -> std::result::Result<Rd
 
 /// Builds the RDMA half of a link on a tcp connection whose hellos asked for it.
 #[cfg(feature = "rdma")]
+/// The accepting side passes `accepted`: the ctl link's gate and the hand-off to the accept
+/// queue. Control messages of an rdma link travel as SENDs on the queue pair, which delivers
+/// them as soon as it is connected; so the acceptor hands the link out first and only then
+/// sends its half of the final `ready` exchange, before which the connecting side says
+/// nothing.
 fn rdma_link(
     common: &Common,
     mut stream: TcpStream,
     peer_node: u64,
-    gate: Option<Receiver<()>>,
+    accepted: Option<(Receiver<()>, &dyn Fn(&Link))>,
 ) -> Result<Link> {
     use crate::rdma::{self, RdmaLink, RdmaQp};
     let id = common.link_id();
@@ -216,7 +221,17 @@ fn rdma_link(
             .expect("no qp means no device"));
     };
     qp.connect(&theirs)?;
-    rdma::ready(&mut stream)?;
+    let (gate, announce) = match accepted {
+        Some((gate, announce)) => (Some(gate), Some(announce)),
+        None => {
+            // The connecting side: ready before the control link reads the stream.
+            rdma::ready(&mut stream)?;
+            (None, None)
+        }
+    };
+    let mut sync = stream
+        .try_clone()
+        .map_err(|e| Error::io("clone tcp socket", e))?;
     let ctl = TcpLink::start_with(
         id,
         stream,
@@ -227,18 +242,38 @@ fn rdma_link(
         gate,
     )?;
     qp.on_fail(Box::new(ctl.failer()?));
-    Ok(Link::new(
+    let link = Link::new(
         LinkImpl::Rdma(RdmaLink {
             ctl,
             qp,
             granted: Default::default(),
         }),
         common.tcp.node,
-    ))
+    );
+    if let Some(announce) = announce {
+        announce(&link);
+        // The gate is still shut: the ready byte is ours to read, under the handshake
+        // deadline (the control link cleared the socket's read timeout).
+        let synced = sync
+            .set_read_timeout(Some(common.tcp.handshake_timeout))
+            .map_err(|e| Error::io("set handshake timeout", e))
+            .and_then(|()| rdma::ready(&mut sync))
+            .and_then(|()| tcp::established(&sync));
+        if let Err(e) = synced {
+            link.close();
+            return Err(e);
+        }
+    }
+    Ok(link)
 }
 
 #[cfg(not(feature = "rdma"))]
-fn rdma_link(common: &Common, _: TcpStream, _: u64, _: Option<Receiver<()>>) -> Result<Link> {
+fn rdma_link(
+    common: &Common,
+    _: TcpStream,
+    _: u64,
+    _: Option<(Receiver<()>, &dyn Fn(&Link))>,
+) -> Result<Link> {
     Err(common.rdma.clone().expect_err("no rdma in this build"))
 }
 
@@ -262,11 +297,11 @@ fn admitted_tcp(common: &Arc<Common>, stream: TcpStream, peer: Peer, tx: &Sender
         // The queue-pair exchange blocks on an admitted peer: off the wall's thread.
         let (common, tx) = (common.clone(), tx.clone());
         let _ = spawn("falcon-rdma-setup", move || {
-            match rdma_link(&common, stream, peer.node, Some(gate)) {
-                Ok(link) => {
-                    let _ = tx.send(Ok(link));
-                }
-                Err(e) => tracing::warn!("{}: rdma link setup failed: {e}", common.local),
+            let announce = |link: &Link| {
+                let _ = tx.send(Ok(link.clone()));
+            };
+            if let Err(e) = rdma_link(&common, stream, peer.node, Some((gate, &announce))) {
+                tracing::warn!("{}: rdma link setup failed: {e}", common.local);
             }
             drop(open);
         });
