@@ -472,6 +472,11 @@ impl Scheduler {
         let elastic = self.cfg.policy.job_barriers();
         let mut arrivals: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
         let silence = self.cfg.suspicion;
+        // How long the loop may sleep: silence is noticed within a quarter of the suspicion
+        // timeout, however long the heartbeat interval.
+        let tick = silence
+            .map_or(self.cfg.heartbeat, |s| self.cfg.heartbeat.min(s / 4))
+            .max(Duration::from_millis(10));
         let supervisor = supervisor_for(&self.cfg);
         let mut advised: Vec<usize> = supervisor.all_threads();
         let broadcast = |nodes: &Nodes, live: &HashSet<(Role, u32)>, m: &Msg| {
@@ -568,7 +573,7 @@ impl Scheduler {
                 return Ok(report);
             }
             let mut gone = Vec::new();
-            match self.t.cq().wait(Some(self.cfg.heartbeat)) {
+            match self.t.cq().wait(Some(tick)) {
                 Ok(Completion::Message { link, data }) if !by_link.contains_key(&link) => {
                     let Some(l) = crate::worker::known_link(&self.t, &mut joining, link) else {
                         continue;

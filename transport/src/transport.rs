@@ -186,6 +186,10 @@ fn open_rdma(_: &TransportConfig, _: &CompletionQueue) -> std::result::Result<Rd
     })
 }
 
+/// What the accepting side gives [`rdma_link`]: the control link's gate, and the hand-off of
+/// the link to the accept queue.
+type Accepted<'a> = (Receiver<()>, &'a dyn Fn(&Link));
+
 /// Builds the RDMA half of a link on a tcp connection whose hellos asked for it.
 #[cfg(feature = "rdma")]
 /// The accepting side passes `accepted`: the ctl link's gate and the hand-off to the accept
@@ -197,7 +201,7 @@ fn rdma_link(
     common: &Common,
     mut stream: TcpStream,
     peer_node: u64,
-    accepted: Option<(Receiver<()>, &dyn Fn(&Link))>,
+    accepted: Option<Accepted<'_>>,
 ) -> Result<Link> {
     use crate::rdma::{self, RdmaLink, RdmaQp};
     let id = common.link_id();
@@ -268,12 +272,7 @@ fn rdma_link(
 }
 
 #[cfg(not(feature = "rdma"))]
-fn rdma_link(
-    common: &Common,
-    _: TcpStream,
-    _: u64,
-    _: Option<(Receiver<()>, &dyn Fn(&Link))>,
-) -> Result<Link> {
+fn rdma_link(common: &Common, _: TcpStream, _: u64, _: Option<Accepted<'_>>) -> Result<Link> {
     Err(common.rdma.clone().expect_err("no rdma in this build"))
 }
 
