@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# chaos.sh: the chaos run of issue 8 at full length (CI runs a short one in `cargo test`).
+# chaos.sh: the chaos run at full length (CI runs a short one in `cargo test`).
 # 4 workers and 2 servers train as separate processes while a driver kills -9 and restarts
 # random workers and server 1 and every worker's server links are dropped every 1.5 s; the
 # job must finish, no update may be applied twice, and accuracy must stay within 1 point of

@@ -3,7 +3,7 @@
 //!
 //! - [`transport`]: regions, links and completion queues over shm, tcp and rdma;
 //! - [`engine`]: the parameter server (scheduler, servers, the worker client, policies);
-//! - [`trainer`]: compute on top (models, data, elastic parallelism; issue 6).
+//! - [`trainer`]: compute on top (models, data, elastic parallelism).
 //!
 //! ```no_run
 //! use falcon::engine::{JobConfig, local::LocalCluster, keys::TensorSpec};

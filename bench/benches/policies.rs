@@ -1,4 +1,4 @@
-//! Criterion benchmarks of the synchronization policies (issue 5): the decision cost per push of
+//! Criterion benchmarks of the synchronization policies: the decision cost per push of
 //! every policy at 8, 64 and 1024 workers, and ZipLine's runtime at N ∈ {10, 100, 1000} workers
 //! and R ∈ {15, 150} beside the ElasticBSP paper's Table II. The physical references, measured
 //! in the same run: one uncontended atomic `fetch_add` and one cache-missing random read over

@@ -14,7 +14,7 @@ const IMM_ACK: u32 = 1;
 const IMM_PING: u32 = 2;
 const IMM_PONG: u32 = 3;
 
-/// The sizes the issue asks for.
+/// The sizes measured.
 pub const SIZES: [u64; 5] = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20];
 
 /// Two transports in this process joined by one link of `medium`, with an echo thread on the

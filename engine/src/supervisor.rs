@@ -1,5 +1,6 @@
 //! Falcon's supervisor and parallelism manager — **our design** (Falcon's full text is not
-//! public; `reference/algorithms.md` §7 has every published fact). The scheduler runs one for
+//! public; the rules are built on its published facts: straggler projection, elastic
+//! parallelism, task transfer). The scheduler runs one for
 //! its job: workers report each iteration ([`crate::Worker::report_iteration`], a
 //! `Msg::IterationDone`) and hear their thread count back (`Msg::Threads`,
 //! [`crate::Worker::advised_threads`]); the trainer applies it at its next iteration boundary.

@@ -1,6 +1,6 @@
 //! EPSP, Falcon's elastic parallel synchronization (Zhou et al., IEEE TC 2021) — **our
-//! design**. Falcon's full text is not public; every published fact is in
-//! `reference/algorithms.md` §7 and the rules below are built on them (DESIGN.md, "EPSP").
+//! design**. Falcon's full text is not public; the rules below are built on its published
+//! facts (see `docs/architecture.md`, "EPSP").
 //!
 //! # Rules
 //!

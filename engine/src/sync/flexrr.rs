@@ -1,6 +1,6 @@
 //! FlexRR (Harlap et al., SoCC 2016): a small staleness slack plus reassignment of a slow
 //! worker's unprocessed work to a faster helper. The full text was not retrieved; the
-//! mechanism below follows `reference/algorithms.md` §10 (a secondary description) and is
+//! mechanism below follows a secondary description of the paper and is
 //! labelled as our reading where it had to be filled in.
 //!
 //! - **Temporal slack**: the SSP bound `s` (default 1): a pull at clock `c` is released once

@@ -36,7 +36,7 @@ struct Parked {
 /// execution of parked pulls and probabilistic pausing of fast workers.
 ///
 /// Reconstructed from the authors' code (`XinYao1994/FluentPS-paper`, a ps-lite fork) as
-/// `reference/algorithms.md` §6 describes it; the paper's full text was not available.
+/// its published description reads; the paper's full text was not available.
 ///
 /// # State, per shard
 ///

@@ -1,5 +1,5 @@
 //! Straggler projection: Falcon's supervisor view of who straggles and how (**our design**;
-//! Falcon's full text is not public, see `reference/algorithms.md` §7).
+//! Falcon's full text is not public; see `docs/architecture.md`, "EPSP").
 //!
 //! Falcon's preview figure projects each worker's straggling episodes onto the iteration axis:
 //! stragglers on different workers in different iterations slow every iteration, overlapping

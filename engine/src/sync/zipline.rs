@@ -5,8 +5,8 @@
 //! next `R` iterations, and picks one predicted end time per worker so that the spread
 //! `max − min` (the fastest worker's wait at the next barrier) is as small as possible. Worker
 //! `p` then runs `k_p` iterations (the 1-based index of its chosen point) before the next
-//! barrier, so the iteration gap between workers is bounded by `R`. See
-//! `reference/algorithms.md` §5.
+//! barrier, so the iteration gap between workers is bounded by `R` (the ElasticBSP paper's
+//! ZipLine).
 //!
 //! # ZipLine ([`zipline`])
 //!
