@@ -34,29 +34,27 @@ for comp in rustfmt clippy; do
         rustup component add "$comp"
     fi
 done
+# Installs Debian packages the stages need (root and apt), or says what will be missing.
+need_pkgs() { # "what goes without them" PKG...
+    local without=$1
+    shift
+    dpkg -s "$@" >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "::: installing $*"
+        (apt-get install -y -q "$@" || { apt-get update -q && apt-get install -y -q "$@"; }) >/dev/null
+    else
+        echo "::: WARNING: cannot install $* (not root or no apt): $without"
+    fi
+}
 # The `rdma` feature binds the system libibverbs (rdma-sys + bindgen): its headers and libclang.
 # dataset-fashion-mnist: the full Fashion-MNIST (MIT), for the trainer's full-set tests.
-RDMA_PKGS="libibverbs-dev librdmacm-dev libclang-dev pkg-config dataset-fashion-mnist"
-if ! dpkg -s $RDMA_PKGS >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "::: installing $RDMA_PKGS"
-        (apt-get install -y -q $RDMA_PKGS || { apt-get update -q && apt-get install -y -q $RDMA_PKGS; }) >/dev/null
-    else
-        echo "::: WARNING: cannot install $RDMA_PKGS (not root or no apt): the rdma feature will not build, full-dataset tests skip"
-    fi
-fi
-
-# The network-fault tests (tests/netns.rs) make hosts of network namespaces (iproute2) and
-# drop packets and cut hosts off with nftables where the kernel has no netem.
-NETNS_PKGS="iproute2 nftables"
-if ! dpkg -s $NETNS_PKGS >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "::: installing $NETNS_PKGS"
-        (apt-get install -y -q $NETNS_PKGS || { apt-get update -q && apt-get install -y -q $NETNS_PKGS; }) >/dev/null
-    else
-        echo "::: WARNING: cannot install $NETNS_PKGS (not root or no apt): the network-fault tests emulate less or skip (their SKIPPED: lines say what)"
-    fi
-fi
+need_pkgs "the rdma feature will not build, full-dataset tests skip" \
+    libibverbs-dev librdmacm-dev libclang-dev pkg-config dataset-fashion-mnist
+# The network-fault tests (tests/netns.rs) make hosts of network namespaces (iproute2), tie the
+# roles' lives to the test's (setpriv, util-linux) and drop packets and cut hosts off with
+# nftables where the kernel has no netem.
+need_pkgs "the network-fault tests emulate less or skip (their SKIPPED: lines say what)" \
+    iproute2 nftables util-linux
 
 # Reads cargo's JSON messages on stdin; prints the executables of the named test/bench targets.
 executables_named() {
