@@ -431,18 +431,6 @@ mod tests {
     }
 
     #[test]
-    fn syncopt_backups_must_be_fewer_than_the_workers() {
-        let p: PolicySpec = "syncopt(10)".parse().unwrap();
-        let e = policy_fits(&p, "syncopt(10)", 4).unwrap_err().to_string();
-        assert!(e.contains("syncopt(10) with 4 worker(s)"), "{e}");
-        assert!(e.contains("fewer than the workers (0 to 3)"), "{e}");
-        assert!(policy_fits(&p, "syncopt(10)", 11).is_ok());
-        let p: PolicySpec = "syncopt(3)".parse().unwrap();
-        assert!(policy_fits(&p, "syncopt(3)", 4).is_ok());
-        assert!(policy_fits(&p, "syncopt(3)", 3).is_err());
-    }
-
-    #[test]
     fn a_suspicion_timeout_must_outlast_the_heartbeat() {
         let t = falcon_trainer::job::Timeouts {
             heartbeat: Duration::from_millis(1000),

@@ -1370,10 +1370,10 @@ fn drain_accepted(
     links: &mut HashMap<LinkId, Link>,
     unattached: &mut HashMap<LinkId, Instant>,
 ) {
-    while let Ok(l) = t.accept(Some(Duration::ZERO)) {
+    crate::worker::each_accepted(t, |l| {
         unattached.insert(l.id(), Instant::now());
         links.insert(l.id(), l);
-    }
+    });
 }
 
 /// Ends an incarnation's heartbeats when dropped: clears their flag and closes the scheduler

@@ -170,11 +170,18 @@ fn from_scheduler<T>(
     }
 }
 
+/// Hands every link the transport has accepted so far to `take`, without waiting.
+pub(crate) fn each_accepted(t: &Transport, mut take: impl FnMut(Link)) {
+    while let Ok(l) = t.accept(Some(Duration::ZERO)) {
+        take(l);
+    }
+}
+
 /// Moves every link the transport has accepted into `links`, stamped with when it came.
 pub(crate) fn drain_accepted(t: &Transport, links: &mut HashMap<LinkId, (Link, Instant)>) {
-    while let Ok(l) = t.accept(Some(Duration::ZERO)) {
+    each_accepted(t, |l| {
         links.insert(l.id(), (l, Instant::now()));
-    }
+    });
 }
 
 /// The accepted link a completion came on, if this role knows it. The transport hands a link

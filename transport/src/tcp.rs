@@ -190,7 +190,7 @@ pub(crate) fn tune(stream: &TcpStream, op_timeout: Duration) -> Result<()> {
 }
 
 /// `MSG_DONTWAIT`: a send that fails rather than waits for room.
-fn libc_dontwait() -> std::ffi::c_int {
+fn dontwait() -> std::ffi::c_int {
     rustix::net::SendFlags::DONTWAIT.bits() as std::ffi::c_int
 }
 
@@ -528,7 +528,7 @@ impl TcpLink {
             && let Ok(w) = self.writer.try_lock()
         {
             let bye = FrameHeader::new(Op::Bye);
-            let _ = socket2::SockRef::from(&*w).send_with_flags(bye.as_bytes(), libc_dontwait());
+            let _ = socket2::SockRef::from(&*w).send_with_flags(bye.as_bytes(), dontwait());
         }
         let _ = self.stream.shutdown(Shutdown::Both);
         // A reader waiting for room in the completion queue delivers what it holds and ends.
