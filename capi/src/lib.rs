@@ -1,0 +1,1 @@
+//! falcon's C ABI (work in progress).
