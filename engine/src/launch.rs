@@ -35,7 +35,8 @@
 //!   [`DEFAULT_SCHEDULER_PORT`]);
 //! - this node's addresses: `FALCON_NODE_HOST` (`DMLC_NODE_HOST`), `FALCON_BIND`,
 //!   `FALCON_ADVERTISE`;
-//! - the job: `FALCON_JOB`, `FALCON_TOKEN`, `FALCON_POLICY`, `FALCON_LR`, `FALCON_SCALE`,
+//! - the job: `FALCON_JOB`, `FALCON_TOKEN`, `FALCON_POLICY`, `FALCON_LR`, `FALCON_OPTIMIZER`,
+//!   `FALCON_AGGREGATE`, `FALCON_SCALE`,
 //!   `FALCON_MAX_SHARD_BYTES`, `FALCON_MEDIUM`;
 //! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
@@ -56,7 +57,7 @@ use crate::checks::{self, Conflict};
 use crate::config::{CheckpointSettings, DEFAULT_SUSPICION, JobConfig, OnCheckpointFailure};
 use crate::proto::Role;
 use crate::sync::PolicySpec;
-use crate::update::{Optimizer, ScaleSpec, UpdateMode};
+use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 /// The scheduler's port when a launcher (Slurm, mpirun) names none.
 pub const DEFAULT_SCHEDULER_PORT: u16 = 9091;
@@ -100,6 +101,8 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_TOKEN",
     "FALCON_POLICY",
     "FALCON_LR",
+    "FALCON_OPTIMIZER",
+    "FALCON_AGGREGATE",
     "FALCON_SCALE",
     "FALCON_MAX_SHARD_BYTES",
     "FALCON_MEDIUM",
@@ -496,9 +499,19 @@ impl Launch {
             },
             scheduler,
             policy: env.value(&["FALCON_POLICY"], PolicySpec::Bsp, str::parse)?,
-            optimizer: Optimizer::Sgd {
-                lr: env.value(&["FALCON_LR"], DEFAULT_LR, checks::learning_rate)?,
+            optimizer: {
+                let lr = env.value(&["FALCON_LR"], DEFAULT_LR, checks::learning_rate)?;
+                env.value(&["FALCON_OPTIMIZER"], Optimizer::Sgd { lr }, |s| {
+                    Optimizer::parse(s, lr)
+                })?
             },
+            aggregate: env.value(&["FALCON_AGGREGATE"], Aggregate::Mean, |s| {
+                match s.trim().to_ascii_lowercase().as_str() {
+                    "mean" => Ok(Aggregate::Mean),
+                    "sum" => Ok(Aggregate::Sum),
+                    _ => Err("not an aggregate of a clock's gradients: mean or sum"),
+                }
+            })?,
             max_shard_bytes: env.value(
                 &["FALCON_MAX_SHARD_BYTES"],
                 d.max_shard_bytes,

@@ -68,6 +68,64 @@ impl Optimizer {
     }
 }
 
+impl Optimizer {
+    /// Parses an optimizer's text, given the learning rate: `sgd`, `momentum(MU)` (0 ≤ MU <
+    /// 1; PyTorch's SGD with momentum, no dampening), `adam` or `adam(B1,B2,EPS)` (defaults
+    /// 0.9, 0.999, 1e-8). A wrong text is an [`Error::Config`](crate::Error::Config) saying
+    /// what is accepted.
+    pub fn parse(text: &str, lr: f32) -> Result<Optimizer, crate::Error> {
+        let shown = text.trim();
+        let l = shown.to_ascii_lowercase().replace(' ', "");
+        let err = |why: &str| {
+            crate::Error::Config(format!(
+                "optimizer {shown}: {why}; the optimizers: sgd, momentum(MU), adam, \
+                 adam(B1,B2,EPS)"
+            ))
+        };
+        let (name, args) = match l.split_once('(') {
+            Some((n, rest)) => {
+                let a = rest
+                    .strip_suffix(')')
+                    .ok_or_else(|| err("its arguments lack their ')'"))?;
+                let v = a
+                    .split(',')
+                    .map(|x| x.parse::<f32>().ok().filter(|v| v.is_finite()))
+                    .collect::<Option<Vec<f32>>>()
+                    .ok_or_else(|| err("its arguments must be finite numbers"))?;
+                (n, Some(v))
+            }
+            None => (l.as_str(), None),
+        };
+        match (name, args.as_deref()) {
+            ("sgd", None) => Ok(Optimizer::Sgd { lr }),
+            ("momentum", Some(&[mu])) if (0.0..1.0).contains(&mu) => {
+                Ok(Optimizer::Momentum { lr, mu })
+            }
+            ("momentum", _) => Err(err("momentum takes one factor MU, 0 ≤ MU < 1")),
+            ("adam", None) => Ok(Optimizer::Adam {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            }),
+            ("adam", Some(&[beta1, beta2, eps]))
+                if (0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2) && eps > 0.0 =>
+            {
+                Ok(Optimizer::Adam {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                })
+            }
+            ("adam", _) => Err(err(
+                "adam takes none or three arguments: B1 and B2 in [0, 1), EPS > 0",
+            )),
+            _ => Err(err("unknown optimizer")),
+        }
+    }
+}
+
 /// The learning-rate schedule hook: the rate for update number `step` (0-based).
 pub trait LrSchedule: Send + Sync {
     /// The rate to use.
@@ -397,5 +455,23 @@ mod tests {
         assert_eq!(s.lr(1.0, 9), 1.0);
         assert_eq!(s.lr(1.0, 10), 0.5);
         assert_eq!(s.lr(1.0, 25), 0.25);
+    }
+
+    #[test]
+    fn optimizers_parse_and_refuse_with_the_accepted_forms() {
+        assert_eq!(Optimizer::parse("sgd", 0.5).unwrap(), Optimizer::Sgd { lr: 0.5 });
+        assert_eq!(
+            Optimizer::parse(" Momentum(0.9) ", 0.1).unwrap(),
+            Optimizer::Momentum { lr: 0.1, mu: 0.9 }
+        );
+        assert_eq!(
+            Optimizer::parse("adam(0.8, 0.99, 1e-6)", 0.01).unwrap(),
+            Optimizer::Adam { lr: 0.01, beta1: 0.8, beta2: 0.99, eps: 1e-6 }
+        );
+        assert!(matches!(Optimizer::parse("adam", 1.0).unwrap(), Optimizer::Adam { .. }));
+        for bad in ["rmsprop", "momentum", "momentum(1.5)", "adam(1,2)", "sgd(0.1)", "momentum(0.9"] {
+            let e = Optimizer::parse(bad, 0.1).unwrap_err().to_string();
+            assert!(e.contains("the optimizers: sgd"), "{bad}: {e}");
+        }
     }
 }

@@ -253,6 +253,25 @@ impl Signal {
         }
     }
 
+    /// The outcome if it comes by `deadline`.
+    fn outcome_by(&self, deadline: Instant) -> Option<Result<()>> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = s.as_ref() {
+                return Some(r.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            s = self
+                .cv
+                .wait_timeout(s, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// Waits for the outcome; `None` waits as long as the peers live (a dead peer fails every
     /// waiter through the progress thread, so this never hangs on one).
     fn wait(&self, timeout: Option<Duration>) -> Result<()> {
@@ -289,9 +308,34 @@ pub struct Handle {
     /// may rightly wait as long as the policy holds it (a straggler under BSP); peer death,
     /// not a clock, ends it.
     timeout: Option<Duration>,
+    /// When the operation started (a push's timeout counts from here in `wait_for`).
+    started: Instant,
 }
 
 impl Handle {
+    /// Waits at most `within` for completion: `Some` outcome when done (a push unacknowledged
+    /// past the operation timeout, counted from its start, is a [`Error::Timeout`]), `None`
+    /// when still in flight. An embedding that must stay responsive (Python's Ctrl-C) waits
+    /// in such slices.
+    pub fn wait_for(&self, within: Duration) -> Option<Result<()>> {
+        let deadline = Instant::now() + within;
+        for s in &self.signals {
+            match s.outcome_by(deadline) {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Some(Err(e)),
+                None => {
+                    return match self.timeout {
+                        Some(t) if self.started.elapsed() >= t => {
+                            Some(Err(Error::Timeout("push acknowledgement", t)))
+                        }
+                        _ => None,
+                    };
+                }
+            }
+        }
+        Some(Ok(()))
+    }
+
     /// True once every part has completed (successfully or not): `wait` will not block.
     pub fn ready(&self) -> bool {
         self.signals.iter().all(|s| s.done())
@@ -1007,7 +1051,11 @@ impl Worker {
     }
 
     fn handle(&self, signals: Vec<Arc<Signal>>, timeout: Option<Duration>) -> Handle {
-        Handle { signals, timeout }
+        Handle {
+            signals,
+            timeout,
+            started: Instant::now(),
+        }
     }
 
     /// Sets `tensor`'s initial values (the first initialization of each shard wins). Call it

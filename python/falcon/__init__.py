@@ -1,0 +1,327 @@
+"""falcon: a parameter server for training on machines of different speeds.
+
+A job has a scheduler, servers that hold the parameters and apply the updates, and workers
+that push gradients and pull parameters under a synchronization policy (bsp, asp, ssp(s),
+dssp(…), epsp, fluentps(…), syncopt(n), flexrr, elasticbsp). From Python:
+
+    import falcon, numpy as np
+
+    cluster = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)  # or `falcon role`
+    w = falcon.init({"w": 4}, env=cluster.env)   # or from the environment alone
+    values = np.zeros(4, np.float32)
+    for clock in range(10):
+        w.pull("w", values, clock)
+        w.push("w", np.ones(4, np.float32), clock)
+    w.finish()
+    cluster.finish()
+
+`falcon.init()` reads the launch contract from the environment: FALCON_* variables,
+ps-lite's DMLC_*, torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, Slurm's and Open
+MPI's (`falcon.launch_variables()` lists them). Under a launcher that starts the same script
+on every rank, rank 0 becomes the scheduler and the next FALCON_NUM_SERVER ranks the
+servers: for them `init()` serves the job until it ends, then exits the process.
+
+PyTorch: `falcon.torch.DistributedOptimizer` (in the manner of Horovod and BytePS) and
+`falcon.torch.fit`, the task-driven trainer that moves work from stragglers to fast workers.
+
+Every error is a `falcon.Error`; the subclasses say what kind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Mapping
+
+from . import _falcon
+from ._falcon import (
+    ClockError,
+    Cluster,
+    ConfigError,
+    Error,
+    Handle,
+    Hetero,
+    LengthError,
+    NotInitializedError,
+    PeerError,
+    Tasks,
+    TensorError,
+    TimeoutError,
+    TransportError,
+    Worker,
+    hetero_of,
+    launch_variables,
+)
+
+__all__ = [
+    "ClockError",
+    "Cluster",
+    "ConfigError",
+    "Error",
+    "Handle",
+    "Hetero",
+    "LengthError",
+    "NotInitializedError",
+    "PeerError",
+    "Tasks",
+    "TensorError",
+    "TimeoutError",
+    "TransportError",
+    "Worker",
+    "barrier",
+    "declare",
+    "fashion_mnist",
+    "finish",
+    "hetero_of",
+    "init",
+    "launch_variables",
+    "local_cluster",
+    "pull",
+    "pull_async",
+    "push",
+    "push_async",
+    "rank",
+    "size",
+    "worker",
+]
+
+_lock = threading.Lock()
+_worker: Worker | None = None
+_overrides: dict[str, str] | None = None
+# The report of the role this process served (scheduler or server), for tests and tools.
+_last_report: dict = {}
+
+# Variables by which a launcher (torchrun, Slurm, Open MPI) gives this process its place.
+_LAUNCHER_RANKS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+
+
+def _settings(
+    env: Mapping[str, str] | None,
+    scheduler: str | None,
+    workers: int | None,
+    servers: int | None,
+    rank: int | None,
+    policy: str | None,
+    lr: float | None,
+    optimizer: str | None,
+    aggregate: str | None,
+    job: str | None,
+    token: str | None,
+    settings: Mapping[str, object],
+) -> dict[str, str]:
+    """The arguments as launch-contract variables, over `env` (over the process's own)."""
+    out = {str(k): str(v) for k, v in (env or {}).items()}
+    named = {
+        "FALCON_SCHEDULER": scheduler,
+        "FALCON_NUM_WORKER": workers,
+        "FALCON_NUM_SERVER": servers,
+        "FALCON_RANK": rank,
+        "FALCON_POLICY": policy,
+        "FALCON_LR": lr,
+        "FALCON_OPTIMIZER": optimizer,
+        "FALCON_AGGREGATE": aggregate,
+        "FALCON_JOB": job,
+        "FALCON_TOKEN": token,
+    }
+    for k, v in named.items():
+        if v is not None:
+            out[k] = str(v)
+    for k, v in settings.items():
+        name = k.upper()
+        if not name.startswith("FALCON_"):
+            name = "FALCON_" + name
+        out[name] = str(v)
+    return out
+
+
+def _tensor_list(tensors) -> list[tuple[str, int]]:
+    """(name, length) pairs from a dict of lengths or arrays, or a sequence of pairs."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    out = []
+    for item in items:
+        try:
+            name, v = item
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"a tensor is declared as (name, length): got {item!r}"
+            ) from None
+        n = v if isinstance(v, int) else getattr(v, "size", None)
+        if callable(n):  # torch.Tensor.size is a method; numel() is the count
+            n = v.numel()
+        if n is None:
+            try:
+                n = len(v)
+            except TypeError:
+                raise ConfigError(
+                    f"tensor {name!r}: give its length in floats or an array, not {type(v).__name__}"
+                ) from None
+        out.append((str(name), int(n)))
+    return out
+
+
+def init(
+    tensors=None,
+    *,
+    env: Mapping[str, str] | None = None,
+    scheduler: str | None = None,
+    workers: int | None = None,
+    servers: int | None = None,
+    rank: int | None = None,
+    policy: str | None = None,
+    lr: float | None = None,
+    optimizer: str | None = None,
+    aggregate: str | None = None,
+    job: str | None = None,
+    token: str | None = None,
+    **settings,
+) -> Worker | None:
+    """Joins a job as a worker.
+
+    The job is described by the environment (the launch contract), with `env` (a dict of
+    variables, such as `local_cluster(...).env`) and the named arguments over it; other
+    keyword arguments set FALCON_<NAME> (`heartbeat_ms=500` sets FALCON_HEARTBEAT_MS).
+
+    `tensors` declares what this worker trains: {name: length or array} or [(name,
+    length)], the same on every worker. Without it, the join waits for `declare(tensors)`
+    (which `falcon.torch.DistributedOptimizer` calls). Returns the Worker, or None when the
+    join is deferred.
+
+    A process the launch makes the scheduler or a server serves the job here until it ends
+    and then exits (SystemExit(0)): one script can run on every rank of torchrun or srun.
+    """
+    global _overrides
+    overrides = _settings(
+        env, scheduler, workers, servers, rank, policy, lr, optimizer, aggregate, job, token,
+        settings,
+    )
+    has_role = any(
+        overrides.get(v) or os.environ.get(v)
+        for v in ("FALCON_ROLE", "DMLC_ROLE") + _LAUNCHER_RANKS
+    )
+    if not has_role:
+        overrides["FALCON_ROLE"] = "worker"
+    role, _ = _falcon.launch_role(overrides)
+    if role != "worker":
+        report = _falcon.serve(overrides)
+        print(f"falcon {role}: the job is done", file=sys.stderr, flush=True)
+        _last_report.update(report)
+        raise SystemExit(0)
+    with _lock:
+        if _worker is not None:
+            raise ConfigError("falcon.init() was already called in this process")
+        _overrides = overrides
+    if tensors is None:
+        return None
+    return declare(tensors)
+
+
+def declare(tensors) -> Worker:
+    """Declares the tensors of a deferred `init()` and joins the job with them."""
+    global _worker
+    with _lock:
+        if _worker is not None:
+            raise ConfigError("this process has already joined its job")
+        if _overrides is None:
+            raise NotInitializedError("call falcon.init() before declaring tensors")
+        _worker = Worker.join(_tensor_list(tensors), _overrides)
+        return _worker
+
+
+def worker() -> Worker:
+    """This process's worker; NotInitializedError before `init()` joined."""
+    w = _worker
+    if w is None:
+        if _overrides is None:
+            raise NotInitializedError("falcon.init() has not been called in this process")
+        raise NotInitializedError(
+            "falcon.init() was called without tensors: declare them with falcon.declare(...)"
+        )
+    return w
+
+
+def rank() -> int:
+    """This worker's rank."""
+    return worker().rank
+
+
+def size() -> int:
+    """The job's workers."""
+    return worker().workers
+
+
+def push(tensor: str, grad, clock: int | None = None) -> None:
+    """Pushes `grad` for `clock` (default: the tensor's next clock)."""
+    w = worker()
+    w.push(tensor, grad, w.clock_of(tensor) if clock is None else clock)
+
+
+def push_async(tensor: str, grad, clock: int | None = None) -> Handle:
+    """Starts a push for `clock` (default: the tensor's next clock); returns its Handle."""
+    w = worker()
+    return w.push_async(tensor, grad, w.clock_of(tensor) if clock is None else clock)
+
+
+def pull(tensor: str, out, clock: int | None = None) -> None:
+    """Pulls into `out` for `clock` (default: the tensor's current clock)."""
+    w = worker()
+    w.pull(tensor, out, w.clock_of(tensor) if clock is None else clock)
+
+
+def pull_async(tensor: str, out, clock: int | None = None) -> Handle:
+    """Starts a pull into `out` for `clock` (default: the tensor's current clock)."""
+    w = worker()
+    return w.pull_async(tensor, out, w.clock_of(tensor) if clock is None else clock)
+
+
+def barrier() -> None:
+    """Waits until every live worker has reached this barrier."""
+    worker().barrier()
+
+
+def finish() -> None:
+    """Tells the job this worker is done. The job ends when every worker is."""
+    global _worker, _overrides
+    with _lock:
+        w, _worker, _overrides = _worker, None, None
+    if w is not None:
+        w.finish()
+
+
+def local_cluster(
+    workers: int = 1,
+    servers: int = 1,
+    policy: str = "bsp",
+    *,
+    lr: float | None = None,
+    optimizer: str | None = None,
+    aggregate: str | None = None,
+    scheduler: str | None = None,
+    job: str | None = None,
+    token: str | None = None,
+    **settings,
+) -> Cluster:
+    """Starts a scheduler and `servers` servers on threads of this process, for `workers`
+    workers on this host to join: pass `cluster.env` to `init(env=...)` in this process, or
+    set it in the environment of worker processes. `cluster.finish()` waits for the job to
+    end and returns the roles' reports."""
+    overrides = _settings(
+        None, scheduler, workers, servers, None, policy, lr, optimizer, aggregate, job, token,
+        settings,
+    )
+    return Cluster(overrides)
+
+
+def fashion_mnist(path: str | None = None):
+    """Fashion-MNIST as numpy arrays: ((train_x, train_y), (test_x, test_y), source), images
+    float32 N×28×28 in [0, 1], labels uint8. From `path`, else Debian's full set where
+    installed, else the sample bundled with falcon's sources (5000 + 1000 images)."""
+    import numpy as np
+
+    d = _falcon.load_fashion_mnist(path)
+    shape = (d["rows"], d["cols"])
+    tx = np.frombuffer(d["train_images"], dtype="<f4").reshape((-1,) + shape)
+    ty = np.frombuffer(d["train_labels"], dtype=np.uint8)
+    vx = np.frombuffer(d["test_images"], dtype="<f4").reshape((-1,) + shape)
+    vy = np.frombuffer(d["test_labels"], dtype=np.uint8)
+    return (tx, ty), (vx, vy), d["source"]

@@ -1,0 +1,563 @@
+//! The worker: push and pull between Python buffers and the job's registered regions.
+//!
+//! A push copies the caller's buffer into a registered region (the one copy) and sends from
+//! there; a pull lands in a registered region and is copied into the caller's buffer when
+//! it completes. Regions are kept per tensor and reused, so steady-state pushes and pulls
+//! allocate nothing.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use falcon_engine::keys::TensorSpec;
+use falcon_engine::proto::Role;
+use falcon_transport::Region;
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{ConfigError, Error, LengthError, SLICE, TensorError, engine_err, transport_err};
+
+/// Regions kept per tensor for reuse (more in flight at once are made and dropped).
+const KEPT_REGIONS: usize = 4;
+
+/// Registered regions waiting for reuse, per tensor.
+#[derive(Default)]
+struct Regions(Mutex<HashMap<String, Vec<Region>>>);
+
+impl Regions {
+    fn take(&self, w: &falcon_engine::Worker, tensor: &str) -> PyResult<Region> {
+        let kept = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(tensor)
+            .and_then(Vec::pop);
+        match kept {
+            Some(r) => Ok(r),
+            None => w.buffer(tensor).map_err(engine_err),
+        }
+    }
+
+    fn give(&self, tensor: &str, r: Region) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let v = m.entry(tensor.to_string()).or_default();
+        if v.len() < KEPT_REGIONS {
+            v.push(r);
+        }
+    }
+}
+
+/// A worker of a falcon job: pushes gradients, pulls parameters. Made by
+/// `falcon.init(...)`; every method may be called from any thread.
+#[pyclass(frozen, module = "falcon")]
+pub struct Worker {
+    w: falcon_engine::Worker,
+    /// Tensor name → length in floats.
+    lens: HashMap<String, u64>,
+    /// Names in declaration order.
+    names: Vec<String>,
+    regions: Arc<Regions>,
+}
+
+/// Waits for `h` in slices, releasing the GIL, checking for Ctrl-C between slices.
+fn wait_handle(py: Python<'_>, h: &falcon_engine::Handle) -> PyResult<()> {
+    loop {
+        match py.detach(|| h.wait_for(SLICE)) {
+            Some(r) => return r.map_err(engine_err),
+            None => py.check_signals()?,
+        }
+    }
+}
+
+/// Runs `f` (a blocking engine call) on its own thread with the GIL released, checking for
+/// Ctrl-C while it runs. On an interrupt the call goes on in the background and its result
+/// is dropped.
+pub(crate) fn blocking<T: Send + 'static>(
+    py: Python<'_>,
+    what: &str,
+    f: impl FnOnce() -> PyResult<T> + Send + 'static,
+) -> PyResult<T> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name(format!("falcon-{what}"))
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| Error::new_err(format!("cannot start a thread for {what}: {e}")))?;
+    loop {
+        match py.detach(|| rx.recv_timeout(SLICE)) {
+            Ok(r) => return r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                return Err(Error::new_err(format!("{what} stopped without an answer")));
+            }
+        }
+    }
+}
+
+impl Worker {
+    fn len_of(&self, tensor: &str) -> PyResult<u64> {
+        self.lens
+            .get(tensor)
+            .copied()
+            .ok_or_else(|| TensorError::new_err(format!("unknown tensor {tensor:?}")))
+    }
+
+    /// A float32, C-contiguous buffer of `tensor`'s length (writable for pulls).
+    fn buffer_of(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        tensor: &str,
+        writable: bool,
+    ) -> PyResult<PyBuffer<f32>> {
+        let len = self.len_of(tensor)?;
+        let buf = PyBuffer::<f32>::get(obj).map_err(|e| {
+            LengthError::new_err(format!(
+                "tensor {tensor:?}: the buffer must hold float32 values ({e})"
+            ))
+        })?;
+        if !buf.is_c_contiguous() {
+            return Err(LengthError::new_err(format!(
+                "tensor {tensor:?}: the buffer must be contiguous (numpy.ascontiguousarray, \
+                 tensor.contiguous())"
+            )));
+        }
+        if writable && buf.readonly() {
+            return Err(LengthError::new_err(format!(
+                "tensor {tensor:?}: a pull needs a writable buffer"
+            )));
+        }
+        if buf.item_count() as u64 != len {
+            return Err(LengthError::new_err(format!(
+                "tensor {tensor:?} has {len} floats; the buffer has {}",
+                buf.item_count()
+            )));
+        }
+        Ok(buf)
+    }
+
+    /// Copies `buf` into `region` (the push's one copy).
+    fn fill(region: &Region, buf: &PyBuffer<f32>) -> PyResult<()> {
+        // SAFETY: `buf` is a C-contiguous buffer of `item_count` f32 values (checked in
+        // `buffer_of`), held (so its memory stays valid) for the life of this borrow, and we
+        // hold the GIL, so no Python code can resize or free it meanwhile.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.item_count() * 4)
+        };
+        region.write_at(0, bytes).map_err(transport_err)
+    }
+
+    /// Copies `region` into `buf` (the pull's one copy).
+    fn drain(region: &Region, buf: &PyBuffer<f32>) -> PyResult<()> {
+        // SAFETY: as in `fill`, and the buffer is writable (checked in `buffer_of`); the
+        // slice lives only for this copy, while the GIL is held.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(buf.buf_ptr() as *mut u8, buf.item_count() * 4)
+        };
+        region.read_at(0, bytes).map_err(transport_err)
+    }
+
+    fn start_push(
+        &self,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<Handle> {
+        let buf = self.buffer_of(grad, tensor, false)?;
+        let region = self.regions.take(&self.w, tensor)?;
+        Self::fill(&region, &buf)?;
+        drop(buf);
+        match self.w.push_async(tensor, &region, clock) {
+            Ok(h) => Ok(Handle::new(
+                h,
+                Done::Push,
+                tensor,
+                region,
+                self.regions.clone(),
+            )),
+            Err(e) => {
+                self.regions.give(tensor, region);
+                Err(engine_err(e))
+            }
+        }
+    }
+
+    fn start_pull(&self, tensor: &str, out: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
+        let buf = self.buffer_of(out, tensor, true)?;
+        let region = self.regions.take(&self.w, tensor)?;
+        match self.w.pull_async(tensor, &region, clock) {
+            Ok(h) => Ok(Handle::new(
+                h,
+                Done::Pull(buf),
+                tensor,
+                region,
+                self.regions.clone(),
+            )),
+            Err(e) => {
+                self.regions.give(tensor, region);
+                Err(engine_err(e))
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl Worker {
+    /// Joins the job the environment describes (the launch contract; `overrides` first, as
+    /// FALCON_* variables) as a worker training `tensors`, a list of (name, length in
+    /// floats). Every worker of a job declares the same tensors. Blocks (the GIL released)
+    /// until the job's rendezvous completes.
+    #[staticmethod]
+    #[pyo3(signature = (tensors, overrides))]
+    fn join(
+        py: Python<'_>,
+        tensors: Vec<(String, u64)>,
+        overrides: HashMap<String, String>,
+    ) -> PyResult<Worker> {
+        let launch = crate::launch(&overrides)?;
+        if launch.role != Role::Worker {
+            return Err(ConfigError::new_err(format!(
+                "this process is the job's {} by its environment, not a worker",
+                launch.role.name()
+            )));
+        }
+        if tensors.is_empty() {
+            return Err(ConfigError::new_err(
+                "a worker must declare at least one tensor",
+            ));
+        }
+        let mut lens = HashMap::new();
+        let mut names = Vec::new();
+        for (name, len) in &tensors {
+            if name.is_empty() || *len == 0 {
+                return Err(ConfigError::new_err(format!(
+                    "tensor {name:?} of {len} floats: a tensor needs a name and at least one float"
+                )));
+            }
+            if lens.insert(name.clone(), *len).is_some() {
+                return Err(ConfigError::new_err(format!(
+                    "tensor {name:?} is declared twice"
+                )));
+            }
+            names.push(name.clone());
+        }
+        let specs: Vec<TensorSpec> = tensors
+            .into_iter()
+            .map(|(name, len)| TensorSpec { name, len })
+            .collect();
+        let (cfg, rank) = (launch.config, launch.rank);
+        let w = crate::worker::blocking(py, "join", move || {
+            falcon_engine::Worker::join(&cfg, specs, rank).map_err(engine_err)
+        })?;
+        Ok(Worker {
+            w,
+            lens,
+            names,
+            regions: Arc::default(),
+        })
+    }
+
+    /// This worker's rank, 0 ≤ rank < workers.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.w.rank()
+    }
+
+    /// The job's workers.
+    #[getter]
+    fn workers(&self) -> u32 {
+        self.w.workers()
+    }
+
+    /// The declared tensors: a list of (name, length in floats) in declaration order.
+    #[getter]
+    fn tensors(&self) -> Vec<(String, u64)> {
+        self.names
+            .iter()
+            .map(|n| (n.clone(), self.lens[n]))
+            .collect()
+    }
+
+    /// True when this worker rejoined a running job (after an eviction) rather than starting.
+    #[getter]
+    fn rejoined(&self) -> bool {
+        self.w.rejoined()
+    }
+
+    /// The worker's clock: the fewest gradients pushed to any tensor it has pushed.
+    fn clock(&self) -> u64 {
+        self.w.clock()
+    }
+
+    /// Gradients pushed to `tensor` so far: its next push's clock.
+    fn clock_of(&self, tensor: &str) -> PyResult<u64> {
+        self.len_of(tensor)?;
+        self.w.clock_of(tensor).map_err(engine_err)
+    }
+
+    /// Sets `tensor`'s initial values on the servers (the first initialization of each shard
+    /// wins); `values` is any float32 buffer of the tensor's length.
+    fn init_tensor(&self, py: Python<'_>, tensor: &str, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let buf = self.buffer_of(values, tensor, false)?;
+        let region = self.regions.take(&self.w, tensor)?;
+        Self::fill(&region, &buf)?;
+        drop(buf);
+        let (w, t, r) = (self.w.clone(), tensor.to_string(), region.clone());
+        let out = blocking(py, "init", move || w.init(&t, &r).map_err(engine_err));
+        self.regions.give(tensor, region);
+        out
+    }
+
+    /// Pushes `grad` (a float32 buffer of the tensor's length) as this worker's gradient for
+    /// `clock`, which must be the tensor's next clock. Returns once the servers have it.
+    fn push(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<()> {
+        self.start_push(tensor, grad, clock)?.finish(py)
+    }
+
+    /// Starts a push and returns its handle; `grad` is copied before this returns, so it may
+    /// be reused at once.
+    fn push_async(&self, tensor: &str, grad: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
+        self.start_push(tensor, grad, clock)
+    }
+
+    /// Pulls `tensor` into `out` (a writable float32 buffer of its length) for `clock`:
+    /// returns when `out` holds values the job's policy lets this clock see.
+    fn pull(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        out: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<()> {
+        self.start_pull(tensor, out, clock)?.finish(py)
+    }
+
+    /// Starts a pull and returns its handle; `out` is written when the handle's `wait`
+    /// returns, and must stay alive until then.
+    fn pull_async(&self, tensor: &str, out: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
+        self.start_pull(tensor, out, clock)
+    }
+
+    /// Waits until every live worker has reached this barrier.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let w = self.w.clone();
+        blocking(py, "barrier", move || w.barrier().map_err(engine_err))
+    }
+
+    /// Tells the scheduler this worker is done and closes its links (the job ends when every
+    /// worker is). A second call does nothing.
+    fn finish(&self) -> PyResult<()> {
+        self.w.finish().map_err(engine_err)
+    }
+
+    /// Workers the scheduler has declared dead.
+    fn dead_workers(&self) -> Vec<u32> {
+        self.w.dead_workers()
+    }
+
+    /// Counters of this worker, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.w.stats();
+        let d = PyDict::new(py);
+        d.set_item("fast_pulls", s.fast_pulls)?;
+        d.set_item("slow_pulls", s.slow_pulls)?;
+        d.set_item("pushes", s.pushes)?;
+        d.set_item("pull_wait_s", s.pull_wait.as_secs_f64())?;
+        d.set_item("barrier_wait_s", s.barrier_wait.as_secs_f64())?;
+        d.set_item("offers", s.offers)?;
+        d.set_item("help_pushes", s.help_pushes)?;
+        d.set_item("staleness_sum", s.staleness_sum)?;
+        d.set_item("staleness_acks", s.staleness_acks)?;
+        d.set_item("staleness_max", s.staleness_max)?;
+        d.set_item("reconnects", s.reconnects)?;
+        Ok(d)
+    }
+
+    // --- task transfer and elastic parallelism (the task-driven trainer) ---
+
+    /// Gives helpers this worker's unprocessed tasks from `tasks` (a `Tasks`): a helper's
+    /// request for iteration `clock` takes the tail of what is left, only if that iteration
+    /// is the one in the source.
+    fn serve_steals(&self, tasks: &crate::tasks::Tasks) {
+        let source = tasks.source();
+        self.w
+            .on_steal(move |clock, want| match source.steal_for(clock, want as usize) {
+                Some(s) => s.tasks.start as u32..s.tasks.end as u32,
+                None => 0..0,
+            });
+    }
+
+    /// Task-transfer offers the servers made while this worker's pull was parked: a list of
+    /// (straggler, clock).
+    fn offers(&self) -> Vec<(u32, u64)> {
+        self.w
+            .offers()
+            .into_iter()
+            .map(|o| (o.straggler, o.clock))
+            .collect()
+    }
+
+    /// Asks `straggler` for up to `want` unprocessed tasks of its iteration `clock`: returns
+    /// (start, end), the task range now this worker's to compute and push with `push_for`
+    /// (empty when none is left).
+    fn steal(&self, py: Python<'_>, straggler: u32, clock: u64, want: u32) -> PyResult<(u32, u32)> {
+        let w = self.w.clone();
+        let r = blocking(py, "steal", move || {
+            w.steal(straggler, clock, want).map_err(engine_err)
+        })?;
+        Ok((r.start, r.end))
+    }
+
+    /// Pushes the gradient of tasks taken from `straggler` for its iteration `clock`,
+    /// credited to it (exactly once).
+    fn push_for(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        straggler: u32,
+        clock: u64,
+    ) -> PyResult<()> {
+        let buf = self.buffer_of(grad, tensor, false)?;
+        let region = self.regions.take(&self.w, tensor)?;
+        Self::fill(&region, &buf)?;
+        drop(buf);
+        let (w, t, r) = (self.w.clone(), tensor.to_string(), region.clone());
+        let out = blocking(py, "push_for", move || {
+            w.push_for(&t, &r, straggler, clock).map_err(engine_err)
+        });
+        self.regions.give(tensor, region);
+        out
+    }
+
+    /// Reports an iteration to the scheduler's parallelism manager: threads used, tasks
+    /// processed, and its duration in seconds.
+    fn report_iteration(&self, threads: usize, tasks: u32, seconds: f64) -> PyResult<()> {
+        let d = Duration::try_from_secs_f64(seconds.max(0.0))
+            .map_err(|_| ConfigError::new_err(format!("{seconds} is not a duration")))?;
+        self.w
+            .report_iteration(threads, tasks, d)
+            .map_err(engine_err)
+    }
+
+    /// The thread count the parallelism manager advises for the next iteration, if any.
+    fn advised_threads(&self) -> Option<usize> {
+        self.w.advised_threads()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<falcon.Worker rank {} of {}, {} tensors>",
+            self.w.rank(),
+            self.w.workers(),
+            self.names.len()
+        )
+    }
+}
+
+/// What completing an operation does.
+enum Done {
+    Push,
+    /// Copy the region into this buffer.
+    Pull(PyBuffer<f32>),
+}
+
+/// A push or pull in flight: `wait()` returns when it is done (raising its error, if any);
+/// `ready()` says whether `wait()` would return at once.
+#[pyclass(module = "falcon")]
+pub struct Handle {
+    /// `None` once waited for.
+    op: Option<(falcon_engine::Handle, Done)>,
+    tensor: String,
+    region: Option<Region>,
+    regions: Arc<Regions>,
+    started: Instant,
+}
+
+impl Handle {
+    fn new(
+        h: falcon_engine::Handle,
+        done: Done,
+        tensor: &str,
+        region: Region,
+        regions: Arc<Regions>,
+    ) -> Handle {
+        Handle {
+            op: Some((h, done)),
+            tensor: tensor.to_string(),
+            region: Some(region),
+            regions,
+            started: Instant::now(),
+        }
+    }
+
+    /// Waits (the GIL released, Ctrl-C checked), then completes the operation.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
+        let Some((h, done)) = self.op.take() else {
+            return Err(Error::new_err("this handle was already waited for"));
+        };
+        let outcome = wait_handle(py, &h);
+        if let Err(e) = outcome {
+            if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
+                // Interrupted, not failed: the operation goes on; wait again later.
+                self.op = Some((h, done));
+            } else if let Done::Pull(buf) = done {
+                drop(buf);
+            }
+            return Err(e);
+        }
+        let region = self.region.take();
+        let copied = match (&done, &region) {
+            (Done::Pull(buf), Some(r)) => Worker::drain(r, buf),
+            _ => Ok(()),
+        };
+        if let Done::Pull(buf) = done {
+            drop(buf);
+        }
+        if let Some(r) = region {
+            self.regions.give(&self.tensor, r);
+        }
+        copied
+    }
+}
+
+#[pymethods]
+impl Handle {
+    /// Waits for the operation; raises its error if it failed. A pull's buffer holds the
+    /// values when this returns.
+    fn wait(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.finish(py)
+    }
+
+    /// True when `wait()` would return at once.
+    fn ready(&self) -> bool {
+        self.op.as_ref().is_none_or(|(h, _)| h.ready())
+    }
+
+    /// Seconds since the operation started.
+    #[getter]
+    fn age(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<falcon.Handle on {:?}, {}>",
+            self.tensor,
+            if self.op.is_none() {
+                "done"
+            } else if self.ready() {
+                "ready"
+            } else {
+                "in flight"
+            }
+        )
+    }
+}
