@@ -33,8 +33,8 @@ use crate::keys::{KeyMap, ShardSpec, TensorSpec};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::proto::{Book, Msg, ResumeShard, Role, ShardKeys, imm};
 use crate::server::{HELP_ACK, SLOT_TRAILER};
-use crate::sync::FastPath;
-use crate::update::UpdateMode;
+use crate::sync::{FastPath, PolicySpec};
+use crate::update::{Aggregate, Optimizer, UpdateMode};
 
 /// Joins a job at the scheduler: hello, then wait for the book (or a refusal). Completions
 /// from other peers that arrive meanwhile (a fast worker attaching to a server that has not
@@ -842,6 +842,22 @@ impl Worker {
     /// Number of workers in the job.
     pub fn workers(&self) -> u32 {
         self.inner.book.workers
+    }
+
+    /// The job's synchronization policy, as the scheduler gave it.
+    pub fn policy(&self) -> PolicySpec {
+        self.inner.book.policy
+    }
+
+    /// The servers' optimizer (its learning rate is the base rate: asynchronous modes apply
+    /// each gradient with it divided by the workers).
+    pub fn optimizer(&self) -> Optimizer {
+        self.inner.book.optimizer
+    }
+
+    /// How a clock's gradients combine, and when updates are applied.
+    pub fn update_rule(&self) -> (Aggregate, UpdateMode) {
+        (self.inner.book.aggregate, self.inner.book.mode)
     }
 
     /// The job's tensors and shards.

@@ -142,9 +142,8 @@ impl Worker {
         // SAFETY: `buf` is a C-contiguous buffer of `item_count` f32 values (checked in
         // `buffer_of`), held (so its memory stays valid) for the life of this borrow, and we
         // hold the GIL, so no Python code can resize or free it meanwhile.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.item_count() * 4)
-        };
+        let bytes =
+            unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.item_count() * 4) };
         region.write_at(0, bytes).map_err(transport_err)
     }
 
@@ -158,12 +157,7 @@ impl Worker {
         region.read_at(0, bytes).map_err(transport_err)
     }
 
-    fn start_push(
-        &self,
-        tensor: &str,
-        grad: &Bound<'_, PyAny>,
-        clock: u64,
-    ) -> PyResult<Handle> {
+    fn start_push(&self, tensor: &str, grad: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
         let buf = self.buffer_of(grad, tensor, false)?;
         let region = self.regions.take(&self.w, tensor)?;
         Self::fill(&region, &buf)?;
@@ -279,6 +273,63 @@ impl Worker {
             .collect()
     }
 
+    /// The job's rules as the scheduler gave them: a dict with `policy` (its text, as
+    /// `policy=` takes it), `optimizer` ("sgd", "momentum" or "adam"), `lr` (the base rate),
+    /// `momentum`, `betas` and `eps` where the optimizer has them, `aggregate` ("mean" or
+    /// "sum") and `mode` ("sync": a clock's gradients are combined, then applied; "async":
+    /// each is applied as it arrives, with lr / workers).
+    #[getter]
+    fn job<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use falcon_engine::update::{Aggregate, Optimizer, UpdateMode};
+        let d = PyDict::new(py);
+        d.set_item("policy", self.w.policy().to_string())?;
+        match self.w.optimizer() {
+            Optimizer::Sgd { lr } => {
+                d.set_item("optimizer", "sgd")?;
+                d.set_item("lr", lr)?;
+            }
+            Optimizer::Momentum { lr, mu } => {
+                d.set_item("optimizer", "momentum")?;
+                d.set_item("lr", lr)?;
+                d.set_item("momentum", mu)?;
+            }
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                d.set_item("optimizer", "adam")?;
+                d.set_item("lr", lr)?;
+                d.set_item("betas", (beta1, beta2))?;
+                d.set_item("eps", eps)?;
+            }
+        }
+        let (aggregate, mode) = self.w.update_rule();
+        d.set_item(
+            "aggregate",
+            match aggregate {
+                Aggregate::Mean => "mean",
+                Aggregate::Sum => "sum",
+            },
+        )?;
+        d.set_item(
+            "mode",
+            match mode {
+                UpdateMode::Sync => "sync",
+                UpdateMode::Async => "async",
+            },
+        )?;
+        Ok(d)
+    }
+
+    /// True when `policy` (a policy's text) names the job's policy; a text that names no
+    /// policy raises ConfigError saying why.
+    fn runs_policy(&self, policy: &str) -> PyResult<bool> {
+        let spec: falcon_engine::sync::PolicySpec = policy.parse().map_err(engine_err)?;
+        Ok(spec == self.w.policy())
+    }
+
     /// True when this worker rejoined a running job (after an eviction) rather than starting.
     #[getter]
     fn rejoined(&self) -> bool {
@@ -387,11 +438,12 @@ impl Worker {
     /// is the one in the source.
     fn serve_steals(&self, tasks: &crate::tasks::Tasks) {
         let source = tasks.source();
-        self.w
-            .on_steal(move |clock, want| match source.steal_for(clock, want as usize) {
+        self.w.on_steal(
+            move |clock, want| match source.steal_for(clock, want as usize) {
                 Some(s) => s.tasks.start as u32..s.tasks.end as u32,
                 None => 0..0,
-            });
+            },
+        );
     }
 
     /// Task-transfer offers the servers made while this worker's pull was parked: a list of

@@ -347,6 +347,45 @@ fn arity(name: &str, args: &[&str], n: usize, form: &str) -> Result<(), String> 
     }
 }
 
+/// The spec as `FromStr` reads it back (`ssp(3)`, `epsp(4,fixed)`, `fluentps(3,p=0.5)`).
+impl std::fmt::Display for PolicySpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            PolicySpec::Bsp => write!(f, "bsp"),
+            PolicySpec::Asp => write!(f, "asp"),
+            PolicySpec::Ssp { s } => write!(f, "ssp({s})"),
+            PolicySpec::Dssp { s_lower, s_upper } => write!(f, "dssp({s_lower},{s_upper})"),
+            PolicySpec::FluentPs { s, pause } => match pause {
+                PauseSpec::RawSsp => write!(f, "fluentps({s})"),
+                PauseSpec::Fastest { permille } => {
+                    write!(f, "fluentps({s},p={})", f64::from(permille) / 1000.0)
+                }
+                PauseSpec::Sigmoid => write!(f, "fluentps({s},sigmoid)"),
+                PauseSpec::FastestSigmoid => write!(f, "fluentps({s},fastest-sigmoid)"),
+            },
+            PolicySpec::SyncOpt { backups } => write!(f, "syncopt({backups})"),
+            PolicySpec::Epsp {
+                s_max,
+                adaptive,
+                transfer,
+            } => {
+                write!(f, "epsp({s_max}")?;
+                if !adaptive {
+                    write!(f, ",fixed")?;
+                }
+                if !transfer {
+                    write!(f, ",no-transfer")?;
+                }
+                write!(f, ")")
+            }
+            PolicySpec::FlexRr { s, theta, group } => {
+                write!(f, "flexrr({s},theta={theta},group={group})")
+            }
+            PolicySpec::ElasticBsp { r } => write!(f, "elasticbsp({r})"),
+        }
+    }
+}
+
 impl std::str::FromStr for PolicySpec {
     type Err = crate::Error;
     /// `bsp`, `asp`, `ssp(3)`, `dssp(3,15)`, `syncopt(1)`, `fluentps(3)` (raw SSP),
@@ -651,6 +690,37 @@ mod parse_tests {
 
     fn err(text: &str) -> String {
         text.parse::<PolicySpec>().expect_err(text).to_string()
+    }
+
+    #[test]
+    fn display_reads_back_as_the_same_spec() {
+        for text in [
+            "bsp",
+            "asp",
+            "ssp(3)",
+            "dssp(3,15)",
+            "fluentps(3)",
+            "fluentps(3,p=0.5)",
+            "fluentps(2,sigmoid)",
+            "fluentps(2,fastest-sigmoid)",
+            "syncopt(1)",
+            "epsp",
+            "epsp(4,fixed)",
+            "epsp(2,no-transfer)",
+            "epsp(0,fixed,no-transfer)",
+            "flexrr",
+            "flexrr(1,theta=2,group=4)",
+            "elasticbsp(7)",
+        ] {
+            let spec: PolicySpec = text.parse().unwrap();
+            let shown = spec.to_string();
+            assert_eq!(
+                shown.parse::<PolicySpec>().unwrap(),
+                spec,
+                "{text} shown as {shown}"
+            );
+        }
+        assert_eq!("epsp".parse::<PolicySpec>().unwrap().to_string(), "epsp(4)");
     }
 
     #[test]

@@ -1,0 +1,761 @@
+"""PyTorch on a falcon job.
+
+Two ways in:
+
+- `DistributedOptimizer(optimizer, model.named_parameters())`, in the manner of Horovod and
+  BytePS: each parameter is a tensor of the job; backward's gradient hooks push each
+  parameter's gradient as soon as it is ready; `step()` waits for the pushes, pulls the values
+  the job's policy lets this clock see and writes them into the parameters. The servers apply
+  the optimizer (`FALCON_OPTIMIZER`, `FALCON_LR`): the wrapped optimizer must describe the
+  same one (`optimizer_settings(opt)` gives the variables that start such a job), and its
+  state lives on the servers, one copy for the whole job.
+- `fit(model, loss_fn, data, ...)`, the task-driven trainer: falcon owns the iteration. An
+  iteration of a worker is `tasks` tasks, each an index range of the data; a worker blocked by
+  the policy takes a straggler's unstarted tasks, computes them on its own weights and pushes
+  their gradient credited to the straggler (task transfer, each task exactly once), and the
+  scheduler's parallelism manager sets the threads and the tasks in flight of each worker.
+
+Every policy works through both: the staleness rules act on the pulls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+import falcon as _f
+
+__all__ = [
+    "DistributedOptimizer",
+    "FitSummary",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "evaluate",
+    "fit",
+    "optimizer_settings",
+    "task_examples",
+]
+
+_REL = 1e-6
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= _REL * max(1.0, abs(a), abs(b))
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """The launch-contract variables of a job whose servers apply `optimizer`'s rule:
+    {"FALCON_OPTIMIZER": ..., "FALCON_LR": ...}. Pass them to `falcon.local_cluster(**...)`
+    as `optimizer=`/`lr=`, or set them where `falcon role` starts the servers.
+
+    Supported: torch.optim.SGD (with or without momentum; no dampening, no Nesterov) and
+    torch.optim.Adam (no amsgrad); weight decay is added to each gradient on the worker, as
+    PyTorch does. Anything else raises ConfigError."""
+    kind, lr, extra = _rule_of(optimizer)
+    if kind == "sgd":
+        text = "sgd"
+    elif kind == "momentum":
+        text = f"momentum({extra['momentum']!r})"
+    else:
+        b1, b2 = extra["betas"]
+        text = f"adam({b1!r},{b2!r},{extra['eps']!r})"
+    return {"FALCON_OPTIMIZER": text, "FALCON_LR": repr(lr)}
+
+
+def _rule_of(optimizer) -> tuple[str, float, dict]:
+    """(kind, lr, extra) of a supported optimizer, all parameter groups agreeing."""
+    groups = optimizer.param_groups
+    if not groups:
+        raise _f.ConfigError("the optimizer has no parameter groups")
+    name = type(optimizer).__name__
+    mro = {c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")}
+
+    def same(key):
+        vals = [g.get(key) for g in groups]
+        first = vals[0]
+        for v in vals[1:]:
+            if v != first:
+                raise _f.ConfigError(
+                    f"{name}: the parameter groups differ in {key} ({first!r} and {v!r}); the "
+                    f"servers apply one rule to every tensor"
+                )
+        return first
+
+    lr = float(same("lr"))
+    if "SGD" in mro:
+        if same("nesterov"):
+            raise _f.ConfigError(f"{name} with nesterov=True: the servers apply plain momentum")
+        if same("dampening") not in (0, 0.0, None):
+            raise _f.ConfigError(f"{name} with dampening: the servers apply no dampening")
+        if same("maximize"):
+            raise _f.ConfigError(f"{name} with maximize=True is not supported")
+        mu = float(same("momentum") or 0.0)
+        return ("momentum", lr, {"momentum": mu}) if mu > 0 else ("sgd", lr, {})
+    if "Adam" in mro and "AdamW" not in mro:
+        if same("amsgrad"):
+            raise _f.ConfigError(f"{name} with amsgrad=True: the servers apply plain Adam")
+        if same("maximize"):
+            raise _f.ConfigError(f"{name} with maximize=True is not supported")
+        b1, b2 = (float(b) for b in same("betas"))
+        return "adam", lr, {"betas": (b1, b2), "eps": float(same("eps"))}
+    raise _f.ConfigError(
+        f"the servers apply SGD (with or without momentum) or Adam; {name} is neither: "
+        f"wrap torch.optim.SGD or torch.optim.Adam"
+    )
+
+
+def _check_rule(optimizer, job: Mapping) -> float:
+    """Checks `optimizer` against the job's servers; returns the job's base rate."""
+    kind, lr, extra = _rule_of(optimizer)
+    name = type(optimizer).__name__
+    wanted = optimizer_settings(optimizer)
+    fix = f"start the job with FALCON_OPTIMIZER={wanted['FALCON_OPTIMIZER']} FALCON_LR={wanted['FALCON_LR']}"
+    if kind != job["optimizer"]:
+        raise _f.ConfigError(
+            f"the job's servers apply {job['optimizer']}, the optimizer is {name} ({kind}): {fix}"
+        )
+    if kind == "momentum" and not _close(extra["momentum"], job["momentum"]):
+        raise _f.ConfigError(
+            f"the job's servers apply momentum {job['momentum']}, the optimizer has "
+            f"{extra['momentum']}: {fix}"
+        )
+    if kind == "adam":
+        if not all(_close(a, b) for a, b in zip(extra["betas"], job["betas"])) or not _close(
+            extra["eps"], job["eps"]
+        ):
+            raise _f.ConfigError(
+                f"the job's servers apply adam{tuple(job['betas']) + (job['eps'],)}, the "
+                f"optimizer has betas {extra['betas']} and eps {extra['eps']}: {fix}"
+            )
+        if not _close(lr, job["lr"]):
+            raise _f.ConfigError(
+                f"the job's servers apply Adam with lr {job['lr']}, the optimizer has {lr}: "
+                f"{fix} (Adam is blind to a gradient's scale, so the rate cannot be carried "
+                f"by the gradient)"
+            )
+    return float(job["lr"])
+
+
+def _worker_for(named: Sequence[tuple[str, torch.Tensor]], worker) -> "_f.Worker":
+    """The worker to use: the given one, this process's, or a deferred init() joined now
+    with these tensors."""
+    if worker is not None:
+        w = worker
+    elif _f._worker is not None:
+        w = _f._worker
+    else:
+        w = _f.declare([(n, p.numel()) for n, p in named])
+    declared = dict(w.tensors)
+    for n, p in named:
+        if n not in declared:
+            raise _f.TensorError(
+                f"parameter {n!r} is not a tensor of this job (it has {sorted(declared)})"
+            )
+        if declared[n] != p.numel():
+            raise _f.LengthError(
+                f"parameter {n!r} has {p.numel()} values; the job's tensor has {declared[n]}"
+            )
+    return w
+
+
+def _check_param(name: str, p: torch.Tensor) -> None:
+    if p.dtype != torch.float32:
+        raise _f.LengthError(f"parameter {name!r} is {p.dtype}: falcon moves float32 tensors")
+    if p.device.type != "cpu":
+        raise _f.ConfigError(
+            f"parameter {name!r} is on {p.device}: this build moves CPU tensors (copy the "
+            f"model to the CPU, or train on the CPU)"
+        )
+    if not p.is_contiguous():
+        raise _f.LengthError(f"parameter {name!r} is not contiguous")
+
+
+def _named(params) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from named_parameters(), a state_dict or a list of pairs."""
+    items = params.items() if isinstance(params, Mapping) else params
+    out = []
+    for item in items:
+        try:
+            n, p = item
+        except (TypeError, ValueError):
+            raise _f.ConfigError(
+                "parameters are given as (name, tensor) pairs: model.named_parameters() or "
+                "model.state_dict()"
+            ) from None
+        out.append((str(n), p))
+    return out
+
+
+def _view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU float32 tensor's memory (no copy)."""
+    return t.detach().numpy()
+
+
+def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
+    """Makes every worker's parameters rank `root_rank`'s: the root sets the servers'
+    initial values (the first initialization of a tensor wins), every worker waits at a
+    barrier and pulls them. `params`: model.named_parameters(), model.state_dict() or (name,
+    tensor) pairs; every name must be a tensor of the job. Joins a deferred `init()` with
+    these tensors."""
+    named = _named(params)
+    for n, p in named:
+        _check_param(n, p)
+    w = _worker_for(named, worker)
+    if not 0 <= root_rank < w.workers:
+        raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
+    if w.rejoined:
+        # The job is running: take its current values.
+        for n, p in named:
+            w.pull(n, _view(p.data), w.clock_of(n))
+        return
+    if w.rank == root_rank:
+        for n, p in named:
+            w.init_tensor(n, _view(p.data))
+    w.barrier()
+    handles = [w.pull_async(n, _view(p.data), w.clock_of(n)) for n, p in named]
+    for h in handles:
+        h.wait()
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, worker=None) -> None:
+    """Makes every worker's optimizer agree with rank `root_rank`'s.
+
+    The optimizer's state (momentum, Adam's moments) lives on the servers, one copy for the
+    whole job, so there are no per-worker copies to align; what each worker holds is the
+    rule, which is checked here against the job's servers (ConfigError when it differs),
+    then every worker waits at a barrier. State loaded into a local optimizer is not sent to
+    the servers: a job resumes its optimizer state from the servers' checkpoints."""
+    w = worker if worker is not None else _f.worker()
+    if not 0 <= root_rank < w.workers:
+        raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
+    inner = getattr(optimizer, "_falcon_base", optimizer)
+    _check_rule(inner, w.job)
+    w.barrier()
+
+
+class _Distributed:
+    """Methods mixed into the user's optimizer class (as Horovod does), so learning-rate
+    schedulers and `isinstance` checks keep working."""
+
+    def _falcon_setup(self, named, policy, worker, backward_passes_per_step):
+        if backward_passes_per_step < 1:
+            raise _f.ConfigError("backward_passes_per_step must be at least 1")
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        named = [(n, p) for n, p in named if id(p) in mine]
+        if not named:
+            raise _f.ConfigError("none of the named parameters is in the optimizer")
+        if len(named) != len(mine):
+            raise _f.ConfigError(
+                f"the optimizer has {len(mine)} parameters, {len(named)} of them named: pass "
+                f"model.named_parameters() for every parameter the optimizer trains"
+            )
+        for n, p in named:
+            _check_param(n, p)
+        w = _worker_for(named, worker)
+        job = w.job
+        if policy is not None and not w.runs_policy(policy):
+            raise _f.ConfigError(
+                f"this job runs {job['policy']}, not {policy}: the policy is the job's, set "
+                f"where its scheduler starts (FALCON_POLICY)"
+            )
+        self._falcon_job_lr = _check_rule(self, job)
+        self._falcon_kind = job["optimizer"]
+        self._falcon_worker = w
+        self._falcon_named = named
+        self._falcon_name = {id(p): n for n, p in named}
+        self._falcon_group = {id(p): g for g in self.param_groups for p in g["params"]}
+        self._falcon_handles: dict[str, object] = {}
+        self._falcon_passes = {n: 0 for n, _ in named}
+        self._falcon_per_step = backward_passes_per_step
+        self._falcon_hooks = []
+        broadcast_parameters(named, 0, w)
+        self._falcon_clock = min(w.clock_of(n) for n, _ in named)
+        for n, p in named:
+            if not p.requires_grad:
+                continue
+            if hasattr(p, "register_post_accumulate_grad_hook"):  # PyTorch ≥ 2.1
+                self._falcon_hooks.append(
+                    p.register_post_accumulate_grad_hook(lambda q: self._falcon_ready(q))
+                )
+            else:  # the gradient accumulator's hook, as Horovod does on older PyTorch
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                self._falcon_hooks.append(acc.register_hook(self._falcon_hook_for(p)))
+                self._falcon_hooks.append(acc)  # keep the accumulator alive
+
+    def _falcon_hook_for(self, p):
+        def hook(*_):
+            self._falcon_ready(p)
+
+        return hook
+
+    def _falcon_gradient(self, p) -> np.ndarray:
+        """The gradient to push: weight decay added, scaled by the group's rate over the
+        servers' (a learning-rate schedule carried by the gradient under SGD and momentum)."""
+        g = p.grad
+        group = self._falcon_group[id(p)]
+        if g is None:
+            g = torch.zeros_like(p)
+        elif g.is_sparse:
+            g = g.to_dense()
+        wd = group.get("weight_decay", 0) or 0
+        scale = 1.0
+        lr = float(group["lr"])
+        if not _close(lr, self._falcon_job_lr):
+            if self._falcon_kind == "adam":
+                raise _f.ConfigError(
+                    f"the learning rate changed to {lr}; the servers apply Adam with "
+                    f"{self._falcon_job_lr}, and Adam is blind to a gradient's scale"
+                )
+            scale = lr / self._falcon_job_lr
+        if wd or scale != 1.0:
+            g = g.detach().clone()
+            if wd:
+                g.add_(p.detach(), alpha=wd)
+            if scale != 1.0:
+                g.mul_(scale)
+        g = g.detach()
+        if g.dtype != torch.float32 or not g.is_contiguous():
+            g = g.to(torch.float32).contiguous()
+        return g.numpy()
+
+    def _falcon_ready(self, p):
+        name = self._falcon_name.get(id(p))
+        if name is None:
+            return
+        self._falcon_passes[name] += 1
+        if self._falcon_passes[name] < self._falcon_per_step:
+            return
+        if name in self._falcon_handles:
+            raise _f.ClockError(
+                f"the gradient of {name!r} is ready again before step(): call step() after "
+                f"each backward, or pass backward_passes_per_step=N to accumulate N"
+            )
+        self._falcon_handles[name] = self._falcon_worker.push_async(
+            name, self._falcon_gradient(p), self._falcon_clock
+        )
+
+    def synchronize(self) -> None:
+        """Pushes what backward did not (parameters without a gradient push zeros, so
+        every tensor moves one clock) and waits until the servers have every gradient."""
+        w = self._falcon_worker
+        for n, p in self._falcon_named:
+            if n not in self._falcon_handles:
+                self._falcon_handles[n] = w.push_async(n, self._falcon_gradient(p), self._falcon_clock)
+        handles, self._falcon_handles = self._falcon_handles, {}
+        errors = []
+        for h in handles.values():
+            try:
+                h.wait()
+            except _f.Error as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        for n in self._falcon_passes:
+            self._falcon_passes[n] = 0
+
+    def step(self, closure: Callable[[], float] | None = None):
+        """Waits for this step's pushes, then pulls the values the job's policy lets the
+        next clock see into the parameters (the servers applied the update)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        self._falcon_clock += 1
+        w = self._falcon_worker
+        with torch.no_grad():
+            handles = [
+                w.pull_async(n, _view(p.data), self._falcon_clock) for n, p in self._falcon_named
+            ]
+            for h in handles:
+                h.wait()
+        return loss
+
+    @property
+    def clock(self) -> int:
+        """The clock of the next push: steps taken by this worker's job."""
+        return self._falcon_clock
+
+    @property
+    def worker(self) -> "_f.Worker":
+        """The falcon worker this optimizer pushes and pulls through."""
+        return self._falcon_worker
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    policy: str | None = None,
+    *,
+    backward_passes_per_step: int = 1,
+    worker=None,
+):
+    """Wraps `optimizer` for training on a falcon job, in the manner of Horovod's and
+    BytePS's `DistributedOptimizer`.
+
+    Each named parameter is a tensor of the job (`named_parameters`: model.named_parameters();
+    a deferred `falcon.init()` joins here with them). The servers start from rank 0's values,
+    which every worker pulls before this returns. During backward each parameter's gradient
+    is pushed as soon as it is ready (weight decay added); `step()` waits for the pushes and
+    pulls the values the job's policy allows into the parameters. `policy`, when given, must
+    be the job's (it is checked). The servers apply the optimizer's rule, which must be the
+    job's (`optimizer_settings`); a learning-rate schedule reaches them under SGD and momentum
+    through the gradient's scale.
+
+    The result is an instance of `optimizer`'s class (schedulers accept it) that trains the
+    same parameter groups."""
+    if isinstance(optimizer, _Distributed):
+        raise _f.ConfigError("this optimizer is already a falcon DistributedOptimizer")
+    if named_parameters is None:
+        named = [
+            (f"param.{i}.{j}", p)
+            for i, g in enumerate(optimizer.param_groups)
+            for j, p in enumerate(g["params"])
+        ]
+    else:
+        named = _named(named_parameters)
+    base = optimizer.__class__
+    cls = type(
+        base.__name__,
+        (_Distributed, base),
+        {"__doc__": f"{base.__name__} on a falcon job (falcon.torch.DistributedOptimizer)."},
+    )
+    # The wrapped optimizer's groups (hyperparameters included); its state stays unused: the
+    # servers hold the job's.
+    new = cls.__new__(cls)
+    try:
+        base.__init__(new, optimizer.param_groups, **optimizer.defaults)
+    except TypeError:  # a class whose defaults are not all constructor arguments
+        base.__init__(new, optimizer.param_groups)
+    new._falcon_base = optimizer
+    new._falcon_setup(named, policy, worker, backward_passes_per_step)
+    return new
+
+
+# --- the task-driven trainer ---------------------------------------------------------------
+
+
+class _Data:
+    """The user's data as (inputs, targets) batches by index."""
+
+    def __init__(self, data):
+        if isinstance(data, (tuple, list)) and len(data) == 2 and all(
+            isinstance(t, torch.Tensor) for t in data
+        ):
+            x, y = data
+            if len(x) != len(y):
+                raise _f.ConfigError(f"the inputs have {len(x)} examples, the targets {len(y)}")
+            self.x, self.y, self.ds = x, y, None
+            self.n = len(x)
+        elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+            self.x = self.y = None
+            self.ds = data
+            self.n = len(data)
+        else:
+            raise _f.ConfigError(
+                "data must be (inputs, targets) tensors or a dataset with __len__ and "
+                "__getitem__ (a torch.utils.data.Dataset)"
+            )
+        if self.n == 0:
+            raise _f.ConfigError("the data has no examples")
+
+    def batch(self, idx: torch.Tensor):
+        if self.ds is None:
+            return self.x[idx], self.y[idx]
+        from torch.utils.data.dataloader import default_collate
+
+        return default_collate([self.ds[int(i)] for i in idx])
+
+
+class _Orders:
+    """The shuffled order of each epoch, from the job's seed (the same on every worker)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.cache = n, seed, {}
+
+    def of(self, epoch: int) -> torch.Tensor:
+        o = self.cache.get(epoch)
+        if o is None:
+            if len(self.cache) > 8:
+                self.cache.clear()
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            o = self.cache[epoch] = torch.randperm(self.n, generator=g)
+        return o
+
+
+def task_examples(
+    n: int, workers: int, batch: int, tasks: int, seed: int, worker: int, clock: int, task: int
+) -> torch.Tensor:
+    """The example indices of task `task` of worker `worker`'s iteration `clock`: a range of
+    the job's shuffled stream of examples (each epoch a permutation drawn from `seed`), so
+    any worker can compute any other's task."""
+    return _task_examples(_Orders(n, seed), workers, batch, tasks, worker, clock, task)
+
+
+def _task_examples(orders: _Orders, workers, batch, tasks, worker, clock, task) -> torch.Tensor:
+    micro = math.ceil(batch / tasks)
+    lo = min(task * micro, batch)
+    hi = min(lo + micro, batch)
+    start = (clock * workers + worker) * batch + lo
+    parts = []
+    pos, end = start, start + (hi - lo)
+    while pos < end:
+        epoch, off = divmod(pos, orders.n)
+        take = min(end - pos, orders.n - off)
+        parts.append(orders.of(epoch)[off : off + take])
+        pos += take
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+class FitSummary(dict):
+    """What `fit` returns, a dict: rank, iterations, secs, compute_s, blocked_s, helping_s,
+    injected_s, tasks_own, tasks_helped, tasks_given, threads (per iteration), last_loss,
+    snapshots ([(secs, iteration, flat float32 values)], rank 0 only), ledger ((owner,
+    clock, task) processed here, when `ledger=True`)."""
+
+
+def _flat(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def fit(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    data,
+    *,
+    iterations: int,
+    batch: int = 64,
+    tasks: int = 4,
+    seed: int = 1,
+    transfer: bool = True,
+    hetero: str | None = None,
+    threads: int | None = None,
+    snapshot_every: int = 0,
+    ledger: bool = False,
+    worker=None,
+    tensor: str = "params",
+) -> FitSummary:
+    """Trains `model` on `data` for `iterations` iterations of this worker, falcon owning the
+    iteration (the task-driven trainer, as capable as falcon's own).
+
+    The model's parameters are one tensor of the job, `tensor` (a deferred `falcon.init()`
+    joins here with it); the servers apply the job's optimizer (FALCON_OPTIMIZER,
+    FALCON_LR) to the mean gradient of each iteration's `batch` examples. An iteration of
+    worker w at clock c:
+
+    1. Pull the values the policy lets clock c see. While the pull is parked (w would
+       block), take task-transfer offers: ask the straggler for up to half of its iteration's
+       unstarted tasks, compute them on w's current values and push their gradient credited
+       to the straggler (`transfer=False` ignores offers).
+    2. Compute this iteration's `tasks` tasks, each `batch / tasks` examples of the job's
+       shuffled stream (`task_examples`), claimed from a source helpers take from too: a
+       task is processed by exactly one worker. The parallelism manager's advice sets
+       `torch.set_num_threads` and how many tasks are claimed and computed at once.
+    3. Push the gradient, apply the heterogeneity (`hetero`: a spec such as "h=0.25" or
+       "gauss(5,2)", or FALCON_HETERO's `RANK:SPEC;...` entries), report the iteration to
+       the scheduler's supervisor.
+
+    `loss_fn(outputs, targets)` returns the mean loss over its examples (PyTorch's default).
+    `data` is (inputs, targets) tensors or a dataset with __len__ and __getitem__. Rank 0
+    keeps a copy of its values every `snapshot_every` iterations (`evaluate` scores them
+    after training, so that scoring never slows the job)."""
+    if iterations < 0 or batch < 1 or tasks < 1 or tasks > batch:
+        raise _f.ConfigError(
+            f"iterations ≥ 0, batch ≥ 1 and 1 ≤ tasks ≤ batch; got iterations={iterations}, "
+            f"batch={batch}, tasks={tasks}"
+        )
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        _check_param(f"parameter {i}", p)
+    n = _flat(model)
+    if worker is not None:
+        w = worker
+    elif _f._worker is not None:
+        w = _f._worker
+    else:
+        w = _f.declare([(tensor, n)])
+    declared = dict(w.tensors)
+    if declared.get(tensor) != n:
+        raise _f.LengthError(
+            f"the model has {n} parameters; the job's tensor {tensor!r} has "
+            f"{declared.get(tensor, 'no entry')}"
+        )
+    src = _Data(data)
+    workers, rank = w.workers, w.rank
+    if batch * workers > src.n * 1000:
+        raise _f.ConfigError(f"a batch of {batch} on {workers} workers is beyond {src.n} examples")
+    orders = _Orders(src.n, seed)
+    spec = _hetero_of(hetero, workers, rank, seed)
+    per_task = spec is not None and spec.per_task
+
+    flat = np.zeros(n, np.float32)  # the pulled values
+    grad = np.zeros(n, np.float32)
+    help_grad = np.zeros(n, np.float32)
+    flat_t = torch.from_numpy(flat)
+    grad_t = torch.from_numpy(grad)
+
+    def load(values: torch.Tensor):
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(values, params)
+
+    def accumulate(owner: int, clock: int, task_ids: Sequence[int], into: torch.Tensor):
+        """Adds the gradient of these tasks (as a share of the batch) to `into`; returns
+        (summed loss, examples)."""
+        idx = torch.cat(
+            [_task_examples(orders, workers, batch, tasks, owner, clock, t) for t in task_ids]
+        )
+        if len(idx) == 0:
+            return 0.0, 0
+        x, y = src.batch(idx)
+        for p in params:
+            p.grad = None
+        out = model(x)
+        loss = loss_fn(out, y)
+        (loss * (len(idx) / batch)).backward()
+        with torch.no_grad():
+            into.add_(torch.cat([p.grad.reshape(-1) for p in params]))
+        if ledger:
+            summary["ledger"].extend((owner, clock, t) for t in task_ids)
+        return float(loss) * len(idx), len(idx)
+
+    summary = FitSummary(
+        rank=rank, iterations=0, secs=0.0, compute_s=0.0, blocked_s=0.0, helping_s=0.0,
+        injected_s=0.0, tasks_own=0, tasks_helped=0, tasks_given=0, threads=[], last_loss=None,
+        snapshots=[], ledger=[],
+    )
+    threads_now = threads or torch.get_num_threads()
+    torch.set_num_threads(threads_now)
+    source = _f.Tasks()
+    w.serve_steals(source)
+    if not w.rejoined:
+        # The servers start from rank 0's values.
+        if rank == 0:
+            w.init_tensor(tensor, _view(torch.nn.utils.parameters_to_vector(params)))
+        w.barrier()
+    model.train()
+    start = time.perf_counter()
+    first = w.clock_of(tensor)
+    for c in range(first, iterations):
+        # 1. Pull; help while the policy holds us.
+        t0 = time.perf_counter()
+        h = w.pull_async(tensor, flat, c)
+        helping = 0.0
+        while not h.ready():
+            helped = False
+            if transfer and c > 0:
+                for straggler, clock in w.offers():
+                    lo, hi = w.steal(straggler, clock, (tasks + 1) // 2)
+                    if hi <= lo:
+                        continue
+                    th = time.perf_counter()
+                    help_grad.fill(0.0)
+                    accumulate(straggler, clock, range(lo, hi), torch.from_numpy(help_grad))
+                    w.push_for(tensor, help_grad, straggler, clock)
+                    summary["tasks_helped"] += hi - lo
+                    helping += time.perf_counter() - th
+                    helped = True
+            if not helped:
+                time.sleep(0.0002)
+        h.wait()
+        blocked = time.perf_counter() - t0 - helping
+        summary["blocked_s"] += blocked
+        summary["helping_s"] += helping
+        load(flat_t)
+
+        # 2. This iteration's tasks, claimed `threads_now` at a time.
+        tc = time.perf_counter()
+        source.reset(c, tasks)
+        grad.fill(0.0)
+        done, loss_sum, seen, slept = 0, 0.0, 0, 0.0
+        while True:
+            claimed = []
+            while len(claimed) < threads_now:
+                t = source.claim()
+                if t is None:
+                    break
+                claimed.append(t)
+            if not claimed:
+                break
+            tt = time.perf_counter()
+            l, k = accumulate(rank, c, claimed, grad_t)
+            loss_sum, seen = loss_sum + l, seen + k
+            done += len(claimed)
+            if per_task:
+                d = spec.delay(c, time.perf_counter() - tt)
+                if d > 0:
+                    time.sleep(d)
+                    slept += d
+        compute = time.perf_counter() - tc
+        summary["tasks_own"] += done
+        summary["tasks_given"] += tasks - done
+        if seen:
+            summary["last_loss"] = loss_sum / seen
+
+        # 3. Push, heterogeneity, parallelism.
+        w.push(tensor, grad, c)
+        if spec is not None and not per_task:
+            slept = spec.delay(c, compute)
+            if slept > 0:
+                time.sleep(slept)
+        summary["injected_s"] += slept
+        summary["compute_s"] += compute - (slept if per_task else 0.0)
+        summary["threads"].append(threads_now)
+        summary["iterations"] = c + 1
+        w.report_iteration(threads_now, done, compute if per_task else compute + slept)
+        advice = w.advised_threads()
+        if advice is not None:
+            advice = max(1, min(int(advice), os.cpu_count() or 1))
+            if advice != threads_now:
+                threads_now = advice
+                torch.set_num_threads(threads_now)
+        if rank == 0 and snapshot_every > 0 and (c + 1) % snapshot_every == 0:
+            summary["snapshots"].append((time.perf_counter() - start, c + 1, flat.copy()))
+    # The last values, as the job has them.
+    if iterations > first:
+        w.pull(tensor, flat, iterations)
+        load(flat_t)
+        if rank == 0 and snapshot_every > 0:
+            summary["snapshots"].append((time.perf_counter() - start, iterations, flat.copy()))
+    summary["secs"] = time.perf_counter() - start
+    if not ledger:
+        del summary["ledger"]
+    return summary
+
+
+def _hetero_of(hetero: str | None, workers: int, rank: int, seed: int):
+    """This worker's heterogeneity: `hetero` (one spec, or RANK:SPEC entries), else
+    FALCON_HETERO's entries, else none."""
+    text = hetero if hetero is not None else os.environ.get("FALCON_HETERO")
+    if not text:
+        return None
+    if ":" in text:
+        spec = _f.hetero_of(text, workers, rank, seed)
+    else:
+        spec = _f.Hetero(text, seed + rank)
+    return None if spec.is_none else spec
+
+
+def evaluate(model: torch.nn.Module, values, data, batch: int = 1000) -> float:
+    """The accuracy of `model` with flat `values` (a snapshot of `fit`) on (inputs, targets)
+    tensors; the model's own values are restored afterwards."""
+    params = list(model.parameters())
+    saved = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    x, y = data
+    correct = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(torch.as_tensor(values), params)
+            for i in range(0, len(x), batch):
+                correct += int((model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum())
+    finally:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(saved, params)
+        model.train(was_training)
+    return correct / max(1, len(x))
