@@ -320,8 +320,9 @@ def fashion_mnist(path: str | None = None):
 
     d = _falcon.load_fashion_mnist(path)
     shape = (d["rows"], d["cols"])
-    tx = np.frombuffer(d["train_images"], dtype="<f4").reshape((-1,) + shape)
-    ty = np.frombuffer(d["train_labels"], dtype=np.uint8)
-    vx = np.frombuffer(d["test_images"], dtype="<f4").reshape((-1,) + shape)
-    vy = np.frombuffer(d["test_labels"], dtype=np.uint8)
+    # Copies: writable arrays (torch.from_numpy warns on read-only memory).
+    tx = np.frombuffer(d["train_images"], dtype="<f4").reshape((-1,) + shape).copy()
+    ty = np.frombuffer(d["train_labels"], dtype=np.uint8).copy()
+    vx = np.frombuffer(d["test_images"], dtype="<f4").reshape((-1,) + shape).copy()
+    vy = np.frombuffer(d["test_labels"], dtype=np.uint8).copy()
     return (tx, ty), (vx, vy), d["source"]
