@@ -469,21 +469,28 @@ fn c_errors_are_typed_codes_with_readable_messages() {
     );
 }
 
-/// A join of a scheduler that is not there fails within its rendezvous timeout (0.5 s
-/// here), as FALCON_ERR_PEER_GONE with a message saying where it tried; a join from an
+/// A join of a scheduler that is not there, and of one that accepts connections but never
+/// answers, fails within its rendezvous timeout (0.5 s here, the transport's handshake 0.3
+/// s), as FALCON_ERR_PEER_GONE with a message saying where it tried; a join from an
 /// environment that names no role, and bad join arguments, fail at once.
 #[test]
 fn c_join_of_an_unreachable_scheduler_fails_promptly() {
     let errors = compile("errors", false);
     // A port that nothing listens on any more.
     let p = free_port();
+    // One whose connections the kernel accepts, and nobody answers.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent = listener.local_addr().unwrap().to_string();
     let start = Instant::now();
     let mut job = Job::new();
     job.start(
         "c errors",
         &errors,
-        &["unreachable", &format!("127.0.0.1:{p}")],
-        &[("FALCON_RENDEZVOUS_TIMEOUT_MS", "500".into())],
+        &["unreachable", &format!("127.0.0.1:{p}"), &silent],
+        &[
+            ("FALCON_RENDEZVOUS_TIMEOUT_MS", "500".into()),
+            ("FALCON_HANDSHAKE_TIMEOUT_MS", "300".into()),
+        ],
     );
     let ended = job.wait(Duration::from_secs(30));
     let took = start.elapsed();
@@ -494,6 +501,7 @@ fn c_join_of_an_unreachable_scheduler_fails_promptly() {
         "join with a negative worker count: FALCON_ERR_ARGUMENT: workers = -2",
         "join with a scheduler address without a port: FALCON_ERR_CONFIG: FALCON_SCHEDULER=127.0.0.1: no port",
         "join a scheduler that is not there: FALCON_ERR_PEER_GONE: scheduler 0 is gone: unreachable at",
+        "join a scheduler that never answers: FALCON_ERR_PEER_GONE: scheduler 0 is gone: unreachable at",
         "errors unreachable: every error as expected",
     ] {
         assert!(
@@ -502,9 +510,11 @@ fn c_join_of_an_unreachable_scheduler_fails_promptly() {
         );
     }
     assert!(
-        said.contains(&format!("127.0.0.1:{p}")),
-        "the message names the address:\n{said}"
+        said.contains(&format!("127.0.0.1:{p} after "))
+            && said.contains(&format!("{silent} after ")),
+        "the messages name the addresses:\n{said}"
     );
+    assert!(said.contains("handshake timed out"), "{said}");
     assert!(
         took < Duration::from_secs(15),
         "a 0.5 s rendezvous timeout took {took:?}"

@@ -5,10 +5,12 @@
  *     errors job           joins the job its environment describes (one worker), then makes
  *                          each mistake: an unknown tensor, a wrong length, a bad clock, null
  *                          pointers, a push after finishing; trains one clock in between
- *     errors unreachable HOST:PORT
- *                          joins a scheduler that is not there (falcon_join_with); with a
- *                          short FALCON_RENDEZVOUS_TIMEOUT_MS it fails promptly; also a join
- *                          from an environment that names no role
+ *     errors unreachable HOST:PORT [SILENT_HOST:PORT]
+ *                          joins a scheduler that is not there (falcon_join_with), and one
+ *                          that accepts connections but never answers; with short
+ *                          FALCON_RENDEZVOUS_TIMEOUT_MS and FALCON_HANDSHAKE_TIMEOUT_MS each
+ *                          fails promptly; also a join from an environment that names no
+ *                          role, and bad join arguments
  *
  * Prints one line per error seen ("CODE_NAME: message"); exits 1 at the first result that
  * is not the expected one.
@@ -123,7 +125,7 @@ static int job(void) {
     return failures == 0 ? 0 : 1;
 }
 
-static int unreachable(const char *scheduler) {
+static int unreachable(const char *scheduler, const char *silent) {
     const char *names[] = {"w"};
     const uint64_t lens[] = {LEN};
     falcon_worker *w = NULL;
@@ -138,6 +140,11 @@ static int unreachable(const char *scheduler) {
     expect("join a scheduler that is not there",
            falcon_join_with(scheduler, 1, 1, 0, "c-errors", "t0ken", names, lens, 1, &w),
            FALCON_ERR_PEER_GONE);
+    if (silent != NULL) {
+        expect("join a scheduler that never answers",
+               falcon_join_with(silent, 1, 1, 0, "c-errors", "t0ken", names, lens, 1, &w),
+               FALCON_ERR_PEER_GONE);
+    }
     if (w != NULL) {
         fprintf(stderr, "a failed join handed out a worker\n");
         failures++;
@@ -148,7 +155,8 @@ static int unreachable(const char *scheduler) {
 
 int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "job") == 0) return job();
-    if (argc == 3 && strcmp(argv[1], "unreachable") == 0) return unreachable(argv[2]);
-    fprintf(stderr, "usage: %s job | unreachable HOST:PORT\n", argv[0]);
+    if ((argc == 3 || argc == 4) && strcmp(argv[1], "unreachable") == 0)
+        return unreachable(argv[2], argc == 4 ? argv[3] : NULL);
+    fprintf(stderr, "usage: %s job | unreachable HOST:PORT [SILENT_HOST:PORT]\n", argv[0]);
     return 2;
 }
