@@ -129,7 +129,8 @@ const char *falcon_code_name(int code);
 /**
  * Joins the job that the environment describes, as a worker training the `count` tensors
  * named `names[i]`, of `lens[i]` floats each (every worker of a job declares the same).
- * On success `*out` is the worker, to be released with `falcon_worker_free`.
+ * On success `*out` is the worker, to be released with `falcon_worker_free`; on failure
+ * it is NULL.
  *
  * The environment is falcon's launch contract: `FALCON_ROLE=worker` (or `DMLC_ROLE`, or a
  * launcher's global rank: torchrun's `RANK`/`WORLD_SIZE`, Slurm's
@@ -252,7 +253,8 @@ int falcon_pull(falcon_worker *w, const char *tensor, float *out, size_t len, ui
 
 /**
  * Starts a push as `falcon_push` does, without waiting: `*handle` is the push in flight,
- * to be waited for (`falcon_handle_wait`) and released (`falcon_handle_free`). The floats
+ * to be waited for (`falcon_handle_wait`) and released (`falcon_handle_free`); NULL on
+ * failure. The floats
  * are copied before this returns: `grad` may be reused at once.
  *
  * Thread safety: as `falcon_push`.
@@ -269,7 +271,8 @@ int falcon_push_async(falcon_worker *w,
                       falcon_handle **handle);
 
 /**
- * Starts a pull as `falcon_pull` does, without waiting: `*handle` is the pull in flight.
+ * Starts a pull as `falcon_pull` does, without waiting: `*handle` is the pull in flight
+ * (NULL on failure).
  * The values are copied into `out` when a wait on the handle completes it
  * (`falcon_handle_wait`, or `falcon_handle_wait_for` returning `FALCON_OK`): **`out` must
  * stay valid, and should not be read, until then.** A handle freed before completing

@@ -285,6 +285,16 @@ unsafe fn optional_text<'a>(p: *const c_char, what: &str) -> Res<Option<&'a str>
     Ok((!s.is_empty()).then_some(s))
 }
 
+/// Sets an out-pointer to NULL, so that a failure leaves no stale pointer behind.
+///
+/// # Safety
+///
+/// `out` is null or valid for a write of one pointer.
+unsafe fn clear<T>(out: *mut *mut T, what: &str) -> Res<()> {
+    // SAFETY: forwarded contract.
+    unsafe { put(out, std::ptr::null_mut(), what) }.map(|_| ())
+}
+
 /// Stores `value` through an out-pointer.
 ///
 /// # Safety
@@ -481,7 +491,8 @@ unsafe fn join_as_worker(
 
 /// Joins the job that the environment describes, as a worker training the `count` tensors
 /// named `names[i]`, of `lens[i]` floats each (every worker of a job declares the same).
-/// On success `*out` is the worker, to be released with `falcon_worker_free`.
+/// On success `*out` is the worker, to be released with `falcon_worker_free`; on failure
+/// it is NULL.
 ///
 /// The environment is falcon's launch contract: `FALCON_ROLE=worker` (or `DMLC_ROLE`, or a
 /// launcher's global rank: torchrun's `RANK`/`WORLD_SIZE`, Slurm's
@@ -510,9 +521,8 @@ pub unsafe extern "C" fn falcon_join(
     out: *mut *mut FalconWorker,
 ) -> c_int {
     guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("the worker out-pointer"));
-        }
+        // SAFETY: forwarded contract (valid for a write of one pointer, or null).
+        unsafe { clear(out, "the worker out-pointer") }?;
         // SAFETY: forwarded contract.
         let tensors = unsafe { tensor_specs(names, lens, count) }?;
         let launch = Launch::from_env()?;
@@ -557,9 +567,8 @@ pub unsafe extern "C" fn falcon_join_with(
     out: *mut *mut FalconWorker,
 ) -> c_int {
     guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("the worker out-pointer"));
-        }
+        // SAFETY: forwarded contract (valid for a write of one pointer, or null).
+        unsafe { clear(out, "the worker out-pointer") }?;
         // SAFETY: forwarded contract.
         let tensors = unsafe { tensor_specs(names, lens, count) }?;
         let mut given: HashMap<&str, String> = HashMap::new();
@@ -864,7 +873,8 @@ unsafe fn hand_out(op: Op, out: *mut *mut FalconHandle) -> Res<c_int> {
 }
 
 /// Starts a push as `falcon_push` does, without waiting: `*handle` is the push in flight,
-/// to be waited for (`falcon_handle_wait`) and released (`falcon_handle_free`). The floats
+/// to be waited for (`falcon_handle_wait`) and released (`falcon_handle_free`); NULL on
+/// failure. The floats
 /// are copied before this returns: `grad` may be reused at once.
 ///
 /// Thread safety: as `falcon_push`.
@@ -882,9 +892,8 @@ pub unsafe extern "C" fn falcon_push_async(
     handle: *mut *mut FalconHandle,
 ) -> c_int {
     guard(|| {
-        if handle.is_null() {
-            return Err(Failure::null("the handle out-pointer"));
-        }
+        // SAFETY: forwarded contract (valid for a write of one pointer, or null).
+        unsafe { clear(handle, "the handle out-pointer") }?;
         // SAFETY: forwarded contract.
         let (shared, t, region, h) = unsafe { start_push(w, tensor, grad, len, clock) }?;
         let op = Op {
@@ -900,7 +909,8 @@ pub unsafe extern "C" fn falcon_push_async(
     })
 }
 
-/// Starts a pull as `falcon_pull` does, without waiting: `*handle` is the pull in flight.
+/// Starts a pull as `falcon_pull` does, without waiting: `*handle` is the pull in flight
+/// (NULL on failure).
 /// The values are copied into `out` when a wait on the handle completes it
 /// (`falcon_handle_wait`, or `falcon_handle_wait_for` returning `FALCON_OK`): **`out` must
 /// stay valid, and should not be read, until then.** A handle freed before completing
@@ -922,9 +932,8 @@ pub unsafe extern "C" fn falcon_pull_async(
     handle: *mut *mut FalconHandle,
 ) -> c_int {
     guard(|| {
-        if handle.is_null() {
-            return Err(Failure::null("the handle out-pointer"));
-        }
+        // SAFETY: forwarded contract (valid for a write of one pointer, or null).
+        unsafe { clear(handle, "the handle out-pointer") }?;
         // SAFETY: forwarded contract.
         let op = unsafe { start_pull(w, tensor, out, len, clock) }?;
         // SAFETY: forwarded contract.
