@@ -312,7 +312,7 @@ int falcon_handle_wait(falcon_handle *h);
  * Waits at most `timeout_ms` milliseconds: `FALCON_OK` once the operation completed (a
  * pull's values are then in its destination), `FALCON_PENDING` (1, not an error) if it
  * is still in flight, or the operation's error (a push unacknowledged past the operation
- * timeout is `FALCON_ERR_TIMEOUT`). 0 polls.
+ * timeout is `FALCON_ERR_TIMEOUT`). 0 polls; `UINT64_MAX` waits as `falcon_handle_wait`.
  *
  * Thread safety: as `falcon_handle_wait`.
  *

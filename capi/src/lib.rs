@@ -983,7 +983,7 @@ pub unsafe extern "C" fn falcon_handle_wait(h: *mut FalconHandle) -> c_int {
 /// Waits at most `timeout_ms` milliseconds: `FALCON_OK` once the operation completed (a
 /// pull's values are then in its destination), `FALCON_PENDING` (1, not an error) if it
 /// is still in flight, or the operation's error (a push unacknowledged past the operation
-/// timeout is `FALCON_ERR_TIMEOUT`). 0 polls.
+/// timeout is `FALCON_ERR_TIMEOUT`). 0 polls; `UINT64_MAX` waits as `falcon_handle_wait`.
 ///
 /// Thread safety: as `falcon_handle_wait`.
 ///
@@ -997,7 +997,8 @@ pub unsafe extern "C" fn falcon_handle_wait_for(h: *mut FalconHandle, timeout_ms
         let mut op = unsafe { op(h) }?;
         let outcome = match op.engine.as_ref() {
             None => Ok(()),
-            Some(e) => match e.wait_for(Duration::from_millis(timeout_ms)) {
+            // Capped (at about 34 years) so that a deadline past any clock's end cannot be.
+            Some(e) => match e.wait_for(Duration::from_millis(timeout_ms.min(1 << 40))) {
                 None => return Ok(FALCON_PENDING),
                 Some(r) => r.map_err(Failure::from),
             },
@@ -1240,6 +1241,7 @@ mod tests {
         // SAFETY: two names and two lengths; `w` is a valid out-pointer.
         let code = unsafe { falcon_join(names.as_ptr(), lens.as_ptr(), 2, &mut w) };
         assert_eq!(code, FALCON_ERR_CONFIG);
+        // SAFETY: falcon_last_error returns a NUL-terminated string owned by the record.
         let msg = unsafe { CStr::from_ptr(falcon_last_error()) };
         assert_eq!(msg.to_str().unwrap(), "tensor \"w\" is declared twice");
         // SAFETY: as above, one of each.
@@ -1255,6 +1257,7 @@ mod tests {
     fn a_panic_is_caught_and_reported() {
         let code = guard(|| panic!("boom"));
         assert_eq!(code, FALCON_ERR_PANIC);
+        // SAFETY: falcon_last_error returns a NUL-terminated string owned by the record.
         let msg = unsafe { CStr::from_ptr(falcon_last_error()) };
         assert!(msg.to_str().unwrap().ends_with(": boom"), "{msg:?}");
     }
@@ -1262,6 +1265,7 @@ mod tests {
     #[test]
     fn every_code_has_a_name() {
         for code in -12..=1 {
+            // SAFETY: falcon_code_name returns a static NUL-terminated string.
             let name = unsafe { CStr::from_ptr(falcon_code_name(code)) };
             assert_ne!(name.to_str().unwrap(), "FALCON_UNKNOWN_CODE", "{code}");
         }

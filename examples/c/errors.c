@@ -104,8 +104,12 @@ static int job(void) {
     /* The worker is still fine: one clock of training. */
     ok("falcon_pull", falcon_pull(w, "w", values, LEN, 0));
     ok("falcon_push_async", falcon_push_async(w, "w", grad, LEN, 0, &h));
-    ok("falcon_handle_wait", falcon_handle_wait(h));
-    ok("falcon_handle_wait again", falcon_handle_wait(h));
+    ok("falcon_handle_wait_for, no limit", falcon_handle_wait_for(h, UINT64_MAX));
+    ok("falcon_handle_wait after it", falcon_handle_wait(h));
+    if (falcon_handle_ready(h) != 1) {
+        fprintf(stderr, "a completed push is not ready\n");
+        failures++;
+    }
     ok("falcon_handle_free", falcon_handle_free(h));
     ok("falcon_clock", falcon_clock(w, &clock));
     ok("falcon_rank", falcon_rank(w, &rank));
