@@ -459,17 +459,35 @@ mod tests {
 
     #[test]
     fn optimizers_parse_and_refuse_with_the_accepted_forms() {
-        assert_eq!(Optimizer::parse("sgd", 0.5).unwrap(), Optimizer::Sgd { lr: 0.5 });
+        assert_eq!(
+            Optimizer::parse("sgd", 0.5).unwrap(),
+            Optimizer::Sgd { lr: 0.5 }
+        );
         assert_eq!(
             Optimizer::parse(" Momentum(0.9) ", 0.1).unwrap(),
             Optimizer::Momentum { lr: 0.1, mu: 0.9 }
         );
         assert_eq!(
             Optimizer::parse("adam(0.8, 0.99, 1e-6)", 0.01).unwrap(),
-            Optimizer::Adam { lr: 0.01, beta1: 0.8, beta2: 0.99, eps: 1e-6 }
+            Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.8,
+                beta2: 0.99,
+                eps: 1e-6
+            }
         );
-        assert!(matches!(Optimizer::parse("adam", 1.0).unwrap(), Optimizer::Adam { .. }));
-        for bad in ["rmsprop", "momentum", "momentum(1.5)", "adam(1,2)", "sgd(0.1)", "momentum(0.9"] {
+        assert!(matches!(
+            Optimizer::parse("adam", 1.0).unwrap(),
+            Optimizer::Adam { .. }
+        ));
+        for bad in [
+            "rmsprop",
+            "momentum",
+            "momentum(1.5)",
+            "adam(1,2)",
+            "sgd(0.1)",
+            "momentum(0.9",
+        ] {
             let e = Optimizer::parse(bad, 0.1).unwrap_err().to_string();
             assert!(e.contains("the optimizers: sgd"), "{bad}: {e}");
         }

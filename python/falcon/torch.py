@@ -220,6 +220,9 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     handles = [w.pull_async(n, _view(p.data), w.clock_of(n)) for n, p in named]
     for h in handles:
         h.wait()
+    # Nobody pushes before everyone has the values (an asynchronous policy would let the
+    # root's first update into a slower worker's start).
+    w.barrier()
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, worker=None) -> None:

@@ -164,10 +164,7 @@ impl Cluster {
     ) -> PyResult<Bound<'py, PyDict>> {
         let start = std::time::Instant::now();
         loop {
-            let all = self
-                .scheduler
-                .iter()
-                .all(|h| h.is_finished())
+            let all = self.scheduler.iter().all(|h| h.is_finished())
                 && self.servers.iter().flatten().all(|h| h.is_finished());
             if all {
                 break;

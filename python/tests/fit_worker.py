@@ -2,7 +2,7 @@
 describes, trains a small model on the bundled Fashion-MNIST sample with falcon.torch.fit,
 and prints its summary as one JSON line (`FIT {...}`), the ledger included.
 
-Arguments: ITERATIONS [MODEL] where MODEL is mlp (default) or cnn."""
+Arguments: ITERATIONS [MODEL [BATCH]]: MODEL mlp (default) or cnn, BATCH per worker (32)."""
 
 import json
 import sys
@@ -29,6 +29,7 @@ def model_of(kind: str) -> torch.nn.Module:
 def main() -> None:
     iterations = int(sys.argv[1])
     kind = sys.argv[2] if len(sys.argv) > 2 else "mlp"
+    batch = int(sys.argv[3]) if len(sys.argv) > 3 else 32
     torch.set_num_threads(1)
     (tx, ty), (vx, vy), _ = falcon.fashion_mnist()
     x = torch.from_numpy(tx).unsqueeze(1)
@@ -36,7 +37,7 @@ def main() -> None:
     model = model_of(kind)
     falcon.init()
     s = ft.fit(
-        model, torch.nn.functional.cross_entropy, (x, y), iterations=iterations, batch=32,
+        model, torch.nn.functional.cross_entropy, (x, y), iterations=iterations, batch=batch,
         tasks=4, ledger=True, snapshot_every=0, threads=1,
     )
     acc = ft.evaluate(model, torch.nn.utils.parameters_to_vector(model.parameters()),

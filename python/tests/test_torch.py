@@ -1,0 +1,266 @@
+"""PyTorch through falcon: DistributedOptimizer step for step against plain PyTorch, every
+policy, refusals; the task-driven trainer across processes (BSP equivalence, EPSP's task
+transfer exactly once)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import threading
+
+import pytest
+import torch
+
+import falcon
+import falcon.torch as ft
+from conftest import fit_lines
+
+F = torch.nn.functional
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def data(seed=1, n=32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def cluster_for(opt, workers=1, policy="bsp"):
+    s = ft.optimizer_settings(opt)
+    return falcon.local_cluster(
+        workers=workers, policy=policy, optimizer=s["FALCON_OPTIMIZER"], lr=s["FALCON_LR"]
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_worker_left():
+    yield
+    falcon.finish()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+        lambda p: torch.optim.Adam(p, lr=0.01),
+    ],
+    ids=["sgd", "momentum+weight-decay", "adam"],
+)
+def test_one_worker_matches_plain_pytorch_step_for_step(make):
+    model, ref = small_model(), small_model()
+    opt, ropt = make(model.parameters()), make(ref.parameters())
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), policy="bsp")
+    assert isinstance(dopt, type(opt))
+    x, y = data()
+    for step in range(25):
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{n} at step {step}")
+    assert dopt.clock == 25
+    falcon.finish()
+    c.finish()
+
+
+def test_a_learning_rate_schedule_reaches_the_servers_under_sgd():
+    model, ref = small_model(), small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.0)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    sched = torch.optim.lr_scheduler.StepLR(dopt, step_size=5, gamma=0.5)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=5, gamma=0.5)
+    x, y = data()
+    for _ in range(15):
+        for m, o, s in ((model, dopt, sched), (ref, ropt, rsched)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    falcon.finish()
+    c.finish()
+
+
+def test_an_optimizer_or_policy_the_job_does_not_run_is_refused():
+    model = small_model()
+    c = falcon.local_cluster(workers=1, policy="ssp(2)", lr=0.1)
+    falcon.init(env=c.env)
+    with pytest.raises(falcon.ConfigError, match="FALCON_OPTIMIZER=adam"):
+        ft.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), model.named_parameters())
+    with pytest.raises(falcon.ConfigError, match="runs ssp\\(2\\), not bsp"):
+        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), policy="bsp")
+    with pytest.raises(falcon.ConfigError, match="nesterov"):
+        torch_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+        ft.DistributedOptimizer(torch_opt, model.named_parameters())
+    with pytest.raises(falcon.ConfigError, match="RMSprop is neither"):
+        ft.DistributedOptimizer(torch.optim.RMSprop(model.parameters(), lr=0.1), model.named_parameters())
+    with pytest.raises(falcon.ConfigError, match="no policy|policy"):
+        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), policy="sssp")
+    # Accepted at last: the job's own rule.
+    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), policy="ssp(2)")
+    # A second backward before step() would push the same clock twice: refused, typed.
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(falcon.ClockError, match="backward_passes_per_step"):
+        F.cross_entropy(model(x), y).backward()
+    dopt.step()
+    falcon.finish()
+    c.finish()
+
+
+def test_gradient_accumulation_over_backward_passes():
+    model, ref = small_model(), small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), backward_passes_per_step=2)
+    x, y = data()
+    for _ in range(5):
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            F.cross_entropy(m(x[:16]), y[:16]).backward()
+            F.cross_entropy(m(x[16:]), y[16:]).backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    falcon.finish()
+    c.finish()
+
+
+POLICIES = ["bsp", "asp", "ssp(2)", "dssp(1,3)", "fluentps(2)", "syncopt(0)", "epsp",
+            "flexrr", "elasticbsp(3)"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_trains_through_the_optimizer(policy):
+    """Two workers (threads of this process, each its own model) train 12 steps through
+    DistributedOptimizer: both start from rank 0's values and the loss falls."""
+    c = falcon.local_cluster(workers=2, policy=policy, lr=0.2)
+    results = [None, None]
+
+    def train(rank):
+        try:
+            w = falcon.Worker.join(
+                [(n, p.numel()) for n, p in small_model().named_parameters()],
+                {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)},
+            )
+            model = small_model(seed=rank)  # different values: rank 0's must win
+            dopt = ft.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.2), model.named_parameters(),
+                policy=policy, worker=w,
+            )
+            start = copy.deepcopy(model.state_dict())
+            x, y = data(seed=10 + rank, n=64)
+            losses = []
+            for _ in range(12):
+                dopt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                dopt.step()
+                losses.append(float(loss))
+            w.finish()
+            results[rank] = (start, losses)
+        except BaseException as e:  # reported by the main thread
+            results[rank] = e
+
+    ts = [threading.Thread(target=train, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts), f"{policy}: a worker hangs"
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    (s0, l0), (s1, l1) = results
+    for k in s0:
+        torch.testing.assert_close(s0[k], s1[k], msg=f"{policy}: {k} differs after the start")
+    assert l0[-1] < l0[0] and l1[-1] < l1[0], f"{policy}: {l0} {l1}"
+    c.finish()
+
+
+def test_broadcast_parameters_gives_everyone_rank_0s_values():
+    c = falcon.local_cluster(workers=2, policy="bsp", lr=0.1)
+    names = [(n, p.numel()) for n, p in small_model().named_parameters()]
+    models = [small_model(seed=5), small_model(seed=6)]
+    errors = []
+
+    def run(rank):
+        try:
+            w = falcon.Worker.join(names, {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
+            ft.broadcast_parameters(models[rank].state_dict(), root_rank=0, worker=w)
+            ft.broadcast_optimizer_state(torch.optim.SGD(models[rank].parameters(), lr=0.1), worker=w)
+            w.finish()
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    want = copy.deepcopy(models[0].state_dict())
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    for k, v in models[1].state_dict().items():
+        torch.testing.assert_close(v, want[k])
+    c.finish()
+
+
+def run_fit(procs, workers, policy, iterations, batch, hetero=None, model="mlp"):
+    c = falcon.local_cluster(workers=workers, policy=policy, lr=0.1, heartbeat_ms=200)
+    env = dict(c.env)
+    if hetero:
+        env["FALCON_HETERO"] = hetero
+    for r in range(workers):
+        procs.start(
+            f"worker {r}", ["python/tests/fit_worker.py", str(iterations), model, str(batch)],
+            {**env, "FALCON_ROLE": "worker", "FALCON_RANK": str(r)},
+        )
+    outs = procs.wait_all(timeout=240)
+    report = c.finish()
+    return [fit_lines(outs[f"worker {r}"]) for r in range(workers)], report
+
+
+def test_four_workers_under_bsp_reach_the_single_workers_accuracy(procs):
+    """Four processes × 32 examples under BSP see, clock by clock, the 128 examples one
+    worker with a batch of 128 sees: the same model up to summation order."""
+    one, _ = run_fit(procs, 1, "bsp", 40, 128)
+    procs.procs.clear()
+    four, _ = run_fit(procs, 4, "bsp", 40, 32)
+    acc1 = one[0]["accuracy"]
+    print(f"one worker: {acc1:.4f}; four: {[s['accuracy'] for s in four]}")
+    assert acc1 > 0.6
+    for s in four:
+        assert abs(s["accuracy"] - acc1) <= 0.01, (acc1, s["accuracy"])
+
+
+def test_epsp_moves_a_stragglers_tasks_and_processes_each_once(procs):
+    iterations, tasks = 60, 4
+    sums, report = run_fit(procs, 4, "epsp", iterations, 32, hetero="3:h=0.25")
+    ledger = collections.Counter()
+    for s in sums:
+        ledger.update(tuple(e) for e in s["ledger"])
+    want = {(w, c, t) for w in range(4) for c in range(iterations) for t in range(tasks)}
+    assert set(ledger) == want, "a task was lost or invented"
+    twice = [k for k, n in ledger.items() if n != 1]
+    assert not twice, f"processed more than once: {twice[:5]}"
+    helped = sum(s["tasks_helped"] for s in sums)
+    given = sum(s["tasks_given"] for s in sums)
+    print(f"tasks moved: {helped}; the straggler gave {sums[3]['tasks_given']}")
+    assert helped == given > 0
+    assert sums[3]["tasks_given"] > 0, "the slowed worker gave nothing away"
+    assert report["scheduler"]["tasks_transferred"] == helped
+    for s in sums:
+        assert s["iterations"] == iterations and s["accuracy"] > 0.5

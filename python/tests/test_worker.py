@@ -1,0 +1,227 @@
+"""The package's worker on numpy buffers: values, handles, every error path, the GIL."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import falcon
+from conftest import free_port
+
+
+@pytest.fixture
+def bsp1():
+    """A one-worker BSP job on threads of this process, joined as `w` (4 floats)."""
+    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)
+    w = falcon.init({"w": 4}, env=c.env)
+    yield w
+    falcon.finish()
+    c.finish()
+
+
+def test_push_pull_values_are_exact_under_bsp(bsp1):
+    w = bsp1
+    v = np.full(4, 7.0, np.float32)
+    w.pull("w", v, 0)
+    np.testing.assert_array_equal(v, np.zeros(4, np.float32))
+    for clock in range(5):
+        w.push("w", np.arange(1, 5, dtype=np.float32), clock)
+        w.pull("w", v, clock + 1)
+        # SGD at rate 0.5 on the same gradient: w = −0.5 · (clock + 1) · g
+        np.testing.assert_allclose(v, -0.5 * (clock + 1) * np.arange(1, 5), rtol=1e-6)
+    assert w.clock_of("w") == 5
+    assert w.job["policy"] == "bsp" and w.job["optimizer"] == "sgd" and w.job["lr"] == 0.5
+    assert w.runs_policy("bsp") and not w.runs_policy("ssp(3)")
+
+
+def test_module_level_calls_use_the_next_clock(bsp1):
+    falcon.push("w", np.ones(4, np.float32))
+    out = np.zeros(4, np.float32)
+    falcon.pull("w", out)
+    np.testing.assert_allclose(out, -0.5)
+    assert falcon.rank() == 0 and falcon.size() == 1
+
+
+def test_handles_complete_once_and_say_so(bsp1):
+    w = bsp1
+    h = w.push_async("w", np.ones(4, np.float32), 0)
+    h.wait()
+    assert h.ready()
+    with pytest.raises(falcon.Error, match="already waited"):
+        h.wait()
+    out = np.zeros(4, np.float32)
+    p = w.pull_async("w", out, 1)
+    p.wait()
+    np.testing.assert_allclose(out, -0.5)
+    assert "done" in repr(p)
+
+
+def test_init_tensor_sets_the_first_values(bsp1):
+    w = bsp1
+    w.init_tensor("w", np.array([1, 2, 3, 4], np.float32))
+    out = np.zeros(4, np.float32)
+    w.pull("w", out, 0)
+    np.testing.assert_array_equal(out, [1, 2, 3, 4])
+
+
+def test_every_wrong_input_is_a_typed_error_and_loses_nothing(bsp1):
+    w = bsp1
+    with pytest.raises(falcon.LengthError, match="has 4 floats; the buffer has 3"):
+        w.push("w", np.ones(3, np.float32), 0)
+    with pytest.raises(falcon.LengthError, match="float32"):
+        w.push("w", np.ones(4, np.float64), 0)
+    with pytest.raises(falcon.LengthError, match="contiguous"):
+        w.push("w", np.ones(8, np.float32)[::2], 0)
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(falcon.LengthError, match="writable"):
+        w.pull("w", ro, 0)
+    with pytest.raises(falcon.TensorError, match='unknown tensor "x"'):
+        w.push("x", np.ones(4, np.float32), 0)
+    with pytest.raises(falcon.ClockError, match="the next push is clock 0"):
+        w.push("w", np.ones(4, np.float32), 3)
+    with pytest.raises(falcon.Error):
+        w.push("w", "not a buffer", 0)
+    # Nothing was lost or applied by the refused calls.
+    w.push("w", np.ones(4, np.float32), 0)
+    out = np.zeros(4, np.float32)
+    w.pull("w", out, 1)
+    np.testing.assert_allclose(out, -0.5)
+    for e in (falcon.LengthError, falcon.TensorError, falcon.ClockError, falcon.PeerError):
+        assert issubclass(e, falcon.Error)
+
+
+def test_calls_before_init_say_so():
+    falcon.finish()
+    with pytest.raises(falcon.NotInitializedError, match="init"):
+        falcon.push("w", np.ones(4, np.float32))
+    with pytest.raises(falcon.NotInitializedError):
+        falcon.declare({"w": 4})
+
+
+def test_bad_configuration_is_refused_before_anything_starts():
+    with pytest.raises(falcon.ConfigError, match="FALCON_POLICY"):
+        falcon.local_cluster(workers=1, policy="ssp(x)")
+    with pytest.raises(falcon.ConfigError, match="FALCON_NUM_WORKER"):
+        falcon.local_cluster(workers=0)
+    with pytest.raises(falcon.ConfigError):
+        falcon.init({"w": 0}, workers=1, scheduler="127.0.0.1:1", rendezvous_timeout_ms=200)
+    falcon.finish()
+
+
+def test_an_unreachable_scheduler_is_an_error_not_a_hang():
+    port = free_port()
+    t = time.monotonic()
+    with pytest.raises(falcon.Error) as e:
+        falcon.init(
+            {"w": 4}, workers=1, servers=1, scheduler=f"127.0.0.1:{port}",
+            rendezvous_timeout_ms=1500,
+        )
+    assert time.monotonic() - t < 30
+    assert str(e.value) and "Error {" not in str(e.value)
+    falcon.finish()
+
+
+def test_the_gil_is_released_while_a_pull_waits():
+    """Two workers in one process under BSP: worker 0's pull for clock 1 waits for worker 1's
+    push; meanwhile another Python thread counts (it could not if the GIL were held)."""
+    c = falcon.local_cluster(workers=2, policy="bsp", lr=1.0)
+    ws = [None, None]
+
+    def join(i):
+        ws[i] = falcon.Worker.join([("w", 4)], {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(i)})
+
+    ts = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    w0, w1 = ws
+    assert w0 is not None and w1 is not None
+    w0.push("w", np.ones(4, np.float32), 0)
+    out = np.zeros(4, np.float32)
+    done = threading.Event()
+
+    def pull():
+        w0.pull("w", out, 1)
+        done.set()
+
+    puller = threading.Thread(target=pull)
+    puller.start()
+    count = 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        count += 1
+    assert not done.is_set(), "BSP let clock 1 pull before worker 1 pushed clock 0"
+    assert count > 10_000, f"the main thread ran only {count} loops while the pull waited"
+    w1.push("w", 3 * np.ones(4, np.float32), 0)
+    puller.join(30)
+    assert done.is_set()
+    np.testing.assert_allclose(out, -2.0)  # mean of 1 and 3 at rate 1
+    w0.finish()
+    w1.finish()
+    c.finish()
+
+
+def test_a_dead_server_is_an_exception_never_a_hang(procs):
+    """A scheduler and a server in processes of their own; the server is killed while the
+    worker trains: the worker's next operations raise PeerError (or TimeoutError)."""
+    port = free_port()
+    env = {
+        "FALCON_SCHEDULER": f"127.0.0.1:{port}", "FALCON_NUM_WORKER": "1",
+        "FALCON_NUM_SERVER": "1", "FALCON_POLICY": "bsp", "FALCON_JOB": "dead-server",
+        "FALCON_TOKEN": "t0k3n", "FALCON_OP_TIMEOUT_MS": "3000",
+    }
+    procs.serve("scheduler", env)
+    server = procs.serve("server", env)
+    w = falcon.Worker.join([("w", 4)], {**env, "FALCON_ROLE": "worker"})
+    out = np.zeros(4, np.float32)
+    w.push("w", np.ones(4, np.float32), 0)
+    w.pull("w", out, 1)
+    server.send_signal(signal.SIGKILL)
+    server.wait(10)
+    t = time.monotonic()
+    with pytest.raises((falcon.PeerError, falcon.TimeoutError, falcon.TransportError)) as e:
+        for clock in range(1, 100):
+            w.push("w", np.ones(4, np.float32), clock)
+            w.pull("w", out, clock + 1)
+    assert time.monotonic() - t < 30
+    msg = str(e.value)
+    assert "server" in msg or "closed" in msg or "peer" in msg, msg
+    print("the worker was told:", msg)
+    # The job is over (its scheduler ended with the server): finishing says so, typed.
+    try:
+        w.finish()
+    except falcon.Error as e:
+        print("finish:", e)
+
+
+def test_launch_variables_name_every_launcher():
+    names = set(falcon.launch_variables())
+    for v in ("FALCON_SCHEDULER", "DMLC_ROLE", "DMLC_PS_ROOT_URI", "RANK", "WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        assert v in names, v
+
+
+def test_heterogeneity_specs_come_from_python():
+    h = falcon.Hetero("h=0.25")
+    assert h.per_task and not h.is_none
+    assert h.delay(0, 1.0) == pytest.approx(3.0)
+    assert falcon.hetero_of("1:h=0.5", 2, 0).is_none
+    assert falcon.hetero_of("1:h=0.5", 2, 1).delay(0, 1.0) == pytest.approx(1.0)
+    g = falcon.Hetero("gauss(5,2)", seed=3)
+    assert g.delay(4, 0.0) == g.delay(4, 0.0) >= 0.0
+    with pytest.raises(falcon.ConfigError):
+        falcon.Hetero("h=7")
+
+
+def test_task_source_gives_each_task_once():
+    t = falcon.Tasks()
+    t.reset(0, 5)
+    got = [t.claim() for _ in range(6)]
+    assert got == [0, 1, 2, 3, 4, None]
+    assert t.remaining() == 0
