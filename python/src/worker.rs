@@ -157,12 +157,21 @@ impl Worker {
         region.read_at(0, bytes).map_err(transport_err)
     }
 
-    fn start_push(&self, tensor: &str, grad: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
+    fn start_push(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<Handle> {
         let buf = self.buffer_of(grad, tensor, false)?;
         let region = self.regions.take(&self.w, tensor)?;
         Self::fill(&region, &buf)?;
         drop(buf);
-        match self.w.push_async(tensor, &region, clock) {
+        // Starting may wait (a previous push of the shard still in flight, the servers'
+        // memory cap): without the GIL, so other Python threads go on.
+        let started = py.detach(|| self.w.push_async(tensor, &region, clock));
+        match started {
             Ok(h) => Ok(Handle::new(
                 h,
                 Done::Push,
@@ -177,10 +186,19 @@ impl Worker {
         }
     }
 
-    fn start_pull(&self, tensor: &str, out: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
+    fn start_pull(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        out: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<Handle> {
         let buf = self.buffer_of(out, tensor, true)?;
         let region = self.regions.take(&self.w, tensor)?;
-        match self.w.pull_async(tensor, &region, clock) {
+        // Starting may wait (ElasticBSP's barrier waits for the scheduler's plan): without
+        // the GIL, so the other workers' threads in this process reach theirs.
+        let started = py.detach(|| self.w.pull_async(tensor, &region, clock));
+        match started {
             Ok(h) => Ok(Handle::new(
                 h,
                 Done::Pull(buf),
@@ -369,13 +387,19 @@ impl Worker {
         grad: &Bound<'_, PyAny>,
         clock: u64,
     ) -> PyResult<()> {
-        self.start_push(tensor, grad, clock)?.finish(py)
+        self.start_push(py, tensor, grad, clock)?.finish(py)
     }
 
     /// Starts a push and returns its handle; `grad` is copied before this returns, so it may
     /// be reused at once.
-    fn push_async(&self, tensor: &str, grad: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
-        self.start_push(tensor, grad, clock)
+    fn push_async(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<Handle> {
+        self.start_push(py, tensor, grad, clock)
     }
 
     /// Pulls `tensor` into `out` (a writable float32 buffer of its length) for `clock`:
@@ -387,13 +411,19 @@ impl Worker {
         out: &Bound<'_, PyAny>,
         clock: u64,
     ) -> PyResult<()> {
-        self.start_pull(tensor, out, clock)?.finish(py)
+        self.start_pull(py, tensor, out, clock)?.finish(py)
     }
 
     /// Starts a pull and returns its handle; `out` is written when the handle's `wait`
     /// returns, and must stay alive until then.
-    fn pull_async(&self, tensor: &str, out: &Bound<'_, PyAny>, clock: u64) -> PyResult<Handle> {
-        self.start_pull(tensor, out, clock)
+    fn pull_async(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        out: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<Handle> {
+        self.start_pull(py, tensor, out, clock)
     }
 
     /// Waits until every live worker has reached this barrier.

@@ -236,9 +236,9 @@ def run_fit(procs, workers, policy, iterations, batch, hetero=None, model="mlp")
 def test_four_workers_under_bsp_reach_the_single_workers_accuracy(procs):
     """Four processes × 32 examples under BSP see, clock by clock, the 128 examples one
     worker with a batch of 128 sees: the same model up to summation order."""
-    one, _ = run_fit(procs, 1, "bsp", 40, 128)
+    one, _ = run_fit(procs, 1, "bsp", 80, 128)
     procs.procs.clear()
-    four, _ = run_fit(procs, 4, "bsp", 40, 32)
+    four, _ = run_fit(procs, 4, "bsp", 80, 32)
     acc1 = one[0]["accuracy"]
     print(f"one worker: {acc1:.4f}; four: {[s['accuracy'] for s in four]}")
     assert acc1 > 0.6
