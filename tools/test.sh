@@ -56,6 +56,30 @@ need_pkgs "the rdma feature will not build, full-dataset tests skip" \
 need_pkgs "the network-fault tests emulate less or skip (their SKIPPED: lines say what)" \
     iproute2 nftables util-linux
 
+# The Python package's stages: Debian's PyTorch (CPU; PyPI's wheel pulls gigabytes of CUDA
+# libraries), numpy and pytest, seen from a venv that builds and installs the package with the
+# README's command.
+need_pkgs "the Python package's tests cannot run" \
+    python3-torch python3-numpy python3-pytest python3-venv python3-dev gcc
+
+# The venv of the Python stages, with the package installed as the README says (pip builds
+# it with maturin, a release build sharing cargo's target directory).
+python_package() {
+    local venv=target/pyenv
+    if [ ! -x "$venv/bin/python" ]; then
+        /usr/bin/python3 -m venv --system-site-packages "$venv" || return 1
+    fi
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$venv/bin/python" -m pip install -q ./python || return 1
+    local py=$PWD/$venv/bin/python
+    (cd /tmp && "$py" -c 'import falcon, falcon.torch, torch; print("::: falcon", falcon.__file__, "torch", torch.__version__)')
+}
+
+python_tests() {
+    python_package || return 1
+    target/pyenv/bin/python -m pytest -q -p no:cacheprovider python/tests
+}
+
 # Reads cargo's JSON messages on stdin; prints the executables of the named test/bench targets.
 executables_named() {
     python3 -c '
@@ -140,6 +164,7 @@ stage "cargo clippy (all targets, all features, -D warnings)" \
 stage "cargo test (workspace)" env FALCON_NETNS=0 cargo test --workspace
 stage "network faults between namespace hosts (tests/netns.rs)" \
     cargo test -p falcon --test netns -- --nocapture --test-threads=1
+stage "Python package: pip install ./python, then its tests (numpy, PyTorch, processes)" python_tests
 stage "fuzz (short pass, 10 s per target)" tools/fuzz.sh 10
 stage "cargo test (transport with rdma, host)" rdma_host
 stage "loom: shard meta seqlock and clocks" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
