@@ -127,11 +127,11 @@ def _settings(
     for k, v in named.items():
         if v is not None:
             out[k] = str(v)
-    for k, v in settings.items():
+    for k, s in settings.items():
         name = k.upper()
         if not name.startswith("FALCON_"):
             name = "FALCON_" + name
-        out[name] = str(v)
+        out[name] = str(s)
     return out
 
 

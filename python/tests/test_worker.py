@@ -225,3 +225,24 @@ def test_task_source_gives_each_task_once():
     got = [t.claim() for _ in range(6)]
     assert got == [0, 1, 2, 3, 4, None]
     assert t.remaining() == 0
+
+
+def test_the_type_stubs_name_what_the_extension_has():
+    import ast
+    from pathlib import Path
+
+    from falcon import _falcon
+
+    stub = ast.parse((Path(falcon.__file__).parent / "_falcon.pyi").read_text())
+    declared = {
+        n.name: {m.name for m in n.body if isinstance(m, ast.FunctionDef)}
+        for n in stub.body
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef))
+    }
+    public = {n for n in dir(_falcon) if not n.startswith("_")}
+    assert set(declared) == public, set(declared) ^ public
+    for name, methods in declared.items():
+        obj = getattr(_falcon, name)
+        if isinstance(obj, type) and not issubclass(obj, BaseException):
+            have = {m for m in vars(obj) if not m.startswith("_")}
+            assert methods - {"__init__"} == have, f"{name}: {methods ^ have}"
