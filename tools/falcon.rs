@@ -159,7 +159,9 @@ Environment: the launch contract, the same for a worker process of one's own
                                 MASTER_ADDR; the first node of Slurm's SLURM_NODELIST or
                                 SLURM_JOB_NODELIST)...
   FALCON_SCHEDULER_PORT         ...and port, where it listens (DMLC_PS_ROOT_PORT, MASTER_PORT;
-                                under Slurm or mpirun, default 9091)
+                                under Slurm or mpirun, default 9091); MASTER_PORT + 1 when
+                                torchrun's TORCHELASTIC_USE_AGENT_STORE=True says its agent
+                                holds MASTER_PORT
   FALCON_NODE_HOST (DMLC_NODE_HOST)  this node's interface (default: the scheduler's host)
   FALCON_BIND                   this node's listening address, HOST:PORT (default: any port
                                 of its interface)

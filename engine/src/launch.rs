@@ -31,7 +31,8 @@
 //!   transport's `host=ID;tcp=IP:PORT` text), or a host and a port:
 //!   `FALCON_SCHEDULER_URI` (`DMLC_PS_ROOT_URI`; torchrun's `MASTER_ADDR`; the first node of
 //!   Slurm's `SLURM_NODELIST`/`SLURM_JOB_NODELIST`) and `FALCON_SCHEDULER_PORT`
-//!   (`DMLC_PS_ROOT_PORT`, `MASTER_PORT`; under a launcher that names none,
+//!   (`DMLC_PS_ROOT_PORT`, `MASTER_PORT` — plus one when torchrun says its agent holds it,
+//!   `TORCHELASTIC_USE_AGENT_STORE`; under a launcher that names none,
 //!   [`DEFAULT_SCHEDULER_PORT`]);
 //! - this node's addresses: `FALCON_NODE_HOST` (`DMLC_NODE_HOST`), `FALCON_BIND`,
 //!   `FALCON_ADVERTISE`;
@@ -87,6 +88,7 @@ pub const VARIABLES: &[&str] = &[
     "WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
     "SLURM_PROCID",
     "SLURM_NTASKS",
     "SLURM_NODELIST",
@@ -458,11 +460,31 @@ impl Launch {
                 from,
             })
             .or_else(|| placed.as_ref().and_then(|p| p.host.clone()));
-        let port: Option<u16> =
-            match env.get(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"]) {
-                Some(set) => Some(checks::port(&set.value).map_err(|e| set.refused(e))?),
-                None => None,
-            };
+        let port: Option<u16> = match env.get(&[
+            "FALCON_SCHEDULER_PORT",
+            "DMLC_PS_ROOT_PORT",
+            "MASTER_PORT",
+        ]) {
+            Some(set) => {
+                let p = checks::port(&set.value).map_err(|e| set.refused(e))?;
+                // torchrun's agent keeps its own store on MASTER_PORT under its default
+                // (static) rendezvous, and tells its ranks so: the scheduler takes the
+                // next port, the same on every rank.
+                let agent_store = env
+                    .get(&["TORCHELASTIC_USE_AGENT_STORE"])
+                    .is_some_and(|s| s.value.trim().eq_ignore_ascii_case("true"));
+                if set.var == "MASTER_PORT" && agent_store {
+                    Some(p.checked_add(1).ok_or_else(|| {
+                            set.refused(
+                                "torchrun's agent holds this port and falcon's scheduler takes                                  the next one, past 65535: set FALCON_SCHEDULER_PORT",
+                            )
+                        })?)
+                } else {
+                    Some(p)
+                }
+            }
+            None => None,
+        };
         // Launched by Slurm or mpirun, which name no port: falcon's default.
         let port = port.or(placed.as_ref().map(|_| DEFAULT_SCHEDULER_PORT));
         // The scheduler's address; given as HOST:PORT, also where a scheduler listens.
@@ -587,9 +609,10 @@ impl Launch {
         )?;
         // Async policies apply each worker's gradient on its own: lr / workers keeps the step
         // of a round equal to BSP's (mean of W gradients) and delayed-gradient descent stable.
+        // The optimizer stays the one configured (momentum and Adam apply per arrival).
         if cfg.update_mode() == UpdateMode::Async {
             let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
-            cfg.optimizer = Optimizer::Sgd { lr };
+            cfg.optimizer = cfg.optimizer.with_lr(lr);
         }
         cfg.transport.medium = env.value(&["FALCON_MEDIUM"], Medium::Auto, |s| {
             s.trim()
@@ -802,6 +825,54 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(l.config.optimizer.lr(), 0.4);
+        // An asynchronous policy divides the rate by the workers and keeps the optimizer.
+        let l = launch(&[
+            ("FALCON_ROLE", "worker"),
+            ("FALCON_SCHEDULER", "127.0.0.1:9"),
+            ("FALCON_NUM_WORKER", "4"),
+            ("FALCON_POLICY", "ssp(3)"),
+            ("FALCON_OPTIMIZER", "adam(0.8,0.99,1e-6)"),
+            ("FALCON_LR", "0.4"),
+        ])
+        .unwrap();
+        assert_eq!(
+            l.config.optimizer,
+            Optimizer::Adam {
+                lr: 0.1,
+                beta1: 0.8,
+                beta2: 0.99,
+                eps: 1e-6
+            }
+        );
+    }
+
+    #[test]
+    fn under_torchruns_agent_store_the_scheduler_takes_the_next_port() {
+        let vars = |store: &'static str| {
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "3"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_USE_AGENT_STORE", store),
+            ]
+        };
+        let l = launch(&vars("True")).unwrap();
+        assert!(
+            l.config.scheduler.ends_with(":29501"),
+            "{}",
+            l.config.scheduler
+        );
+        let l = launch(&vars("False")).unwrap();
+        assert!(
+            l.config.scheduler.ends_with(":29500"),
+            "{}",
+            l.config.scheduler
+        );
+        // A port named for falcon is taken as it is.
+        let mut v = vars("True");
+        v.push(("FALCON_SCHEDULER_PORT", "7000"));
+        assert!(launch(&v).unwrap().config.scheduler.ends_with(":7000"));
     }
 
     #[test]

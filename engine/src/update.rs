@@ -69,6 +69,22 @@ impl Optimizer {
 }
 
 impl Optimizer {
+    /// The same optimizer at rate `lr`.
+    pub fn with_lr(self, lr: f32) -> Optimizer {
+        match self {
+            Optimizer::Sgd { .. } => Optimizer::Sgd { lr },
+            Optimizer::Momentum { mu, .. } => Optimizer::Momentum { lr, mu },
+            Optimizer::Adam {
+                beta1, beta2, eps, ..
+            } => Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            },
+        }
+    }
+
     /// Parses an optimizer's text, given the learning rate: `sgd`, `momentum(MU)` (0 ≤ MU <
     /// 1; PyTorch's SGD with momentum, no dampening), `adam` or `adam(B1,B2,EPS)` (defaults
     /// 0.9, 0.999, 1e-8). A wrong text is an [`Error::Config`](crate::Error::Config) saying

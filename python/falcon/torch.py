@@ -109,8 +109,10 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
     )
 
 
-def _check_rule(optimizer, job: Mapping) -> float:
-    """Checks `optimizer` against the job's servers; returns the job's base rate."""
+def _check_rule(optimizer, job: Mapping, workers: int) -> float:
+    """Checks `optimizer` against the job's servers; returns the rate the job was given
+    (FALCON_LR: asynchronous policies apply each gradient at that rate / workers, which the
+    job's `lr_per_push` says)."""
     kind, lr, extra = _rule_of(optimizer)
     name = type(optimizer).__name__
     wanted = optimizer_settings(optimizer)
@@ -237,7 +239,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, worker=None) -> Non
     if not 0 <= root_rank < w.workers:
         raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
     inner = getattr(optimizer, "_falcon_base", optimizer)
-    _check_rule(inner, w.job)
+    _check_rule(inner, w.job, w.workers)
     w.barrier()
 
 
@@ -266,7 +268,7 @@ class _Distributed:
                 f"this job runs {job['policy']}, not {policy}: the policy is the job's, set "
                 f"where its scheduler starts (FALCON_POLICY)"
             )
-        self._falcon_job_lr = _check_rule(self, job)
+        self._falcon_job_lr = _check_rule(self, job, w.workers)
         self._falcon_kind = job["optimizer"]
         self._falcon_worker = w
         self._falcon_named = named

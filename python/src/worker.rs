@@ -112,6 +112,23 @@ impl Worker {
         writable: bool,
     ) -> PyResult<PyBuffer<f32>> {
         let len = self.len_of(tensor)?;
+        // A CPU torch tensor has no buffer of its own: its numpy view shares its memory (no
+        // copy), and the buffer keeps the view alive.
+        let view;
+        let obj = if obj.hasattr("detach")? && obj.hasattr("numpy")? {
+            if let Ok(device) = obj.getattr("device").and_then(|d| d.getattr("type"))
+                && device.extract::<String>().is_ok_and(|t| t != "cpu")
+            {
+                return Err(ConfigError::new_err(format!(
+                    "tensor {tensor:?}: the buffer is on {device}; this build moves CPU memory \
+                     (.cpu() first)"
+                )));
+            }
+            view = obj.call_method0("detach")?.call_method0("numpy")?;
+            &view
+        } else {
+            obj
+        };
         let buf = PyBuffer::<f32>::get(obj).map_err(|e| {
             LengthError::new_err(format!(
                 "tensor {tensor:?}: the buffer must hold float32 values ({e})"
@@ -292,7 +309,9 @@ impl Worker {
     }
 
     /// The job's rules as the scheduler gave them: a dict with `policy` (its text, as
-    /// `policy=` takes it), `optimizer` ("sgd", "momentum" or "adam"), `lr` (the base rate),
+    /// `policy=` takes it), `optimizer` ("sgd", "momentum" or "adam"), `lr` (the rate the job
+    /// was given, FALCON_LR), `lr_per_push` (the rate each gradient is applied with: `lr`, or
+    /// `lr` / workers under an asynchronous policy),
     /// `momentum`, `betas` and `eps` where the optimizer has them, `aggregate` ("mean" or
     /// "sum") and `mode` ("sync": a clock's gradients are combined, then applied; "async":
     /// each is applied as it arrives, with lr / workers).
@@ -301,7 +320,16 @@ impl Worker {
         use falcon_engine::update::{Aggregate, Optimizer, UpdateMode};
         let d = PyDict::new(py);
         d.set_item("policy", self.w.policy().to_string())?;
-        match self.w.optimizer() {
+        let (aggregate, mode) = self.w.update_rule();
+        // The servers of an asynchronous policy apply each gradient at the job's rate divided
+        // by the workers: `lr` is the rate as the job was given it, `lr_per_push` as applied.
+        let per_push = self.w.optimizer().lr();
+        let given = match mode {
+            UpdateMode::Async => per_push * self.w.workers().max(1) as f32,
+            UpdateMode::Sync => per_push,
+        };
+        d.set_item("lr_per_push", per_push)?;
+        match self.w.optimizer().with_lr(given) {
             Optimizer::Sgd { lr } => {
                 d.set_item("optimizer", "sgd")?;
                 d.set_item("lr", lr)?;
@@ -323,7 +351,6 @@ impl Worker {
                 d.set_item("eps", eps)?;
             }
         }
-        let (aggregate, mode) = self.w.update_rule();
         d.set_item(
             "aggregate",
             match aggregate {

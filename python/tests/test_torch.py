@@ -147,7 +147,7 @@ POLICIES = ["bsp", "asp", "ssp(2)", "dssp(1,3)", "fluentps(2)", "syncopt(0)", "e
 def test_every_policy_trains_through_the_optimizer(policy):
     """Two workers (threads of this process, each its own model) train 12 steps through
     DistributedOptimizer: both start from rank 0's values and the loss falls."""
-    c = falcon.local_cluster(workers=2, policy=policy, lr=0.2)
+    c = falcon.local_cluster(workers=2, policy=policy, lr=0.2, optimizer="momentum(0.5)")
     results = [None, None]
 
     def train(rank):
@@ -157,9 +157,14 @@ def test_every_policy_trains_through_the_optimizer(policy):
                 {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)},
             )
             model = small_model(seed=rank)  # different values: rank 0's must win
+            job = w.job
+            # Every policy keeps the job's optimizer; asynchronous ones apply lr / workers.
+            assert job["optimizer"] == "momentum" and job["lr"] == pytest.approx(0.2)
+            per_push = 0.1 if job["mode"] == "async" else 0.2
+            assert job["lr_per_push"] == pytest.approx(per_push), job
             dopt = ft.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.2), model.named_parameters(),
-                policy=policy, worker=w,
+                torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5),
+                model.named_parameters(), policy=policy, worker=w,
             )
             start = copy.deepcopy(model.state_dict())
             x, y = data(seed=10 + rank, n=64)
@@ -264,3 +269,20 @@ def test_epsp_moves_a_stragglers_tasks_and_processes_each_once(procs):
     assert report["scheduler"]["tasks_transferred"] == helped
     for s in sums:
         assert s["iterations"] == iterations and s["accuracy"] > 0.5
+
+
+def test_cpu_tensors_are_buffers_pushed_and_pulled_in_place():
+    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)
+    w = falcon.init({"w": 4}, env=c.env)
+    values = torch.zeros(4, requires_grad=True)  # a parameter-like tensor
+    w.push("w", torch.ones(4), 0)
+    w.pull("w", values, 1)  # written in place, through the tensor's numpy view
+    torch.testing.assert_close(values.detach(), torch.full((4,), -0.5))
+    with pytest.raises(falcon.LengthError, match="float32"):
+        w.push("w", torch.ones(4, dtype=torch.float64), 1)
+    with pytest.raises(falcon.LengthError, match="contiguous|float32"):
+        w.push("w", torch.ones(4, 2).t()[0], 1)
+    with pytest.raises(falcon.LengthError, match="has 4 floats"):
+        w.push("w", torch.ones(5), 1)
+    falcon.finish()
+    c.finish()
