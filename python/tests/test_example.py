@@ -100,13 +100,15 @@ def _torchrun_works() -> bool:
 
 
 def test_fit_epsp_with_a_straggler_reaches_the_stated_accuracy(tmp_path):
-    # As documented: torchrun (--standalone: torchrun's own store keeps off MASTER_PORT,
-    # where falcon's scheduler listens; --redirects 1 --tee 1: Debian's torch 1.13 under
-    # Python 3.11 fails on the defaults), 6 ranks, the same script on each.
+    # As documented: torchrun with its default (static) rendezvous, whose agent holds
+    # MASTER_PORT (falcon's scheduler takes the next port), 6 ranks, the same script on
+    # each; --redirects 1 --tee 1: Debian's torch 1.13 under Python 3.11 fails on the
+    # defaults. A free --master_port, so that concurrent runs do not meet.
     if _torchrun_works():
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--redirects", "1",
-            "--tee", "1", "--nproc_per_node", "6", str(EXAMPLE), "--data", str(SAMPLE),
+            sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
+            "--redirects", "1", "--tee", "1", "--nproc_per_node", "6", str(EXAMPLE),
+            "--data", str(SAMPLE),
         ]
         out = _run(cmd, _env(tmp_path), TIMEOUT_S)
     else:  # a torch without torch.distributed: the documented launcher loop
