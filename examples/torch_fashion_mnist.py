@@ -146,7 +146,7 @@ def train_optimizer(args, model, x, y) -> dict:
     return {
         "rank": rank, "iterations": args.iterations, "secs": time.perf_counter() - start,
         "step_s": compute, "injected_s": injected, "epochs": epoch,
-        "last_loss": None if loss is None else float(loss),
+        "last_loss": None if loss is None else loss.item(),
     }
 
 

@@ -99,6 +99,11 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
     if "Adam" in mro and "AdamW" not in mro:
         if same("amsgrad"):
             raise _f.ConfigError(f"{name} with amsgrad=True: the servers apply plain Adam")
+        if same("decoupled_weight_decay"):  # PyTorch 2.x: AdamW's rule
+            raise _f.ConfigError(
+                f"{name} with decoupled_weight_decay=True (AdamW's rule): the servers apply "
+                f"Adam, with weight decay added to the gradient"
+            )
         if same("maximize"):
             raise _f.ConfigError(f"{name} with maximize=True is not supported")
         b1, b2 = (float(b) for b in same("betas"))
@@ -270,6 +275,7 @@ class _Distributed:
             )
         self._falcon_job_lr = _check_rule(self, job, w.workers)
         self._falcon_kind = job["optimizer"]
+        self._falcon_job = job
         self._falcon_worker = w
         self._falcon_named = named
         self._falcon_name = {id(p): n for n, p in named}
@@ -310,6 +316,20 @@ class _Distributed:
         wd = group.get("weight_decay", 0) or 0
         scale = 1.0
         lr = float(group["lr"])
+        job = self._falcon_job
+        if self._falcon_kind == "momentum" and not _close(float(group["momentum"]), job["momentum"]):
+            raise _f.ConfigError(
+                f"the momentum changed to {group['momentum']}; the servers apply "
+                f"{job['momentum']} (a momentum schedule, such as OneCycleLR's "
+                f"cycle_momentum, does not reach them: turn it off)"
+            )
+        if self._falcon_kind == "adam" and not all(
+            _close(float(a), b) for a, b in zip(group["betas"], job["betas"])
+        ):
+            raise _f.ConfigError(
+                f"Adam's betas changed to {tuple(group['betas'])}; the servers apply "
+                f"{tuple(job['betas'])} (a momentum schedule does not reach them: turn it off)"
+            )
         if not _close(lr, self._falcon_job_lr):
             if self._falcon_kind == "adam":
                 raise _f.ConfigError(
@@ -626,7 +646,7 @@ def fit(
             into.add_(torch.cat([p.grad.reshape(-1) for p in params]))
         if ledger:
             summary["ledger"].extend((owner, clock, t) for t in task_ids)
-        return float(loss) * len(idx), len(idx)
+        return loss.item() * len(idx), len(idx)
 
     summary = FitSummary(
         rank=rank, iterations=0, secs=0.0, compute_s=0.0, blocked_s=0.0, helping_s=0.0,

@@ -174,7 +174,7 @@ def test_every_policy_trains_through_the_optimizer(policy):
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 dopt.step()
-                losses.append(float(loss))
+                losses.append(loss.item())
             w.finish()
             results[rank] = (start, losses)
         except BaseException as e:  # reported by the main thread
@@ -284,5 +284,23 @@ def test_cpu_tensors_are_buffers_pushed_and_pulled_in_place():
         w.push("w", torch.ones(4, 2).t()[0], 1)
     with pytest.raises(falcon.LengthError, match="has 4 floats"):
         w.push("w", torch.ones(5), 1)
+    falcon.finish()
+    c.finish()
+
+
+def test_a_momentum_schedule_is_refused_not_ignored():
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    dopt.step()
+    for g in dopt.param_groups:
+        g["momentum"] = 0.5  # what OneCycleLR(cycle_momentum=True) does
+    dopt.zero_grad()
+    with pytest.raises(falcon.ConfigError, match="momentum changed to 0.5"):
+        F.cross_entropy(model(x), y).backward()
     falcon.finish()
     c.finish()
