@@ -494,3 +494,124 @@ fn unknown_workers_are_ignored() {
     assert_eq!((dssp.parked(), so.parked(), so.dropped_total()), (0, 0, 0));
     assert_eq!(so.version(), 0);
 }
+
+/// A grant given while a worker was gone is re-checked when it comes back: under DSSP(1,5)
+/// worker 2 leaves at the start, worker 0 earns a grant of 3 against worker 1 (the sequence
+/// of `dssp_until_first_grant`), then worker 2 rejoins at clock 0. The grant still covers
+/// clocks 4 to 6, but clock 6 is 6 past worker 2: that pull waits until worker 2 pushes.
+#[test]
+fn dssp_a_grant_is_rechecked_when_a_worker_rejoins() {
+    let mut p = Dssp::new(3, 1, 5);
+    for w in 0..3 {
+        assert_eq!(
+            pull(&mut p, w, 0, 100 + u64::from(w), 0),
+            released(w, 100 + u64::from(w))
+        );
+    }
+    let mut none = Vec::new();
+    p.on_event(Event::Leave { worker: 2, at: 1 }, &mut none);
+    assert!(push(&mut p, 0, 0, 60).is_empty());
+    assert_eq!(pull(&mut p, 0, 1, 1, 60), released(0, 1));
+    assert!(push(&mut p, 1, 0, 74).is_empty());
+    assert_eq!(pull(&mut p, 1, 1, 11, 74), released(1, 11));
+    assert!(push(&mut p, 0, 1, 80).is_empty());
+    assert_eq!(pull(&mut p, 0, 2, 2, 80), released(0, 2));
+    assert!(push(&mut p, 0, 2, 90).is_empty());
+    assert_eq!(pull(&mut p, 0, 3, 3, 90), parked(0, 3));
+    assert_eq!(push(&mut p, 1, 1, 93), released(0, 3));
+    assert!(push(&mut p, 0, 3, 100).is_empty());
+    assert_eq!(
+        p.extra_granted_total(),
+        3,
+        "a grant of 3 while worker 2 is gone"
+    );
+    // Worker 2 comes back at clock 0: the live minimum falls from 2 to 0.
+    p.on_event(
+        Event::Join {
+            worker: 2,
+            clock: 0,
+            at: 101,
+        },
+        &mut none,
+    );
+    assert_eq!(pull(&mut p, 0, 4, 4, 101), released(0, 4), "gap 4 ≤ s_U");
+    assert!(push(&mut p, 0, 4, 110).is_empty());
+    assert_eq!(pull(&mut p, 0, 5, 5, 110), released(0, 5), "gap 5 = s_U");
+    assert!(push(&mut p, 0, 5, 120).is_empty());
+    assert_eq!(
+        pull(&mut p, 0, 6, 6, 120),
+        parked(0, 6),
+        "granted, but 6 past worker 2: beyond s_U = 5"
+    );
+    assert_eq!(
+        push(&mut p, 2, 0, 125),
+        released(0, 6),
+        "worker 2 at 1: gap 5"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Random traces in which workers leave and come back (at the clock they had, or at 0):
+    /// no pull of a live worker is ever released more than `s_U` past the live minimum.
+    #[test]
+    fn dssp_never_exceeds_its_upper_bound_across_leaves_and_rejoins(
+        workers in 2u32..5,
+        s_lower in 0u64..3,
+        r_max in 0u64..5,
+        picks in prop::collection::vec(0u32..1000, 50..400),
+    ) {
+        #[derive(Clone, Copy, PartialEq)]
+        enum St { Pull, Parked(u64), Push, Gone }
+        let n = workers as usize;
+        let s_upper = s_lower + r_max;
+        let mut p = Dssp::new(workers, s_lower, s_upper);
+        let mut st = vec![St::Pull; n];
+        let mut clock = vec![0u64; n];
+        let mut applied = vec![0u64; n];
+        let mut pulls: HashMap<u64, (usize, u64)> = HashMap::new();
+        let (mut req, mut t) = (0u64, 0u64);
+        for (i, &pick) in picks.iter().enumerate() {
+            t += 1 + u64::from(pick % 7);
+            let w = pick as usize % n;
+            let mut out = Vec::new();
+            match st[w] {
+                St::Pull => {
+                    req += 1;
+                    pulls.insert(req, (w, clock[w]));
+                    p.on_event(Event::Pull { worker: w as u32, clock: clock[w], req, at: t }, &mut out);
+                    st[w] = St::Parked(req);
+                }
+                St::Push if i % 13 == 5 => {
+                    p.on_event(Event::Leave { worker: w as u32, at: t }, &mut out);
+                    st[w] = St::Gone;
+                }
+                St::Push => {
+                    p.on_event(Event::Push { worker: w as u32, clock: clock[w], at: t }, &mut out);
+                    clock[w] += 1;
+                    applied[w] = applied[w].max(clock[w]);
+                    st[w] = St::Pull;
+                }
+                St::Gone => {
+                    let at = if pick % 2 == 0 { 0 } else { clock[w] };
+                    p.on_event(Event::Join { worker: w as u32, clock: at, at: t }, &mut out);
+                    applied[w] = applied[w].max(at);
+                    st[w] = St::Pull;
+                }
+                St::Parked(_) => {}
+            }
+            let min = (0..n).filter(|&j| st[j] != St::Gone).map(|j| applied[j]).min().unwrap_or(u64::MAX);
+            for a in out {
+                if let Action::Release { req: r, .. } = a {
+                    let (wk, c) = pulls[&r];
+                    if st[wk] == St::Parked(r) {
+                        prop_assert!(c <= min.saturating_add(s_upper),
+                            "worker {} released at clock {} with live minimum {}, s_U {}", wk, c, min, s_upper);
+                        st[wk] = St::Push;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -55,7 +55,9 @@
 //!   saturating subtraction (a clock that runs backwards gives an interval of 0).
 //! - **Membership.** A worker that leaves no longer counts as slowest or fastest (as in SSP).
 //!   A worker that (re)joins loses its grant and its push history (two fresh pushes are needed
-//!   before the controller uses it). Pushes that do not advance a worker's count (duplicates)
+//!   before the controller uses it). A grant given while a worker was gone was sized against a
+//!   minimum that worker's return may lower, so a grant is honoured only while the pull stays
+//!   within `s_U` of the live minimum at the moment of release; past it the pull waits. Pushes that do not advance a worker's count (duplicates)
 //!   change nothing. Events about unknown workers are ignored.
 //! - **Fast path: `Within(s_L)`.** A pull within `s_L` is always released by the policy too,
 //!   and grants are counted on pushes (which the policy always sees), not on pulls, so a pull
@@ -179,8 +181,12 @@ impl Dssp {
     }
 
     /// As `may_pull`, with the live minimum already known (one scan per release pass).
+    /// A grant is honoured only within `s_U` of the live minimum *now*: a worker that comes
+    /// back (or joins) below the minimum the grant was given against lowers it.
     fn may_pull_at(&self, min: u64, worker: Worker, clock: u64) -> bool {
-        within_staleness(min, clock, self.s_lower) || clock <= self.ok_through[worker as usize]
+        within_staleness(min, clock, self.s_lower)
+            || (clock <= self.ok_through[worker as usize]
+                && within_staleness(min, clock, self.s_upper))
     }
 
     /// The paper's push handler: decides whether `p` may run iteration `next` (= `t[p]`).
