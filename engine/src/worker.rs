@@ -33,6 +33,7 @@ use crate::keys::{KeyMap, ShardSpec, TensorSpec};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::proto::{Book, Msg, ResumeShard, Role, ShardKeys, imm};
 use crate::server::{HELP_ACK, SLOT_TRAILER};
+use crate::sync::zipline::IntervalEstimate;
 use crate::sync::{FastPath, PolicySpec};
 use crate::update::{Aggregate, Optimizer, UpdateMode};
 
@@ -442,9 +443,6 @@ struct ServerConn {
     connecting: bool,
 }
 
-/// How many recent interval samples the ElasticBSP estimate averages.
-const INTERVAL_WINDOW: usize = 4;
-
 /// ElasticBSP's gate on this worker (see the [module docs](self)).
 struct Gate {
     /// Pulls at clocks below this pass; one at or above it waits for the next plan.
@@ -453,8 +451,8 @@ struct Gate {
     mark: Option<Instant>,
     /// The next clock whose first push records an interval sample.
     next_sample: u64,
-    /// The most recent interval samples, in nanoseconds (at most [`INTERVAL_WINDOW`]).
-    samples: VecDeque<u64>,
+    /// The interval estimate (the mean of the last few samples, as the simulator's).
+    interval: IntervalEstimate,
     /// The superstep report in flight: what its waiters wait on, and when it was sent.
     pending: Option<(Arc<Signal>, Instant)>,
     /// Set once no plan can come (a peer is gone, the job is over, this worker finished).
@@ -467,7 +465,7 @@ impl Gate {
             barrier: 1,
             mark: None,
             next_sample: 0,
-            samples: VecDeque::new(),
+            interval: IntervalEstimate::default(),
             pending: None,
             broken: None,
         }
@@ -475,11 +473,7 @@ impl Gate {
 
     /// The mean of the recent samples in nanoseconds, 0 if there is none.
     fn interval_ns(&self) -> u64 {
-        if self.samples.is_empty() {
-            return 0;
-        }
-        let sum: u128 = self.samples.iter().map(|&n| u128::from(n)).sum();
-        u64::try_from(sum / self.samples.len() as u128).unwrap_or(u64::MAX)
+        self.interval.estimate().unwrap_or(0)
     }
 }
 
@@ -1339,10 +1333,7 @@ impl Worker {
         }
         if let Some(mark) = g.mark {
             let ns = u64::try_from(now.duration_since(mark).as_nanos()).unwrap_or(u64::MAX);
-            g.samples.push_back(ns.max(1));
-            while g.samples.len() > INTERVAL_WINDOW {
-                g.samples.pop_front();
-            }
+            g.interval.record(ns);
         }
         g.mark = Some(now);
         g.next_sample = clock + 1;

@@ -147,6 +147,53 @@ pub fn predict(now: Nanos, interval: Nanos, r: usize) -> Vec<Nanos> {
         .collect()
 }
 
+/// How many recent interval samples an ElasticBSP estimate averages, in the real job (each
+/// worker's gate) and in the simulator (the policy) alike.
+pub const INTERVAL_WINDOW: usize = 4;
+
+/// A worker's iteration interval, estimated as the mean of its last `window` samples (at
+/// least 1 ns each). The one estimator of ElasticBSP: the worker's gate reports it to the
+/// scheduler at a barrier, and [`ElasticBsp`] (the simulator's job-wide policy) keeps one per
+/// worker, so the real job and the simulator plan from the same numbers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IntervalEstimate {
+    window: usize,
+    samples: VecDeque<Nanos>,
+}
+
+impl Default for IntervalEstimate {
+    fn default() -> Self {
+        IntervalEstimate::new(INTERVAL_WINDOW)
+    }
+}
+
+impl IntervalEstimate {
+    /// An estimator over the last `window` samples (`≥ 1`; 0 counts as 1).
+    pub fn new(window: usize) -> IntervalEstimate {
+        IntervalEstimate {
+            window: window.max(1),
+            samples: VecDeque::new(),
+        }
+    }
+
+    /// Records one interval (0 is taken as 1 ns), forgetting the oldest past the window.
+    pub fn record(&mut self, interval: Nanos) {
+        self.samples.push_back(interval.max(1));
+        while self.samples.len() > self.window {
+            self.samples.pop_front();
+        }
+    }
+
+    /// The mean of the recent samples, `None` before the first.
+    pub fn estimate(&self) -> Option<Nanos> {
+        if self.samples.is_empty() {
+            return None;
+        }
+        let sum: u128 = self.samples.iter().map(|&x| u128::from(x)).sum();
+        Some(u64::try_from(sum / self.samples.len() as u128).unwrap_or(u64::MAX))
+    }
+}
+
 /// One barrier's plan, as [`ElasticBsp`] made it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -165,13 +212,12 @@ pub struct Plan {
 #[derive(Clone, Debug)]
 pub struct ElasticBsp {
     r: usize,
-    window: usize,
     applied: Vec<u64>,
     live: Vec<bool>,
     barrier: Vec<u64>,
     /// When the worker's current iteration started, as far as the policy knows.
     started: Vec<Option<Nanos>>,
-    intervals: Vec<VecDeque<Nanos>>,
+    intervals: Vec<IntervalEstimate>,
     /// Parked pulls: (clock, req, worker).
     parked: Vec<(u64, u64, Worker)>,
     delayed: u64,
@@ -181,17 +227,17 @@ pub struct ElasticBsp {
 
 impl ElasticBsp {
     /// ElasticBSP for `workers` workers, each predicted `r` iterations ahead (`r ≥ 1`; 0 counts
-    /// as 1), from its most recent interval.
+    /// as 1), from the mean of its last [`INTERVAL_WINDOW`] intervals, as the real job's
+    /// workers estimate theirs.
     pub fn new(workers: u32, r: usize) -> ElasticBsp {
         let n = workers as usize;
         ElasticBsp {
             r: r.max(1),
-            window: 1,
             applied: vec![0; n],
             live: vec![true; n],
             barrier: vec![1; n],
             started: vec![None; n],
-            intervals: vec![VecDeque::new(); n],
+            intervals: vec![IntervalEstimate::default(); n],
             parked: Vec::new(),
             delayed: 0,
             supersteps: 0,
@@ -200,9 +246,11 @@ impl ElasticBsp {
     }
 
     /// Estimates each interval as the mean of the last `window` samples (`≥ 1`) instead of the
-    /// most recent one.
+    /// last [`INTERVAL_WINDOW`].
     pub fn with_window(mut self, window: usize) -> ElasticBsp {
-        self.window = window.max(1);
+        for iv in &mut self.intervals {
+            *iv = IntervalEstimate::new(window);
+        }
         self
     }
 
@@ -219,11 +267,7 @@ impl ElasticBsp {
 
     /// `worker`'s estimated iteration interval, if it has one.
     pub fn estimate(&self, worker: Worker) -> Option<Nanos> {
-        let iv = self.intervals.get(worker as usize)?;
-        if iv.is_empty() {
-            return None;
-        }
-        Some((iv.iter().map(|&x| x as u128).sum::<u128>() / iv.len() as u128).max(1) as Nanos)
+        self.intervals.get(worker as usize)?.estimate()
     }
 
     /// How many barriers have fallen.
@@ -330,11 +374,7 @@ impl SyncPolicy for ElasticBsp {
                 if clock.saturating_add(1) > self.applied[w] {
                     self.applied[w] = clock.saturating_add(1);
                     if let Some(start) = self.started[w] {
-                        let iv = &mut self.intervals[w];
-                        iv.push_back(at.saturating_sub(start));
-                        while iv.len() > self.window {
-                            iv.pop_front();
-                        }
+                        self.intervals[w].record(at.saturating_sub(start));
                     }
                     self.started[w] = Some(at);
                 }
@@ -413,6 +453,41 @@ impl SyncPolicy for ElasticBspShard {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_estimate_is_the_mean_of_the_last_four_samples_in_the_job_and_the_policy() {
+        let mut est = IntervalEstimate::default();
+        assert_eq!(est.estimate(), None);
+        for (sample, mean) in [(10, 10), (20, 15), (30, 20), (40, 25), (100, 47), (0, 42)] {
+            est.record(sample);
+            assert_eq!(est.estimate(), Some(mean), "after {sample}");
+        }
+        // The simulator's policy: pushes every 10, 20, 30, 40, 100 ns give the same estimate.
+        let mut e = ElasticBsp::new(1, 3);
+        let mut out = Vec::new();
+        e.on_event(
+            Event::Pull {
+                worker: 0,
+                clock: 0,
+                req: 1,
+                at: 0,
+            },
+            &mut out,
+        );
+        let mut at = 0;
+        for (clock, step) in [10u64, 20, 30, 40, 100].into_iter().enumerate() {
+            at += step;
+            e.on_event(
+                Event::Push {
+                    worker: 0,
+                    clock: clock as u64,
+                    at,
+                },
+                &mut out,
+            );
+        }
+        assert_eq!(e.estimate(0), Some((20 + 30 + 40 + 100) / 4));
+    }
     use super::*;
 
     #[test]
