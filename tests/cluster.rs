@@ -68,7 +68,7 @@ fn ssp_over_tcp() {
     check("ssp(2)", "tcp");
 }
 #[test]
-fn syncopt_with_one_backup_drops_one_gradient_per_step() {
+fn syncopt_with_one_backup_counts_three_gradients_per_step() {
     let out = local("syncopt(1)", "shm");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -81,7 +81,9 @@ fn syncopt_with_one_backup_drops_one_gradient_per_step() {
         .filter(|l| l.starts_with("server ") && l.contains(" updates,"))
     {
         // "server r: G gradients, U updates, …, D dropped gradients": with 4 workers and one
-        // backup, each step of each shard counts 3 gradients and drops the 4th.
+        // backup, each step of each shard counts 3 gradients. A backup's gradient counts for
+        // the step of the parameters it was computed on, so it is dropped only when that
+        // step is full: at most one drop per step, and every clock still makes its step.
         let num = |tag: &str| -> u64 {
             let before = &line[..line.find(tag).expect(tag)];
             before
@@ -91,8 +93,18 @@ fn syncopt_with_one_backup_drops_one_gradient_per_step() {
                 .parse()
                 .unwrap()
         };
-        assert_eq!(num(" dropped gradients"), num(" updates"), "{line}");
-        assert_eq!(num(" gradients,"), 4 * num(" updates"), "{line}");
+        let (grads, updates, dropped) = (
+            num(" gradients,"),
+            num(" updates"),
+            num(" dropped gradients"),
+        );
+        assert!(updates >= grads / 4, "fewer steps than clocks: {line}");
+        assert!(dropped <= updates, "{line}");
+        let counted = grads - dropped;
+        assert!(
+            (3 * updates..3 * updates + 3 * 4).contains(&counted),
+            "each step counts 3 (a few left in steps the job ended before): {line}"
+        );
     }
 }
 #[test]

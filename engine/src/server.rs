@@ -799,6 +799,9 @@ impl Server {
                             let g = s.slot(w as usize).to_vec();
                             // A policy that judges arrivals (Sync-opt) says now whether it counts.
                             let mut counts = true;
+                            // The step it counts for: its clock, unless the policy says the
+                            // parameters it was computed on were newer (Sync-opt).
+                            let mut step = clock;
                             if s.policy.judges_arrivals() {
                                 let mut judged = Vec::new();
                                 s.policy.on_event(
@@ -817,14 +820,17 @@ impl Server {
                                             counts = false;
                                             report.per_worker[w as usize].dropped_gradients += 1;
                                         }
+                                        Action::CountFor {
+                                            worker,
+                                            clock: c,
+                                            step: counted_for,
+                                        } if worker == w && c == clock => step = counted_for,
                                         other => actions.push(other),
                                     }
                                 }
                             }
                             if counts {
-                                s.pending
-                                    .entry(clock)
-                                    .or_insert_with(|| vec![None; workers])
+                                s.pending.entry(step).or_insert_with(|| vec![None; workers])
                                     [w as usize] = Some(g);
                                 let bytes = s.pending_bytes();
                                 report.peak_pending_bytes = report.peak_pending_bytes.max(bytes);

@@ -110,45 +110,169 @@ proptest! {
     }
 
     #[test]
-    fn syncopt_drops_exactly_the_late_gradients(quorum in 1u32..5, backups in 0u32..3, fast: bool, picks in prop::collection::vec(0u32..1000, 1..200)) {
+    fn syncopt_counts_each_gradient_for_the_version_it_was_computed_on(quorum in 1u32..5, backups in 0u32..3, fast: bool, picks in prop::collection::vec(0u32..1000, 1..200)) {
         let total = quorum + backups;
         let iters = 10;
         let mut so = SyncOpt::new(total, backups);
         let trace = run(&mut so, total, None, iters, &picks, fast);
-        // Model: gradients that arrived per clock, and the clock of each pull request.
-        let mut arrived: HashMap<u64, u32> = HashMap::new();
-        let mut pull_clock: HashMap<u64, u64> = HashMap::new();
+        // Model (the paper's rule): a released pull gives the worker the current version; its
+        // next gradient belongs to step max(its clock, that version); a step takes the first
+        // `quorum` gradients, at most one per worker; pulls at c wait for c steps.
+        let n = total as usize;
+        let mut version = 0u64;
+        let mut counted: HashMap<u64, u32> = HashMap::new();
+        let mut base = vec![0u64; n];
+        let mut counted_in = vec![0u64; n];
+        let mut pull_of: HashMap<u64, (usize, u64)> = HashMap::new();
+        let (mut drops, mut counts) = (0u64, 0u64);
         for (ev, out) in &trace {
             match *ev {
                 Event::Push { worker, clock, .. } => {
-                    let before = arrived.entry(clock).or_default();
-                    let late = *before >= quorum;
-                    *before += 1;
-                    let drops: Vec<_> = out.iter().filter(|a| matches!(a, Action::DropGradient { .. })).collect();
-                    if late {
-                        prop_assert_eq!(out, &vec![Action::DropGradient { worker, clock }]);
+                    let w = worker as usize;
+                    let step = clock.max(base[w]);
+                    let open = counted.get(&step).copied().unwrap_or(0) < quorum && step >= version;
+                    if open && step >= counted_in[w] {
+                        counts += 1;
+                        *counted.entry(step).or_default() += 1;
+                        counted_in[w] = step + 1;
+                        if step != clock {
+                            prop_assert!(out.contains(&Action::CountFor { worker, clock, step }), "{:?}", out);
+                        }
+                        let dropped = out.iter().any(|a| matches!(a, Action::DropGradient { .. }));
+                        prop_assert!(!dropped, "a counting gradient dropped: {:?}", out);
+                        while counted.get(&version).copied().unwrap_or(0) >= quorum {
+                            version += 1;
+                        }
                     } else {
-                        prop_assert!(drops.is_empty(), "gradient {} of clock {} dropped", before, clock);
+                        drops += 1;
+                        prop_assert_eq!(out, &vec![Action::DropGradient { worker, clock }]);
                     }
                 }
-                Event::Pull { clock, req, .. } => {
-                    pull_clock.insert(req, clock);
+                Event::Pull { worker, clock, req, .. } => {
+                    pull_of.insert(req, (worker as usize, clock));
                 }
                 _ => {}
             }
             for a in out {
                 if let Action::Release { req, .. } = *a {
-                    let c = pull_clock[&req];
-                    for k in 0..c {
-                        prop_assert!(arrived.get(&k).copied().unwrap_or(0) >= quorum, "pull at {} released before clock {} had {} gradients", c, k, quorum);
-                    }
+                    let (w, c) = pull_of[&req];
+                    prop_assert!(c <= version, "pull at {} released at version {}", c, version);
+                    base[w] = version;
                 }
             }
         }
-        prop_assert_eq!(so.dropped_total(), u64::from(backups) * iters);
-        prop_assert_eq!(so.version(), iters);
+        prop_assert_eq!(so.dropped_total(), drops);
+        prop_assert_eq!(so.version(), version);
+        prop_assert_eq!(drops + counts, u64::from(total) * iters);
+        prop_assert!(version >= iters, "every clock of the fastest got its step");
         prop_assert_eq!(so.parked(), 0);
+        if backups > 0 {
+            prop_assert_eq!(so.fast_path(), FastPath::Never);
+        }
     }
+}
+
+/// The paper's minimal case: N = 1 gradient per step, 2 backups (3 workers). Worker 2 pushes
+/// clocks 0 and 1: the version reaches 2. Worker 1's clock-0 gradient is stale (dropped).
+/// Worker 1 pulls at clock 1 and is released at once with the version-2 parameters, so its
+/// next gradient (its clock 1) is a fresh gradient for step 2: it counts, and makes step 2.
+#[test]
+fn syncopt_counts_a_released_backups_gradient_for_the_current_step() {
+    let mut so = SyncOpt::new(3, 2);
+    for w in 0..3 {
+        assert_eq!(
+            pull(&mut so, w, 0, 10 + u64::from(w), 0),
+            released(w, 10 + u64::from(w))
+        );
+    }
+    assert!(push(&mut so, 2, 0, 1).is_empty());
+    assert_eq!(pull(&mut so, 2, 1, 20, 1), released(2, 20));
+    assert!(push(&mut so, 2, 1, 2).is_empty());
+    assert_eq!(so.version(), 2);
+    assert_eq!(
+        push(&mut so, 1, 0, 3),
+        vec![Action::DropGradient {
+            worker: 1,
+            clock: 0
+        }]
+    );
+    assert_eq!(
+        pull(&mut so, 1, 1, 21, 3),
+        released(1, 21),
+        "a backup is never held"
+    );
+    assert_eq!(
+        push(&mut so, 1, 1, 4),
+        vec![Action::CountFor {
+            worker: 1,
+            clock: 1,
+            step: 2
+        }],
+        "computed on version 2: it counts for step 2"
+    );
+    assert_eq!(so.version(), 3);
+    assert_eq!(so.dropped_total(), 1);
+    // Worker 2's pull at its clock 2 is released at version 3: its gradient is for step 3.
+    assert_eq!(pull(&mut so, 2, 2, 22, 4), released(2, 22));
+    assert_eq!(
+        push(&mut so, 2, 2, 5),
+        vec![Action::CountFor {
+            worker: 2,
+            clock: 2,
+            step: 3
+        }]
+    );
+    assert_eq!(so.version(), 4);
+}
+
+/// A backup that pulls again before its step completes has the same parameters: its second
+/// gradient for that step is dropped (a worker counts once per step), and its pulls are never
+/// held.
+#[test]
+fn syncopt_counts_a_worker_once_per_step() {
+    let mut so = SyncOpt::new(3, 1); // N = 2
+    for w in 0..3 {
+        assert_eq!(
+            pull(&mut so, w, 0, 10 + u64::from(w), 0),
+            released(w, 10 + u64::from(w))
+        );
+    }
+    // Workers 0 and 2 make steps 0 and 1; worker 1 lags.
+    for c in 0..2 {
+        push(&mut so, 0, c, 1 + c);
+        push(&mut so, 2, c, 1 + c);
+        assert_eq!(pull(&mut so, 0, c + 1, 30 + c, 1 + c), released(0, 30 + c));
+        assert_eq!(pull(&mut so, 2, c + 1, 40 + c, 1 + c), released(2, 40 + c));
+    }
+    assert_eq!(so.version(), 2);
+    assert_eq!(
+        push(&mut so, 1, 0, 5),
+        vec![Action::DropGradient {
+            worker: 1,
+            clock: 0
+        }]
+    );
+    assert_eq!(pull(&mut so, 1, 1, 50, 5), released(1, 50));
+    assert_eq!(
+        push(&mut so, 1, 1, 6),
+        vec![Action::CountFor {
+            worker: 1,
+            clock: 1,
+            step: 2
+        }]
+    );
+    // Step 2 still open (1 of 2): worker 1's next pull is released with version 2 again.
+    assert_eq!(pull(&mut so, 1, 2, 51, 6), released(1, 51));
+    assert_eq!(
+        push(&mut so, 1, 2, 7),
+        vec![Action::DropGradient {
+            worker: 1,
+            clock: 2
+        }]
+    );
+    // Worker 0 completes step 2 with worker 1's gradient.
+    assert!(push(&mut so, 0, 2, 8).is_empty());
+    assert_eq!(so.version(), 3);
 }
 
 #[test]
@@ -421,7 +545,9 @@ fn syncopt_drops_the_late_gradients_and_counts_them() {
     assert_eq!(p.delayed_total(), 2);
     assert_eq!(p.parked(), 0);
     assert_eq!(p.name(), "syncopt(2+1)");
-    assert_eq!(p.fast_path(), FastPath::Within(0));
+    // Every pull must reach the policy: it tells each worker's gradient its version.
+    assert_eq!(p.fast_path(), FastPath::Never);
+    assert_eq!(SyncOpt::new(3, 0).fast_path(), FastPath::Within(0));
 }
 
 #[test]

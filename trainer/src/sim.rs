@@ -545,6 +545,8 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                     }
                     UpdateMode::Sync => {
                         let mut counts = true;
+                        // Its clock's step, unless the policy re-assigns it (Sync-opt).
+                        let mut step = c;
                         if policy.judges_arrivals() {
                             let mut judged = Vec::new();
                             policy.on_event(
@@ -556,20 +558,25 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                                 &mut judged,
                             );
                             for a in judged {
-                                if a == (Action::DropGradient {
-                                    worker: w,
-                                    clock: c,
-                                }) {
-                                    counts = false;
-                                    dropped += 1;
-                                } else {
-                                    out.push(a);
+                                match a {
+                                    Action::DropGradient { worker, clock }
+                                        if worker == w && clock == c =>
+                                    {
+                                        counts = false;
+                                        dropped += 1;
+                                    }
+                                    Action::CountFor {
+                                        worker,
+                                        clock,
+                                        step: counted_for,
+                                    } if worker == w && clock == c => step = counted_for,
+                                    other => out.push(other),
                                 }
                             }
                         }
                         if counts {
                             let e = pending
-                                .entry(c)
+                                .entry(step)
                                 .or_insert_with(|| (vec![0.0; p], Vec::new()));
                             if spec.compute {
                                 for (s, gv) in e.0.iter_mut().zip(&g) {

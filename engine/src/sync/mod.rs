@@ -116,6 +116,17 @@ pub enum Action {
         /// The gradient's iteration.
         clock: u64,
     },
+    /// `worker`'s gradient pushed for its iteration `clock` counts for step `step`, not for
+    /// `clock` (Sync-opt: it was computed on the parameters of version `step`, which the worker
+    /// was given at a pull past its own clock). The server aggregates it into that step.
+    CountFor {
+        /// The worker.
+        worker: Worker,
+        /// The iteration it pushed for.
+        clock: u64,
+        /// The step it counts for.
+        step: u64,
+    },
     /// Offer `helper` unprocessed tasks of `straggler`'s iteration `clock` (EPSP, FlexRR).
     /// An offer, not an order: the task side (the trainer, through the scheduler) hands each
     /// task out once, so an offer may find nothing left to take.
@@ -153,7 +164,8 @@ pub trait SyncPolicy: Send + std::fmt::Debug {
     /// Pulls ever parked ("delayed" in FluentPS's terms).
     fn delayed_total(&self) -> u64;
     /// True if the policy decides which gradients count (Sync-opt): the server feeds `Push` on
-    /// arrival, before applying, and discards gradients answered with `DropGradient`.
+    /// arrival, before applying, discards gradients answered with `DropGradient` and
+    /// aggregates one answered with `CountFor` into that step instead of its clock's.
     fn judges_arrivals(&self) -> bool {
         false
     }

@@ -21,7 +21,19 @@
 //!   `c <= v`, i.e. once clock `c − 1` (and every clock before it) has its `N` gradients;
 //!   otherwise it is parked and released, in clock order, by the push that completes the step.
 //!   A worker that lags (a backup) is never held: its pulls are for old clocks and are
-//!   answered at once with the latest values, and its late gradients are dropped.
+//!   answered at once with the latest values.
+//! - **A gradient belongs to the version it was computed on**, as in the paper and in
+//!   TensorFlow's `SyncReplicasOptimizer` (a worker's local step is reset to the global step
+//!   when it fetches the variables). A released pull gives the worker the parameters of the
+//!   version `v` at release, so its next gradient counts for step `max(c, v)` (`c` its own
+//!   clock), answered with [`Action::CountFor`] when that is not `c`: a backup released with
+//!   newer parameters than its clock contributes to the current step instead of being dropped
+//!   as stale. Its gradient is stale, and dropped, only if that step completed meanwhile. A
+//!   worker counts at most once per step: a second gradient for a step it already counted in
+//!   (it pulled again before the step completed, so its parameters were the same) is dropped.
+//!   The pulls themselves are not held for this (a worker that waited for its own step could
+//!   wait forever once the others have finished), so every pull must reach the policy: the
+//!   fast path is off when there are backups.
 //! - [`Event::Leave`]: a departed worker no longer counts toward the quorum. While fewer than
 //!   `N` workers are live a step completes with as many gradients as there are live workers
 //!   (gradients a worker pushed before it left still count), so training does not deadlock.
@@ -32,10 +44,11 @@
 //! - Each shard runs its own instance, so on different shards different workers may be among
 //!   the first `N` of a step, as with TensorFlow's one accumulator per variable.
 //!
-//! Fast path: `Within(0)`. A one-sided pull at `c` then needs every live worker's applied
-//! count `≥ c`, i.e. every live worker pushed clock `c − 1`, so the step is complete and the
-//! policy would have released it too (whether or not the shard counts dropped gradients in its
-//! clocks). With backups it rarely passes (the backups lag), and such pulls reach the policy.
+//! Fast path: without backups `Within(0)` (a one-sided pull at `c` needs every live worker to
+//! have pushed clock `c − 1`, so the step is complete and the policy would have released it
+//! too; the version at release is then `c`, so no gradient is ever re-assigned). With backups
+//! `Never`: the policy must see each pull to know the version a worker's gradient is computed
+//! on.
 //!
 //! With `b = 0` this is BSP action for action (a property test checks it against
 //! [`super::Bsp`]).
@@ -52,6 +65,10 @@ pub struct SyncOpt {
     backups: u32,
     /// Per worker: one past the highest clock it pushed (or joined with).
     next: Vec<u64>,
+    /// Per worker: the version of the parameters its last released pull gave it.
+    base: Vec<u64>,
+    /// Per worker: one past the last step it counted in (0: none).
+    counted_in: Vec<u64>,
     live: Vec<bool>,
     /// Completed steps (the version).
     version: u64,
@@ -78,6 +95,8 @@ impl SyncOpt {
             quorum: workers_total - backups,
             backups,
             next: vec![0; workers_total as usize],
+            base: vec![0; workers_total as usize],
+            counted_in: vec![0; workers_total as usize],
             live: vec![true; workers_total as usize],
             version: 0,
             counted: VecDeque::new(),
@@ -129,22 +148,24 @@ impl SyncOpt {
         let v = self.version;
         self.waiting.sort_unstable();
         let n = self.waiting.partition_point(|&(clock, ..)| clock <= v);
-        out.extend(
-            self.waiting
-                .drain(..n)
-                .map(|(_, req, worker)| Action::Release { worker, req }),
-        );
+        for (_, req, worker) in self.waiting.drain(..n) {
+            self.base[worker as usize] = v;
+            out.push(Action::Release { worker, req });
+        }
     }
 
     fn on_push(&mut self, worker: Worker, clock: u64, out: &mut Vec<Action>) {
         let w = worker as usize;
         let repeat = clock < self.next[w];
         self.next[w] = self.next[w].max(clock.saturating_add(1));
-        let slot = clock
+        // The step of the parameters it was computed on.
+        let step = clock.max(self.base[w]);
+        let slot = step
             .checked_sub(self.version)
             .and_then(|i| usize::try_from(i).ok());
-        let counts =
-            !repeat && slot.is_some_and(|i| self.counted.get(i).is_none_or(|&n| n < self.quorum));
+        let counts = !repeat
+            && step >= self.counted_in[w]
+            && slot.is_some_and(|i| self.counted.get(i).is_none_or(|&n| n < self.quorum));
         if !counts {
             self.dropped += 1;
             out.push(Action::DropGradient { worker, clock });
@@ -155,6 +176,14 @@ impl SyncOpt {
             self.counted.resize(i + 1, 0);
         }
         self.counted[i] += 1;
+        self.counted_in[w] = step + 1;
+        if step != clock {
+            out.push(Action::CountFor {
+                worker,
+                clock,
+                step,
+            });
+        }
         if self.advance() {
             self.release_ready(out);
         }
@@ -186,6 +215,7 @@ impl SyncPolicy for SyncOpt {
                 worker, clock, req, ..
             } if known(worker) => {
                 if clock <= self.version {
+                    self.base[worker as usize] = self.version;
                     out.push(Action::Release { worker, req });
                 } else {
                     self.waiting.push((clock, req, worker));
@@ -209,7 +239,11 @@ impl SyncPolicy for SyncOpt {
     }
 
     fn fast_path(&self) -> FastPath {
-        FastPath::Within(0)
+        if self.backups == 0 {
+            FastPath::Within(0)
+        } else {
+            FastPath::Never
+        }
     }
 
     fn parked(&self) -> usize {
