@@ -148,3 +148,10 @@ fn dropped_connections_are_reestablished_and_nothing_is_applied_twice() {
     }
     succeeds(sched, "the scheduler", Duration::from_secs(30));
 }
+
+#[test]
+fn a_killed_server_restarts_from_its_checkpoint_under_syncopt_over_shm() {
+    // Sync-opt resumes from the checkpoint's steps: pulls of the next clocks are answered
+    // (every pull reaches the policy when there are backups).
+    server_killed_and_restarted("syncopt(1)", "shm");
+}

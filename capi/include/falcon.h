@@ -418,8 +418,10 @@ int falcon_rank(falcon_worker *w, uint32_t *out);
 int falcon_workers(falcon_worker *w, uint32_t *out);
 
 /**
- * Stores in `*out` the servers' base learning rate, as the scheduler announced it (under
- * BSP a clock's update is `w -= lr · mean of the workers' gradients`).
+ * Stores in `*out` the learning rate the servers apply, as the scheduler announced it: under
+ * BSP a clock's update is `w -= lr · mean of the workers' gradients`; under an asynchronous
+ * policy each gradient is applied on its own at this rate, which is the job's `FALCON_LR`
+ * divided by the workers.
  *
  * Thread safety: safe from any thread.
  *

@@ -460,31 +460,29 @@ impl Launch {
                 from,
             })
             .or_else(|| placed.as_ref().and_then(|p| p.host.clone()));
-        let port: Option<u16> = match env.get(&[
-            "FALCON_SCHEDULER_PORT",
-            "DMLC_PS_ROOT_PORT",
-            "MASTER_PORT",
-        ]) {
-            Some(set) => {
-                let p = checks::port(&set.value).map_err(|e| set.refused(e))?;
-                // torchrun's agent keeps its own store on MASTER_PORT under its default
-                // (static) rendezvous, and tells its ranks so: the scheduler takes the
-                // next port, the same on every rank.
-                let agent_store = env
-                    .get(&["TORCHELASTIC_USE_AGENT_STORE"])
-                    .is_some_and(|s| s.value.trim().eq_ignore_ascii_case("true"));
-                if set.var == "MASTER_PORT" && agent_store {
-                    Some(p.checked_add(1).ok_or_else(|| {
+        let port: Option<u16> =
+            match env.get(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"]) {
+                Some(set) => {
+                    let p = checks::port(&set.value).map_err(|e| set.refused(e))?;
+                    // torchrun's agent keeps its own store on MASTER_PORT under its default
+                    // (static) rendezvous, and tells its ranks so: the scheduler takes the
+                    // next port, the same on every rank.
+                    let agent_store = env
+                        .get(&["TORCHELASTIC_USE_AGENT_STORE"])
+                        .is_some_and(|s| s.value.trim().eq_ignore_ascii_case("true"));
+                    if set.var == "MASTER_PORT" && agent_store {
+                        Some(p.checked_add(1).ok_or_else(|| {
                             set.refused(
-                                "torchrun's agent holds this port and falcon's scheduler takes                                  the next one, past 65535: set FALCON_SCHEDULER_PORT",
+                                "torchrun's agent holds this port and falcon's scheduler takes the \
+                                 next one, past 65535: set FALCON_SCHEDULER_PORT",
                             )
                         })?)
-                } else {
-                    Some(p)
+                    } else {
+                        Some(p)
+                    }
                 }
-            }
-            None => None,
-        };
+                None => None,
+            };
         // Launched by Slurm or mpirun, which name no port: falcon's default.
         let port = port.or(placed.as_ref().map(|_| DEFAULT_SCHEDULER_PORT));
         // The scheduler's address; given as HOST:PORT, also where a scheduler listens.

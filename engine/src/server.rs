@@ -158,6 +158,9 @@ struct Shard {
     pushes: Vec<u64>,
     /// Sync mode: gradients waiting for their clock to complete, by clock, by worker.
     pending: BTreeMap<u64, Vec<Option<Vec<f32>>>>,
+    /// Sync mode: the push clock of a gradient the policy counted for a later step (Sync-opt),
+    /// by (step, worker): applying the step moves that worker's clock to its own push.
+    counted_for: HashMap<(u64, u32), u64>,
     next_apply: u64,
     initialized: bool,
     /// Per worker, the version of the values last sent to it by a released pull.
@@ -351,6 +354,7 @@ impl Server {
                 policy: book.policy.build_for(book.workers, spec.id),
                 pushes: vec![0; workers],
                 pending: BTreeMap::new(),
+                counted_for: HashMap::new(),
                 next_apply: 0,
                 initialized: false,
                 sent_version: vec![0; workers],
@@ -829,6 +833,20 @@ impl Server {
                                     }
                                 }
                             }
+                            if counts && step < s.next_apply {
+                                // A step already applied (the policy and the shard disagree
+                                // after a placeholder): never applied, so never held.
+                                tracing::warn!(
+                                    "shard {}: worker {w}'s gradient of clock {clock} counted for \
+                                     step {step}, already applied; dropped",
+                                    s.spec.id
+                                );
+                                counts = false;
+                                report.per_worker[w as usize].dropped_gradients += 1;
+                            }
+                            if counts && step != clock {
+                                s.counted_for.insert((step, w), clock);
+                            }
                             if counts {
                                 s.pending.entry(step).or_insert_with(|| vec![None; workers])
                                     [w as usize] = Some(g);
@@ -993,13 +1011,18 @@ fn apply_ready(
                 .map(Vec::as_slice),
             agg,
         );
+        // Each contributor's clock moves past its own push (the step's clock, unless the
+        // policy counted the gradient for a later step than its push).
+        let pushed: Vec<u64> = (0..grads.len())
+            .map(|w| s.counted_for.remove(&(clock, w as u32)).unwrap_or(clock))
+            .collect();
         let params = f32s_mut(&s.params, s.spec.len);
         let opt = &mut s.opt;
         meta_of(&s.meta).write(|m| {
             opt.apply(params, &sum);
             for (w, g) in grads.iter().enumerate() {
                 if g.is_some() {
-                    m.set_clock(w, clock + 1);
+                    m.set_clock(w, m.clock(w).max(pushed[w] + 1));
                 }
             }
             m.bump_version();
@@ -1283,6 +1306,17 @@ fn restore(shards: &mut [Shard], c: &Checkpoint) -> Result<()> {
                 &mut ignored,
             );
         }
+        let waiting: Vec<(u64, Vec<u32>)> = s
+            .pending
+            .iter()
+            .map(|(&step, g)| {
+                let who = (0..g.len() as u32)
+                    .filter(|&w| g[w as usize].is_some())
+                    .collect();
+                (step, who)
+            })
+            .collect();
+        s.policy.restored(s.next_apply, &waiting);
         ignored.clear();
     }
     Ok(())

@@ -843,8 +843,8 @@ impl Worker {
         self.inner.book.policy
     }
 
-    /// The servers' optimizer (its learning rate is the base rate: asynchronous modes apply
-    /// each gradient with it divided by the workers).
+    /// The servers' optimizer, as they apply it: under an asynchronous policy its rate is
+    /// already the job's rate divided by the workers (each gradient is applied on its own).
     pub fn optimizer(&self) -> Optimizer {
         self.inner.book.optimizer
     }

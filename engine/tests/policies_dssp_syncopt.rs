@@ -741,3 +741,34 @@ proptest! {
         }
     }
 }
+
+/// A server restarted from its checkpoint tells its Sync-opt instance the steps it had
+/// applied and the gradients it still holds: pulls of the next clocks are answered as before
+/// the restart instead of waiting for a step 0 nobody pushes again.
+#[test]
+fn syncopt_resumes_from_a_checkpoints_steps() {
+    let mut so = SyncOpt::new(3, 1); // N = 2
+    let mut none = Vec::new();
+    for w in 0..3 {
+        so.on_event(
+            Event::Join {
+                worker: w,
+                clock: 5,
+                at: 0,
+            },
+            &mut none,
+        );
+    }
+    so.restored(5, &[(5, vec![0])]);
+    assert_eq!(so.version(), 5);
+    assert_eq!(pull(&mut so, 1, 5, 1, 1), released(1, 1));
+    assert_eq!(pull(&mut so, 0, 6, 2, 1), parked(0, 2));
+    // Worker 1's gradient joins worker 0's held one: step 5 is complete.
+    assert_eq!(push(&mut so, 1, 5, 2), released(0, 2));
+    assert_eq!(so.version(), 6);
+    // Worker 0's next push (its clock 6) counts for step 6, and worker 2's completes it.
+    assert!(push(&mut so, 0, 6, 3).is_empty());
+    assert_eq!(so.version(), 6);
+    assert!(push(&mut so, 2, 6, 4).is_empty());
+    assert_eq!(so.version(), 7);
+}

@@ -114,12 +114,18 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
     )
 
 
-def _check_rule(optimizer, job: Mapping, workers: int) -> float:
+def _check_rule(optimizer, job: Mapping) -> float:
     """Checks `optimizer` against the job's servers; returns the rate the job was given
     (FALCON_LR: asynchronous policies apply each gradient at that rate / workers, which the
     job's `lr_per_push` says)."""
     kind, lr, extra = _rule_of(optimizer)
     name = type(optimizer).__name__
+    if job["mode"] == "sync" and job["aggregate"] == "sum":
+        raise _f.ConfigError(
+            "the job's servers sum the workers' gradients (FALCON_AGGREGATE=sum), a step as "
+            "many times the optimizer's as there are workers: start the job with "
+            "FALCON_AGGREGATE=mean"
+        )
     wanted = optimizer_settings(optimizer)
     fix = f"start the job with FALCON_OPTIMIZER={wanted['FALCON_OPTIMIZER']} FALCON_LR={wanted['FALCON_LR']}"
     if kind != job["optimizer"]:
@@ -207,7 +213,8 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     """Makes every worker's parameters rank `root_rank`'s: the root sets the servers'
     initial values (the first initialization of a tensor wins), every worker waits at a
     barrier and pulls them. `params`: model.named_parameters(), model.state_dict() or (name,
-    tensor) pairs; every name must be a tensor of the job. Joins a deferred `init()` with
+    tensor) pairs; every name must be a float32 tensor of the job (a state_dict with integer
+    buffers, BatchNorm's step counter say, is refused with a LengthError naming it). Joins a deferred `init()` with
     these tensors."""
     named = _named(params)
     for n, p in named:
@@ -244,7 +251,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, worker=None) -> Non
     if not 0 <= root_rank < w.workers:
         raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
     inner = getattr(optimizer, "_falcon_base", optimizer)
-    _check_rule(inner, w.job, w.workers)
+    _check_rule(inner, w.job)
     w.barrier()
 
 
@@ -273,7 +280,7 @@ class _Distributed:
                 f"this job runs {job['policy']}, not {policy}: the policy is the job's, set "
                 f"where its scheduler starts (FALCON_POLICY)"
             )
-        self._falcon_job_lr = _check_rule(self, job, w.workers)
+        self._falcon_job_lr = _check_rule(self, job)
         self._falcon_kind = job["optimizer"]
         self._falcon_job = job
         self._falcon_worker = w
@@ -310,8 +317,11 @@ class _Distributed:
         g = p.grad
         group = self._falcon_group[id(p)]
         if g is None:
-            g = torch.zeros_like(p)
-        elif g.is_sparse:
+            # No gradient (frozen, or unused in this step): PyTorch leaves such a parameter
+            # alone, so no weight decay either (the servers' momentum or Adam state may still
+            # move it, as it would a parameter whose gradient is zero).
+            return np.zeros(p.numel(), np.float32)
+        if g.is_sparse:
             g = g.to_dense()
         wd = group.get("weight_decay", 0) or 0
         scale = 1.0
@@ -432,6 +442,11 @@ def DistributedOptimizer(
     job's (`optimizer_settings`); a learning-rate schedule reaches them under SGD and momentum
     through the gradient's scale.
 
+    Gradients leave during backward: a change made to `.grad` between `backward()` and
+    `step()` (gradient clipping, a manual edit) does not reach the servers; clip inside the
+    loss, or train with `fit`. `model.named_parameters()` is the input, not a state_dict
+    (whose tensors are copies).
+
     The result is an instance of `optimizer`'s class (schedulers accept it) that trains the
     same parameter groups."""
     if isinstance(optimizer, _Distributed):
@@ -492,7 +507,7 @@ class _Data:
     def batch(self, idx: torch.Tensor):
         if self.ds is None:
             return self.x[idx], self.y[idx]
-        from torch.utils.data.dataloader import default_collate
+        from torch.utils.data import default_collate
 
         return default_collate([self.ds[int(i)] for i in idx])
 
@@ -595,8 +610,8 @@ def fit(
             f"batch={batch}, tasks={tasks}"
         )
     params = list(model.parameters())
-    for i, p in enumerate(params):
-        _check_param(f"parameter {i}", p)
+    for name, p in model.named_parameters():
+        _check_param(name, p)
     n = _flat(model)
     if worker is not None:
         w = worker
@@ -634,6 +649,8 @@ def fit(
         idx = torch.cat(
             [_task_examples(orders, workers, batch, tasks, owner, clock, t) for t in task_ids]
         )
+        if ledger:
+            summary["ledger"].extend((owner, clock, t) for t in task_ids)
         if len(idx) == 0:
             return 0.0, 0
         x, y = src.batch(idx)
@@ -643,9 +660,14 @@ def fit(
         loss = loss_fn(out, y)
         (loss * (len(idx) / batch)).backward()
         with torch.no_grad():
-            into.add_(torch.cat([p.grad.reshape(-1) for p in params]))
-        if ledger:
-            summary["ledger"].extend((owner, clock, t) for t in task_ids)
+            into.add_(
+                torch.cat(
+                    [
+                        (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                        for p in params
+                    ]
+                )
+            )
         return loss.item() * len(idx), len(idx)
 
     summary = FitSummary(
@@ -657,11 +679,10 @@ def fit(
     torch.set_num_threads(threads_now)
     source = _f.Tasks()
     w.serve_steals(source)
-    if not w.rejoined:
-        # The servers start from rank 0's values.
-        if rank == 0:
-            w.init_tensor(tensor, _view(torch.nn.utils.parameters_to_vector(params)))
-        w.barrier()
+    # The servers start from rank 0's values; nobody pushes before everyone holds them.
+    with torch.no_grad():
+        flat_t.copy_(torch.nn.utils.parameters_to_vector(params))
+    broadcast_parameters([(tensor, flat_t)], 0, w)
     model.train()
     start = time.perf_counter()
     first = w.clock_of(tensor)
@@ -669,7 +690,7 @@ def fit(
         # 1. Pull; help while the policy holds us.
         t0 = time.perf_counter()
         h = w.pull_async(tensor, flat, c)
-        helping = 0.0
+        helping, nap = 0.0, 0.0002
         while not h.ready():
             helped = False
             if transfer and c > 0:
@@ -684,8 +705,11 @@ def fit(
                     summary["tasks_helped"] += hi - lo
                     helping += time.perf_counter() - th
                     helped = True
-            if not helped:
-                time.sleep(0.0002)
+            if helped:
+                nap = 0.0002
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, 0.005)
         h.wait()
         blocked = time.perf_counter() - t0 - helping
         summary["blocked_s"] += blocked
@@ -739,7 +763,8 @@ def fit(
                 threads_now = advice
                 torch.set_num_threads(threads_now)
         if rank == 0 and snapshot_every > 0 and (c + 1) % snapshot_every == 0:
-            summary["snapshots"].append((time.perf_counter() - start, c + 1, flat.copy()))
+            # The values this iteration started from: `c` steps of this worker's clock.
+            summary["snapshots"].append((time.perf_counter() - start, c, flat.copy()))
     # The last values, as the job has them.
     if iterations > first:
         w.pull(tensor, flat, iterations)

@@ -169,6 +169,13 @@ pub trait SyncPolicy: Send + std::fmt::Debug {
     fn judges_arrivals(&self) -> bool {
         false
     }
+    /// A server restarted from its checkpoint: `steps` steps were applied, and `pending` holds
+    /// the steps waiting with the workers whose gradients they hold. Policies that judge
+    /// arrivals (Sync-opt) take their step count from it; the others learn what they need from
+    /// the `Join` events that follow a restore.
+    fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)]) {
+        let _ = (steps, pending);
+    }
     /// How many gradients complete one clock of aggregate-then-apply when `live` workers are
     /// live (every live worker's, unless the policy needs fewer).
     fn step_quorum(&self, live: u32) -> u32 {

@@ -199,6 +199,31 @@ impl SyncPolicy for SyncOpt {
         self.quorum().min(live)
     }
 
+    fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)]) {
+        self.version = self.version.max(steps);
+        self.counted.clear();
+        for (step, workers) in pending {
+            let Some(i) = step
+                .checked_sub(self.version)
+                .and_then(|i| usize::try_from(i).ok())
+            else {
+                continue;
+            };
+            if self.counted.len() <= i {
+                self.counted.resize(i + 1, 0);
+            }
+            for &w in workers {
+                if let Some(c) = self.counted_in.get_mut(w as usize) {
+                    self.counted[i] += 1;
+                    *c = (*c).max(step + 1);
+                }
+            }
+        }
+        for b in &mut self.base {
+            *b = (*b).max(self.version);
+        }
+    }
+
     fn dropped(&self) -> u64 {
         self.dropped
     }
