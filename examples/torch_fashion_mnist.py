@@ -90,16 +90,6 @@ def torch_optimizer_of(job: dict, params) -> torch.optim.Optimizer:
     raise SystemExit(f"the job's servers apply {kind}, which this example cannot mirror")
 
 
-def hetero_of(workers: int, rank: int, seed: int):
-    """This worker's heterogeneity from FALCON_HETERO (`RANK:SPEC;...` or one SPEC for all),
-    as `fit` reads it; None when it has none."""
-    text = os.environ.get("FALCON_HETERO")
-    if not text:
-        return None
-    spec = falcon.hetero_of(text, workers, rank, seed) if ":" in text else falcon.Hetero(text, seed + rank)
-    return None if spec.is_none else spec
-
-
 def train_fit(args, model, x, y) -> dict:
     s = ft.fit(
         model, F.cross_entropy, (x, y), iterations=args.iterations, batch=args.batch,
@@ -121,7 +111,7 @@ def train_optimizer(args, model, x, y) -> dict:
     shard = torch.arange(rank, len(x), workers)  # this worker's examples
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)
     order, pos, epoch = shard[torch.randperm(len(shard), generator=g)], 0, 0
-    spec = hetero_of(workers, rank, args.seed)
+    spec = ft.heterogeneity(None, workers, rank, args.seed)
     start = time.perf_counter()
     compute = injected = 0.0
     loss = None

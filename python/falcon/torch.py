@@ -37,6 +37,7 @@ __all__ = [
     "broadcast_parameters",
     "evaluate",
     "fit",
+    "heterogeneity",
     "optimizer_settings",
     "task_examples",
 ]
@@ -630,7 +631,7 @@ def fit(
     if batch * workers > src.n * 1000:
         raise _f.ConfigError(f"a batch of {batch} on {workers} workers is beyond {src.n} examples")
     orders = _Orders(src.n, seed)
-    spec = _hetero_of(hetero, workers, rank, seed)
+    spec = heterogeneity(hetero, workers, rank, seed)
     per_task = spec is not None and spec.per_task
 
     flat = np.zeros(n, np.float32)  # the pulled values
@@ -777,9 +778,10 @@ def fit(
     return summary
 
 
-def _hetero_of(hetero: str | None, workers: int, rank: int, seed: int):
-    """This worker's heterogeneity: `hetero` (one spec, or RANK:SPEC entries), else
-    FALCON_HETERO's entries, else none."""
+def heterogeneity(hetero: str | None, workers: int, rank: int, seed: int = 1):
+    """Worker `rank`'s heterogeneity, as `fit` applies it: `hetero` (one spec for every
+    worker, or `RANK:SPEC;...` entries), else FALCON_HETERO's, else none; a `falcon.Hetero`,
+    or None for a worker at full speed."""
     text = hetero if hetero is not None else os.environ.get("FALCON_HETERO")
     if not text:
         return None

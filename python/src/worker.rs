@@ -174,6 +174,33 @@ impl Worker {
         region.read_at(0, bytes).map_err(transport_err)
     }
 
+    /// A registered region of `tensor` holding a copy of `values` (checked as its buffer).
+    fn staged(&self, tensor: &str, values: &Bound<'_, PyAny>) -> PyResult<Region> {
+        let buf = self.buffer_of(values, tensor, false)?;
+        let region = self.regions.take(&self.w, tensor)?;
+        Self::fill(&region, &buf)?;
+        Ok(region)
+    }
+
+    /// Sends a copy of `values` with `send` (a blocking engine call, run without the GIL),
+    /// then keeps the region for reuse.
+    fn send_staged(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        tensor: &str,
+        values: &Bound<'_, PyAny>,
+        send: impl FnOnce(&falcon_engine::Worker, &str, &Region) -> falcon_engine::Result<()>
+        + Send
+        + 'static,
+    ) -> PyResult<()> {
+        let region = self.staged(tensor, values)?;
+        let (w, t, r) = (self.w.clone(), tensor.to_string(), region.clone());
+        let out = blocking(py, what, move || send(&w, &t, &r).map_err(engine_err));
+        self.regions.give(tensor, region);
+        out
+    }
+
     fn start_push(
         &self,
         py: Python<'_>,
@@ -181,10 +208,7 @@ impl Worker {
         grad: &Bound<'_, PyAny>,
         clock: u64,
     ) -> PyResult<Handle> {
-        let buf = self.buffer_of(grad, tensor, false)?;
-        let region = self.regions.take(&self.w, tensor)?;
-        Self::fill(&region, &buf)?;
-        drop(buf);
+        let region = self.staged(tensor, grad)?;
         // Starting may wait (a previous push of the shard still in flight, the servers'
         // memory cap): without the GIL, so other Python threads go on.
         let started = py.detach(|| self.w.push_async(tensor, &region, clock));
@@ -395,14 +419,7 @@ impl Worker {
     /// Sets `tensor`'s initial values on the servers (the first initialization of each shard
     /// wins); `values` is any float32 buffer of the tensor's length.
     fn init_tensor(&self, py: Python<'_>, tensor: &str, values: &Bound<'_, PyAny>) -> PyResult<()> {
-        let buf = self.buffer_of(values, tensor, false)?;
-        let region = self.regions.take(&self.w, tensor)?;
-        Self::fill(&region, &buf)?;
-        drop(buf);
-        let (w, t, r) = (self.w.clone(), tensor.to_string(), region.clone());
-        let out = blocking(py, "init", move || w.init(&t, &r).map_err(engine_err));
-        self.regions.give(tensor, region);
-        out
+        self.send_staged(py, "init", tensor, values, |w, t, r| w.init(t, r))
     }
 
     /// Pushes `grad` (a float32 buffer of the tensor's length) as this worker's gradient for
@@ -534,16 +551,9 @@ impl Worker {
         straggler: u32,
         clock: u64,
     ) -> PyResult<()> {
-        let buf = self.buffer_of(grad, tensor, false)?;
-        let region = self.regions.take(&self.w, tensor)?;
-        Self::fill(&region, &buf)?;
-        drop(buf);
-        let (w, t, r) = (self.w.clone(), tensor.to_string(), region.clone());
-        let out = blocking(py, "push_for", move || {
-            w.push_for(&t, &r, straggler, clock).map_err(engine_err)
-        });
-        self.regions.give(tensor, region);
-        out
+        self.send_staged(py, "push_for", tensor, grad, move |w, t, r| {
+            w.push_for(t, r, straggler, clock)
+        })
     }
 
     /// Reports an iteration to the scheduler's parallelism manager: threads used, tasks
