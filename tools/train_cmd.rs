@@ -655,6 +655,12 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
           allow_negative_numbers = true)]
     lr: f32,
+    /// The servers' optimizer: sgd, momentum(MU), adam or adam(B1,B2,EPS), at --lr.
+    #[arg(long, default_value = "sgd")]
+    optimizer: String,
+    /// How a synchronous step's gradients combine: sum or mean.
+    #[arg(long, default_value = "sum", value_parser = ["sum", "mean"])]
+    aggregate: String,
     /// A full-speed iteration, in virtual milliseconds (> 0).
     #[arg(long, default_value_t = 10.0, value_parser = checks::positive)]
     base_ms: f64,
@@ -752,6 +758,11 @@ pub fn sim(a: SimArgs) -> Res {
         "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers / tasks moved | wall s | of which gradients s |\n|---|---|---|---|---|---|---|---|---|---|---|",
         100.0 * a.target
     );
+    let optimizer = falcon_engine::update::Optimizer::parse(&a.optimizer, a.lr)?;
+    let aggregate = match a.aggregate.as_str() {
+        "mean" => falcon_engine::update::Aggregate::Mean,
+        _ => falcon_engine::update::Aggregate::Sum,
+    };
     let mut series = Vec::new();
     for (p, entry) in entries {
         let spec = SimSpec {
@@ -761,6 +772,8 @@ pub fn sim(a: SimArgs) -> Res {
             model: model.clone(),
             batch: a.batch,
             lr: a.lr,
+            optimizer: Some(optimizer),
+            aggregate,
             seed: a.seed,
             base_ns: (a.base_ms * 1e6) as u64,
             jitter: a.jitter,

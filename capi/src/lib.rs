@@ -125,7 +125,7 @@ impl From<EngineError> for Failure {
             E::PeerGone { .. } | E::Evicted { .. } | E::SchedulerLost { .. } | E::Fenced { .. } => {
                 FALCON_ERR_PEER_GONE
             }
-            E::Refused(_) => FALCON_ERR_REFUSED,
+            E::Refused(_) | E::Server { .. } => FALCON_ERR_REFUSED,
             E::Timeout(..) | E::Rendezvous { .. } => FALCON_ERR_TIMEOUT,
             E::Transport(_) | E::Malformed(_) => FALCON_ERR_TRANSPORT,
             E::Checkpoint(_) | E::CheckpointFailed { .. } => FALCON_ERR_CHECKPOINT,

@@ -11,6 +11,14 @@ pub enum Error {
     /// The scheduler refused this process (wrong token, duplicate rank, job full…).
     #[error("refused by the scheduler: {0}")]
     Refused(String),
+    /// A server refused a request of this worker (an attach, a pull).
+    #[error("server {rank} refused: {reason}")]
+    Server {
+        /// The server's rank.
+        rank: u32,
+        /// Why, as the server said.
+        reason: String,
+    },
     /// No tensor of that name is registered.
     #[error("unknown tensor {0:?}")]
     UnknownTensor(String),

@@ -20,7 +20,10 @@ pub mod checks;
 pub mod config;
 mod heartbeat;
 pub mod launch;
+#[cfg(not(loom))]
+pub mod postoffice;
 pub mod proto;
+pub mod shard;
 // The roles map real shared memory with std atomics; the loom build (`--cfg loom`) models
 // the meta block alone, so they are left out of it.
 #[cfg(not(loom))]

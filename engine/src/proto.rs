@@ -11,8 +11,8 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`; 6: server
-/// recovery and worker rejoin).
-const VERSION: u8 = 6;
+/// recovery and worker rejoin; 7: typed acknowledgements and refused pulls).
+const VERSION: u8 = 7;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -191,8 +191,15 @@ pub enum Msg {
     },
     /// server → worker: a request was refused.
     Failed {
-        /// The request (pull id) or shard (push) it concerns.
+        /// What it concerns (`attach`).
         what: String,
+        /// Why.
+        reason: String,
+    },
+    /// server → worker: pull `req` was refused.
+    PullFailed {
+        /// The request id of the [`Msg::PullReq`].
+        req: u32,
         /// Why.
         reason: String,
     },
@@ -200,8 +207,8 @@ pub enum Msg {
     PushAck {
         /// Global shard id.
         shard: u32,
-        /// The push's clock.
-        clock: u64,
+        /// Which push.
+        of: AckOf,
         /// Its staleness: the updates applied to the shard between the values the gradient
         /// was computed on and its own (0 for synchronous clocks).
         staleness: u64,
@@ -332,6 +339,7 @@ impl Msg {
             Msg::Keys { .. } => "keys",
             Msg::PullReq { .. } => "pull req",
             Msg::Failed { .. } => "failed",
+            Msg::PullFailed { .. } => "pull failed",
             Msg::PushAck { .. } => "push ack",
             Msg::Superstep { .. } => "superstep",
             Msg::ServerBack { .. } => "server back",
@@ -378,24 +386,108 @@ impl Msg {
     }
 }
 
-/// The immediate of a push: kind in the top two bits, the shard's index on its server below.
-pub mod imm {
-    /// A gradient.
-    pub const PUSH: u32 = 0;
-    /// Initial values (the first one wins).
-    pub const INIT: u32 = 1;
-    /// A gradient of tasks taken from another worker (task transfer): applied, not counted
-    /// in the pusher's clock.
-    pub const HELP: u32 = 2;
+/// Which push an acknowledgement answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum AckOf {
+    /// The gradient of the worker's iteration `clock`.
+    Push {
+        /// Its clock.
+        clock: u64,
+    },
+    /// A gradient of transferred tasks (acknowledged in order: one in flight per shard).
+    Help,
+    /// Initial values.
+    Init,
+}
 
-    /// Packs kind and local shard index.
-    pub fn pack(kind: u32, local: u32) -> u32 {
-        (kind << 30) | (local & 0x3FFF_FFFF)
+/// What a push's slot holds after the floats: the version of the parameters the gradient was
+/// computed on and the push's sequence number (a retried push is not applied twice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotTrailer {
+    /// The version computed on (`None`: the one the server last sent this worker).
+    pub computed_on: Option<u64>,
+    /// The sequence number (1 for the first push of its kind; 0 for none).
+    pub seq: u64,
+}
+
+impl SlotTrailer {
+    /// Its size on the wire: two little-endian u64 (`u64::MAX` stands for no version).
+    pub const BYTES: u64 = 16;
+
+    /// The wire form.
+    pub fn to_bytes(self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.computed_on.unwrap_or(u64::MAX).to_le_bytes());
+        b[8..].copy_from_slice(&self.seq.to_le_bytes());
+        b
     }
 
-    /// Unpacks (kind, local shard index).
-    pub fn unpack(v: u32) -> (u32, u32) {
-        (v >> 30, v & 0x3FFF_FFFF)
+    /// Reads the wire form (any 16 bytes are a trailer).
+    pub fn from_bytes(b: [u8; 16]) -> SlotTrailer {
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        SlotTrailer {
+            computed_on: Some(word(0)).filter(|&v| v != u64::MAX),
+            seq: word(8),
+        }
+    }
+}
+
+/// What a push into a slot carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PushKind {
+    /// A gradient of the pusher's iteration.
+    Gradient,
+    /// Initial values (the first one wins).
+    Init,
+    /// A gradient of tasks taken from another worker (task transfer): applied, not counted
+    /// in the pusher's clock.
+    Help,
+}
+
+/// The immediate of a push: the kind in the top two bits, the shard's index on its server in
+/// the 30 below.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Immediate {
+    /// What the slot holds.
+    pub kind: PushKind,
+    /// The shard's index on its server.
+    pub local: u32,
+}
+
+impl Immediate {
+    /// The most shards a server can hold.
+    pub const MAX_LOCAL: u32 = 0x3FFF_FFFF;
+
+    /// The 32-bit form.
+    pub fn pack(self) -> u32 {
+        let kind = match self.kind {
+            PushKind::Gradient => 0,
+            PushKind::Init => 1,
+            PushKind::Help => 2,
+        };
+        (kind << 30) | (self.local & Self::MAX_LOCAL)
+    }
+
+    /// Reads the 32-bit form; an unknown kind is an error.
+    pub fn unpack(v: u32) -> Result<Immediate> {
+        let kind = match v >> 30 {
+            0 => PushKind::Gradient,
+            1 => PushKind::Init,
+            2 => PushKind::Help,
+            k => {
+                return Err(Error::Malformed(format!(
+                    "push immediate of unknown kind {k}"
+                )));
+            }
+        };
+        Ok(Immediate {
+            kind,
+            local: v & Self::MAX_LOCAL,
+        })
     }
 }
 
@@ -467,6 +559,45 @@ mod tests {
         let mut old = Msg::Plan { until: 1 }.encode();
         old[2] = VERSION - 1;
         assert!(Msg::decode(&old).is_err());
-        assert_eq!(imm::unpack(imm::pack(imm::INIT, 12345)), (imm::INIT, 12345));
+        for kind in [PushKind::Gradient, PushKind::Init, PushKind::Help] {
+            let i = Immediate { kind, local: 12345 };
+            assert_eq!(Immediate::unpack(i.pack()).unwrap(), i);
+        }
+        assert!(Immediate::unpack(3 << 30).is_err());
+        for t in [
+            SlotTrailer {
+                computed_on: None,
+                seq: 0,
+            },
+            SlotTrailer {
+                computed_on: Some(7),
+                seq: 9,
+            },
+        ] {
+            assert_eq!(SlotTrailer::from_bytes(t.to_bytes()), t);
+        }
+        for m in [
+            Msg::PushAck {
+                shard: 1,
+                of: AckOf::Push { clock: 4 },
+                staleness: 2,
+            },
+            Msg::PushAck {
+                shard: 1,
+                of: AckOf::Help,
+                staleness: 0,
+            },
+            Msg::PushAck {
+                shard: 1,
+                of: AckOf::Init,
+                staleness: 0,
+            },
+            Msg::PullFailed {
+                req: 3,
+                reason: "no".into(),
+            },
+        ] {
+            assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
+        }
     }
 }

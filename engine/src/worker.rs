@@ -31,205 +31,15 @@ use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, ShardSpec, TensorSpec};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
-use crate::proto::{Book, Msg, ResumeShard, Role, ShardKeys, imm};
-use crate::server::{HELP_ACK, SLOT_TRAILER};
+use crate::postoffice::{rendezvous, time_left};
+// The scheduler's driver still reaches these through here.
+pub(crate) use crate::postoffice::{closed_why, drain_accepted, expire_unadmitted, known_link};
+use crate::proto::{
+    AckOf, Book, Immediate, Msg, PushKind, ResumeShard, Role, ShardKeys, SlotTrailer,
+};
 use crate::sync::zipline::IntervalEstimate;
 use crate::sync::{FastPath, PolicySpec};
 use crate::update::{Aggregate, Optimizer, UpdateMode};
-
-/// Joins a job at the scheduler: hello, then wait for the book (or a refusal). Completions
-/// from other peers that arrive meanwhile (a fast worker attaching to a server that has not
-/// read its own book yet) are returned, not dropped.
-pub(crate) fn rendezvous(
-    t: &Transport,
-    cfg: &JobConfig,
-    role: Role,
-    rank: Option<u32>,
-    tensors: Vec<TensorSpec>,
-) -> Result<(Link, Book, Vec<Completion>)> {
-    let mut early = Vec::new();
-    // HOST:PORT, IP:PORT (a remote tcp endpoint) or the transport's text form.
-    let addr = crate::launch::scheduler_address(&cfg.scheduler)
-        .map_err(|e| Error::Config(format!("scheduler address {}: {e}", cfg.scheduler)))?;
-    // The configured medium is for the data path; the control link to the scheduler takes
-    // whatever reaches it (its address may be a bare tcp endpoint from the environment).
-    // Roles start in any order: retry until the rendezvous deadline, like ps-lite.
-    let deadline = Instant::now() + cfg.rendezvous_timeout;
-    let mut pause = Duration::from_millis(20);
-    let mut attempt = 0u32;
-    let mut last_said = Instant::now();
-    let sched = loop {
-        attempt += 1;
-        match t.connect_with(&addr, falcon_transport::Medium::Auto) {
-            Ok(l) => break l,
-            // Not listening yet, or at its admission limit: retry until the deadline.
-            Err(
-                e @ (falcon_transport::Error::Unreachable { .. }
-                | falcon_transport::Error::Closed { .. }
-                | falcon_transport::Error::Timeout(..)),
-            ) => {
-                if Instant::now() + pause > deadline {
-                    return Err(Error::PeerGone {
-                        role: "scheduler",
-                        rank: 0,
-                        why: format!(
-                            "unreachable at {} after {attempt} attempts in {:.1} s: {e}",
-                            cfg.scheduler,
-                            cfg.rendezvous_timeout.as_secs_f64()
-                        ),
-                    });
-                }
-                if last_said.elapsed() >= Duration::from_secs(3) {
-                    tracing::warn!(
-                        "{}: waiting for the scheduler at {} (attempt {attempt}, {:.0} s left): {e}",
-                        role.name(),
-                        cfg.scheduler,
-                        deadline
-                            .saturating_duration_since(Instant::now())
-                            .as_secs_f64()
-                    );
-                    last_said = Instant::now();
-                }
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(500));
-            }
-            Err(e) => return Err(e.into()),
-        }
-    };
-    sched.send(&Msg::Knock.encode())?;
-    let deadline = Instant::now() + cfg.rendezvous_timeout;
-    // The scheduler answers with a challenge our hello must answer.
-    let nonce = from_scheduler(
-        t,
-        &sched,
-        (deadline, cfg.rendezvous_timeout),
-        "waiting for the scheduler's challenge",
-        &mut early,
-        |m| match m {
-            Msg::Challenge { nonce } => Ok(nonce),
-            other => Err(Box::new(other)),
-        },
-    )?;
-    sched.send(
-        &Msg::Hello {
-            role,
-            rank,
-            proof: auth::answer(&cfg.token, Purpose::Hello, &nonce),
-            addr: t.address().to_string(),
-            tensors,
-        }
-        .encode(),
-    )?;
-    let book = from_scheduler(
-        t,
-        &sched,
-        (deadline, cfg.rendezvous_timeout),
-        "waiting for the scheduler's address book",
-        &mut early,
-        |m| match m {
-            Msg::Book(b) => Ok(b),
-            other => Err(Box::new(other)),
-        },
-    )?;
-    book.keymap.validate(book.servers.len())?;
-    Ok((sched, book, early))
-}
-
-/// Waits for the scheduler's message that `want` takes (it hands others back), by `deadline`
-/// (of a `timeout`-long wait); a refusal or the link's end is an error, other completions go
-/// to `early`.
-fn from_scheduler<T>(
-    t: &Transport,
-    sched: &Link,
-    (deadline, timeout): (Instant, Duration),
-    what: &'static str,
-    early: &mut Vec<Completion>,
-    want: impl Fn(Msg) -> std::result::Result<T, Box<Msg>>,
-) -> Result<T> {
-    loop {
-        let left = time_left(deadline, what, timeout)?;
-        match t.cq().wait(Some(left)) {
-            Ok(Completion::Message { link, data }) if link == sched.id() => {
-                match Msg::decode(&data)? {
-                    Msg::Refused { reason } => return Err(Error::Refused(reason)),
-                    m => match want(m) {
-                        Ok(v) => return Ok(v),
-                        Err(other) => tracing::debug!("rendezvous: ignoring {other:?}"),
-                    },
-                }
-            }
-            Ok(Completion::Closed { link, error }) if link == sched.id() => {
-                return Err(Error::PeerGone {
-                    role: "scheduler",
-                    rank: 0,
-                    why: format!("closed during rendezvous: {}", closed_why(&error)),
-                });
-            }
-            Ok(other) => early.push(other),
-            Err(_) => {}
-        }
-    }
-}
-
-/// Hands every link the transport has accepted so far to `take`, without waiting.
-pub(crate) fn each_accepted(t: &Transport, mut take: impl FnMut(Link)) {
-    while let Ok(l) = t.accept(Some(Duration::ZERO)) {
-        take(l);
-    }
-}
-
-/// Moves every link the transport has accepted into `links`, stamped with when it came.
-pub(crate) fn drain_accepted(t: &Transport, links: &mut HashMap<LinkId, (Link, Instant)>) {
-    each_accepted(t, |l| {
-        links.insert(l.id(), (l, Instant::now()));
-    });
-}
-
-/// The accepted link a completion came on, if this role knows it. The transport hands a link
-/// to the accept queue before it delivers any completion of it, so draining the queue first
-/// finds every link there is: a completion of a link still unknown is of one this role has
-/// already refused or forgotten, and is dropped — never waited for.
-pub(crate) fn known_link(
-    t: &Transport,
-    links: &mut HashMap<LinkId, (Link, Instant)>,
-    id: LinkId,
-) -> Option<Link> {
-    if !links.contains_key(&id) {
-        drain_accepted(t, links);
-    }
-    links.get(&id).map(|(l, _)| l.clone())
-}
-
-/// Closes and forgets the links accepted more than `deadline` ago that `admitted` does not
-/// know: a peer that has not finished the role's admission by then is dropped.
-pub(crate) fn expire_unadmitted(
-    links: &mut HashMap<LinkId, (Link, Instant)>,
-    deadline: Duration,
-    admitted: impl Fn(LinkId) -> bool,
-    who: &str,
-) {
-    links.retain(|id, (l, at)| {
-        if admitted(*id) || at.elapsed() < deadline {
-            return true;
-        }
-        tracing::warn!(
-            "{who}: dropped {}: it did not finish admission within {} ms",
-            l.peer(),
-            deadline.as_millis()
-        );
-        l.close();
-        false
-    });
-}
-
-/// Time left before `deadline`, or the timeout error for `what`.
-fn time_left(deadline: Instant, what: &'static str, timeout: Duration) -> Result<Duration> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(Error::Timeout(what, timeout));
-    }
-    Ok(left)
-}
 
 /// Something a caller waits for.
 #[derive(Default)]
@@ -365,8 +175,9 @@ struct ShardRemote {
     /// The previous push: its slot must be free (acknowledged) before the next write, and
     /// until then it is written again on a new link after a reconnection.
     inflight: Mutex<Option<PushRecord>>,
-    /// The highest sequence numbers the server acknowledged: gradients ([`imm::PUSH`]) and
-    /// transferred-task gradients ([`imm::HELP`]). A reattaching worker reports them.
+    /// The highest sequence numbers the server acknowledged: gradients
+    /// ([`PushKind::Gradient`]) and transferred-task gradients ([`PushKind::Help`]). A
+    /// reattaching worker reports them.
     acked: [AtomicU64; 2],
     /// The version of the values last pulled (u64::MAX: pulled through the server, which
     /// remembers what it sent); sent with each push so the server knows its staleness.
@@ -399,7 +210,7 @@ impl Keys {
 struct PushRecord {
     /// The values (`None`: the slot as it is, a bare repeat).
     grad: Option<Region>,
-    kind: u32,
+    kind: PushKind,
     seq: u64,
     sig: Arc<Signal>,
     /// The link it was last written on.
@@ -479,7 +290,7 @@ impl Gate {
 
 #[derive(Default)]
 struct Waits {
-    acks: HashMap<(u32, u64), Arc<Signal>>,
+    acks: HashMap<(u32, AckOf), Arc<Signal>>,
     /// Pulls sent to a server, by request id (the answer's immediate).
     pulls: HashMap<u32, PullWait>,
     barriers: HashMap<u64, Arc<Signal>>,
@@ -683,7 +494,12 @@ impl Worker {
                             got += 1;
                         }
                         Msg::Resumed { .. } => resumed += 1,
-                        Msg::Failed { reason, .. } => return Err(Error::Refused(reason)),
+                        Msg::Failed { reason, .. } => {
+                            return Err(Error::Server {
+                                rank: r as u32,
+                                reason,
+                            });
+                        }
                         other => tracing::debug!("worker: ignoring {other:?} from server {r}"),
                     }
                 }
@@ -935,7 +751,7 @@ impl Worker {
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
             let seq = s.helps.fetch_add(1, Ordering::AcqRel) + 1;
-            signals.push(self.write_slot(s, Some(grad), HELP_ACK, imm::HELP, seq)?);
+            signals.push(self.write_slot(s, Some(grad), AckOf::Help, PushKind::Help, seq)?);
         }
         lock(&self.inner.stats).help_pushes += signals.len() as u64;
         self.handle(signals, Some(self.inner.timeout)).wait()
@@ -1075,7 +891,7 @@ impl Worker {
         self.check_len(t, values)?;
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
-            signals.push(self.write_slot(s, Some(values), u64::MAX, imm::INIT, 0)?);
+            signals.push(self.write_slot(s, Some(values), AckOf::Init, PushKind::Init, 0)?);
         }
         self.handle(signals, Some(self.inner.timeout)).wait()
     }
@@ -1113,7 +929,13 @@ impl Worker {
         self.sample_interval(clock);
         let mut signals = Vec::new();
         for s in shards {
-            signals.push(self.write_slot(s, Some(grad), clock, imm::PUSH, clock + 1)?);
+            signals.push(self.write_slot(
+                s,
+                Some(grad),
+                AckOf::Push { clock },
+                PushKind::Gradient,
+                clock + 1,
+            )?);
             s.pushes.fetch_add(1, Ordering::AcqRel);
             lock(&self.inner.stats).pushes += 1;
         }
@@ -1128,8 +950,8 @@ impl Worker {
         &self,
         s: &ShardRemote,
         grad: Option<&Region>,
-        ack: u64,
-        kind: u32,
+        ack: AckOf,
+        kind: PushKind,
         seq: u64,
     ) -> Result<Arc<Signal>> {
         self.wait_slot(s)?;
@@ -1172,7 +994,13 @@ impl Worker {
             if pushed == 0 {
                 continue;
             }
-            signals.push(self.write_slot(s, None, pushed - 1, imm::PUSH, pushed)?);
+            signals.push(self.write_slot(
+                s,
+                None,
+                AckOf::Push { clock: pushed - 1 },
+                PushKind::Gradient,
+                pushed,
+            )?);
         }
         self.handle(signals, Some(self.inner.timeout)).wait()
     }
@@ -1542,26 +1370,25 @@ fn progress(inner: std::sync::Weak<Inner>, heartbeat: Duration) {
             Completion::Message { data, .. } => match Msg::decode(&data) {
                 Ok(Msg::PushAck {
                     shard,
-                    clock,
+                    of,
                     staleness,
                 }) => {
-                    if let Some(sig) = lock(&w.waits).acks.remove(&(shard, clock)) {
+                    if let Some(sig) = lock(&w.waits).acks.remove(&(shard, of)) {
                         w.count_ack(shard, &sig);
                         sig.set(Ok(()));
                     }
-                    if clock != u64::MAX {
+                    if of != AckOf::Init {
                         let mut stats = lock(&w.stats);
                         stats.staleness_sum += staleness;
                         stats.staleness_acks += 1;
                         stats.staleness_max = stats.staleness_max.max(staleness);
                     }
                 }
-                Ok(Msg::Failed { what, reason }) => {
-                    let err = Error::Refused(format!("{what}: {reason}"));
-                    if let Some(req) = what.strip_prefix("pull:").and_then(|r| r.parse().ok())
-                        && let Some(p) = lock(&w.waits).pulls.remove(&req)
-                    {
-                        p.sig.set(Err(err));
+                Ok(Msg::PullFailed { req, reason }) => {
+                    let waiting = lock(&w.waits).pulls.remove(&req);
+                    if let Some(p) = waiting {
+                        let rank = w.shards.get(p.shard).map_or(0, |s| s.server as u32);
+                        p.sig.set(Err(Error::Server { rank, reason }));
                     }
                 }
                 Ok(Msg::BarrierDone { seq }) => {
@@ -1757,14 +1584,6 @@ fn fail_with(w: &Inner, err: Error) {
         if let Some((s, _)) = g.pending.take() {
             s.set(Err(err));
         }
-    }
-}
-
-/// Why a link closed, in words: its error, or an orderly close.
-pub(crate) fn closed_why(error: &Option<falcon_transport::Error>) -> String {
-    match error {
-        Some(e) => e.to_string(),
-        None => "closed by the peer".into(),
     }
 }
 
@@ -2052,10 +1871,27 @@ impl Inner {
         };
         let scratch = lock(&s.scratch);
         let v = s.pulled_version.load(Ordering::Acquire);
-        scratch.write_at(0, &v.to_le_bytes())?;
-        scratch.write_at(8, &rec.seq.to_le_bytes())?;
-        link.write(&scratch, 0, &keys.slot, s.spec.bytes(), SLOT_TRAILER, None)?;
-        let imm = Some(imm::pack(rec.kind, s.local));
+        let trailer = SlotTrailer {
+            computed_on: Some(v).filter(|&v| v != u64::MAX),
+            seq: rec.seq,
+        };
+        scratch.write_at(0, &trailer.to_bytes())?;
+        link.write(
+            &scratch,
+            0,
+            &keys.slot,
+            s.spec.bytes(),
+            SlotTrailer::BYTES,
+            None,
+        )?;
+        let kind = rec.kind;
+        let imm = Some(
+            Immediate {
+                kind,
+                local: s.local,
+            }
+            .pack(),
+        );
         match &rec.grad {
             Some(g) => link.write(g, s.spec.offset * 4, &keys.slot, 0, s.spec.bytes(), imm),
             None => link.write(&scratch, 0, &keys.slot, 0, 0, imm),
@@ -2101,9 +1937,9 @@ impl Inner {
             && Arc::ptr_eq(&rec.sig, sig)
         {
             let i = match rec.kind {
-                imm::PUSH => 0,
-                imm::HELP => 1,
-                _ => return,
+                PushKind::Gradient => 0,
+                PushKind::Help => 1,
+                PushKind::Init => return,
             };
             s.acked[i].fetch_max(rec.seq, Ordering::AcqRel);
         }

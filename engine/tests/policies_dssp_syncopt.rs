@@ -759,7 +759,7 @@ fn syncopt_resumes_from_a_checkpoints_steps() {
             &mut none,
         );
     }
-    so.restored(5, &[(5, vec![0])]);
+    so.restored(5, &[(5, vec![0])], &mut Vec::new());
     assert_eq!(so.version(), 5);
     assert_eq!(pull(&mut so, 1, 5, 1, 1), released(1, 1));
     assert_eq!(pull(&mut so, 0, 6, 2, 1), parked(0, 2));

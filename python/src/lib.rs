@@ -94,6 +94,7 @@ pub(crate) fn engine_err(e: falcon_engine::Error) -> PyErr {
         | E::SchedulerLost { .. }
         | E::Fenced { .. }
         | E::Refused(_)
+        | E::Server { .. }
         | E::Rendezvous { .. } => PeerError::new_err(msg),
         E::Timeout(..) => TimeoutError::new_err(msg),
         E::Transport(_) | E::Malformed(_) => TransportError::new_err(msg),

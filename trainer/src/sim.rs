@@ -6,7 +6,10 @@
 //! # Model of a job
 //!
 //! One parameter server shard holds the whole model (every shard of a real job runs the same
-//! policy on the same events, so one instance stands for all). Worker `w`'s iteration `c`:
+//! policy on the same events, so one instance stands for all). It is the servers' own shard
+//! state machine ([`ShardCore`]) over a plain vector: exactly-once, the update rule, the
+//! optimizer and the aggregate, Sync-opt's judgement and pull parking are the servers' code,
+//! not a copy of it. Worker `w`'s iteration `c`:
 //!
 //! 1. its pull for clock `c` reaches the policy; when released at virtual time `t`, the
 //!    worker starts at `t + latency` (or when it is done helping, if later: see below) on the
@@ -15,9 +18,11 @@
 //! 2. its iteration takes `base × (1 ± jitter)` plus the delay of its heterogeneity profile
 //!    ([`Hetero::delay`]: ratio, Gaussian, episodes, trace; contention has no meaning here),
 //!    less the tasks helpers take from it;
-//! 3. its push reaches the server `latency` after its own and its helpers' tasks are done: applied at once under asynchronous
-//!    updates (SGD, `lr`), or summed per clock and applied when the policy's quorum of live
-//!    workers is in (BSP, Sync-opt; late gradients Sync-opt drops are counted), then the
+//! 3. its push reaches the server `latency` after its own and its helpers' tasks are done:
+//!    applied at once under asynchronous updates (scaled by its version staleness), or
+//!    aggregated per step in rank order and applied when the policy's quorum of live workers
+//!    is in (BSP, Sync-opt; late gradients Sync-opt drops are counted), with the configured
+//!    optimizer ([`SimSpec::optimizer`]) and aggregate ([`SimSpec::aggregate`]); then the
 //!    worker's pull for `c + 1` reaches the policy.
 //!
 //! ElasticBSP runs as its single job-wide state machine ([`ElasticBsp`]).
@@ -61,10 +66,14 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
+use std::sync::Arc;
 use std::time::Instant;
 
-use falcon_engine::sync::{Action, ElasticBsp, Event, PolicySpec, SyncPolicy};
-use falcon_engine::update::{ScaleSpec, UpdateMode};
+use falcon_engine::shard::{Input, Output, ShardConfig, ShardCore, ShardParams, VecParams};
+use falcon_engine::sync::{ElasticBsp, PolicySpec, SyncPolicy};
+use falcon_engine::update::{
+    Aggregate, Constant, Optimizer, ScaleSpec, ShardOptimizer, UpdateMode,
+};
 use serde::Serialize;
 
 use crate::data::Dataset;
@@ -86,8 +95,13 @@ pub struct SimSpec {
     pub model: ModelSpec,
     /// Examples per worker per iteration.
     pub batch: usize,
-    /// Server-side SGD learning rate (per gradient; synchronous clocks apply the sum).
+    /// The servers' learning rate (of the optimizer, when [`SimSpec::optimizer`] is none: plain
+    /// SGD).
     pub lr: f32,
+    /// The servers' optimizer (`None`: SGD at [`SimSpec::lr`]).
+    pub optimizer: Option<Optimizer>,
+    /// How a synchronous step's gradients combine.
+    pub aggregate: Aggregate,
     /// Seed of data order, jitter and Gaussian delays.
     pub seed: u64,
     /// A full-speed iteration, virtual nanoseconds.
@@ -127,6 +141,8 @@ impl Default for SimSpec {
             },
             batch: 16,
             lr: 0.05,
+            optimizer: None,
+            aggregate: Aggregate::Sum,
             seed: 1,
             base_ns: 10_000_000,
             jitter: 0.1,
@@ -190,41 +206,6 @@ pub struct SimReport {
     pub bytes_moved: u64,
     /// A digest of the final parameters (bit-for-bit reproducibility).
     pub digest: u64,
-}
-
-/// Synchronous updates: applies, in clock order, every clock that has its quorum of counted
-/// gradients among `live` workers (`apply(sum)`), then tells the policy who pushed (unless it
-/// judged the arrivals itself).
-fn apply_ready(
-    pending: &mut BTreeMap<u64, (Vec<f32>, Vec<u32>)>,
-    next_apply: &mut u64,
-    policy: &mut dyn SyncPolicy,
-    live: u32,
-    t: u64,
-    out: &mut Vec<Action>,
-    apply: &mut dyn FnMut(&[f32]),
-) {
-    let quorum = policy.step_quorum(live).max(1) as usize;
-    while pending
-        .get(next_apply)
-        .is_some_and(|(_, who)| who.len() >= quorum)
-    {
-        let (sum, who) = pending.remove(next_apply).expect("present");
-        apply(&sum);
-        if !policy.judges_arrivals() {
-            for worker in who {
-                policy.on_event(
-                    Event::Push {
-                        worker,
-                        clock: *next_apply,
-                        at: t,
-                    },
-                    out,
-                );
-            }
-        }
-        *next_apply += 1;
-    }
 }
 
 impl SimReport {
@@ -314,7 +295,7 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
             data.train.features()
         )));
     }
-    let mut policy: Box<dyn SyncPolicy> = match spec.policy.job_barriers() {
+    let policy: Box<dyn SyncPolicy> = match spec.policy.job_barriers() {
         Some(r) => Box::new(ElasticBsp::new(spec.workers, r as usize)),
         None => spec.policy.build_for(spec.workers, 0),
     };
@@ -323,15 +304,37 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         _ => UpdateMode::Async,
     };
     let p = model.num_params();
-    let mut params = model.init_vec(spec.seed);
+    // The servers' shard, over a vector (empty when only timing is simulated).
+    let len = if spec.compute { p } else { 0 };
+    let shard_cfg = ShardConfig {
+        id: 0,
+        len,
+        workers: spec.workers,
+        mode,
+        aggregate: spec.aggregate,
+        max_pending_bytes: u64::MAX,
+    };
+    let opt = spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr });
+    let opt = ShardOptimizer::new(opt, Arc::new(Constant), len);
+    let mut core = ShardCore::new(shard_cfg, policy, opt, spec.scale.build());
+    let mut shard = VecParams::new(len, spec.workers);
+    let mut out: Vec<Output> = Vec::new();
+    if spec.compute {
+        let values = model.init_vec(spec.seed);
+        let init = Input::Init {
+            conn: 0,
+            worker: 0,
+            values,
+        };
+        core.handle(0, init, &mut shard, &mut |o| out.push(o))?;
+    }
     let mut scratch = Scratch::new();
     let mut x = Vec::new();
     let mut y = Vec::new();
     // Each worker's gradient of the iteration in flight (computed at its start).
     let mut grads: Vec<Vec<f32>> = vec![Vec::new(); n];
-    // The update count each worker's iteration in flight started from (its staleness base).
+    // The parameter version each worker's iteration in flight started from.
     let mut seen = vec![0u64; n];
-    let scale = spec.scale.build();
     let share = data.train.len() / n;
     if share < spec.batch && spec.compute {
         return Err(Error::Config(format!(
@@ -351,15 +354,10 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
     let mut waiting: BTreeMap<u64, (u32, u64, u64)> = BTreeMap::new();
     let mut req = 0u64;
     let mut blocked = vec![0u64; n];
-    let (mut parked, mut dropped, mut offers, mut updates) = (0u64, 0u64, 0u64, 0u64);
-    // Synchronous clocks: the sum of their counted gradients and who pushed them.
-    let mut pending: BTreeMap<u64, (Vec<f32>, Vec<u32>)> = BTreeMap::new();
-    let mut next_apply = 0u64;
+    let mut offers = 0u64;
     let mut curve = Vec::new();
     let mut end = 0u64;
     let mut grad_wall = std::time::Duration::ZERO;
-    let mut out: Vec<Action> = Vec::new();
-    let live = spec.workers;
     // How long worker `w`'s iteration `c` takes, all its tasks computed by itself (virtual
     // ns): base ± jitter, plus its heterogeneity's delay.
     let duration = |w: u32, c: u64| -> u64 {
@@ -388,22 +386,19 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         req += 1;
         waiting.insert(req, (w, 0, 0));
         pulling[w as usize] = Some(0);
-        policy.on_event(
-            Event::Pull {
-                worker: w,
-                clock: 0,
-                req,
-                at: 0,
-            },
-            &mut out,
-        );
+        let pull = Input::Pull {
+            worker: w,
+            clock: 0,
+            req,
+        };
+        core.handle(0, pull, &mut shard, &mut |o| out.push(o))?;
     }
     loop {
         // Carry out the actions of the last event (at time `end`).
         let now = end;
         for a in std::mem::take(&mut out) {
             match a {
-                Action::Release { req: r, .. } => {
+                Output::Answer { req: r, .. } => {
                     if let Some((w, c, since)) = waiting.remove(&r) {
                         let wi = w as usize;
                         let at = since.max(now);
@@ -414,9 +409,7 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                         push_ev(&mut queue, begin, Ev::Start(w, c));
                     }
                 }
-                Action::Park { .. } => parked += 1,
-                Action::DropGradient { .. } => dropped += 1,
-                Action::Transfer {
+                Output::Offer {
                     helper,
                     straggler,
                     clock,
@@ -461,7 +454,10 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                         Ev::Push(straggler, clock, generation[st]),
                     );
                 }
-                _ => {}
+                Output::Refuse { reason, .. } => {
+                    return Err(Error::Config(format!("the shard refused a pull: {reason}")));
+                }
+                Output::Ack { .. } | Output::Lost { .. } => {}
             }
         }
         let Some(Reverse((t, _, ev))) = queue.pop() else {
@@ -477,7 +473,7 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         match ev {
             Ev::Start(w, c) => {
                 let wi = w as usize;
-                seen[wi] = updates;
+                seen[wi] = shard.version();
                 if spec.compute {
                     let epoch = c / per_epoch;
                     let k = (c % per_epoch) as usize;
@@ -502,7 +498,7 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                     g.clear();
                     g.resize(p, 0.0);
                     let tg = Instant::now();
-                    model.grad(&params, &x, &y, g, &mut scratch)?;
+                    model.grad(shard.values(), &x, &y, g, &mut scratch)?;
                     grad_wall += tg.elapsed();
                     let inv = 1.0 / spec.batch as f32;
                     g.iter_mut().for_each(|v| *v *= inv);
@@ -523,90 +519,17 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                 if let Some(run) = running[wi].take() {
                     tasks_computed[wi] += u64::from(run.own);
                 }
-                let g = std::mem::take(&mut grads[wi]);
-                match mode {
-                    UpdateMode::Async => {
-                        if spec.compute {
-                            let d = updates.saturating_sub(seen[wi]);
-                            let lr = spec.lr * scale.scale(d);
-                            for (pv, gv) in params.iter_mut().zip(&g) {
-                                *pv -= lr * gv;
-                            }
-                        }
-                        updates += 1;
-                        policy.on_event(
-                            Event::Push {
-                                worker: w,
-                                clock: c,
-                                at: t,
-                            },
-                            &mut out,
-                        );
-                    }
-                    UpdateMode::Sync => {
-                        let mut counts = true;
-                        // Its clock's step, unless the policy re-assigns it (Sync-opt).
-                        let mut step = c;
-                        if policy.judges_arrivals() {
-                            let mut judged = Vec::new();
-                            policy.on_event(
-                                Event::Push {
-                                    worker: w,
-                                    clock: c,
-                                    at: t,
-                                },
-                                &mut judged,
-                            );
-                            for a in judged {
-                                match a {
-                                    Action::DropGradient { worker, clock }
-                                        if worker == w && clock == c =>
-                                    {
-                                        counts = false;
-                                        dropped += 1;
-                                    }
-                                    Action::CountFor {
-                                        worker,
-                                        clock,
-                                        step: counted_for,
-                                    } if worker == w && clock == c => step = counted_for,
-                                    other => out.push(other),
-                                }
-                            }
-                        }
-                        if counts {
-                            let e = pending
-                                .entry(step)
-                                .or_insert_with(|| (vec![0.0; p], Vec::new()));
-                            if spec.compute {
-                                for (s, gv) in e.0.iter_mut().zip(&g) {
-                                    *s += gv;
-                                }
-                            }
-                            e.1.push(w);
-                        }
-                        apply_ready(
-                            &mut pending,
-                            &mut next_apply,
-                            &mut *policy,
-                            live,
-                            t,
-                            &mut out,
-                            &mut |sum| {
-                                updates += 1;
-                                if spec.compute {
-                                    for (pv, s) in params.iter_mut().zip(sum) {
-                                        *pv -= spec.lr * s;
-                                    }
-                                }
-                            },
-                        );
-                    }
-                }
-                grads[wi] = g;
+                let push = Input::Push {
+                    conn: 0,
+                    worker: w,
+                    seq: c + 1,
+                    computed_on: Some(seen[wi]),
+                    grad: std::mem::take(&mut grads[wi]),
+                };
+                core.handle(t, push, &mut shard, &mut |o| out.push(o))?;
                 if w == 0 && spec.compute && spec.eval_every > 0 && (c + 1) % spec.eval_every == 0 {
                     let (accuracy, loss) =
-                        evaluate(&*model, &params, &data.test, spec.eval_examples)?;
+                        evaluate(&*model, shard.values(), &data.test, spec.eval_examples)?;
                     curve.push(EvalPoint {
                         secs: t as f64 / 1e9,
                         iteration: c + 1,
@@ -618,20 +541,19 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                     req += 1;
                     waiting.insert(req, (w, c + 1, t));
                     pulling[wi] = Some(c + 1);
-                    policy.on_event(
-                        Event::Pull {
-                            worker: w,
-                            clock: c + 1,
-                            req,
-                            at: t,
-                        },
-                        &mut out,
-                    );
+                    let pull = Input::Pull {
+                        worker: w,
+                        clock: c + 1,
+                        req,
+                    };
+                    core.handle(t, pull, &mut shard, &mut |o| out.push(o))?;
                 } else if mode == UpdateMode::Async {
                     // Done: it holds nobody back any more (ElasticBSP's barriers leave it out,
                     // as the scheduler does for a finished worker). Under synchronous updates
                     // a finished worker has pushed every clock, and the quorum stays whole.
-                    policy.on_event(Event::Leave { worker: w, at: t }, &mut out);
+                    core.handle(t, Input::Leave { worker: w }, &mut shard, &mut |o| {
+                        out.push(o)
+                    })?;
                 }
             }
         }
@@ -643,16 +565,23 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         )));
     }
     let final_accuracy = if spec.compute {
-        evaluate(&*model, &params, &data.test, 0)?.0
+        evaluate(&*model, shard.values(), &data.test, 0)?.0
     } else {
         0.0
     };
-    let digest = params.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
-    });
+    let digest = shard
+        .values()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+            (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
+        });
     let virtual_secs = end as f64 / 1e9;
+    let stats = core.stats();
+    let parked = stats.per_worker.iter().map(|c| c.parked_pulls).sum();
+    let dropped = stats.per_worker.iter().map(|c| c.dropped_gradients).sum();
+    let updates = stats.updates;
     Ok(SimReport {
-        policy: policy.name(),
+        policy: core.policy().name(),
         workers: spec.workers,
         iters: spec.iters,
         virtual_secs,

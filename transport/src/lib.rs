@@ -47,7 +47,7 @@ pub use addr::{Medium, PeerAddr, host_id};
 pub use cq::{Completion, CompletionQueue, LinkId};
 pub use error::{Error, Result};
 pub use link::Link;
-pub use region::{Region, RemoteKey};
+pub use region::{F32Region, Region, RemoteKey};
 pub use transport::{AdmissionCounts, Transport, TransportConfig};
 
 /// RDMA device discovery, for diagnostics (`falcon doctor`).

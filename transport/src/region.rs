@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crossbeam_utils::CachePadded;
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use crate::error::{Error, Result, check_bounds};
@@ -90,6 +91,41 @@ impl Region {
         Ok(())
     }
 
+    /// Copies `out.len()` floats starting at byte `offset` out of the region (a gradient a
+    /// peer wrote into a slot).
+    pub fn read_f32s(&self, offset: u64, out: &mut [f32]) -> Result<()> {
+        let bytes = std::mem::size_of_val(out) as u64;
+        check_bounds("region read", offset, bytes, self.len())?;
+        // SAFETY: the range was bounds-checked against the live mapping, which this handle keeps
+        // alive; `out` is a distinct Rust allocation, so the ranges cannot overlap; every bit
+        // pattern is a valid f32, and a byte copy needs no alignment.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.as_ptr().add(offset as usize),
+                out.as_mut_ptr().cast::<u8>(),
+                bytes as usize,
+            );
+        }
+        Ok(())
+    }
+
+    /// The region as 64-bit atomic words, each on its own cache line: as many whole lines as
+    /// fit. Peers read such words with one-sided reads; every access here is atomic, so the
+    /// view is safe however the words change.
+    pub fn padded_atomics(&self) -> &[CachePadded<AtomicU64>] {
+        let line = std::mem::size_of::<CachePadded<AtomicU64>>();
+        // SAFETY: the mapping is page-aligned (the alignment of a cache line divides a page)
+        // and at least `n * line` bytes long, and lives as long as `self`; every bit pattern is
+        // a valid `AtomicU64` (the padding is never read); the words are only accessed
+        // atomically through this view, and peers' accesses are outside Rust's memory.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.as_ptr() as *const CachePadded<AtomicU64>,
+                self.len() as usize / line,
+            )
+        }
+    }
+
     /// Fills the whole region with `byte`.
     pub fn fill(&self, byte: u8) {
         // SAFETY: the whole mapping is ours and writable.
@@ -121,6 +157,59 @@ impl Region {
         check_bounds(what, offset, len, self.len())?;
         // SAFETY: offset <= len of the mapping, so the result stays inside (or one past) it.
         Ok(unsafe { self.as_ptr().add(offset as usize) })
+    }
+}
+
+/// Floats in a region with one local writer: the parameters of a shard. Peers read them
+/// one-sided (granted through [`F32Region::region`]); locally, [`F32Region::values_mut`] takes
+/// `&mut self`, so there is never a second live slice while one writes. Readers on other hosts
+/// tell a torn read from a clean one by a seqlock kept beside the values (the engine's meta
+/// block).
+#[derive(Debug)]
+pub struct F32Region {
+    region: Region,
+    len: usize,
+}
+
+impl F32Region {
+    /// A zero-filled region of `len` floats.
+    pub fn new(len: usize) -> Result<F32Region> {
+        let bytes = (len as u64)
+            .checked_mul(4)
+            .ok_or_else(|| Error::Malformed(format!("a region of {len} floats is too large")))?;
+        Ok(F32Region {
+            region: Region::new(bytes)?,
+            len,
+        })
+    }
+
+    /// The region, to grant it to peers or to write it one-sided to theirs.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// Floats held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The values.
+    pub fn values(&self) -> &[f32] {
+        // SAFETY: the mapping is page-aligned and holds `len` floats (made so by `new`), lives
+        // as long as `self`, and every bit pattern is a valid f32; local writes need `&mut
+        // self` (`values_mut`), so none happens while this slice lives; peers only read.
+        unsafe { std::slice::from_raw_parts(self.region.as_ptr() as *const f32, self.len) }
+    }
+
+    /// The values, to change in place: the only live slice (`&mut self`).
+    pub fn values_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as in `values`; `&mut self` rules out any other local slice meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr() as *mut f32, self.len) }
     }
 }
 

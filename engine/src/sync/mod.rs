@@ -169,12 +169,14 @@ pub trait SyncPolicy: Send + std::fmt::Debug {
     fn judges_arrivals(&self) -> bool {
         false
     }
-    /// A server restarted from its checkpoint: `steps` steps were applied, and `pending` holds
-    /// the steps waiting with the workers whose gradients they hold. Policies that judge
-    /// arrivals (Sync-opt) take their step count from it; the others learn what they need from
-    /// the `Join` events that follow a restore.
-    fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)]) {
-        let _ = (steps, pending);
+    /// The shard's steps changed under the policy: a server restarted from its checkpoint, or
+    /// a reattaching worker's lost updates hold places in the waiting steps. `steps` steps were
+    /// applied, and `pending` holds the steps waiting with the workers whose gradients (or
+    /// places) they hold. Policies that judge arrivals (Sync-opt) take their step count from
+    /// it, and release the pulls it allows into `out`; the others learn what they need from the
+    /// `Join` events that come with a restore or a reattachment.
+    fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)], out: &mut Vec<Action>) {
+        let _ = (steps, pending, out);
     }
     /// How many gradients complete one clock of aggregate-then-apply when `live` workers are
     /// live (every live worker's, unless the policy needs fewer).

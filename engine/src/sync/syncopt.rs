@@ -199,7 +199,7 @@ impl SyncPolicy for SyncOpt {
         self.quorum().min(live)
     }
 
-    fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)]) {
+    fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)], out: &mut Vec<Action>) {
         self.version = self.version.max(steps);
         self.counted.clear();
         for (step, workers) in pending {
@@ -222,6 +222,7 @@ impl SyncPolicy for SyncOpt {
         for b in &mut self.base {
             *b = (*b).max(self.version);
         }
+        self.release_ready(out);
     }
 
     fn dropped(&self) -> u64 {

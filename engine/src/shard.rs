@@ -1,0 +1,1137 @@
+//! One shard as a state machine: gradients, pulls and membership changes in, acknowledgements,
+//! answers and offers out. No sockets, no clocks of its own, no threads: the server's event
+//! loop drives one [`ShardCore`] per shard over its shared-memory regions, and the simulator
+//! (`falcon sim`) drives the very same code over a plain vector, so what the simulator
+//! reports is what the servers do.
+//!
+//! The core owns, per shard:
+//! - exactly-once: a worker's pushes carry sequence numbers; a repeat (a retry) is
+//!   acknowledged again and not applied, a gap is refused;
+//! - the update rule: asynchronous apply-per-push (scaled by version staleness) or synchronous
+//!   aggregate-then-apply in rank order, with the configured optimizer and aggregate;
+//! - Sync-opt's judgement of arrivals (a gradient dropped, or counted for the step of the
+//!   parameters it was computed on);
+//! - the memory cap: acknowledgements held back while the gradients waiting for their step
+//!   exceed it, so a pusher faster than the steps slows down instead of growing memory;
+//! - pull parking through the shard's [`SyncPolicy`].
+//!
+//! Parameters sit behind [`ShardParams`]: [`RegionParams`] keeps them in transport regions
+//! under the meta block's seqlock (what workers read one-sided), [`VecParams`] in a vector.
+//! Every write goes through [`ShardParams::write`], one write section at a time.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::checkpoint::ShardState;
+use crate::error::{Error, Result};
+use crate::proto::AckOf;
+use crate::sync::{Action, Event, SyncPolicy};
+use crate::update::{Aggregate, GradientScale, ShardOptimizer, UpdateMode, aggregate};
+
+/// What a shard is: its id, size, workers and update rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardConfig {
+    /// Global shard id.
+    pub id: u32,
+    /// Floats.
+    pub len: usize,
+    /// Workers of the job.
+    pub workers: u32,
+    /// When updates are applied.
+    pub mode: UpdateMode,
+    /// How a synchronous step's gradients combine.
+    pub aggregate: Aggregate,
+    /// Synchronous mode: gradient bytes waiting for their step above which acknowledgements
+    /// are held back.
+    pub max_pending_bytes: u64,
+}
+
+/// An event for a shard. `conn` names the connection a push came on (whatever the driver
+/// uses); its acknowledgement goes back on it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    /// Initial values from a worker (the first one wins).
+    Init {
+        /// The connection.
+        conn: u64,
+        /// The worker.
+        worker: u32,
+        /// The values (`len` floats).
+        values: Vec<f32>,
+    },
+    /// A gradient of the worker's own iteration.
+    Push {
+        /// The connection.
+        conn: u64,
+        /// The worker.
+        worker: u32,
+        /// Its sequence number (1 for the first push; a repeat is a retry).
+        seq: u64,
+        /// The parameter version it was computed on (`None`: the one last sent to the worker).
+        computed_on: Option<u64>,
+        /// The gradient (`len` floats).
+        grad: Vec<f32>,
+    },
+    /// A gradient of tasks taken from another worker (task transfer): applied at once, no
+    /// clock moves.
+    Help {
+        /// The connection.
+        conn: u64,
+        /// The worker that computed it.
+        worker: u32,
+        /// Its own sequence of such pushes (1 first).
+        seq: u64,
+        /// The version it was computed on, as for [`Input::Push`].
+        computed_on: Option<u64>,
+        /// The gradient.
+        grad: Vec<f32>,
+    },
+    /// A pull the lock-free check did not allow: answered now or when the policy says.
+    Pull {
+        /// The worker.
+        worker: u32,
+        /// Its clock.
+        clock: u64,
+        /// The driver's name for the request (echoed in the answer).
+        req: u64,
+    },
+    /// The worker left (died or was removed): it holds nobody back.
+    Leave {
+        /// The worker.
+        worker: u32,
+    },
+    /// A worker reattached (or rejoined) and says where it stands.
+    Resume {
+        /// The worker.
+        worker: u32,
+        /// Its gradients acknowledged (a rejoin: the clock it starts at).
+        pushes: u64,
+        /// Its transferred-task gradients acknowledged.
+        helps: u64,
+        /// A fresh process rejoining at the current clock, not a reconnection.
+        rejoin: bool,
+    },
+}
+
+/// What the driver must do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    /// Acknowledge a push on `conn`: its slot is free.
+    Ack {
+        /// The connection the push came on.
+        conn: u64,
+        /// The worker.
+        worker: u32,
+        /// Which push.
+        of: AckOf,
+        /// Its version staleness (asynchronous apply; 0 otherwise).
+        staleness: u64,
+    },
+    /// Answer pull `req` with the current values.
+    Answer {
+        /// The worker.
+        worker: u32,
+        /// The request, as given.
+        req: u64,
+    },
+    /// Refuse pull `req`.
+    Refuse {
+        /// The worker.
+        worker: u32,
+        /// The request.
+        req: u64,
+        /// Why, in words.
+        reason: String,
+    },
+    /// Offer `helper` tasks of `straggler`'s iteration `clock` (EPSP, FlexRR).
+    Offer {
+        /// The worker with time to spare.
+        helper: u32,
+        /// The worker behind.
+        straggler: u32,
+        /// The straggler's iteration.
+        clock: u64,
+    },
+    /// A reattaching worker had `updates` acknowledged updates this shard no longer has
+    /// (taken after the checkpoint it restarted from).
+    Lost {
+        /// The worker.
+        worker: u32,
+        /// Updates lost.
+        updates: u64,
+    },
+}
+
+/// One write section over a shard's parameters: readers see all of its changes or none.
+pub trait WriteSection {
+    /// The values, to change in place.
+    fn values(&mut self) -> &mut [f32];
+    /// Worker `w`'s clock (its applied count).
+    fn clock(&self, w: usize) -> u64;
+    /// Sets worker `w`'s clock.
+    fn set_clock(&mut self, w: usize, clock: u64);
+    /// Adds one to the version.
+    fn bump_version(&mut self);
+    /// Sets the version (a restore).
+    fn set_version(&mut self, version: u64);
+}
+
+/// Raises worker `w`'s clock to at least `clock`.
+fn raise_clock(s: &mut dyn WriteSection, w: usize, clock: u64) {
+    let c = s.clock(w).max(clock);
+    s.set_clock(w, c);
+}
+
+/// Where a shard's parameters, version and clocks live.
+pub trait ShardParams {
+    /// The values.
+    fn values(&self) -> &[f32];
+    /// Updates applied.
+    fn version(&self) -> u64;
+    /// Worker `w`'s clock.
+    fn clock(&self, w: usize) -> u64;
+    /// Runs `f` as one write section.
+    fn write(&mut self, f: &mut dyn FnMut(&mut dyn WriteSection));
+}
+
+/// Parameters in a vector (the simulator, tests).
+#[derive(Clone, Debug, PartialEq)]
+pub struct VecParams {
+    values: Vec<f32>,
+    version: u64,
+    clocks: Vec<u64>,
+}
+
+impl VecParams {
+    /// `len` zeros, version 0, `workers` clocks at 0.
+    pub fn new(len: usize, workers: u32) -> VecParams {
+        VecParams {
+            values: vec![0.0; len],
+            version: 0,
+            clocks: vec![0; workers as usize],
+        }
+    }
+
+    /// Every worker's clock.
+    pub fn clocks(&self) -> &[u64] {
+        &self.clocks
+    }
+}
+
+impl WriteSection for VecParams {
+    fn values(&mut self) -> &mut [f32] {
+        &mut self.values
+    }
+    fn clock(&self, w: usize) -> u64 {
+        self.clocks[w]
+    }
+    fn set_clock(&mut self, w: usize, clock: u64) {
+        self.clocks[w] = clock;
+    }
+    fn bump_version(&mut self) {
+        self.version += 1;
+    }
+    fn set_version(&mut self, version: u64) {
+        self.version = version;
+    }
+}
+
+impl ShardParams for VecParams {
+    fn values(&self) -> &[f32] {
+        &self.values
+    }
+    fn version(&self) -> u64 {
+        self.version
+    }
+    fn clock(&self, w: usize) -> u64 {
+        self.clocks[w]
+    }
+    fn write(&mut self, f: &mut dyn FnMut(&mut dyn WriteSection)) {
+        f(self)
+    }
+}
+
+/// Parameters in transport regions, as workers read them one-sided: the values, and the
+/// meta block (version and clocks) whose seqlock brackets every write.
+#[cfg(not(loom))]
+pub struct RegionParams {
+    values: falcon_transport::F32Region,
+    meta: falcon_transport::Region,
+}
+
+#[cfg(not(loom))]
+impl RegionParams {
+    /// Zeroed regions for `len` floats and `workers` clocks.
+    pub fn new(len: usize, workers: u32) -> Result<RegionParams> {
+        Ok(RegionParams {
+            values: falcon_transport::F32Region::new(len)?,
+            meta: falcon_transport::Region::new(crate::meta::meta_bytes(workers))?,
+        })
+    }
+
+    /// The values' region (granted to workers; the source of answered pulls).
+    pub fn values_region(&self) -> &falcon_transport::Region {
+        self.values.region()
+    }
+
+    /// The meta block's region (granted to workers).
+    pub fn meta_region(&self) -> &falcon_transport::Region {
+        &self.meta
+    }
+
+    fn meta(&self) -> crate::meta::Meta<'_> {
+        crate::meta::Meta::new(self.meta.padded_atomics())
+    }
+}
+
+#[cfg(not(loom))]
+struct RegionSection<'a, 'm> {
+    meta: &'a crate::meta::Meta<'m>,
+    values: &'a mut [f32],
+}
+
+#[cfg(not(loom))]
+impl WriteSection for RegionSection<'_, '_> {
+    fn values(&mut self) -> &mut [f32] {
+        self.values
+    }
+    fn clock(&self, w: usize) -> u64 {
+        self.meta.clock(w)
+    }
+    fn set_clock(&mut self, w: usize, clock: u64) {
+        self.meta.set_clock(w, clock);
+    }
+    fn bump_version(&mut self) {
+        self.meta.bump_version();
+    }
+    fn set_version(&mut self, version: u64) {
+        self.meta.set_version(version);
+    }
+}
+
+#[cfg(not(loom))]
+impl ShardParams for RegionParams {
+    fn values(&self) -> &[f32] {
+        self.values.values()
+    }
+    fn version(&self) -> u64 {
+        self.meta().version()
+    }
+    fn clock(&self, w: usize) -> u64 {
+        self.meta().clock(w)
+    }
+    fn write(&mut self, f: &mut dyn FnMut(&mut dyn WriteSection)) {
+        let meta = crate::meta::Meta::new(self.meta.padded_atomics());
+        let values = self.values.values_mut();
+        meta.write(|m| f(&mut RegionSection { meta: m, values }));
+    }
+}
+
+/// What the policies of a server did to one worker (summed over shards by the server).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerCounters {
+    /// Its pulls that were parked ("delayed").
+    pub parked_pulls: u64,
+    /// Its gradients dropped (Sync-opt: late).
+    pub dropped_gradients: u64,
+    /// Extra iterations granted to it (DSSP).
+    pub grants: u64,
+    /// Task transfers offered to it as the helper (EPSP, FlexRR).
+    pub transfers_offered: u64,
+    /// Gradients of transferred tasks it pushed as the helper (one per shard).
+    pub help_pushes: u64,
+    /// The version staleness of its asynchronously applied gradients: staleness → count.
+    pub staleness: BTreeMap<u64, u64>,
+}
+
+/// What one shard did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardStats {
+    /// Gradients received of the workers' own iterations (repeats not counted).
+    pub gradients: u64,
+    /// Updates applied to the parameters.
+    pub updates: u64,
+    /// Pushes received again (retries) and not applied again.
+    pub duplicate_pushes: u64,
+    /// Gradient bytes received.
+    pub bytes_in: u64,
+    /// Parameter bytes sent in answer to pulls.
+    pub bytes_out: u64,
+    /// Pulls answered by the shard.
+    pub answered_pulls: u64,
+    /// Synchronous mode: the most gradient bytes held waiting for their step.
+    pub peak_pending_bytes: u64,
+    /// Synchronous mode: acknowledgements held back over the memory cap.
+    pub held_acks: u64,
+    /// Sum of the version staleness of asynchronously applied gradients.
+    pub staleness_sum: u64,
+    /// The largest such staleness.
+    pub staleness_max: u64,
+    /// Per worker.
+    pub per_worker: Vec<WorkerCounters>,
+}
+
+/// One shard's state machine (see the [module documentation](self)).
+pub struct ShardCore {
+    cfg: ShardConfig,
+    opt: ShardOptimizer,
+    scale: Arc<dyn GradientScale>,
+    policy: Box<dyn SyncPolicy>,
+    /// Per worker, gradients received (the last applied sequence number; the next push's
+    /// clock).
+    pushes: Vec<u64>,
+    /// Synchronous mode: gradients waiting for their step, by step, by worker. An empty one
+    /// holds a place lost (a restarted server's, or a rejoining worker's): it counts toward
+    /// the quorum and adds nothing.
+    pending: BTreeMap<u64, Vec<Option<Vec<f32>>>>,
+    /// Bytes of the gradients in `pending`.
+    pending_bytes: u64,
+    /// The push clock of a gradient the policy counted for a later step (Sync-opt), by
+    /// (step, worker): applying the step moves that worker's clock to its own push.
+    counted_for: HashMap<(u64, u32), u64>,
+    next_apply: u64,
+    initialized: bool,
+    /// Per worker, the version of the values last sent to it by an answered pull.
+    sent_version: Vec<u64>,
+    /// Per worker, transferred-task gradients applied (the last sequence number).
+    helps: Vec<u64>,
+    /// Per worker, sequence numbers passed over without a gradient: a rejoining worker's jump
+    /// to the current clock, and updates lost with a previous incarnation of the server.
+    /// Every number up to `pushes[w]` was applied once or passed over once.
+    skipped: Vec<u64>,
+    /// Acknowledgements not sent yet, in arrival order, each with whether it was held back
+    /// past the event that made it (`pending` over the cap).
+    held: VecDeque<(u64, u32, AckOf, bool)>,
+    /// Per worker: left the job (and not rejoined).
+    left: Vec<bool>,
+    /// The policy's actions not yet carried out.
+    actions: Vec<Action>,
+    stats: ShardStats,
+}
+
+impl std::fmt::Debug for ShardCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardCore")
+            .field("cfg", &self.cfg)
+            .field("policy", &self.policy)
+            .field("pushes", &self.pushes)
+            .field("next_apply", &self.next_apply)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShardCore {
+    /// A shard with `policy` and optimizer `opt`; asynchronous gradients are scaled by
+    /// `scale` of their staleness.
+    pub fn new(
+        cfg: ShardConfig,
+        policy: Box<dyn SyncPolicy>,
+        opt: ShardOptimizer,
+        scale: Arc<dyn GradientScale>,
+    ) -> ShardCore {
+        let n = cfg.workers as usize;
+        ShardCore {
+            cfg,
+            opt,
+            scale,
+            policy,
+            pushes: vec![0; n],
+            pending: BTreeMap::new(),
+            pending_bytes: 0,
+            counted_for: HashMap::new(),
+            next_apply: 0,
+            initialized: false,
+            sent_version: vec![0; n],
+            helps: vec![0; n],
+            skipped: vec![0; n],
+            held: VecDeque::new(),
+            left: vec![false; n],
+            actions: Vec::new(),
+            stats: ShardStats {
+                per_worker: vec![WorkerCounters::default(); n],
+                ..ShardStats::default()
+            },
+        }
+    }
+
+    /// The shard's configuration.
+    pub fn config(&self) -> &ShardConfig {
+        &self.cfg
+    }
+
+    /// The shard's policy.
+    pub fn policy(&self) -> &dyn SyncPolicy {
+        &*self.policy
+    }
+
+    /// What the shard did so far.
+    pub fn stats(&self) -> &ShardStats {
+        &self.stats
+    }
+
+    /// Worker `w`'s gradients received (its next push's clock).
+    pub fn pushes(&self, w: u32) -> u64 {
+        self.pushes.get(w as usize).copied().unwrap_or(0)
+    }
+
+    /// Sums over workers of gradients received, sequence numbers passed over, and
+    /// transferred-task gradients applied: what an outside check of exactly-once needs.
+    pub fn account(&self) -> (u64, u64, u64) {
+        (
+            self.pushes.iter().sum(),
+            self.skipped.iter().sum(),
+            self.helps.iter().sum(),
+        )
+    }
+
+    /// Where a (re)attaching worker `w` starts: the slowest other live worker's count, or its
+    /// own if that is further.
+    pub fn start_clock(&self, w: u32) -> u64 {
+        (0..self.pushes.len())
+            .filter(|&x| x != w as usize && !self.left[x])
+            .map(|x| self.pushes[x])
+            .min()
+            .unwrap_or(0)
+            .max(self.pushes(w))
+    }
+
+    /// Feeds one input at time `now` (nanoseconds on the driver's clock); what the driver
+    /// must do comes out through `out`, in order. Refused (with nothing changed) when the
+    /// worker is not one of the shard's or a buffer has the wrong length.
+    pub fn handle<P: ShardParams + ?Sized>(
+        &mut self,
+        now: u64,
+        input: Input,
+        params: &mut P,
+        out: &mut dyn FnMut(Output),
+    ) -> Result<()> {
+        self.check(&input)?;
+        match input {
+            Input::Init {
+                conn,
+                worker,
+                values,
+            } => {
+                if !self.initialized {
+                    params.write(&mut |s| s.values().copy_from_slice(&values));
+                    self.initialized = true;
+                }
+                out(Output::Ack {
+                    conn,
+                    worker,
+                    of: AckOf::Init,
+                    staleness: 0,
+                });
+            }
+            Input::Push {
+                conn,
+                worker,
+                seq,
+                computed_on,
+                grad,
+            } => self.push(now, conn, worker, seq, computed_on, grad, params, out),
+            Input::Help {
+                conn,
+                worker,
+                seq,
+                computed_on,
+                grad,
+            } => self.help(conn, worker, seq, computed_on, grad, params, out),
+            Input::Pull { worker, clock, req } => {
+                let pushed = self.pushes[worker as usize];
+                if clock > pushed {
+                    out(Output::Refuse {
+                        worker,
+                        req,
+                        reason: format!(
+                            "clock {clock} is from the future: worker {worker} has pushed {pushed} gradients to shard {}",
+                            self.cfg.id
+                        ),
+                    });
+                } else {
+                    let ev = Event::Pull {
+                        worker,
+                        clock,
+                        req,
+                        at: now,
+                    };
+                    self.policy.on_event(ev, &mut self.actions);
+                }
+            }
+            Input::Leave { worker } => {
+                if !self.left[worker as usize] {
+                    self.left[worker as usize] = true;
+                    let ev = Event::Leave { worker, at: now };
+                    self.policy.on_event(ev, &mut self.actions);
+                    // Its missing gradients no longer hold a synchronous step back.
+                    if self.cfg.mode == UpdateMode::Sync {
+                        self.apply_ready(now, params);
+                    }
+                }
+            }
+            Input::Resume {
+                worker,
+                pushes,
+                helps,
+                rejoin,
+            } => {
+                let lost = self.resume(now, worker, pushes, helps, rejoin, params);
+                if lost > 0 {
+                    out(Output::Lost {
+                        worker,
+                        updates: lost,
+                    });
+                }
+            }
+        }
+        self.carry_out(params, out);
+        self.release_held(out);
+        Ok(())
+    }
+
+    fn check(&self, input: &Input) -> Result<()> {
+        let (worker, len) = match input {
+            Input::Init { worker, values, .. } => (*worker, Some(values.len())),
+            Input::Push { worker, grad, .. } | Input::Help { worker, grad, .. } => {
+                (*worker, Some(grad.len()))
+            }
+            Input::Pull { worker, .. } | Input::Leave { worker } | Input::Resume { worker, .. } => {
+                (*worker, None)
+            }
+        };
+        if worker >= self.cfg.workers {
+            return Err(Error::Malformed(format!(
+                "worker {worker} on shard {} of a job of {} workers",
+                self.cfg.id, self.cfg.workers
+            )));
+        }
+        match len {
+            Some(got) if got != self.cfg.len => Err(Error::WrongLength {
+                tensor: format!("shard {}", self.cfg.id),
+                expected: self.cfg.len as u64,
+                got: got as u64,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Exactly once: true when `seq` is the next after `done`; a repeat is acknowledged
+    /// again (with `of`), a gap ignored.
+    fn fresh(
+        &mut self,
+        (conn, worker): (u64, u32),
+        seq: u64,
+        done: u64,
+        of: AckOf,
+        out: &mut dyn FnMut(Output),
+    ) -> bool {
+        if seq == done + 1 {
+            return true;
+        }
+        if seq <= done && seq > 0 {
+            self.stats.duplicate_pushes += 1;
+            out(Output::Ack {
+                conn,
+                worker,
+                of,
+                staleness: 0,
+            });
+        } else {
+            tracing::warn!(
+                "worker {worker} pushed sequence {seq} to shard {} after {done}; ignored",
+                self.cfg.id
+            );
+        }
+        false
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push<P: ShardParams + ?Sized>(
+        &mut self,
+        now: u64,
+        conn: u64,
+        w: u32,
+        seq: u64,
+        computed_on: Option<u64>,
+        grad: Vec<f32>,
+        params: &mut P,
+        out: &mut dyn FnMut(Output),
+    ) {
+        let wi = w as usize;
+        self.stats.bytes_in += self.cfg.len as u64 * 4;
+        let clock = self.pushes[wi];
+        if !self.fresh(
+            (conn, w),
+            seq,
+            clock,
+            AckOf::Push {
+                clock: seq.wrapping_sub(1),
+            },
+            out,
+        ) {
+            return;
+        }
+        self.pushes[wi] += 1;
+        self.stats.gradients += 1;
+        match self.cfg.mode {
+            UpdateMode::Async => {
+                let of = AckOf::Push { clock };
+                let d = self.apply_async(conn, w, of, computed_on, grad, Some(clock), params, out);
+                self.stats.staleness_sum += d;
+                self.stats.staleness_max = self.stats.staleness_max.max(d);
+                *self.stats.per_worker[wi].staleness.entry(d).or_default() += 1;
+                let ev = Event::Push {
+                    worker: w,
+                    clock,
+                    at: now,
+                };
+                self.policy.on_event(ev, &mut self.actions);
+            }
+            UpdateMode::Sync => self.push_sync(now, conn, w, clock, grad, params),
+        }
+    }
+
+    /// Synchronous mode: the gradient waits for its step; its acknowledgement is held until
+    /// the waiting gradients are within the cap.
+    fn push_sync<P: ShardParams + ?Sized>(
+        &mut self,
+        now: u64,
+        conn: u64,
+        w: u32,
+        clock: u64,
+        grad: Vec<f32>,
+        params: &mut P,
+    ) {
+        let wi = w as usize;
+        let (mut counts, step) = self.judge(now, w, clock);
+        if counts && step < self.next_apply {
+            // A step already applied (the policy and the shard disagree after a
+            // placeholder): never applied, so never held.
+            tracing::warn!(
+                "shard {}: worker {w}'s gradient of clock {clock} counted for step {step}, already applied; dropped",
+                self.cfg.id
+            );
+            counts = false;
+            self.stats.per_worker[wi].dropped_gradients += 1;
+        }
+        if counts {
+            if step != clock {
+                self.counted_for.insert((step, w), clock);
+            }
+            self.hold_gradient(step, wi, grad);
+        }
+        self.held.push_back((conn, w, AckOf::Push { clock }, false));
+        if !counts {
+            // Dropped: the shard is done with this worker's gradient.
+            params.write(&mut |s| raise_clock(s, wi, clock + 1));
+        }
+        self.apply_ready(now, params);
+    }
+
+    /// A policy that judges arrivals (Sync-opt) says whether worker `w`'s gradient of `clock`
+    /// counts, and for which step.
+    fn judge(&mut self, now: u64, w: u32, clock: u64) -> (bool, u64) {
+        if !self.policy.judges_arrivals() {
+            return (true, clock);
+        }
+        let (mut counts, mut step) = (true, clock);
+        let mut judged = Vec::new();
+        let ev = Event::Push {
+            worker: w,
+            clock,
+            at: now,
+        };
+        self.policy.on_event(ev, &mut judged);
+        for a in judged {
+            match a {
+                Action::DropGradient { worker, clock: c } if worker == w && c == clock => {
+                    counts = false;
+                    self.stats.per_worker[w as usize].dropped_gradients += 1;
+                }
+                Action::CountFor {
+                    worker,
+                    clock: c,
+                    step: s,
+                } if worker == w && c == clock => step = s,
+                other => self.actions.push(other),
+            }
+        }
+        (counts, step)
+    }
+
+    fn hold_gradient(&mut self, step: u64, w: usize, grad: Vec<f32>) {
+        let workers = self.cfg.workers as usize;
+        self.pending_bytes += grad.len() as u64 * 4;
+        let slot = &mut self
+            .pending
+            .entry(step)
+            .or_insert_with(|| vec![None; workers])[w];
+        if let Some(old) = slot.replace(grad) {
+            self.pending_bytes -= old.len() as u64 * 4;
+        }
+        self.stats.peak_pending_bytes = self.stats.peak_pending_bytes.max(self.pending_bytes);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn help<P: ShardParams + ?Sized>(
+        &mut self,
+        conn: u64,
+        w: u32,
+        seq: u64,
+        computed_on: Option<u64>,
+        grad: Vec<f32>,
+        params: &mut P,
+        out: &mut dyn FnMut(Output),
+    ) {
+        let wi = w as usize;
+        self.stats.bytes_in += self.cfg.len as u64 * 4;
+        if !self.fresh((conn, w), seq, self.helps[wi], AckOf::Help, out) {
+            return;
+        }
+        self.helps[wi] = seq;
+        if self.cfg.mode == UpdateMode::Sync {
+            tracing::warn!(
+                "worker {w} pushed transferred tasks to shard {} under synchronous updates; ignored",
+                self.cfg.id
+            );
+            out(Output::Ack {
+                conn,
+                worker: w,
+                of: AckOf::Help,
+                staleness: 0,
+            });
+            return;
+        }
+        // Tasks taken from another worker, computed on this worker's values: applied like an
+        // asynchronous gradient; the pusher's clock does not move and the policy sees no push
+        // (the straggler's own push completes its iteration).
+        self.apply_async(conn, w, AckOf::Help, computed_on, grad, None, params, out);
+        self.stats.per_worker[wi].help_pushes += 1;
+    }
+
+    /// Applies worker `w`'s gradient at once, scaled by its version staleness, acknowledging
+    /// it first; with `clock`, the worker's applied count becomes `clock + 1`. Returns the
+    /// staleness.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_async<P: ShardParams + ?Sized>(
+        &mut self,
+        conn: u64,
+        w: u32,
+        of: AckOf,
+        computed_on: Option<u64>,
+        mut g: Vec<f32>,
+        clock: Option<u64>,
+        params: &mut P,
+        out: &mut dyn FnMut(Output),
+    ) -> u64 {
+        let base = computed_on.unwrap_or(self.sent_version[w as usize]);
+        let d = params.version().saturating_sub(base);
+        let factor = self.scale.scale(d);
+        if factor != 1.0 {
+            g.iter_mut().for_each(|x| *x *= factor);
+        }
+        out(Output::Ack {
+            conn,
+            worker: w,
+            of,
+            staleness: d,
+        });
+        let opt = &mut self.opt;
+        params.write(&mut |s| {
+            opt.apply(s.values(), &g);
+            if let Some(c) = clock {
+                s.set_clock(w as usize, c + 1);
+            }
+            s.bump_version();
+        });
+        self.stats.updates += 1;
+        d
+    }
+
+    /// Synchronous mode: applies every step that has its quorum of gradients (every live
+    /// worker's, or what the policy asks for), in order, summing the present ones in rank
+    /// order.
+    fn apply_ready<P: ShardParams + ?Sized>(&mut self, now: u64, params: &mut P) {
+        let live = self.left.iter().filter(|l| !**l).count() as u32;
+        let quorum = self.policy.step_quorum(live).max(1) as usize;
+        while let Some(grads) = self.pending.get(&self.next_apply) {
+            if grads.iter().filter(|g| g.is_some()).count() < quorum {
+                break;
+            }
+            let step = self.next_apply;
+            let grads = self.pending.remove(&step).unwrap_or_default();
+            let bytes: u64 = grads.iter().flatten().map(|g| g.len() as u64 * 4).sum();
+            self.pending_bytes -= bytes;
+            let mut sum = vec![0f32; self.cfg.len];
+            aggregate(
+                &mut sum,
+                grads
+                    .iter()
+                    .flatten()
+                    .filter(|g| !g.is_empty())
+                    .map(Vec::as_slice),
+                self.cfg.aggregate,
+            );
+            // Each contributor's clock moves past its own push (the step, unless the policy
+            // counted the gradient for a later step than its push).
+            let pushed: Vec<Option<u64>> = (0..grads.len())
+                .map(|w| {
+                    let own = self.counted_for.remove(&(step, w as u32));
+                    grads[w].as_ref().map(|_| own.unwrap_or(step))
+                })
+                .collect();
+            let opt = &mut self.opt;
+            params.write(&mut |s| {
+                opt.apply(s.values(), &sum);
+                for (w, p) in pushed.iter().enumerate() {
+                    if let Some(p) = p {
+                        raise_clock(s, w, p + 1);
+                    }
+                }
+                s.bump_version();
+            });
+            self.stats.updates += 1;
+            self.next_apply += 1;
+            if !self.policy.judges_arrivals() {
+                for (w, p) in pushed.iter().enumerate() {
+                    if p.is_some() {
+                        let ev = Event::Push {
+                            worker: w as u32,
+                            clock: step,
+                            at: now,
+                        };
+                        self.policy.on_event(ev, &mut self.actions);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Carries out the policy's actions.
+    fn carry_out<P: ShardParams + ?Sized>(&mut self, params: &P, out: &mut dyn FnMut(Output)) {
+        for a in std::mem::take(&mut self.actions) {
+            match a {
+                Action::Transfer {
+                    helper,
+                    straggler,
+                    clock,
+                } => out(Output::Offer {
+                    helper,
+                    straggler,
+                    clock,
+                }),
+                Action::Park { worker, .. } => {
+                    if let Some(c) = self.stats.per_worker.get_mut(worker as usize) {
+                        c.parked_pulls += 1;
+                    }
+                }
+                Action::Release { worker, req } => {
+                    self.stats.answered_pulls += 1;
+                    self.stats.bytes_out += self.cfg.len as u64 * 4;
+                    if let Some(v) = self.sent_version.get_mut(worker as usize) {
+                        *v = params.version();
+                    }
+                    out(Output::Answer { worker, req });
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Sends the held acknowledgements once the waiting gradients are within the cap.
+    fn release_held(&mut self, out: &mut dyn FnMut(Output)) {
+        if self.pending_bytes > self.cfg.max_pending_bytes {
+            for (_, _, _, waited) in self.held.iter_mut().filter(|h| !h.3) {
+                *waited = true;
+                self.stats.held_acks += 1;
+            }
+            return;
+        }
+        while let Some((conn, worker, of, _)) = self.held.pop_front() {
+            out(Output::Ack {
+                conn,
+                worker,
+                of,
+                staleness: 0,
+            });
+        }
+    }
+
+    /// A worker reattached (or rejoined): counts it had acknowledged beyond the shard's are
+    /// taken as applied and lost (a reattach), or skipped (a rejoin). Returns the updates lost.
+    fn resume<P: ShardParams + ?Sized>(
+        &mut self,
+        now: u64,
+        w: u32,
+        pushes: u64,
+        helps: u64,
+        rejoin: bool,
+        params: &mut P,
+    ) -> u64 {
+        let wi = w as usize;
+        if rejoin {
+            self.left[wi] = false;
+        }
+        let mut lost = 0;
+        let from = self.pushes[wi];
+        if pushes > from {
+            if !rejoin {
+                lost += pushes - from;
+            }
+            self.skipped[wi] += pushes - from;
+            self.pushes[wi] = pushes;
+            if self.cfg.mode == UpdateMode::Sync {
+                // Its places in the steps still to apply are held, empty.
+                for c in from.max(self.next_apply)..pushes {
+                    self.hold_gradient(c, wi, Vec::new());
+                }
+            }
+        }
+        if rejoin {
+            // A fresh process numbers its transferred-task pushes from 1 again.
+            self.helps[wi] = helps;
+        } else if helps > self.helps[wi] {
+            lost += helps - self.helps[wi];
+            self.helps[wi] = helps;
+        }
+        if !rejoin && pushes <= from {
+            // A reconnection the shard lost nothing of: its standing is unchanged.
+            return lost;
+        }
+        let clock = match self.cfg.mode {
+            UpdateMode::Async => self.pushes[wi],
+            UpdateMode::Sync => self.pushes[wi].min(self.next_apply),
+        };
+        params.write(&mut |s| raise_clock(s, wi, clock));
+        let ev = Event::Join {
+            worker: w,
+            clock,
+            at: now,
+        };
+        self.policy.on_event(ev, &mut self.actions);
+        if self.cfg.mode == UpdateMode::Sync {
+            self.apply_ready(now, params);
+            // A policy that counts each step's gradients itself (Sync-opt) counts the places
+            // too, or it would wait for gradients that were lost, and the pulls it parked with
+            // it.
+            if pushes > from && self.policy.judges_arrivals() {
+                let waiting = self.waiting();
+                self.policy
+                    .restored(self.next_apply, &waiting, &mut self.actions);
+            }
+        }
+        lost
+    }
+
+    /// The shard's state for a checkpoint.
+    pub fn state<P: ShardParams + ?Sized>(&self, params: &P) -> ShardState {
+        let (m, v, step) = self.opt.state();
+        ShardState {
+            id: self.cfg.id,
+            params: params.values().to_vec(),
+            version: params.version(),
+            clocks: (0..self.cfg.workers as usize)
+                .map(|w| params.clock(w))
+                .collect(),
+            pushes: self.pushes.clone(),
+            helps: self.helps.clone(),
+            skipped: self.skipped.clone(),
+            sent_version: self.sent_version.clone(),
+            next_apply: self.next_apply,
+            pending: self.pending.iter().map(|(c, g)| (*c, g.clone())).collect(),
+            initialized: self.initialized,
+            opt_m: m.to_vec(),
+            opt_v: v.to_vec(),
+            opt_step: step,
+        }
+    }
+
+    /// Puts a checkpointed state back into a fresh shard: values, version, clocks, counters
+    /// and optimizer state; the policy learns every worker's applied count. Refused, with
+    /// nothing changed, when the state is not of this shard.
+    pub fn restore<P: ShardParams + ?Sized>(
+        &mut self,
+        st: &ShardState,
+        params: &mut P,
+    ) -> std::result::Result<(), String> {
+        let n = self.cfg.workers as usize;
+        if st.id != self.cfg.id || st.params.len() != self.cfg.len {
+            return Err(format!(
+                "shard {} of {} floats saved where shard {} of {} is",
+                st.id,
+                st.params.len(),
+                self.cfg.id,
+                self.cfg.len
+            ));
+        }
+        let per_worker = [
+            &st.clocks,
+            &st.pushes,
+            &st.helps,
+            &st.skipped,
+            &st.sent_version,
+        ];
+        if per_worker.iter().any(|v| v.len() != n)
+            || st.pending.iter().any(|(_, g)| g.len() != n)
+            || st
+                .pending
+                .iter()
+                .flat_map(|(_, g)| g.iter().flatten())
+                .any(|g| !g.is_empty() && g.len() != self.cfg.len)
+        {
+            return Err(format!(
+                "shard {}: the saved state is not of {n} workers and {} floats",
+                st.id, self.cfg.len
+            ));
+        }
+        self.opt.restore(&st.opt_m, &st.opt_v, st.opt_step)?;
+        params.write(&mut |s| {
+            s.values().copy_from_slice(&st.params);
+            for (w, &clock) in st.clocks.iter().enumerate() {
+                s.set_clock(w, clock);
+            }
+            s.set_version(st.version);
+        });
+        self.pushes.clone_from(&st.pushes);
+        self.helps.clone_from(&st.helps);
+        self.skipped.clone_from(&st.skipped);
+        self.sent_version.clone_from(&st.sent_version);
+        self.next_apply = st.next_apply;
+        self.pending = st.pending.iter().cloned().collect();
+        self.pending_bytes = self
+            .pending
+            .values()
+            .flatten()
+            .flatten()
+            .map(|g| g.len() as u64 * 4)
+            .sum();
+        self.initialized = st.initialized;
+        let mut ignored = Vec::new();
+        for (w, &clock) in st.clocks.iter().enumerate() {
+            let ev = Event::Join {
+                worker: w as u32,
+                clock,
+                at: 0,
+            };
+            self.policy.on_event(ev, &mut ignored);
+        }
+        let waiting = self.waiting();
+        // Nothing is parked yet in a fresh shard: no action can come of it.
+        self.policy
+            .restored(self.next_apply, &waiting, &mut ignored);
+        Ok(())
+    }
+
+    /// The steps waiting, each with the workers whose gradients (or places) it holds.
+    fn waiting(&self) -> Vec<(u64, Vec<u32>)> {
+        self.pending
+            .iter()
+            .map(|(&step, g)| {
+                let who = (0..g.len() as u32)
+                    .filter(|&w| g[w as usize].is_some())
+                    .collect();
+                (step, who)
+            })
+            .collect()
+    }
+}
