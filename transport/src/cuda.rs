@@ -100,8 +100,12 @@ fn blas(e: cudarc::cublas::result::CublasError) -> CudaError {
 }
 
 fn candidates(lib: &str) -> String {
-    let mut names = cudarc::get_lib_name_candidates(lib);
-    names.dedup();
+    let mut names: Vec<String> = Vec::new();
+    for n in cudarc::get_lib_name_candidates(lib) {
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
     names.join(", ")
 }
 

@@ -986,3 +986,330 @@ impl Drop for Session<'_> {
         }
     }
 }
+
+/// Opens device 0 for a test, or says why the test skips (on stdout, so `--nocapture` and
+/// CI logs show it). With `FALCON_CUDA_REQUIRE_DEVICE=1` a missing device fails instead.
+#[doc(hidden)]
+pub fn device_for_test(test: &str) -> Option<Device> {
+    match Device::open(0) {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var("FALCON_CUDA_REQUIRE_DEVICE").as_deref() != Ok("1") => {
+            println!("SKIPPED: {test}: no usable CUDA device: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: FALCON_CUDA_REQUIRE_DEVICE=1 but {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{broadcast_rows, cnn, relu, relu_backward, softmax_cross_entropy};
+    use super::*;
+
+    fn rand_vec(rng: &mut fastrand::Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.f32() * 2.0 - 1.0).collect()
+    }
+
+    fn close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1.0);
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-4 * scale,
+                "{what}[{i}]: gpu {g}, cpu {w}"
+            );
+        }
+    }
+
+    struct T {
+        dev: Device,
+        lane: Lane,
+    }
+
+    impl T {
+        fn new(test: &str) -> Option<T> {
+            let dev = device_for_test(test)?;
+            let lane = dev.gpu.lane().unwrap();
+            Some(T { dev, lane })
+        }
+        fn up<V: falcon_transport::cuda::cudarc::driver::DeviceRepr + Copy>(
+            &self,
+            v: &[V],
+        ) -> CudaSlice<V> {
+            self.lane.stream().clone_htod(v).unwrap()
+        }
+        fn down<V: falcon_transport::cuda::cudarc::driver::DeviceRepr + Default + Copy>(
+            &self,
+            v: &CudaSlice<V>,
+        ) -> Vec<V> {
+            self.lane.stream().clone_dtoh(v).unwrap()
+        }
+        fn go(&self, name: &str, n: usize, args: &mut [Arg<'_, '_>]) {
+            self.dev.launch(&self.lane, name, n, args).unwrap();
+        }
+    }
+
+    #[test]
+    fn elementwise_kernels_match_the_cpu() {
+        let Some(t) = T::new("elementwise_kernels_match_the_cpu") else {
+            return;
+        };
+        let mut rng = fastrand::Rng::with_seed(1);
+        let (rows, cols) = (37, 13);
+        let bias = rand_vec(&mut rng, cols);
+        let mut want = vec![0.0; rows * cols];
+        broadcast_rows(&mut want, &bias);
+        let mut out = t.up(&vec![9.0f32; rows * cols]);
+        let b = t.up(&bias);
+        t.go(
+            "bias_rows",
+            rows * cols,
+            &mut [
+                Arg::F32sMut(&mut out.as_view_mut()),
+                Arg::F32s(&b.as_view()),
+                Arg::U32(cols as u32),
+            ],
+        );
+        close("bias_rows", &t.down(&out), &want);
+
+        let v = rand_vec(&mut rng, 1000);
+        let mut want = v.clone();
+        relu(&mut want);
+        let mut d = t.up(&v);
+        t.go("relu", v.len(), &mut [Arg::F32sMut(&mut d.as_view_mut())]);
+        close("relu", &t.down(&d), &want);
+
+        let (delta, act) = (rand_vec(&mut rng, 1000), rand_vec(&mut rng, 1000));
+        let mut want = delta.clone();
+        relu_backward(&mut want, &act);
+        let (mut dd, da) = (t.up(&delta), t.up(&act));
+        t.go(
+            "relu_mask",
+            1000,
+            &mut [
+                Arg::F32sMut(&mut dd.as_view_mut()),
+                Arg::F32s(&da.as_view()),
+            ],
+        );
+        close("relu_mask", &t.down(&dd), &want);
+        let (mut da, dd) = (t.up(&act), t.up(&delta));
+        t.go(
+            "relu_grad_over",
+            1000,
+            &mut [
+                Arg::F32sMut(&mut da.as_view_mut()),
+                Arg::F32s(&dd.as_view()),
+            ],
+        );
+        close("relu_grad_over", &t.down(&da), &want);
+
+        let (p, g) = (rand_vec(&mut rng, 777), rand_vec(&mut rng, 777));
+        let want: Vec<f32> = p.iter().zip(&g).map(|(p, g)| p - 0.25 * g).collect();
+        let (mut dp, dg) = (t.up(&p), t.up(&g));
+        t.go(
+            "sgd",
+            777,
+            &mut [
+                Arg::F32sMut(&mut dp.as_view_mut()),
+                Arg::F32s(&dg.as_view()),
+                Arg::F32(0.25),
+            ],
+        );
+        close("sgd", &t.down(&dp), &want);
+    }
+
+    #[test]
+    fn softmax_cross_entropy_matches_the_cpu() {
+        let Some(t) = T::new("softmax_cross_entropy_matches_the_cpu") else {
+            return;
+        };
+        let mut rng = fastrand::Rng::with_seed(2);
+        let (n, classes) = (300, 10);
+        let logits: Vec<f32> = rand_vec(&mut rng, n * classes)
+            .iter()
+            .map(|v| v * 8.0)
+            .collect();
+        let y: Vec<u8> = (0..n).map(|_| rng.u8(..classes as u8)).collect();
+        for backward in [false, true] {
+            let mut want = logits.clone();
+            let (loss, correct) = softmax_cross_entropy(&mut want, &y, classes, backward);
+            let mut dl = t.up(&logits);
+            let dy = t.up(&y);
+            let mut l = t.up(&vec![0.0f32; n]);
+            let mut c = t.up(&vec![0.0f32; n]);
+            t.go(
+                "softmax_xent",
+                n,
+                &mut [
+                    Arg::F32sMut(&mut dl.as_view_mut()),
+                    Arg::U8s(&dy.as_view()),
+                    Arg::U32(classes as u32),
+                    Arg::U32(u32::from(backward)),
+                    Arg::F32sMut(&mut l.as_view_mut()),
+                    Arg::F32sMut(&mut c.as_view_mut()),
+                ],
+            );
+            let got_loss: f64 = t.down(&l).iter().map(|&v| f64::from(v)).sum();
+            let got_correct = t.down(&c).iter().filter(|&&v| v > 0.5).count();
+            assert!(
+                (got_loss - loss).abs() <= 1e-4 * loss.abs(),
+                "{got_loss} vs {loss}"
+            );
+            assert_eq!(got_correct, correct);
+            close("softmax_xent", &t.down(&dl), &want);
+        }
+    }
+
+    #[test]
+    fn convolution_and_pooling_kernels_match_the_cpu() {
+        let Some(t) = T::new("convolution_and_pooling_kernels_match_the_cpu") else {
+            return;
+        };
+        let mut rng = fastrand::Rng::with_seed(3);
+        let (n, h, w, c) = (3, 8, 12, 4);
+        let input = rand_vec(&mut rng, n * h * w * c);
+        let cols = n * h * w * 25 * c;
+        let mut want = vec![0.0; cols];
+        cnn::im2col(&input, n, h, w, c, &mut want);
+        let din = t.up(&input);
+        let mut dcol = t.up(&vec![7.0f32; cols]);
+        let dims = [Arg::U32(h as u32), Arg::U32(w as u32), Arg::U32(c as u32)];
+        let [dh, dw, dc] = dims;
+        t.go(
+            "im2col",
+            cols,
+            &mut [
+                Arg::F32s(&din.as_view()),
+                Arg::F32sMut(&mut dcol.as_view_mut()),
+                dh,
+                dw,
+                dc,
+            ],
+        );
+        close("im2col", &t.down(&dcol), &want);
+
+        let col = rand_vec(&mut rng, cols);
+        let mut want = vec![0.0; n * h * w * c];
+        cnn::col2im_add(&col, n, h, w, c, &mut want);
+        let dcol = t.up(&col);
+        let mut dout = t.up(&vec![5.0f32; n * h * w * c]);
+        t.go(
+            "col2im",
+            n * h * w * c,
+            &mut [
+                Arg::F32s(&dcol.as_view()),
+                Arg::F32sMut(&mut dout.as_view_mut()),
+                Arg::U32(h as u32),
+                Arg::U32(w as u32),
+                Arg::U32(c as u32),
+            ],
+        );
+        close("col2im", &t.down(&dout), &want);
+
+        let outs = n * (h / 2) * (w / 2) * c;
+        let (mut want, mut want_idx) = (vec![0.0; outs], vec![0usize; outs]);
+        cnn::maxpool_forward(&input, n, h, w, c, &mut want, &mut want_idx);
+        let mut dp = t.up(&vec![0.0f32; outs]);
+        let mut di = t.up(&vec![0u32; outs]);
+        t.go(
+            "maxpool",
+            outs,
+            &mut [
+                Arg::F32s(&din.as_view()),
+                Arg::F32sMut(&mut dp.as_view_mut()),
+                Arg::U32sMut(&mut di.as_view_mut()),
+                Arg::U32(h as u32),
+                Arg::U32(w as u32),
+                Arg::U32(c as u32),
+            ],
+        );
+        close("maxpool", &t.down(&dp), &want);
+        let got_idx: Vec<usize> = t.down(&di).iter().map(|&i| i as usize).collect();
+        assert_eq!(got_idx, want_idx, "maxpool argmax");
+
+        let g = rand_vec(&mut rng, outs);
+        let mut want = vec![0.0; n * h * w * c];
+        cnn::maxpool_backward(&g, &want_idx, &mut want);
+        let dg = t.up(&g);
+        let mut dback = t.up(&vec![0.0f32; n * h * w * c]);
+        t.go(
+            "maxpool_back",
+            outs,
+            &mut [
+                Arg::F32s(&dg.as_view()),
+                Arg::U32s(&di.as_view()),
+                Arg::F32sMut(&mut dback.as_view_mut()),
+            ],
+        );
+        close("maxpool_back", &t.down(&dback), &want);
+    }
+
+    #[test]
+    fn sgemm_matches_ndarray_in_every_transposition() {
+        let Some(t) = T::new("sgemm_matches_ndarray_in_every_transposition") else {
+            return;
+        };
+        let mut rng = fastrand::Rng::with_seed(4);
+        let (m, n, k) = (17, 9, 23);
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let a = rand_vec(&mut rng, m * k);
+            let b = rand_vec(&mut rng, k * n);
+            let c0 = rand_vec(&mut rng, m * n);
+            let am = ndarray::Array2::from_shape_vec(if ta { (k, m) } else { (m, k) }, a.clone())
+                .unwrap();
+            let bm = ndarray::Array2::from_shape_vec(if tb { (n, k) } else { (k, n) }, b.clone())
+                .unwrap();
+            let am = if ta { am.t().to_owned() } else { am };
+            let bm = if tb { bm.t().to_owned() } else { bm };
+            let want = am.dot(&bm) * 0.5
+                + ndarray::Array2::from_shape_vec((m, n), c0.clone()).unwrap() * 2.0;
+            let (da, db) = (t.up(&a), t.up(&b));
+            let mut dc = t.up(&c0);
+            t.lane
+                .sgemm(
+                    (ta, tb),
+                    (m, n, k),
+                    0.5,
+                    &da.as_view(),
+                    &db.as_view(),
+                    2.0,
+                    &mut dc.as_view_mut(),
+                )
+                .unwrap();
+            close(
+                &format!("sgemm ta={ta} tb={tb}"),
+                &t.down(&dc),
+                want.as_slice().unwrap(),
+            );
+        }
+        // Lengths are checked before cuBLAS sees them.
+        let (da, db) = (t.up(&vec![0.0f32; 10]), t.up(&vec![0.0f32; 10]));
+        let mut dc = t.up(&vec![0.0f32; 10]);
+        let e = t
+            .lane
+            .sgemm(
+                (false, false),
+                (4, 4, 4),
+                1.0,
+                &da.as_view(),
+                &db.as_view(),
+                0.0,
+                &mut dc.as_view_mut(),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("sgemm"), "{e}");
+    }
+
+    #[test]
+    fn a_launch_with_the_wrong_argument_types_is_refused() {
+        let Some(t) = T::new("a_launch_with_the_wrong_argument_types_is_refused") else {
+            return;
+        };
+        let d = t.up(&[1.0f32; 4]);
+        let e = t
+            .dev
+            .launch(&t.lane, "relu", 4, &mut [Arg::F32s(&d.as_view())])
+            .unwrap_err();
+        assert!(e.to_string().contains("relu"), "{e}");
+    }
+}
