@@ -605,8 +605,68 @@ fn doctor() -> Res {
     let (soft, hard) = memlock();
     outln!("  memlock (ulimit -l) soft {soft}, hard {hard}");
     rdma_report();
-    outln!("  cuda               not built in (rebuild with --features cuda)");
+    cuda_report();
     Ok(())
+}
+
+/// The driver, its devices and their compute capability, and the libraries the CUDA path
+/// loads at run time, as they are (nothing is assumed from the build).
+#[cfg(feature = "cuda")]
+fn cuda_report() {
+    use falcon_transport::cuda;
+    match cuda::probe() {
+        Ok(info) => {
+            outln!(
+                "  cuda               built in; driver for CUDA {}.{}, {} device(s):",
+                info.cuda_version.0,
+                info.cuda_version.1,
+                info.devices.len()
+            );
+            for d in &info.devices {
+                outln!(
+                    "    {}: {} · compute capability {}.{} ({}) · {:.1} GiB",
+                    d.ordinal,
+                    d.name,
+                    d.compute_capability.0,
+                    d.compute_capability.1,
+                    d.arch(),
+                    d.memory_bytes as f64 / (1u64 << 30) as f64
+                );
+            }
+        }
+        Err(e) => {
+            outln!("  cuda               built in; unavailable: {e} (--device auto uses the CPU)")
+        }
+    }
+    match cuda::nvrtc_version() {
+        Ok((major, minor)) => {
+            let arch = cuda::probe()
+                .ok()
+                .and_then(|i| i.devices.first().map(cuda::DeviceInfo::arch))
+                .unwrap_or_else(|| "sm_90".to_string());
+            match falcon_trainer::model::gpu::compile_kernels(&arch) {
+                Ok(_) => {
+                    outln!("    nvrtc {major}.{minor}: the trainer's kernels compile for {arch}")
+                }
+                Err(e) => {
+                    outln!("    nvrtc {major}.{minor}: the kernels do not compile for {arch}: {e}")
+                }
+            }
+        }
+        Err(e) => outln!("    {e}"),
+    }
+    if cuda::cublas_present() {
+        outln!("    cublas found");
+    } else {
+        outln!(
+            "    libcublas not found (the toolkit, or pip's nvidia-cublas-cu12 on LD_LIBRARY_PATH)"
+        );
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_report() {
+    outln!("  cuda               not built in (rebuild with --features cuda)");
 }
 
 #[cfg(feature = "rdma")]

@@ -12,6 +12,7 @@ use std::time::Duration;
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::ScaleSpec;
 use falcon_trainer::data::Dataset;
+use falcon_trainer::device::{Device, Placement};
 use falcon_trainer::hetero::Hetero;
 use falcon_trainer::job::{Fault, JobReport, JobSpec, Timeouts, run_local};
 use falcon_trainer::model::ModelSpec;
@@ -45,6 +46,11 @@ pub struct TrainArgs {
     /// Model: mlp:784-256-10, mlp:784-512-256-10, cnn, cnn:C1-C2.
     #[arg(long, default_value = "mlp:784-256-10", env = "FALCON_MODEL")]
     model: String,
+    /// Where the models compute: cpu, cuda (fails without a usable device) or auto (the
+    /// first CUDA device when the build has feature `cuda` and the machine a device, else
+    /// the CPU, saying why).
+    #[arg(long, default_value = "auto", env = "FALCON_DEVICE")]
+    device: String,
     /// Dataset directory (IDX files); default: Debian's Fashion-MNIST, else the bundled
     /// sample.
     #[arg(long, env = "FALCON_DATA")]
@@ -187,6 +193,9 @@ struct Plan {
     /// Each configuration: its text and its parse.
     entries: Vec<(String, Entry)>,
     model: ModelSpec,
+    /// The device resolved once (`auto` becomes cpu or cuda) and where that put the model.
+    device: Device,
+    placement: Placement,
     hetero: Vec<Hetero>,
     timeouts: Timeouts,
     fault: Option<Fault>,
@@ -218,6 +227,12 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
     let model: ModelSpec = checks::setting(a.model.parse())?;
     // Its shape too (cheap: no parameters are allocated).
     checks::setting(model.build())?;
+    let device: Device = checks::setting(a.device.parse())?;
+    let (_, placement) = checks::setting(falcon_trainer::device::build(&model, device))?;
+    let device = match placement {
+        Placement::Cuda(_) => Device::Cuda,
+        Placement::Cpu(_) => Device::Cpu,
+    };
     checks::tasks_fit(u64::from(a.tasks), a.batch as u64)?;
     let hetero = if a.uniform {
         vec![Hetero::None; a.workers as usize]
@@ -246,6 +261,8 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
     Ok(Plan {
         entries,
         model,
+        device,
+        placement,
         hetero,
         timeouts,
         fault,
@@ -298,6 +315,7 @@ fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) 
         servers: a.servers,
         policy: e.policy,
         model: plan.model.clone(),
+        device: plan.device,
         train: TrainConfig {
             batch: a.batch,
             tasks: a.tasks,
@@ -419,6 +437,9 @@ fn file_name(entry: &str) -> String {
 /// Runs `falcon train`.
 pub fn train(a: TrainArgs) -> Res {
     let plan = plan(&a)?;
+    if plan.placement != Placement::Cpu(None) {
+        outln!("compute: {}", plan.placement);
+    }
     let data = Arc::new(Dataset::find(a.data.as_deref())?);
     let entries: Vec<String> = plan.entries.iter().map(|(t, _)| t.clone()).collect();
     std::fs::create_dir_all(&a.out)?;
