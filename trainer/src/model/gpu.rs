@@ -1276,11 +1276,8 @@ mod tests {
                     &mut dc.as_view_mut(),
                 )
                 .unwrap();
-            close(
-                &format!("sgemm ta={ta} tb={tb}"),
-                &t.down(&dc),
-                want.as_slice().unwrap(),
-            );
+            let want: Vec<f32> = want.iter().copied().collect();
+            close(&format!("sgemm ta={ta} tb={tb}"), &t.down(&dc), &want);
         }
         // Lengths are checked before cuBLAS sees them.
         let (da, db) = (t.up(&vec![0.0f32; 10]), t.up(&vec![0.0f32; 10]));
