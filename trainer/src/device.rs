@@ -76,11 +76,11 @@ pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 pub fn build(spec: &ModelSpec, device: Device) -> Result<(Box<dyn Model>, Placement)> {
     match device {
         Device::Cpu => Ok((spec.build()?, Placement::Cpu(None))),
-        Device::Cuda => build_cuda(spec),
+        // A bad model configuration is a configuration error first, on every device.
+        Device::Cuda => spec.build().and_then(|_| build_cuda(spec)),
         // A build without CUDA has nothing to try: the CPU, as asked for.
         Device::Auto if !CUDA_BUILT => Ok((spec.build()?, Placement::Cpu(None))),
         Device::Auto => {
-            // A bad model configuration is an error on every device, not a reason to fall back.
             let cpu = spec.build()?;
             match build_cuda(spec) {
                 Ok(built) => Ok(built),
@@ -101,8 +101,7 @@ fn build_cuda(spec: &ModelSpec) -> Result<(Box<dyn Model>, Placement)> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn build_cuda(spec: &ModelSpec) -> Result<(Box<dyn Model>, Placement)> {
-    spec.build()?;
+fn build_cuda(_spec: &ModelSpec) -> Result<(Box<dyn Model>, Placement)> {
     Err(Error::Cuda(
         "this build has no CUDA support (rebuild with --features cuda)".to_string(),
     ))
