@@ -1280,8 +1280,8 @@ mod tests {
             close(&format!("sgemm ta={ta} tb={tb}"), &t.down(&dc), &want);
         }
         // Lengths are checked before cuBLAS sees them.
-        let (da, db) = (t.up(&vec![0.0f32; 10]), t.up(&vec![0.0f32; 10]));
-        let mut dc = t.up(&vec![0.0f32; 10]);
+        let (da, db) = (t.up(&[0.0f32; 10]), t.up(&[0.0f32; 10]));
+        let mut dc = t.up(&[0.0f32; 10]);
         let e = t
             .lane
             .sgemm(
