@@ -196,7 +196,8 @@ Read by falcon role itself:
   FALCON_WORKLOAD               a worker's work: synthetic (default), count (every gradient
                                 -1, exactly-once checks) or train (with FALCON_MODEL,
                                 FALCON_DATA, FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
-                                FALCON_SEED)
+                                FALCON_SEED, FALCON_DEVICE: cpu, cuda or auto, the
+                                default; cuda needs a build with feature cuda)
   FALCON_HETERO                 workers' heterogeneity, RANKS:SPEC;... (checked by every role)
   FALCON_ITERS, FALCON_FLOATS   iterations (default 100) and model size (default 1048576)
   FALCON_FAULT_DROP_MS, FALCON_FAULT_DROP_EVERY  fault injection: a worker drops one of its
@@ -738,6 +739,7 @@ mod tests {
         "FALCON_ITERS",
         "FALCON_FLOATS",
         "FALCON_MODEL",
+        "FALCON_DEVICE",
         "FALCON_DATA",
         "FALCON_BATCH",
         "FALCON_TASKS",

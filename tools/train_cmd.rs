@@ -573,7 +573,8 @@ pub(crate) fn trainer_env(workers: u32) -> Res<TrainerEnv> {
 
 /// A worker process of a multi-process job (`falcon role` with `FALCON_WORKLOAD=train`):
 /// trains its share with the trainer, then worker 0 reports the test accuracy of the final
-/// values. Configured from the environment: `FALCON_MODEL`, `FALCON_DATA`, `FALCON_ITERS`,
+/// values. Configured from the environment: `FALCON_MODEL`, `FALCON_DEVICE`, `FALCON_DATA`,
+/// `FALCON_ITERS`,
 /// `FALCON_BATCH`, `FALCON_TASKS`, `FALCON_THREADS`, `FALCON_SEED`, and `FALCON_HETERO`
 /// (`RANK:SPEC;RANK:SPEC…`, the entry of this worker's rank applies).
 pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
@@ -588,11 +589,17 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
         threads,
         hetero: all_hetero,
     } = trainer_env(cfg.workers)?;
-    let model: Arc<dyn falcon_trainer::model::Model> = env(&["FALCON_MODEL"])
+    let spec = env(&["FALCON_MODEL"])
         .unwrap_or_else(|| "mlp:784-256-10".into())
-        .parse::<ModelSpec>()?
-        .build()?
-        .into();
+        .parse::<ModelSpec>()?;
+    let device = env(&["FALCON_DEVICE"])
+        .unwrap_or_else(|| "auto".into())
+        .parse::<Device>()?;
+    let (model, placement) = falcon_trainer::device::build(&spec, device)?;
+    if placement != Placement::Cpu(None) {
+        tracing::info!("compute: {placement}");
+    }
+    let model: Arc<dyn falcon_trainer::model::Model> = model.into();
     let data = Arc::new(Dataset::find(
         env(&["FALCON_DATA"]).as_deref().map(std::path::Path::new),
     )?);
