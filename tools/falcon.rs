@@ -623,17 +623,28 @@ fn cuda_report() {
                 info.cuda_version.1,
                 info.devices.len()
             );
+            let yes = |b: bool| if b { "yes" } else { "no" };
             for d in &info.devices {
                 outln!(
-                    "    {}: {} · compute capability {}.{} ({}) · {:.1} GiB",
+                    "    {}: {} · compute capability {}.{} ({}) · {:.1} GiB · GPUDirect RDMA {} · dma-buf {}",
                     d.ordinal,
                     d.name,
                     d.compute_capability.0,
                     d.compute_capability.1,
                     d.arch(),
-                    d.memory_bytes as f64 / (1u64 << 30) as f64
+                    d.memory_bytes as f64 / (1u64 << 30) as f64,
+                    yes(d.gpu_direct_rdma),
+                    yes(d.dma_buf)
                 );
             }
+            outln!(
+                "    peer memory (nvidia_peermem) {}; falcon's regions are host memory (device regions are not built yet)",
+                if cuda::peer_memory_loaded() {
+                    "loaded"
+                } else {
+                    "not loaded"
+                }
+            );
         }
         Err(e) => {
             outln!("  cuda               built in; unavailable: {e} (--device auto uses the CPU)")

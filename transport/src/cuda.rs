@@ -177,6 +177,10 @@ pub struct DeviceInfo {
     pub compute_capability: (i32, i32),
     /// Device memory in bytes.
     pub memory_bytes: usize,
+    /// Whether the device can export its memory as a dma-buf (for `ibv_reg_dmabuf_mr`).
+    pub dma_buf: bool,
+    /// Whether the device supports GPUDirect RDMA at all (peer memory or dma-buf).
+    pub gpu_direct_rdma: bool,
 }
 
 impl DeviceInfo {
@@ -238,12 +242,26 @@ fn device_info(ordinal: i32) -> Result<DeviceInfo> {
     let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     // SAFETY: as above.
     let memory_bytes = unsafe { device::total_mem(dev) }.map_err(driver)?;
+    // Older drivers do not know these attributes: unknown is "no".
+    let flag = |a| attr(a).map(|v| v != 0).unwrap_or(false);
     Ok(DeviceInfo {
         ordinal: ordinal as usize,
         name,
         compute_capability: (major, minor),
         memory_bytes,
+        dma_buf: flag(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED),
+        gpu_direct_rdma: flag(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED,
+        ),
     })
+}
+
+/// Whether the kernel module for peer-memory GPUDirect RDMA (`nvidia_peermem`, or the older
+/// `nv_peer_mem`) is loaded.
+pub fn peer_memory_loaded() -> bool {
+    ["nvidia_peermem", "nv_peer_mem"]
+        .iter()
+        .any(|m| std::path::Path::new("/sys/module").join(m).exists())
 }
 
 /// Compiles CUDA C++ `src` with NVRTC to a cubin for `arch` (`sm_80`, `sm_90`…): the machine
