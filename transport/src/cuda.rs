@@ -19,7 +19,7 @@ pub use cudarc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, DriverError,
-    LaunchConfig, PushKernelArg, sys,
+    LaunchConfig, PinnedHostSlice, PushKernelArg, sys,
 };
 use cudarc::nvrtc::{Ptx, result as nvrtc_result, sys as nvrtc_sys};
 
@@ -469,6 +469,24 @@ impl Gpu {
     /// The context (for cudarc's safe allocation and copy functions).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// `len` zeroed floats of page-locked host memory: copies between it and the device are
+    /// asynchronous DMA, with no staging copy inside the driver (cudarc's `memcpy_htod` and
+    /// `memcpy_dtoh` take it; its `as_slice` waits for the copies queued on it).
+    pub fn pinned(&self, len: usize) -> Result<PinnedHostSlice<f32>> {
+        let len = len.max(1);
+        if len > isize::MAX as usize / size_of::<f32>() {
+            return Err(CudaError::Call(format!("{len} pinned floats is too many")));
+        }
+        // SAFETY: the allocation is uninitialised; it is zeroed just below, through a raw
+        // pointer, before any reference to it exists. Flags 0: cached (not write-combined)
+        // memory, so the host reads it back at full speed.
+        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len, 0) }?;
+        let ptr = p.as_mut_ptr()?;
+        // SAFETY: `ptr` points to `len` floats just allocated and not shared with anything.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(p)
     }
 
     /// A new stream with its own cuBLAS handle: work on different lanes may overlap.

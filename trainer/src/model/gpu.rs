@@ -17,7 +17,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use falcon_transport::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use falcon_transport::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
 use falcon_transport::cuda::{self, Arg, Gpu, Kernels, Lane, Signature, Ty};
 
 use super::{Cnn, Mlp, Model, Scratch, check_batch, check_len};
@@ -160,7 +160,7 @@ pub struct GpuModel {
 
 /// A stream and the device buffers for one chunk; one per concurrent call.
 #[derive(Debug)]
-pub struct Workspace {
+struct Workspace {
     lane: Lane,
     bufs: Vec<CudaSlice<f32>>,
     idx: Vec<CudaSlice<u32>>,
@@ -174,7 +174,9 @@ pub struct Workspace {
     y: CudaSlice<u8>,
     host_loss: Vec<f32>,
     host_correct: Vec<f32>,
-    host_grad: Vec<f32>,
+    /// Page-locked staging of the parameters going up and the gradient coming down.
+    pinned_params: PinnedHostSlice<f32>,
+    pinned_grad: PinnedHostSlice<f32>,
 }
 
 impl GpuModel {
@@ -317,7 +319,8 @@ impl GpuModel {
             y: s.alloc_zeros::<u8>(n).map_err(cuda_err)?,
             host_loss: vec![0.0; n],
             host_correct: vec![0.0; n],
-            host_grad: Vec::new(),
+            pinned_params: self.device.gpu.pinned(p).map_err(cuda_err)?,
+            pinned_grad: self.device.gpu.pinned(p).map_err(cuda_err)?,
             bufs,
             idx,
             lane,
@@ -884,16 +887,20 @@ impl Model for GpuModel {
         let mut ws = self.workspace()?;
         let out = (|| {
             let s = ws.lane.stream().clone();
-            s.memcpy_htod(params, &mut ws.params).map_err(cuda_err)?;
+            // Through page-locked staging: one host copy each way, the transfers are DMA.
+            ws.pinned_params.as_mut_slice().map_err(cuda_err)?[..params.len()]
+                .copy_from_slice(params);
+            s.memcpy_htod(&ws.pinned_params, &mut ws.params)
+                .map_err(cuda_err)?;
             if grad.is_some() {
                 s.memset_zeros(&mut ws.grad).map_err(cuda_err)?;
             }
             let r = self.run_device(&mut ws, x, y, grad.is_some())?;
             if let Some(g) = grad {
-                ws.host_grad.resize(g.len(), 0.0);
-                s.memcpy_dtoh(&ws.grad, &mut ws.host_grad[..])
+                s.memcpy_dtoh(&ws.grad, &mut ws.pinned_grad)
                     .map_err(cuda_err)?;
-                for (a, &d) in g.iter_mut().zip(&ws.host_grad) {
+                let staged = ws.pinned_grad.as_slice().map_err(cuda_err)?;
+                for (a, &d) in g.iter_mut().zip(staged) {
                     *a += d;
                 }
             }
