@@ -196,7 +196,8 @@ Read by falcon role itself:
   FALCON_WORKLOAD               a worker's work: synthetic (default), count (every gradient
                                 -1, exactly-once checks) or train (with FALCON_MODEL,
                                 FALCON_DATA, FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
-                                FALCON_SEED)
+                                FALCON_SEED, FALCON_DEVICE: cpu, cuda or auto, the
+                                default; cuda needs a build with feature cuda)
   FALCON_HETERO                 workers' heterogeneity, RANKS:SPEC;... (checked by every role)
   FALCON_ITERS, FALCON_FLOATS   iterations (default 100) and model size (default 1048576)
   FALCON_FAULT_DROP_MS, FALCON_FAULT_DROP_EVERY  fault injection: a worker drops one of its
@@ -605,8 +606,79 @@ fn doctor() -> Res {
     let (soft, hard) = memlock();
     outln!("  memlock (ulimit -l) soft {soft}, hard {hard}");
     rdma_report();
-    outln!("  cuda               not built in (rebuild with --features cuda)");
+    cuda_report();
     Ok(())
+}
+
+/// The driver, its devices and their compute capability, and the libraries the CUDA path
+/// loads at run time, as they are (nothing is assumed from the build).
+#[cfg(feature = "cuda")]
+fn cuda_report() {
+    use falcon_transport::cuda;
+    match cuda::probe() {
+        Ok(info) => {
+            outln!(
+                "  cuda               built in; driver for CUDA {}.{}, {} device(s):",
+                info.cuda_version.0,
+                info.cuda_version.1,
+                info.devices.len()
+            );
+            let yes = |b: bool| if b { "yes" } else { "no" };
+            for d in &info.devices {
+                outln!(
+                    "    {}: {} · compute capability {}.{} ({}) · {:.1} GiB · GPUDirect RDMA {} · dma-buf {}",
+                    d.ordinal,
+                    d.name,
+                    d.compute_capability.0,
+                    d.compute_capability.1,
+                    d.arch(),
+                    d.memory_bytes as f64 / (1u64 << 30) as f64,
+                    yes(d.gpu_direct_rdma),
+                    yes(d.dma_buf)
+                );
+            }
+            outln!(
+                "    peer memory (nvidia_peermem) {}; falcon's regions are host memory (device regions are not built yet)",
+                if cuda::peer_memory_loaded() {
+                    "loaded"
+                } else {
+                    "not loaded"
+                }
+            );
+        }
+        Err(e) => {
+            outln!("  cuda               built in; unavailable: {e} (--device auto uses the CPU)")
+        }
+    }
+    match cuda::nvrtc_version() {
+        Ok((major, minor)) => {
+            let arch = cuda::probe()
+                .ok()
+                .and_then(|i| i.devices.first().map(cuda::DeviceInfo::arch))
+                .unwrap_or_else(|| "sm_90".to_string());
+            match falcon_trainer::model::gpu::compile_kernels(&arch) {
+                Ok(_) => {
+                    outln!("    nvrtc {major}.{minor}: the trainer's kernels compile for {arch}")
+                }
+                Err(e) => {
+                    outln!("    nvrtc {major}.{minor}: the kernels do not compile for {arch}: {e}")
+                }
+            }
+        }
+        Err(e) => outln!("    {e}"),
+    }
+    if cuda::cublas_present() {
+        outln!("    cublas found");
+    } else {
+        outln!(
+            "    libcublas not found (the toolkit, or pip's nvidia-cublas-cu12 on LD_LIBRARY_PATH)"
+        );
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_report() {
+    outln!("  cuda               not built in (rebuild with --features cuda)");
 }
 
 #[cfg(feature = "rdma")]
@@ -678,6 +750,7 @@ mod tests {
         "FALCON_ITERS",
         "FALCON_FLOATS",
         "FALCON_MODEL",
+        "FALCON_DEVICE",
         "FALCON_DATA",
         "FALCON_BATCH",
         "FALCON_TASKS",

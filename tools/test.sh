@@ -156,6 +156,51 @@ rdma_host() {
     return 0
 }
 
+# The CUDA path without a GPU. Feature `cuda` builds with no CUDA toolkit (cudarc loads the
+# libraries at run time). NVIDIA's NVRTC from PyPI, in a cached venv, compiles every kernel to
+# a cubin for sm_80 and sm_90 (a kernel that does not compile fails the stage); then the two
+# no-GPU paths run for real: no libcuda at all, and Debian's libcuda1 (non-free; downloaded and
+# unpacked into target/, not installed) with no device. The device tests print SKIPPED lines
+# here (counted below); they run on a machine with a GPU (docs/cuda.md).
+cuda_no_gpu() {
+    local venv=target/nvrtc-venv cache=$PWD/target/libcuda1
+    if ! find "$venv" -name 'libnvrtc.so.12' 2>/dev/null | grep -q .; then
+        rm -rf "$venv"
+        /usr/bin/python3 -m venv "$venv" && "$venv/bin/python" -m pip install -q nvidia-cuda-nvrtc-cu12 ||
+            return 1
+    fi
+    local nvrtc
+    nvrtc=$(dirname "$(find "$PWD/$venv" -name 'libnvrtc.so.12' | head -1)")
+    if [ ! -e "$cache/unpacked" ]; then
+        local codename
+        codename=$(. /etc/os-release && echo "$VERSION_CODENAME")
+        rm -rf "$cache" && mkdir -p "$cache/lists/partial" "$cache/apt" || return 1
+        echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $codename non-free" \
+            >"$cache/sources.list"
+        local o=(-q -o "Dir::Etc::SourceList=$cache/sources.list" -o Dir::Etc::SourceParts=/dev/null
+            -o "Dir::State::Lists=$cache/lists" -o "Dir::Cache=$cache/apt")
+        apt-get "${o[@]}" update >/dev/null &&
+            (cd "$cache" && apt-get "${o[@]}" download libcuda1 libnvidia-ptxjitcompiler1 >/dev/null 2>&1) ||
+            return 1
+        for deb in "$cache"/*.deb; do dpkg -x "$deb" "$cache/root" || return 1; done
+        touch "$cache/unpacked"
+    fi
+    local libcuda
+    libcuda=$(dirname "$(find "$cache/root" -name 'libcuda.so*' | head -1)")
+    local log=target/cuda-no-gpu.log
+    echo "::: no libcuda (NVRTC from $nvrtc)"
+    env FALCON_CUDA_EXPECT=no-driver FALCON_CUDA_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc" \
+        cargo test -p falcon-trainer --features cuda --lib --test cuda -- --nocapture 2>&1 | tee "$log" |
+        grep -E "^(test result|compiled|cuda:)" || return 1
+    echo "::: Debian's libcuda1 and no device ($libcuda)"
+    env FALCON_CUDA_EXPECT=no-device LD_LIBRARY_PATH="$libcuda:$nvrtc" \
+        cargo test -p falcon-trainer --features cuda --test cuda no_driver -- --nocapture 2>&1 |
+        grep -E "^(test result|cuda:)" || return 1
+    echo "::: cuda device tests skipped on this host (no GPU):"
+    grep "^SKIPPED" "$log" | cut -d: -f2 | sort | uniq -c
+    return 0
+}
+
 # --- stages ---------------------------------------------------------------------------
 stage "cargo fmt --check" cargo fmt --all -- --check
 stage "cargo clippy (all targets, all features, -D warnings)" \
@@ -167,6 +212,7 @@ stage "network faults between namespace hosts (tests/netns.rs)" \
 stage "Python package: pip install ./python, then its tests (numpy, PyTorch, processes)" python_tests
 stage "fuzz (short pass, 10 s per target)" tools/fuzz.sh 10
 stage "cargo test (transport with rdma, host)" rdma_host
+stage "cuda without a GPU: kernels to cubin for sm_80 and sm_90, no libcuda, no device" cuda_no_gpu
 stage "loom: shard meta seqlock and clocks" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
     cargo test -p falcon-engine --test loom_meta --release
 stage "loom: shm SPSC ring" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \

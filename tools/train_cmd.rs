@@ -12,6 +12,7 @@ use std::time::Duration;
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::ScaleSpec;
 use falcon_trainer::data::Dataset;
+use falcon_trainer::device::{Device, Placement};
 use falcon_trainer::hetero::Hetero;
 use falcon_trainer::job::{Fault, JobReport, JobSpec, Timeouts, run_local};
 use falcon_trainer::model::ModelSpec;
@@ -45,6 +46,11 @@ pub struct TrainArgs {
     /// Model: mlp:784-256-10, mlp:784-512-256-10, cnn, cnn:C1-C2.
     #[arg(long, default_value = "mlp:784-256-10", env = "FALCON_MODEL")]
     model: String,
+    /// Where the models compute: cpu, cuda (fails without a usable device) or auto (the
+    /// first CUDA device when the build has feature `cuda` and the machine a device, else
+    /// the CPU, saying why).
+    #[arg(long, default_value = "auto", env = "FALCON_DEVICE")]
+    device: String,
     /// Dataset directory (IDX files); default: Debian's Fashion-MNIST, else the bundled
     /// sample.
     #[arg(long, env = "FALCON_DATA")]
@@ -187,6 +193,9 @@ struct Plan {
     /// Each configuration: its text and its parse.
     entries: Vec<(String, Entry)>,
     model: ModelSpec,
+    /// The device resolved once (`auto` becomes cpu or cuda) and where that put the model.
+    device: Device,
+    placement: Placement,
     hetero: Vec<Hetero>,
     timeouts: Timeouts,
     fault: Option<Fault>,
@@ -218,6 +227,12 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
     let model: ModelSpec = checks::setting(a.model.parse())?;
     // Its shape too (cheap: no parameters are allocated).
     checks::setting(model.build())?;
+    let device: Device = checks::setting(a.device.parse())?;
+    let (_, placement) = checks::setting(falcon_trainer::device::build(&model, device))?;
+    let device = match placement {
+        Placement::Cuda(_) => Device::Cuda,
+        Placement::Cpu(_) => Device::Cpu,
+    };
     checks::tasks_fit(u64::from(a.tasks), a.batch as u64)?;
     let hetero = if a.uniform {
         vec![Hetero::None; a.workers as usize]
@@ -246,6 +261,8 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
     Ok(Plan {
         entries,
         model,
+        device,
+        placement,
         hetero,
         timeouts,
         fault,
@@ -298,6 +315,7 @@ fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) 
         servers: a.servers,
         policy: e.policy,
         model: plan.model.clone(),
+        device: plan.device,
         train: TrainConfig {
             batch: a.batch,
             tasks: a.tasks,
@@ -419,6 +437,9 @@ fn file_name(entry: &str) -> String {
 /// Runs `falcon train`.
 pub fn train(a: TrainArgs) -> Res {
     let plan = plan(&a)?;
+    if plan.placement != Placement::Cpu(None) {
+        outln!("compute: {}", plan.placement);
+    }
     let data = Arc::new(Dataset::find(a.data.as_deref())?);
     let entries: Vec<String> = plan.entries.iter().map(|(t, _)| t.clone()).collect();
     std::fs::create_dir_all(&a.out)?;
@@ -552,7 +573,8 @@ pub(crate) fn trainer_env(workers: u32) -> Res<TrainerEnv> {
 
 /// A worker process of a multi-process job (`falcon role` with `FALCON_WORKLOAD=train`):
 /// trains its share with the trainer, then worker 0 reports the test accuracy of the final
-/// values. Configured from the environment: `FALCON_MODEL`, `FALCON_DATA`, `FALCON_ITERS`,
+/// values. Configured from the environment: `FALCON_MODEL`, `FALCON_DEVICE`, `FALCON_DATA`,
+/// `FALCON_ITERS`,
 /// `FALCON_BATCH`, `FALCON_TASKS`, `FALCON_THREADS`, `FALCON_SEED`, and `FALCON_HETERO`
 /// (`RANK:SPEC;RANK:SPEC…`, the entry of this worker's rank applies).
 pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
@@ -567,11 +589,17 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
         threads,
         hetero: all_hetero,
     } = trainer_env(cfg.workers)?;
-    let model: Arc<dyn falcon_trainer::model::Model> = env(&["FALCON_MODEL"])
+    let spec = env(&["FALCON_MODEL"])
         .unwrap_or_else(|| "mlp:784-256-10".into())
-        .parse::<ModelSpec>()?
-        .build()?
-        .into();
+        .parse::<ModelSpec>()?;
+    let device = env(&["FALCON_DEVICE"])
+        .unwrap_or_else(|| "auto".into())
+        .parse::<Device>()?;
+    let (model, placement) = falcon_trainer::device::build(&spec, device)?;
+    if placement != Placement::Cpu(None) {
+        tracing::info!("compute: {placement}");
+    }
+    let model: Arc<dyn falcon_trainer::model::Model> = model.into();
     let data = Arc::new(Dataset::find(
         env(&["FALCON_DATA"]).as_deref().map(std::path::Path::new),
     )?);

@@ -16,6 +16,7 @@ use falcon_transport::Medium;
 use serde::Serialize;
 
 use crate::data::Dataset;
+use crate::device::Device;
 use crate::hetero::{Hetero, Injector};
 use crate::model::{Model, ModelSpec};
 use crate::train::{EvalPoint, Snapshot, TENSOR, TrainConfig, Trainer, WorkerSummary, evaluate};
@@ -38,6 +39,9 @@ pub struct JobSpec {
     pub policy: PolicySpec,
     /// The model.
     pub model: ModelSpec,
+    /// Where the workers' models compute (`auto` falls back to the CPU, see
+    /// [`crate::device`]).
+    pub device: Device,
     /// Per-worker training knobs.
     pub train: TrainConfig,
     /// Server-side SGD learning rate (gradients of a clock are summed under synchronous
@@ -134,6 +138,7 @@ impl Default for JobSpec {
             model: ModelSpec::Mlp {
                 sizes: vec![784, 256, 10],
             },
+            device: Device::Cpu,
             train: TrainConfig::default(),
             lr: 0.05,
             threads: 1,
@@ -227,7 +232,8 @@ pub fn run_local(
     data: &Arc<Dataset>,
     mut progress: impl FnMut(&Progress),
 ) -> Result<JobReport> {
-    let model: Arc<dyn Model> = spec.model.build()?.into();
+    let (model, _) = crate::device::build(&spec.model, spec.device)?;
+    let model: Arc<dyn Model> = model.into();
     // Refuse a bad configuration before starting anything.
     let t = &spec.train;
     if t.batch == 0 || t.tasks == 0 || t.tasks as usize > t.batch {

@@ -4,6 +4,7 @@
 //! not know about media, regions' wire formats or how policies decide.
 
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod hetero;
 // The loom build (`--cfg loom`) models the pool's task source alone (`tests/loom_pool.rs`);

@@ -24,6 +24,8 @@
 #![warn(missing_docs)]
 
 mod cnn;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 mod mlp;
 
 use std::fmt;

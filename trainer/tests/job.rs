@@ -18,6 +18,7 @@ fn small(policy: &str, workers: u32, iters: u64, tasks: u32, hetero: Vec<Hetero>
         model: ModelSpec::Mlp {
             sizes: vec![784, 32, 10],
         },
+        device: falcon_trainer::device::Device::Cpu,
         train: TrainConfig {
             batch: 32,
             tasks,

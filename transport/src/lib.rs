@@ -26,6 +26,8 @@
 mod addr;
 mod admit;
 mod cq;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 /// Fuzzing seam for the cargo-fuzz targets in `fuzz/`; not API.
 #[doc(hidden)]
@@ -56,3 +58,6 @@ pub use rdma::{PortInfo, memlock_limit, ports as rdma_ports};
 
 /// True when this build includes the rdma medium.
 pub const RDMA_BUILT: bool = cfg!(feature = "rdma");
+
+/// True when this build includes CUDA (device memory, kernels, cuBLAS).
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");

@@ -159,7 +159,7 @@ impl Cnn {
     }
 
     /// Parameter tensor `i` (0..6: W1, b1, W2, b2, W3, b3) as a range of the flat buffer.
-    fn range(&self, i: usize) -> std::ops::Range<usize> {
+    pub(super) fn range(&self, i: usize) -> std::ops::Range<usize> {
         self.offsets[i]..self.offsets[i + 1]
     }
 
@@ -465,7 +465,7 @@ fn valid_taps(o: usize, size: usize) -> (usize, usize, usize) {
 /// im2col for a K×K "same" convolution at stride 1 on NHWC `input` (`n` images of
 /// `h × w × c`): `col` gets one row per output position `(img, oy, ox)` holding the
 /// receptive field in `(ky, kx, c)` order, zeros where it overhangs the image.
-fn im2col(input: &[f32], n: usize, h: usize, w: usize, c: usize, col: &mut [f32]) {
+pub(super) fn im2col(input: &[f32], n: usize, h: usize, w: usize, c: usize, col: &mut [f32]) {
     let row_len = K * K * c;
     let image = h * w * c;
     for (src, dst) in input
@@ -493,7 +493,7 @@ fn im2col(input: &[f32], n: usize, h: usize, w: usize, c: usize, col: &mut [f32]
 
 /// The adjoint of [`im2col`]: adds each column entry back onto the input position it was
 /// copied from (overhanging entries are dropped).
-fn col2im_add(col: &[f32], n: usize, h: usize, w: usize, c: usize, out: &mut [f32]) {
+pub(super) fn col2im_add(col: &[f32], n: usize, h: usize, w: usize, c: usize, out: &mut [f32]) {
     let row_len = K * K * c;
     let image = h * w * c;
     for (src, dst) in col
@@ -518,7 +518,7 @@ fn col2im_add(col: &[f32], n: usize, h: usize, w: usize, c: usize, out: &mut [f3
 
 /// 2×2 max-pool at stride 2 on NHWC `input` (`n × h × w × c`); `idx` records, for each
 /// output, the offset in `input` of the (first) maximum.
-fn maxpool_forward(
+pub(super) fn maxpool_forward(
     input: &[f32],
     n: usize,
     h: usize,
@@ -557,7 +557,7 @@ fn maxpool_forward(
 }
 
 /// Max-pool backward: `dinput` gets each output gradient at its argmax, zero elsewhere.
-fn maxpool_backward(dout: &[f32], idx: &[usize], dinput: &mut [f32]) {
+pub(super) fn maxpool_backward(dout: &[f32], idx: &[usize], dinput: &mut [f32]) {
     dinput.fill(0.0);
     for (&g, &i) in dout.iter().zip(idx) {
         dinput[i] += g;
