@@ -6,6 +6,7 @@
 //! pulls the model, pushes the gradient of ½‖w − target_r‖² with its own target, and the job
 //! converges to the targets' mean.
 
+#![forbid(unsafe_code)]
 #[macro_use]
 mod hygiene;
 mod checks;

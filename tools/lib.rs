@@ -16,6 +16,7 @@
 //! # Ok::<(), falcon::engine::Error>(())
 //! ```
 
+#![forbid(unsafe_code)]
 pub use falcon_engine as engine;
 pub use falcon_trainer as trainer;
 pub use falcon_transport as transport;

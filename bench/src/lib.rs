@@ -6,6 +6,7 @@
 //!
 //! This crate knows how to measure; it must not contain the behaviour it measures.
 
+#![forbid(unsafe_code)]
 pub mod engine;
 pub mod plot;
 pub mod reference;

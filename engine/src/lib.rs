@@ -6,6 +6,7 @@
 //! compute: a tensor is a name and a length of f32.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod error;
 pub mod keys;

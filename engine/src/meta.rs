@@ -233,10 +233,12 @@ mod tests {
             4,
             "departed workers do not hold the minimum"
         );
-        // SAFETY: `words` is a live Vec of plain atomics; viewing its bytes is fine while no
-        // one writes (single-threaded here).
-        let bytes =
-            unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * LINE) };
+        // The block as a peer's one-sided read copies it: each word at the start of its line.
+        let mut bytes = vec![0u8; words.len() * LINE];
+        for (i, w) in words.iter().enumerate() {
+            bytes[i * LINE..i * LINE + 8].copy_from_slice(&w.load(Ordering::Acquire).to_ne_bytes());
+        }
+        let bytes = &bytes[..];
         let snap = Snapshot::parse(bytes, 3).unwrap();
         assert_eq!(snap.seq, 2);
         assert!(snap.stable());

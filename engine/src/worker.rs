@@ -1952,12 +1952,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The bytes of an f32 slice.
 pub fn f32_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding; u8 has alignment 1; the length is scaled.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    zerocopy::IntoBytes::as_bytes(v)
 }
 
-/// The bytes of an f32 slice, mutably.
+/// The bytes of an f32 slice, mutably (every byte pattern is a valid f32).
 pub fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as above; every byte pattern is a valid f32.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    zerocopy::IntoBytes::as_mut_bytes(v)
 }

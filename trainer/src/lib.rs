@@ -3,6 +3,7 @@
 //! transfer. It talks to the parameter server only through `falcon_engine::Worker`, and does
 //! not know about media, regions' wire formats or how policies decide.
 
+#![forbid(unsafe_code)]
 pub mod data;
 pub mod device;
 pub mod error;

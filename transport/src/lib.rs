@@ -22,6 +22,7 @@
 //! This crate must not know about parameters, tensors, keys or training: it moves bytes.
 
 #![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod addr;
 mod admit;
