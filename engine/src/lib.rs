@@ -26,6 +26,8 @@ pub mod proto;
 #[cfg(not(loom))]
 pub mod local;
 #[cfg(not(loom))]
+pub mod membership;
+#[cfg(not(loom))]
 pub mod scheduler;
 #[cfg(not(loom))]
 pub mod server;
