@@ -406,6 +406,7 @@ impl Scheduler {
         let admission = crate::config::admission_deadline(&self.cfg);
         let m = Membership::new(Settings::of(&self.cfg), report, Instant::now());
         let tick = m.tick_every(self.cfg.heartbeat);
+        let supervisor = supervisor_for(&self.cfg);
         let mut d = Driver {
             cfg: &self.cfg,
             t: &self.t,
@@ -414,12 +415,11 @@ impl Scheduler {
             joining: HashMap::new(),
             nonces: HashMap::new(),
             book,
-            supervisor: supervisor_for(&self.cfg),
-            advised: Vec::new(),
+            advised: supervisor.all_threads(),
+            supervisor,
             m,
             out: Vec::new(),
         };
-        d.advised = d.supervisor.all_threads();
         let mut next = d.feed(Event::Tick);
         let ending = loop {
             if let Some(ending) = next {
