@@ -296,7 +296,10 @@ impl Sim {
             }
             Msg::Dead { role, rank } => {
                 assert!(
-                    matches!(earlier.last(), Some(Action::Close { node }) if *node == (*role, *rank))
+                    earlier.last()
+                        == Some(&Action::Close {
+                            node: (*role, *rank)
+                        })
                 );
                 assert_eq!(to, &everyone[..]);
             }
@@ -453,7 +456,10 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
     #[test]
-    fn membership_follows_its_rules(s in any_settings(), ops in prop::collection::vec(op(), 1..120)) {
+    fn membership_follows_its_rules(
+        s in any_settings(),
+        ops in prop::collection::vec(op(), 1..120),
+    ) {
         let mut sim = Sim::new(s);
         for op in &ops {
             sim.step(op);
@@ -488,7 +494,15 @@ proptest! {
     fn rendezvous_assigns_every_rank_once(
         servers in 1u32..4,
         workers in 1u32..5,
-        hellos in prop::collection::vec((any::<bool>(), prop::option::of(0u32..6), prop::bool::weighted(0.9), prop::bool::weighted(0.1)), 1..40),
+        hellos in prop::collection::vec(
+            (
+                any::<bool>(),
+                prop::option::of(0u32..6),
+                prop::bool::weighted(0.9),
+                prop::bool::weighted(0.1),
+            ),
+            1..40,
+        ),
     ) {
         let mut r = Rendezvous::new(servers, workers);
         let mut peers = Vec::new();
@@ -497,7 +511,11 @@ proptest! {
             let role = if server { S } else { W };
             let want = if server { servers } else { workers };
             let had = r.ranks().iter().filter(|(n, _)| n.0 == role).count() as u32;
-            let taken = r.ranks().iter().any(|(n, p)| n.0 == role && Some(n.1) == rank && hellos[*p as usize].1 == rank);
+            // Taken: asked for by an admitted peer of the role.
+            let taken = r
+                .ranks()
+                .iter()
+                .any(|(n, p)| n.0 == role && Some(n.1) == rank && hellos[*p as usize].1 == rank);
             let got = r.hello(peer, role, rank, proof_ok);
             let may = proof_ok && had < want && rank.is_none_or(|k| k < want && !taken);
             prop_assert_eq!(got.is_ok(), may, "{:?}", got);
@@ -511,8 +529,9 @@ proptest! {
             }
             let ranks = r.ranks();
             for role in [S, W] {
-                let mine: BTreeSet<u32> = ranks.iter().filter(|(n, _)| n.0 == role).map(|(n, _)| n.1).collect();
                 let count = ranks.iter().filter(|(n, _)| n.0 == role).count();
+                let mine: BTreeSet<u32> =
+                    ranks.iter().filter(|(n, _)| n.0 == role).map(|(n, _)| n.1).collect();
                 prop_assert_eq!(mine.len(), count, "a rank given twice");
                 let want = if role == S { servers } else { workers };
                 prop_assert!(mine.iter().all(|&k| k < want));
@@ -613,9 +632,11 @@ fn a_silent_node_is_evicted_after_the_suspicion_timeout_once() {
     // Exactly at the timeout: not yet.
     assert!(run(&mut m, Event::Tick, at(t, 100)).is_empty());
     let out = run(&mut m, Event::Tick, at(t, 101));
-    assert!(
-        matches!(&out[0], Action::Send { to: (W, 1), msg: Msg::Evicted { reason } } if reason.contains("silent for 0.1 s"))
-    );
+    assert!(matches!(
+        &out[0],
+        Action::Send { to: (W, 1), msg: Msg::Evicted { reason } }
+            if reason.contains("silent for 0.1 s")
+    ));
     assert_eq!(out[1], Action::Close { node: (W, 1) });
     assert_eq!(
         out[2],
