@@ -40,6 +40,10 @@ enum Op {
     Rejoin(u8, bool),
     /// Time passes (ms), then a tick.
     Wait(u64),
+    /// A helper asks to steal tasks of a straggler (by rank).
+    Steal(u8, u32),
+    /// A straggler gives tasks `start..end` to a helper (by rank).
+    Tasks(u8, u32, u32, u32),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -53,6 +57,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(Op::Close),
         2 => (any::<u8>(), prop::bool::weighted(0.9)).prop_map(|(n, p)| Op::Rejoin(n, p)),
         4 => (0u64..120).prop_map(Op::Wait),
+        1 => (any::<u8>(), 0u32..5).prop_map(|(n, s)| Op::Steal(n, s)),
+        1 => (any::<u8>(), 0u32..5, 0u32..4, 0u32..9).prop_map(|(n, h, a, b)| Op::Tasks(n, h, a, b)),
     ]
 }
 
@@ -75,6 +81,8 @@ struct Sim {
     joins: usize,
     supersteps: u64,
     fallen: u64,
+    steals: u64,
+    transferred: u64,
 }
 
 impl Sim {
@@ -101,6 +109,8 @@ impl Sim {
             joins: 0,
             supersteps: 0,
             fallen: 0,
+            steals: 0,
+            transferred: 0,
         }
     }
 
@@ -153,6 +163,38 @@ impl Sim {
                 self.message(self.node(i), Some(Msg::Superstep { clock, interval_ns }))
             }
             Op::Done(i) => self.message(self.node(i), Some(Msg::Done)),
+            Op::Steal(i, straggler) => {
+                let helper = self.node(i);
+                if helper.0 == W && self.live.contains(&helper) && self.ended.is_none() {
+                    self.steals += 1;
+                }
+                let msg = Msg::Steal {
+                    straggler,
+                    helper: 99,
+                    clock: 3,
+                    want: 2,
+                };
+                self.message(helper, Some(msg))
+            }
+            Op::Tasks(i, helper, start, end) => {
+                let from = self.node(i);
+                let to = (W, helper);
+                if from.0 == W
+                    && self.live.contains(&from)
+                    && self.live.contains(&to)
+                    && self.ended.is_none()
+                {
+                    self.transferred += u64::from(end.saturating_sub(start));
+                }
+                let msg = Msg::Tasks {
+                    straggler: 99,
+                    helper,
+                    clock: 3,
+                    start,
+                    end,
+                };
+                self.message(from, Some(msg))
+            }
             Op::Close(i) => {
                 let node = self.node(i);
                 self.feed(Event::Closed { node }, Some(node));
@@ -272,6 +314,45 @@ impl Sim {
                 assert_eq!(node.0, S);
                 assert!(!self.live.contains(&(W, *worker)));
             }
+            // A steal goes to a straggler that can give tasks, else is answered "none".
+            (
+                Msg::Steal {
+                    straggler, helper, ..
+                },
+                Event::Message { node, .. },
+            ) => {
+                assert_eq!((*helper, to), (node.1, (W, *straggler)));
+                assert!(*straggler != node.1 && !self.done.contains(straggler));
+                assert!(self.live.contains(&to));
+            }
+            (
+                Msg::Tasks {
+                    straggler,
+                    helper,
+                    start,
+                    end,
+                    ..
+                },
+                Event::Message {
+                    node,
+                    msg: Some(sent),
+                },
+            ) => match sent {
+                Msg::Steal { .. } => {
+                    assert_eq!((to, *straggler, *helper), (*node, *straggler, node.1));
+                    assert_eq!((*start, *end), (0, 0));
+                    let s = (W, *straggler);
+                    assert!(
+                        *straggler == node.1
+                            || !self.live.contains(&s)
+                            || self.done.contains(straggler)
+                    );
+                }
+                _ => {
+                    assert_eq!((to, *straggler), ((W, *helper), node.1));
+                    assert!(self.live.contains(&to));
+                }
+            },
             _ => panic!("unexpected send to {to:?}: {msg:?} on {ev:?}"),
         }
     }
@@ -386,6 +467,8 @@ impl Sim {
         assert_eq!(report.evicted.len(), self.evictions);
         assert_eq!(report.rejoined.len(), self.joins);
         assert_eq!(report.supersteps, self.supersteps);
+        assert_eq!(report.steals, self.steals);
+        assert_eq!(report.tasks_transferred, self.transferred);
         assert_eq!(self.m.ended(), self.ended.is_some());
         if self.ended.is_some() {
             return;
