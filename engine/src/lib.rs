@@ -30,6 +30,8 @@ pub mod shard;
 #[cfg(not(loom))]
 pub mod local;
 #[cfg(not(loom))]
+pub mod membership;
+#[cfg(not(loom))]
 pub mod scheduler;
 #[cfg(not(loom))]
 pub mod server;

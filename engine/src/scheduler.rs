@@ -8,7 +8,7 @@
 //! tells each its next barrier ([`Msg::Plan`]). One planner for the whole job, so every shard
 //! and worker agrees on the barriers (per-shard planning disagreed and could deadlock).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use falcon_transport::{Completion, Link, LinkId, Transport};
@@ -17,8 +17,10 @@ use crate::auth::{self, Purpose};
 use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, TensorSpec};
+use crate::membership::{Action, Ending, Event, Membership, Node, Rendezvous, Settings};
 use crate::proto::{Book, Msg, Role};
 use crate::supervisor::{Manager, ManagerConfig};
+use crate::sync::projection::Class;
 use crate::sync::zipline::{predict, zipline};
 
 /// What the scheduler saw, returned when the job ends.
@@ -120,7 +122,7 @@ pub fn plan_superstep(arrivals: &[(u32, u64, u64)], r: u32) -> Vec<SuperstepPlan
 }
 
 /// The job's nodes: (role, rank) → link.
-type Nodes = BTreeMap<(Role, u32), Link>;
+type Nodes = BTreeMap<Node, Link>;
 
 /// A scheduler bound to its address, not yet running.
 pub struct Scheduler {
@@ -128,89 +130,52 @@ pub struct Scheduler {
     t: Transport,
 }
 
+/// A node admitted at rendezvous: its link, its address and the tensors it declared.
 struct Joined {
     link: Link,
-    role: Role,
-    asked: Option<u32>,
     addr: String,
     tensors: Vec<TensorSpec>,
 }
 
-/// The ranks that have not joined yet, for a rendezvous that timed out ("server 1, workers
-/// 2 and 3"; ranks a node asked for count as taken, unasked places as "any").
-fn missing_ranks(cfg: &JobConfig, joined: &[Joined]) -> String {
-    let mut parts = Vec::new();
-    for (role, want) in [(Role::Server, cfg.servers), (Role::Worker, cfg.workers)] {
-        let asked: HashSet<u32> = joined
-            .iter()
-            .filter(|j| j.role == role)
-            .filter_map(|j| j.asked)
-            .collect();
-        let unasked = joined
-            .iter()
-            .filter(|j| j.role == role && j.asked.is_none())
-            .count();
-        // Places taken without a rank fill the lowest free ranks, as the plan will.
-        let mut free: Vec<u32> = (0..want).filter(|r| !asked.contains(r)).collect();
-        free.drain(..unasked.min(free.len()));
-        if !free.is_empty() {
-            let list: Vec<String> = free.iter().map(u32::to_string).collect();
-            parts.push(format!(
-                "{} {}",
-                if free.len() == 1 {
-                    role.name().to_string()
-                } else {
-                    format!("{}s", role.name())
-                },
-                list.join(", ")
-            ));
-        }
-    }
-    if parts.is_empty() {
-        "none".into()
-    } else {
-        parts.join("; ")
-    }
+/// Rendezvous in progress: the accepted links (with when they came: unadmitted ones expire),
+/// the challenge sent to each (used once), the admissions and what each admitted node said.
+#[derive(Default)]
+struct Gathering {
+    links: HashMap<LinkId, (Link, Instant)>,
+    nonces: HashMap<LinkId, Vec<u8>>,
+    hellos: HashMap<LinkId, Joined>,
 }
 
-/// Why a hello cannot be admitted, if it cannot.
-fn admission_error(
-    cfg: &JobConfig,
-    joined: &[Joined],
-    role: Role,
-    rank: Option<u32>,
-    proof_ok: bool,
-) -> Option<String> {
-    if !proof_ok {
-        return Some(
-            "wrong answer to the admission challenge: wrong job token (a process of another \
-             job, or a stale one?)"
-                .into(),
-        );
+/// The tensors every worker declared (an empty list defers to the others), or why the job
+/// cannot start.
+fn agreed_tensors(
+    declared: &BTreeMap<(Role, u32), Vec<TensorSpec>>,
+) -> std::result::Result<Vec<TensorSpec>, String> {
+    let declared: Vec<&Vec<TensorSpec>> = declared
+        .iter()
+        .filter(|((r, _), _)| *r == Role::Worker)
+        .map(|(_, t)| t)
+        .filter(|t| !t.is_empty())
+        .collect();
+    let tensors = declared.first().map(|t| (*t).clone()).unwrap_or_default();
+    if tensors.is_empty() {
+        return Err("no worker declared any tensor".into());
     }
-    let want = match role {
-        Role::Server => cfg.servers,
-        Role::Worker => cfg.workers,
-        Role::Scheduler => return Some("a job has one scheduler".into()),
-    };
-    let have = joined.iter().filter(|j| j.role == role).count() as u32;
-    if have >= want {
-        return Some(format!("the job already has its {want} {}s", role.name()));
+    if declared.iter().any(|t| **t != tensors) {
+        return Err("workers declared different tensors".into());
     }
-    let r = rank?;
-    if r >= want {
-        return Some(format!(
-            "{} rank {r} is out of range 0..{want}",
-            role.name()
-        ));
+    Ok(tensors)
+}
+
+/// A straggler class, as the report names it.
+fn class_name(c: &Class) -> String {
+    match c {
+        Class::Unknown => "unknown",
+        Class::Pioneer => "pioneer",
+        Class::Transient => "transient",
+        Class::Persistent => "persistent",
     }
-    if joined.iter().any(|j| j.role == role && j.asked == Some(r)) {
-        return Some(format!(
-            "duplicate rank: {} rank {r} is already taken",
-            role.name()
-        ));
-    }
-    None
+    .into()
 }
 
 /// The job's supervisor, as configured: each worker stands for one machine of `budget`
@@ -227,6 +192,18 @@ fn supervisor_for(cfg: &JobConfig) -> Manager {
         hosts: (0..workers).collect(),
         ..ManagerConfig::one_host(workers, budget, knee, 1)
     })
+}
+
+fn refuse(link: &Link, reason: String, report: &mut SchedulerReport) {
+    tracing::warn!("scheduler: refusing {}: {reason}", link.peer());
+    let _ = link.send(
+        &Msg::Refused {
+            reason: reason.clone(),
+        }
+        .encode(),
+    );
+    report.refused.push(reason);
+    link.close();
 }
 
 impl Scheduler {
@@ -254,155 +231,129 @@ impl Scheduler {
         self.serve(nodes, book, report)
     }
 
-    fn refuse(link: &Link, reason: String, report: &mut SchedulerReport) {
-        tracing::warn!("scheduler: refusing {}: {reason}", link.peer());
-        let _ = link.send(
-            &Msg::Refused {
-                reason: reason.clone(),
-            }
-            .encode(),
-        );
-        report.refused.push(reason);
-        link.close();
-    }
-
     /// Admits S servers and W workers; returns (role, rank) → link, and the book (rank 0).
     fn rendezvous(&self, report: &mut SchedulerReport) -> Result<(Nodes, Book)> {
         let cfg = &self.cfg;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
-        // Accepted links, with when they came (unadmitted ones expire).
-        let mut links: HashMap<LinkId, (Link, Instant)> = HashMap::new();
         let admission = crate::config::admission_deadline(cfg);
-        // The challenge sent to each accepted link, used once.
-        let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
-        let mut joined: Vec<Joined> = Vec::new();
-        while joined.iter().filter(|j| j.role == Role::Server).count() < cfg.servers as usize
-            || joined.iter().filter(|j| j.role == Role::Worker).count() < cfg.workers as usize
-        {
+        let mut roster = Rendezvous::new(cfg.servers, cfg.workers);
+        let mut st = Gathering::default();
+        while !roster.complete() {
             if Instant::now() > deadline {
                 return Err(Error::Rendezvous {
                     after: cfg.rendezvous_timeout,
-                    missing: missing_ranks(cfg, &joined),
+                    missing: roster.missing(),
                 });
             }
-            crate::worker::drain_accepted(&self.t, &mut links);
+            crate::worker::drain_accepted(&self.t, &mut st.links);
             crate::worker::expire_unadmitted(
-                &mut links,
+                &mut st.links,
                 admission,
-                |id| joined.iter().any(|j| j.link.id() == id),
+                |id| roster.admitted(id),
                 "scheduler",
             );
-            let c = match self.t.cq().wait(Some(Duration::from_millis(20))) {
-                Ok(c) => c,
-                Err(_) => continue,
+            let Ok(c) = self.t.cq().wait(Some(Duration::from_millis(20))) else {
+                continue;
             };
             match c {
                 Completion::Message { link, data } => {
-                    let Some(l) = crate::worker::known_link(&self.t, &mut links, link) else {
-                        continue;
-                    };
-                    let refuse = |reason: String, report: &mut SchedulerReport| {
-                        Self::refuse(&l, reason, report);
-                    };
-                    let forget =
-                        |links: &mut HashMap<LinkId, (Link, Instant)>,
-                         nonces: &mut HashMap<LinkId, Vec<u8>>| {
-                            links.remove(&link);
-                            nonces.remove(&link);
-                        };
-                    if joined.iter().any(|j| j.link.id() == link) {
-                        // A joined node speaks again before the job starts: nothing to say yet.
-                        tracing::debug!("scheduler: early message from {}", l.peer());
-                        continue;
-                    }
-                    match Msg::decode(&data) {
-                        Ok(Msg::Knock) => auth::challenge(&l, &mut nonces)?,
-                        Ok(Msg::Hello {
-                            role,
-                            rank,
-                            proof,
-                            addr,
-                            tensors,
-                        }) => {
-                            let proof_ok = nonces.remove(&link).is_some_and(|n| {
-                                auth::check(&cfg.token, Purpose::Hello, &n, &proof)
-                            });
-                            let reason = admission_error(cfg, &joined, role, rank, proof_ok);
-                            match reason {
-                                Some(r) => {
-                                    refuse(r, report);
-                                    forget(&mut links, &mut nonces);
-                                }
-                                None => joined.push(Joined {
-                                    link: l,
-                                    role,
-                                    asked: rank,
-                                    addr,
-                                    tensors,
-                                }),
-                            }
-                        }
-                        Ok(other) => {
-                            refuse(format!("expected a hello, got {}", other.name()), report);
-                            forget(&mut links, &mut nonces);
-                        }
-                        Err(e) => {
-                            refuse(e.to_string(), report);
-                            forget(&mut links, &mut nonces);
-                        }
-                    }
+                    self.on_hello(&mut roster, &mut st, link, &data, report)?;
                 }
                 Completion::Closed { link, .. } => {
                     // A node that left before the job started frees its place.
-                    crate::worker::drain_accepted(&self.t, &mut links);
-                    joined.retain(|j| j.link.id() != link);
-                    links.remove(&link);
-                    nonces.remove(&link);
+                    crate::worker::drain_accepted(&self.t, &mut st.links);
+                    roster.left(link);
+                    st.hellos.remove(&link);
+                    st.links.remove(&link);
+                    st.nonces.remove(&link);
                 }
                 Completion::WriteImm { .. } => {}
             }
         }
-        // Ranks: requested ones first, then the lowest free, in arrival order.
+        self.start_job(&roster, st, report)
+    }
+
+    /// A message on a link at rendezvous: a knock is challenged, a hello admitted or refused,
+    /// anything else refused.
+    fn on_hello(
+        &self,
+        roster: &mut Rendezvous,
+        st: &mut Gathering,
+        link: LinkId,
+        data: &[u8],
+        report: &mut SchedulerReport,
+    ) -> Result<()> {
+        let Some(l) = crate::worker::known_link(&self.t, &mut st.links, link) else {
+            return Ok(());
+        };
+        if roster.admitted(link) {
+            // A joined node speaks again before the job starts: nothing to say yet.
+            tracing::debug!("scheduler: early message from {}", l.peer());
+            return Ok(());
+        }
+        let reason = match Msg::decode(data) {
+            Ok(Msg::Knock) => return auth::challenge(&l, &mut st.nonces),
+            Ok(Msg::Hello {
+                role,
+                rank,
+                proof,
+                addr,
+                tensors,
+            }) => {
+                let proof_ok = st
+                    .nonces
+                    .remove(&link)
+                    .is_some_and(|n| auth::check(&self.cfg.token, Purpose::Hello, &n, &proof));
+                match roster.hello(link, role, rank, proof_ok) {
+                    Ok(()) => {
+                        let joined = Joined {
+                            link: l,
+                            addr,
+                            tensors,
+                        };
+                        st.hellos.insert(link, joined);
+                        return Ok(());
+                    }
+                    Err(reason) => reason,
+                }
+            }
+            Ok(other) => format!("expected a hello, got {}", other.name()),
+            Err(e) => e.to_string(),
+        };
+        refuse(&l, reason, report);
+        st.links.remove(&link);
+        st.nonces.remove(&link);
+        Ok(())
+    }
+
+    /// Every place is taken: ranks, the key map, and each node's book.
+    fn start_job(
+        &self,
+        roster: &Rendezvous,
+        mut st: Gathering,
+        report: &mut SchedulerReport,
+    ) -> Result<(Nodes, Book)> {
+        let cfg = &self.cfg;
         let mut nodes = BTreeMap::new();
         let mut addrs = BTreeMap::new();
-        for role in [Role::Server, Role::Worker] {
-            let mut taken: HashSet<u32> = joined
-                .iter()
-                .filter(|j| j.role == role)
-                .filter_map(|j| j.asked)
-                .collect();
-            let mut next = 0;
-            for j in joined.iter().filter(|j| j.role == role) {
-                let rank = j.asked.unwrap_or_else(|| {
-                    while taken.contains(&next) {
-                        next += 1;
-                    }
-                    taken.insert(next);
-                    next
-                });
-                nodes.insert((role, rank), j.link.clone());
-                addrs.insert((role, rank), (j.addr.clone(), j.tensors.clone()));
-            }
-        }
-        // Every worker must train the same tensors (an empty list defers to the others).
-        let declared: Vec<&Vec<TensorSpec>> = addrs
-            .iter()
-            .filter(|((r, _), _)| *r == Role::Worker)
-            .map(|(_, (_, t))| t)
-            .filter(|t| !t.is_empty())
-            .collect();
-        let tensors = declared.first().map(|t| (*t).clone()).unwrap_or_default();
-        if declared.iter().any(|t| **t != tensors) || tensors.is_empty() {
-            let reason = if tensors.is_empty() {
-                "no worker declared any tensor".to_string()
-            } else {
-                "workers declared different tensors".to_string()
+        let mut declared = BTreeMap::new();
+        for (node, peer) in roster.ranks() {
+            let Some(j) = st.hellos.remove(&peer) else {
+                continue;
             };
-            for l in nodes.values() {
-                Self::refuse(l, reason.clone(), report);
-            }
-            return Err(Error::Refused(reason));
+            nodes.insert(node, j.link);
+            addrs.insert(node, j.addr);
+            declared.insert(node, j.tensors);
         }
+        let tensors = match agreed_tensors(&declared) {
+            Ok(t) => t,
+            Err(reason) => {
+                for l in nodes.values() {
+                    refuse(l, reason.clone(), report);
+                }
+                return Err(Error::Refused(reason));
+            }
+        };
         let keymap = KeyMap::plan(tensors, cfg.servers, cfg.max_shard_bytes)?;
         report.bytes_per_server = keymap.bytes_per_server();
         tracing::info!(
@@ -416,7 +367,7 @@ impl Scheduler {
                 .join(", ")
         );
         let servers: Vec<String> = (0..cfg.servers)
-            .map(|r| addrs[&(Role::Server, r)].0.clone())
+            .map(|r| addrs[&(Role::Server, r)].clone())
             .collect();
         let instance = u64::from_le_bytes(auth::nonce()?[..8].try_into().expect("8 bytes"));
         let template = Book {
@@ -449,445 +400,241 @@ impl Scheduler {
         Ok((nodes, template))
     }
 
-    fn serve(
-        self,
-        mut nodes: Nodes,
-        mut book: Book,
-        mut report: SchedulerReport,
-    ) -> Result<SchedulerReport> {
-        let mut by_link: HashMap<LinkId, (Role, u32)> =
-            nodes.iter().map(|(k, l)| (l.id(), *k)).collect();
-        // Links of nodes asking to join the running job, and the challenge sent to each.
-        let mut joining: HashMap<LinkId, (Link, Instant)> = HashMap::new();
+    /// Runs the job after rendezvous: transport completions go to the membership, whose
+    /// actions the driver carries out, until it ends the job.
+    fn serve(self, nodes: Nodes, book: Book, report: SchedulerReport) -> Result<SchedulerReport> {
         let admission = crate::config::admission_deadline(&self.cfg);
-        let mut nonces: HashMap<LinkId, Vec<u8>> = HashMap::new();
-        // Dead servers that may come back from their checkpoint, with the deadline.
-        let mut down: BTreeMap<u32, Instant> = BTreeMap::new();
-        let mut live: HashSet<(Role, u32)> = nodes.keys().copied().collect();
-        let mut seen: HashMap<(Role, u32), Instant> =
-            nodes.keys().map(|k| (*k, Instant::now())).collect();
-        let mut done: HashSet<u32> = HashSet::new();
-        let mut barriers: BTreeMap<u64, HashSet<u32>> = BTreeMap::new();
-        // ElasticBSP: R, and the workers at their barrier: rank → (clock, interval_ns).
-        let elastic = self.cfg.policy.job_barriers();
-        let mut arrivals: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-        let silence = self.cfg.suspicion;
-        // How long the loop may sleep: silence is noticed within a quarter of the suspicion
-        // timeout, however long the heartbeat interval.
-        let tick = silence
-            .map_or(self.cfg.heartbeat, |s| self.cfg.heartbeat.min(s / 4))
-            .max(Duration::from_millis(10));
+        let m = Membership::new(Settings::of(&self.cfg), report, Instant::now());
+        let tick = m.tick_every(self.cfg.heartbeat);
         let supervisor = supervisor_for(&self.cfg);
-        let mut advised: Vec<usize> = supervisor.all_threads();
-        let broadcast = |nodes: &Nodes, live: &HashSet<(Role, u32)>, m: &Msg| {
-            let bytes = m.encode();
-            for k in live {
-                let _ = nodes[k].send(&bytes);
-            }
+        let mut d = Driver {
+            cfg: &self.cfg,
+            t: &self.t,
+            by_link: nodes.iter().map(|(k, l)| (l.id(), *k)).collect(),
+            nodes,
+            joining: HashMap::new(),
+            nonces: HashMap::new(),
+            book,
+            advised: supervisor.all_threads(),
+            supervisor,
+            m,
+            out: Vec::new(),
         };
-        loop {
-            crate::worker::drain_accepted(&self.t, &mut joining);
-            crate::worker::expire_unadmitted(&mut joining, admission, |_| false, "scheduler");
-            if let Some((&rank, _)) = down.iter().find(|(_, d)| Instant::now() > **d) {
-                broadcast(&nodes, &live, &Msg::Shutdown);
-                return Err(Error::PeerGone {
-                    role: "server",
-                    rank,
-                    why: "it died and did not restart from its checkpoint in time".into(),
-                });
+        let mut next = d.feed(Event::Tick);
+        let ending = loop {
+            if let Some(ending) = next {
+                break ending;
             }
-            let live_workers: HashSet<u32> = live
-                .iter()
-                .filter(|(r, _)| *r == Role::Worker)
-                .map(|(_, n)| *n)
-                .collect();
-            // Barriers every live worker has reached fall.
-            let ready: Vec<u64> = barriers
-                .iter()
-                .filter(|(_, arrived)| {
-                    live_workers
-                        .iter()
-                        .all(|w| arrived.contains(w) || done.contains(w))
-                })
-                .map(|(s, _)| *s)
-                .collect();
-            for seq in ready {
-                barriers.remove(&seq);
-                book.barriers = book.barriers.max(seq);
-                for w in &live_workers {
-                    let _ = nodes[&(Role::Worker, *w)].send(&Msg::BarrierDone { seq }.encode());
-                }
-            }
-            // The ElasticBSP barrier falls when every live worker that has not finished is at
-            // it (a worker that died or finished no longer holds it). A worker waiting at a
-            // job barrier (`Worker::barrier`) does not hold it either: it waits for the others,
-            // who could otherwise never reach that barrier. It reports at its next pull.
-            if let Some(r) = elastic {
-                arrivals.retain(|w, _| live_workers.contains(w) && !done.contains(w));
-                let at_job_barrier = |w: &u32| barriers.values().any(|a| a.contains(w));
-                if !arrivals.is_empty()
-                    && live_workers
-                        .iter()
-                        .all(|w| arrivals.contains_key(w) || done.contains(w) || at_job_barrier(w))
-                {
-                    let at: Vec<(u32, u64, u64)> =
-                        arrivals.iter().map(|(&w, &(c, i))| (w, c, i)).collect();
-                    arrivals.clear();
-                    let plan = plan_superstep(&at, r);
-                    report.supersteps += 1;
-                    tracing::debug!(
-                        "scheduler: superstep {} (R = {r}): {}",
-                        report.supersteps,
-                        plan.iter()
-                            .map(|p| format!(
-                                "worker {} clock {} interval {:.3} ms → until {}",
-                                p.worker,
-                                p.clock,
-                                p.interval_ns as f64 / 1e6,
-                                p.until
-                            ))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    );
-                    for p in &plan {
-                        if let Some(l) = nodes.get(&(Role::Worker, p.worker)) {
-                            let _ = l.send(&Msg::Plan { until: p.until }.encode());
-                        }
-                    }
-                    report.last_plan = plan;
-                }
-            }
-            if live_workers.iter().all(|w| done.contains(w)) {
-                broadcast(&nodes, &live, &Msg::Shutdown);
-                // Give the servers a moment to read it before our links close.
-                std::thread::sleep(Duration::from_millis(50));
-                // Workers that died are tolerated while others finish; a job whose every
-                // worker left before finishing has failed.
-                if done.is_empty() {
-                    return Err(Error::PeerGone {
-                        role: "worker",
-                        rank: 0,
-                        why: "every worker left before finishing".into(),
-                    });
-                }
-                return Ok(report);
-            }
-            let mut gone = Vec::new();
-            match self.t.cq().wait(Some(tick)) {
-                Ok(Completion::Message { link, data }) if !by_link.contains_key(&link) => {
-                    let Some(l) = crate::worker::known_link(&self.t, &mut joining, link) else {
-                        continue;
-                    };
-                    let hello = match Msg::decode(&data) {
-                        Ok(Msg::Knock) => {
-                            auth::challenge(&l, &mut nonces)?;
-                            continue;
-                        }
-                        Ok(Msg::Hello {
-                            role,
-                            rank,
-                            proof,
-                            addr,
-                            ..
-                        }) => (role, rank, proof, addr),
-                        Ok(other) => {
-                            joining.remove(&link);
-                            Self::refuse(
-                                &l,
-                                format!("expected a hello, got {}", other.name()),
-                                &mut report,
-                            );
-                            continue;
-                        }
-                        Err(e) => {
-                            joining.remove(&link);
-                            Self::refuse(&l, e.to_string(), &mut report);
-                            continue;
-                        }
-                    };
-                    let (role, rank, proof, addr) = hello;
-                    joining.remove(&link);
-                    let proof_ok = nonces
-                        .remove(&link)
-                        .is_some_and(|n| auth::check(&self.cfg.token, Purpose::Hello, &n, &proof));
-                    let admitted = match (role, rank) {
-                        _ if !proof_ok => {
-                            Err("wrong answer to the challenge (wrong job token)".to_string())
-                        }
-                        (Role::Server, Some(r)) if down.contains_key(&r) => Ok(r),
-                        (Role::Worker, Some(r))
-                            if r < self.cfg.workers
-                                && !live.contains(&(Role::Worker, r))
-                                && !done.contains(&r) =>
-                        {
-                            Ok(r)
-                        }
-                        _ => Err(format!(
-                            "{} {} cannot join the running job (only a dead server of a job with checkpoints, or a dead worker, each by its rank)",
-                            role.name(),
-                            rank.map_or("without a rank".to_string(), |r| format!("rank {r}"))
-                        )),
-                    };
-                    let r = match admitted {
-                        Ok(r) => r,
-                        Err(reason) => {
-                            Self::refuse(&l, reason, &mut report);
-                            continue;
-                        }
-                    };
-                    if role == Role::Server {
-                        book.servers[r as usize] = addr.clone();
-                    }
-                    let b = Book {
-                        rank: r,
-                        rejoin: true,
-                        ..book.clone()
-                    };
-                    if l.send(&Msg::Book(b).encode()).is_err() {
-                        continue;
-                    }
-                    if let Some(old) = nodes.insert((role, r), l.clone()) {
-                        by_link.remove(&old.id());
-                    }
-                    by_link.insert(link, (role, r));
-                    live.insert((role, r));
-                    seen.insert((role, r), Instant::now());
-                    report.rejoined.push((role, r));
-                    tracing::info!("scheduler: {} {r} rejoined the job", role.name());
-                    if role == Role::Worker {
-                        broadcast(&nodes, &live, &Msg::Rejoined { rank: r });
-                    }
-                    if role == Role::Server {
-                        // It restarts knowing nobody's death: tell it who is gone.
-                        for w in 0..self.cfg.workers {
-                            if !live.contains(&(Role::Worker, w)) {
-                                let _ = l.send(
-                                    &Msg::Dead {
-                                        role: Role::Worker,
-                                        rank: w,
-                                    }
-                                    .encode(),
-                                );
-                            }
-                        }
-                        down.remove(&r);
-                        broadcast(&nodes, &live, &Msg::ServerBack { rank: r, addr });
-                    }
-                }
-                Ok(Completion::Message { link, data }) => {
-                    let Some(&node) = by_link.get(&link) else {
-                        continue;
-                    };
-                    seen.insert(node, Instant::now());
-                    match Msg::decode(&data) {
-                        Ok(Msg::Heartbeat) => tracing::trace!("scheduler: heartbeat from {node:?}"),
-                        Ok(Msg::Barrier { seq }) if node.0 == Role::Worker => {
-                            barriers.entry(seq).or_default().insert(node.1);
-                        }
-                        Ok(Msg::Superstep { clock, interval_ns })
-                            if node.0 == Role::Worker && elastic.is_some() =>
-                        {
-                            arrivals.insert(node.1, (clock, interval_ns));
-                        }
-                        Ok(Msg::Done) if node.0 == Role::Worker => {
-                            done.insert(node.1);
-                        }
-                        // A server could not write its checkpoint: counted, and the job ends
-                        // if it is set to stop on that.
-                        Ok(Msg::CheckpointFailed {
-                            reason, failures, ..
-                        }) if node.0 == Role::Server => {
-                            let on = self.cfg.checkpoint.as_ref().map(|c| c.on_failure);
-                            if let Some(e) = crate::checkpoint::failure_reported(
-                                on.unwrap_or_default(),
-                                &mut report.checkpoint_failures,
-                                node.1,
-                                failures,
-                                reason,
-                            ) {
-                                broadcast(&nodes, &live, &Msg::Shutdown);
-                                // Give the nodes a moment to read it before our links close.
-                                std::thread::sleep(Duration::from_millis(50));
-                                return Err(e);
-                            }
-                        }
-                        // The supervisor: project, re-plan, advise whose count changed.
-                        Ok(Msg::IterationDone {
-                            threads,
-                            tasks,
-                            nanos,
-                        }) if node.0 == Role::Worker => {
-                            supervisor.report(
-                                node.1,
-                                threads as usize,
-                                tasks,
-                                Duration::from_nanos(nanos),
-                            );
-                            let now = supervisor.all_threads();
-                            for (w, (&new, old)) in now.iter().zip(advised.iter_mut()).enumerate() {
-                                let to = (Role::Worker, w as u32);
-                                if new != *old && live.contains(&to) {
-                                    let m = Msg::Threads {
-                                        threads: new as u32,
-                                    };
-                                    let _ = nodes[&to].send(&m.encode());
-                                }
-                                *old = new;
-                            }
-                            report.parallelism_plans = supervisor.plans();
-                            report.threads = now;
-                            report.classes = supervisor
-                                .verdict()
-                                .classes
-                                .iter()
-                                .map(|c| format!("{c:?}").to_lowercase())
-                                .collect();
-                        }
-                        // Task transfer: relay a helper's steal to the straggler, or answer
-                        // "none" at once when the straggler cannot give any.
-                        Ok(Msg::Steal {
-                            straggler,
-                            clock,
-                            want,
-                            ..
-                        }) if node.0 == Role::Worker => {
-                            let to = (Role::Worker, straggler);
-                            let open = straggler != node.1
-                                && live.contains(&to)
-                                && !done.contains(&straggler);
-                            let (dest, msg) = if open {
-                                (
-                                    to,
-                                    Msg::Steal {
-                                        straggler,
-                                        helper: node.1,
-                                        clock,
-                                        want,
-                                    },
-                                )
-                            } else {
-                                (
-                                    node,
-                                    Msg::Tasks {
-                                        straggler,
-                                        helper: node.1,
-                                        clock,
-                                        start: 0,
-                                        end: 0,
-                                    },
-                                )
-                            };
-                            report.steals += 1;
-                            let _ = nodes[&dest].send(&msg.encode());
-                        }
-                        Ok(Msg::Tasks {
-                            helper,
-                            clock,
-                            start,
-                            end,
-                            ..
-                        }) if node.0 == Role::Worker => {
-                            let to = (Role::Worker, helper);
-                            if live.contains(&to) {
-                                report.tasks_transferred += u64::from(end.saturating_sub(start));
-                                let m = Msg::Tasks {
-                                    straggler: node.1,
-                                    helper,
-                                    clock,
-                                    start,
-                                    end,
-                                };
-                                let _ = nodes[&to].send(&m.encode());
-                            }
-                        }
-                        Ok(other) => {
-                            tracing::warn!(
-                                "scheduler: unexpected {} message from {} {}",
-                                other.name(),
-                                node.0.name(),
-                                node.1
-                            )
-                        }
-                        Err(e) => {
-                            tracing::warn!("scheduler: {e} from {} {}", node.0.name(), node.1)
-                        }
-                    }
-                }
-                Ok(Completion::Closed { link, error }) => {
-                    crate::worker::drain_accepted(&self.t, &mut joining);
-                    joining.remove(&link);
-                    nonces.remove(&link);
-                    if let Some(&node) = by_link.get(&link)
-                        && !(node.0 == Role::Worker && done.contains(&node.1))
-                    {
+            crate::worker::drain_accepted(&self.t, &mut d.joining);
+            crate::worker::expire_unadmitted(&mut d.joining, admission, |_| false, "scheduler");
+            next = match self.t.cq().wait(Some(tick)) {
+                Ok(c) => d.on_completion(c)?,
+                Err(_) => d.feed(Event::Tick),
+            };
+        };
+        if ending.lingers() {
+            // Give the nodes a moment to read the shutdown before our links close.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        match ending.error() {
+            Some(e) => Err(e),
+            None => Ok(d.m.into_report()),
+        }
+    }
+}
+
+/// The running job's driver: the links of the nodes and of those asking to join, the
+/// challenges, the book, and the supervisor; it turns completions into the membership's
+/// events and carries out its actions.
+struct Driver<'a> {
+    cfg: &'a JobConfig,
+    t: &'a Transport,
+    nodes: Nodes,
+    by_link: HashMap<LinkId, Node>,
+    /// Links of nodes asking to join the running job, and the challenge sent to each.
+    joining: HashMap<LinkId, (Link, Instant)>,
+    nonces: HashMap<LinkId, Vec<u8>>,
+    /// The book a node joining is sent (with its rank and the barriers fallen).
+    book: Book,
+    supervisor: Manager,
+    /// The thread count last advised to each worker.
+    advised: Vec<usize>,
+    m: Membership,
+    out: Vec<Action>,
+}
+
+impl Driver<'_> {
+    /// One completion; the ending, once the job is over.
+    fn on_completion(&mut self, c: Completion) -> Result<Option<Ending>> {
+        match c {
+            Completion::Message { link, data } => match self.by_link.get(&link) {
+                Some(&node) => Ok(self.on_message(node, &data)),
+                None => self.on_joining(link, &data),
+            },
+            Completion::Closed { link, error } => {
+                crate::worker::drain_accepted(self.t, &mut self.joining);
+                self.joining.remove(&link);
+                self.nonces.remove(&link);
+                match self.by_link.get(&link) {
+                    Some(&node) if !self.m.finished(node) => {
                         tracing::warn!(
                             "scheduler: {} {} left: {}",
                             node.0.name(),
                             node.1,
                             crate::worker::closed_why(&error)
                         );
-                        gone.push(node);
+                        Ok(self.feed(Event::Closed { node }))
                     }
-                }
-                Ok(Completion::WriteImm { .. }) | Err(_) => {}
-            }
-            for (node, at) in &seen {
-                if let Some(limit) = silence
-                    && live.contains(node)
-                    && at.elapsed() > limit
-                    && !(node.0 == Role::Worker && done.contains(&node.1))
-                {
-                    let reason = format!(
-                        "silent for {:.1} s (suspicion timeout {:.1} s)",
-                        at.elapsed().as_secs_f64(),
-                        limit.as_secs_f64()
-                    );
-                    tracing::warn!("scheduler: {} {} evicted: {reason}", node.0.name(), node.1);
-                    // Tell it why: a paused node reads this when it resumes (a worker then
-                    // rejoins, a server restarts from its checkpoint).
-                    let _ = nodes[node].send(
-                        &Msg::Evicted {
-                            reason: reason.clone(),
-                        }
-                        .encode(),
-                    );
-                    report.evicted.push((node.0, node.1, reason));
-                    gone.push(*node);
+                    _ => Ok(self.feed(Event::Tick)),
                 }
             }
-            for node in gone {
-                if live.remove(&node) {
-                    nodes[&node].close();
-                    report.dead.push(node);
-                    broadcast(
-                        &nodes,
-                        &live,
-                        &Msg::Dead {
-                            role: node.0,
-                            rank: node.1,
-                        },
-                    );
-                    if node.0 == Role::Server {
-                        let Some(c) = &self.cfg.checkpoint else {
-                            // Its data is gone with it: without checkpoints the job cannot
-                            // finish. Tell everyone and stop.
-                            broadcast(&nodes, &live, &Msg::Shutdown);
-                            return Err(Error::PeerGone {
-                                role: "server",
-                                rank: node.1,
-                                why: "it died during the job".into(),
-                            });
-                        };
-                        tracing::warn!(
-                            "scheduler: waiting up to {:.1} s for server {} to restart from its checkpoint",
-                            c.recovery_timeout.as_secs_f64(),
-                            node.1
-                        );
-                        down.insert(node.1, Instant::now() + c.recovery_timeout);
+            Completion::WriteImm { .. } => Ok(self.feed(Event::Tick)),
+        }
+    }
+
+    /// A message from a node of the job.
+    fn on_message(&mut self, node: Node, data: &[u8]) -> Option<Ending> {
+        let msg = match Msg::decode(data) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::warn!("scheduler: {e} from {} {}", node.0.name(), node.1);
+                None
+            }
+        };
+        if let Some(Msg::IterationDone {
+            threads,
+            tasks,
+            nanos,
+        }) = &msg
+            && node.0 == Role::Worker
+        {
+            self.advise(node.1, *threads, *tasks, *nanos);
+        }
+        self.feed(Event::Message { node, msg })
+    }
+
+    /// The supervisor: project, re-plan, advise whose count changed.
+    fn advise(&mut self, worker: u32, threads: u32, tasks: u32, nanos: u64) {
+        self.supervisor
+            .report(worker, threads as usize, tasks, Duration::from_nanos(nanos));
+        let now = self.supervisor.all_threads();
+        for (w, (&new, old)) in now.iter().zip(self.advised.iter_mut()).enumerate() {
+            let to = (Role::Worker, w as u32);
+            if new != *old
+                && self.m.is_live(to)
+                && let Some(l) = self.nodes.get(&to)
+            {
+                let m = Msg::Threads {
+                    threads: new as u32,
+                };
+                let _ = l.send(&m.encode());
+            }
+            *old = new;
+        }
+        let classes = self
+            .supervisor
+            .verdict()
+            .classes
+            .iter()
+            .map(class_name)
+            .collect();
+        let report = self.m.report_mut();
+        report.parallelism_plans = self.supervisor.plans();
+        report.threads = now;
+        report.classes = classes;
+    }
+
+    /// A message on a link not of the job: a node asking to join it (a server restarted from
+    /// its checkpoint, a worker rejoining).
+    fn on_joining(&mut self, link: LinkId, data: &[u8]) -> Result<Option<Ending>> {
+        let Some(l) = crate::worker::known_link(self.t, &mut self.joining, link) else {
+            return Ok(None);
+        };
+        let refusal = match Msg::decode(data) {
+            Ok(Msg::Knock) => {
+                auth::challenge(&l, &mut self.nonces)?;
+                return Ok(None);
+            }
+            Ok(Msg::Hello {
+                role,
+                rank,
+                proof,
+                addr,
+                ..
+            }) => {
+                self.joining.remove(&link);
+                let proof_ok = self
+                    .nonces
+                    .remove(&link)
+                    .is_some_and(|n| auth::check(&self.cfg.token, Purpose::Hello, &n, &proof));
+                match self.m.admit(role, rank, proof_ok) {
+                    Ok(r) => return Ok(self.rejoin(l, (role, r), addr)),
+                    Err(reason) => reason,
+                }
+            }
+            Ok(other) => {
+                self.joining.remove(&link);
+                format!("expected a hello, got {}", other.name())
+            }
+            Err(e) => {
+                self.joining.remove(&link);
+                e.to_string()
+            }
+        };
+        refuse(&l, refusal, self.m.report_mut());
+        Ok(None)
+    }
+
+    /// Admits `node` into the running job on `l`: its book, then the membership's welcome.
+    fn rejoin(&mut self, l: Link, node: Node, addr: String) -> Option<Ending> {
+        let (role, r) = node;
+        if role == Role::Server {
+            self.book.servers[r as usize] = addr.clone();
+        }
+        let b = Book {
+            rank: r,
+            rejoin: true,
+            barriers: self.m.barriers_fallen(),
+            ..self.book.clone()
+        };
+        if l.send(&Msg::Book(b).encode()).is_err() {
+            return None;
+        }
+        let link = l.id();
+        if let Some(old) = self.nodes.insert(node, l) {
+            self.by_link.remove(&old.id());
+        }
+        self.by_link.insert(link, node);
+        self.feed(Event::Joined { node, addr })
+    }
+
+    /// Hands `ev` to the membership now and carries out its actions; the ending, if it ended
+    /// the job.
+    fn feed(&mut self, ev: Event) -> Option<Ending> {
+        self.m.on_event(ev, Instant::now(), &mut self.out);
+        let mut ending = None;
+        for a in self.out.drain(..) {
+            match a {
+                Action::Send { to, msg } => {
+                    if let Some(l) = self.nodes.get(&to) {
+                        let _ = l.send(&msg.encode());
                     }
                 }
+                Action::Broadcast { to, msg } => {
+                    let bytes = msg.encode();
+                    for l in to.iter().filter_map(|n| self.nodes.get(n)) {
+                        let _ = l.send(&bytes);
+                    }
+                }
+                Action::Close { node } => {
+                    if let Some(l) = self.nodes.get(&node) {
+                        l.close();
+                    }
+                }
+                Action::End(how) => ending = Some(how),
             }
         }
+        ending
     }
 }
 
