@@ -245,8 +245,8 @@ impl Scheduler {
                     missing: roster.missing(),
                 });
             }
-            crate::worker::drain_accepted(&self.t, &mut st.links);
-            crate::worker::expire_unadmitted(
+            crate::postoffice::drain_accepted(&self.t, &mut st.links);
+            crate::postoffice::expire_unadmitted(
                 &mut st.links,
                 admission,
                 |id| roster.admitted(id),
@@ -261,7 +261,7 @@ impl Scheduler {
                 }
                 Completion::Closed { link, .. } => {
                     // A node that left before the job started frees its place.
-                    crate::worker::drain_accepted(&self.t, &mut st.links);
+                    crate::postoffice::drain_accepted(&self.t, &mut st.links);
                     roster.left(link);
                     st.hellos.remove(&link);
                     st.links.remove(&link);
@@ -283,7 +283,7 @@ impl Scheduler {
         data: &[u8],
         report: &mut SchedulerReport,
     ) -> Result<()> {
-        let Some(l) = crate::worker::known_link(&self.t, &mut st.links, link) else {
+        let Some(l) = crate::postoffice::known_link(&self.t, &mut st.links, link) else {
             return Ok(());
         };
         if roster.admitted(link) {
@@ -425,8 +425,8 @@ impl Scheduler {
             if let Some(ending) = next {
                 break ending;
             }
-            crate::worker::drain_accepted(&self.t, &mut d.joining);
-            crate::worker::expire_unadmitted(&mut d.joining, admission, |_| false, "scheduler");
+            crate::postoffice::drain_accepted(&self.t, &mut d.joining);
+            crate::postoffice::expire_unadmitted(&mut d.joining, admission, |_| false, "scheduler");
             next = match self.t.cq().wait(Some(tick)) {
                 Ok(c) => d.on_completion(c)?,
                 Err(_) => d.feed(Event::Tick),
@@ -472,7 +472,7 @@ impl Driver<'_> {
                 None => self.on_joining(link, &data),
             },
             Completion::Closed { link, error } => {
-                crate::worker::drain_accepted(self.t, &mut self.joining);
+                crate::postoffice::drain_accepted(self.t, &mut self.joining);
                 self.joining.remove(&link);
                 self.nonces.remove(&link);
                 match self.by_link.get(&link) {
@@ -481,7 +481,7 @@ impl Driver<'_> {
                             "scheduler: {} {} left: {}",
                             node.0.name(),
                             node.1,
-                            crate::worker::closed_why(&error)
+                            crate::postoffice::closed_why(&error)
                         );
                         Ok(self.feed(Event::Closed { node }))
                     }
@@ -547,7 +547,7 @@ impl Driver<'_> {
     /// A message on a link not of the job: a node asking to join it (a server restarted from
     /// its checkpoint, a worker rejoining).
     fn on_joining(&mut self, link: LinkId, data: &[u8]) -> Result<Option<Ending>> {
-        let Some(l) = crate::worker::known_link(self.t, &mut self.joining, link) else {
+        let Some(l) = crate::postoffice::known_link(self.t, &mut self.joining, link) else {
             return Ok(None);
         };
         let refusal = match Msg::decode(data) {

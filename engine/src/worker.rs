@@ -31,9 +31,7 @@ use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, ShardSpec, TensorSpec};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
-use crate::postoffice::{rendezvous, time_left};
-// The scheduler's driver still reaches these through here.
-pub(crate) use crate::postoffice::{closed_why, drain_accepted, expire_unadmitted, known_link};
+use crate::postoffice::{closed_why, rendezvous, time_left};
 use crate::proto::{
     AckOf, Book, Immediate, Msg, PushKind, ResumeShard, Role, ShardKeys, SlotTrailer,
 };
