@@ -267,9 +267,8 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Runs a simulation on `data`.
-pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
-    let wall = Instant::now();
+/// Checks a spec against itself and the data.
+fn check(spec: &SimSpec, data: &Dataset, model: &dyn crate::model::Model) -> Result<()> {
     let n = spec.workers as usize;
     if n == 0 || spec.iters == 0 || spec.batch == 0 {
         return Err(Error::Config(
@@ -287,7 +286,6 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
             spec.jitter
         )));
     }
-    let model = spec.model.build()?;
     if model.input_len() != data.train.features() {
         return Err(Error::Config(format!(
             "the model takes {} inputs, the data has {} features",
@@ -295,46 +293,6 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
             data.train.features()
         )));
     }
-    let policy: Box<dyn SyncPolicy> = match spec.policy.job_barriers() {
-        Some(r) => Box::new(ElasticBsp::new(spec.workers, r as usize)),
-        None => spec.policy.build_for(spec.workers, 0),
-    };
-    let mode = match spec.policy {
-        PolicySpec::Bsp | PolicySpec::SyncOpt { .. } => UpdateMode::Sync,
-        _ => UpdateMode::Async,
-    };
-    let p = model.num_params();
-    // The servers' shard, over a vector (empty when only timing is simulated).
-    let len = if spec.compute { p } else { 0 };
-    let shard_cfg = ShardConfig {
-        id: 0,
-        len,
-        workers: spec.workers,
-        mode,
-        aggregate: spec.aggregate,
-        max_pending_bytes: u64::MAX,
-    };
-    let opt = spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr });
-    let opt = ShardOptimizer::new(opt, Arc::new(Constant), len);
-    let mut core = ShardCore::new(shard_cfg, policy, opt, spec.scale.build());
-    let mut shard = VecParams::new(len, spec.workers);
-    let mut out: Vec<Output> = Vec::new();
-    if spec.compute {
-        let values = model.init_vec(spec.seed);
-        let init = Input::Init {
-            conn: 0,
-            worker: 0,
-            values,
-        };
-        core.handle(0, init, &mut shard, &mut |o| out.push(o))?;
-    }
-    let mut scratch = Scratch::new();
-    let mut x = Vec::new();
-    let mut y = Vec::new();
-    // Each worker's gradient of the iteration in flight (computed at its start).
-    let mut grads: Vec<Vec<f32>> = vec![Vec::new(); n];
-    // The parameter version each worker's iteration in flight started from.
-    let mut seen = vec![0u64; n];
     let share = data.train.len() / n;
     if share < spec.batch && spec.compute {
         return Err(Error::Config(format!(
@@ -342,25 +300,178 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
             spec.batch
         )));
     }
-    let per_epoch = (share / spec.batch).max(1) as u64;
-    let mut orders: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-    let mut queue: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
-    let mut seq = 0u64;
-    let mut push_ev = |q: &mut BinaryHeap<Reverse<(u64, u64, Ev)>>, t: u64, e: Ev| {
-        seq += 1;
-        q.push(Reverse((t, seq, e)));
-    };
-    // Parked pulls: request id → (worker, clock, since).
-    let mut waiting: BTreeMap<u64, (u32, u64, u64)> = BTreeMap::new();
-    let mut req = 0u64;
-    let mut blocked = vec![0u64; n];
-    let mut offers = 0u64;
-    let mut curve = Vec::new();
-    let mut end = 0u64;
-    let mut grad_wall = std::time::Duration::ZERO;
-    // How long worker `w`'s iteration `c` takes, all its tasks computed by itself (virtual
-    // ns): base ± jitter, plus its heterogeneity's delay.
-    let duration = |w: u32, c: u64| -> u64 {
+    Ok(())
+}
+
+/// Runs a simulation on `data`.
+pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
+    let wall = Instant::now();
+    let model = spec.model.build()?;
+    check(spec, data, &*model)?;
+    let mut sim = Sim::new(spec, data, model)?;
+    // Every worker pulls clock 0 at time 0.
+    for w in 0..spec.workers {
+        sim.pull(w, 0, 0)?;
+    }
+    loop {
+        // Carry out what the shard said at the last event (at time `end`).
+        sim.carry_out()?;
+        let Some(Reverse((t, _, ev))) = sim.queue.pop() else {
+            break;
+        };
+        if let Ev::Push(w, _, g) = ev
+            && g != sim.workers[w as usize].generation
+        {
+            // Rescheduled by a transfer: the push happens at its new time.
+            continue;
+        }
+        sim.end = sim.end.max(t);
+        match ev {
+            Ev::Start(w, c) => sim.start(w, c, t)?,
+            Ev::Push(w, c, _) => sim.push(w, c, t)?,
+        }
+    }
+    sim.report(wall)
+}
+
+/// One simulated worker.
+#[derive(Clone, Default)]
+struct SimWorker {
+    /// The gradient of its iteration in flight (computed at its start).
+    grad: Vec<f32>,
+    /// The parameter version its iteration in flight started from.
+    seen: u64,
+    /// The clock of its pull waiting at the server.
+    pulling: Option<u64>,
+    /// Its iteration in flight.
+    running: Option<Running>,
+    /// The generation of its push event (a transfer reschedules it).
+    generation: u64,
+    /// When it is done helping.
+    busy_until: u64,
+    /// Tasks it computed.
+    tasks_computed: u64,
+    /// Virtual ns its pulls were parked.
+    blocked: u64,
+}
+
+/// A simulation in progress: the event queue, the workers, and the servers' shard core
+/// driven over a vector.
+struct Sim<'a> {
+    spec: &'a SimSpec,
+    data: &'a Dataset,
+    model: Box<dyn crate::model::Model>,
+    mode: UpdateMode,
+    core: ShardCore,
+    shard: VecParams,
+    /// What the shard said, not carried out yet.
+    out: Vec<Output>,
+    queue: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    /// Events queued so far (the tie-break of equal times).
+    seq: u64,
+    workers: Vec<SimWorker>,
+    /// Parked pulls: request id → (worker, clock, since).
+    waiting: BTreeMap<u64, (u32, u64, u64)>,
+    req: u64,
+    /// Iterations per epoch of a worker's share.
+    per_epoch: u64,
+    /// Each epoch's order of the training examples.
+    orders: BTreeMap<u64, Vec<usize>>,
+    scratch: Scratch,
+    x: Vec<f32>,
+    y: Vec<u8>,
+    curve: Vec<EvalPoint>,
+    /// The latest event's virtual time.
+    end: u64,
+    grad_wall: std::time::Duration,
+    offers: u64,
+    taken: u64,
+    moved: u64,
+}
+
+impl<'a> Sim<'a> {
+    fn new(
+        spec: &'a SimSpec,
+        data: &'a Dataset,
+        model: Box<dyn crate::model::Model>,
+    ) -> Result<Sim<'a>> {
+        let policy: Box<dyn SyncPolicy> = match spec.policy.job_barriers() {
+            Some(r) => Box::new(ElasticBsp::new(spec.workers, r as usize)),
+            None => spec.policy.build_for(spec.workers, 0),
+        };
+        let mode = match spec.policy {
+            PolicySpec::Bsp | PolicySpec::SyncOpt { .. } => UpdateMode::Sync,
+            _ => UpdateMode::Async,
+        };
+        // The servers' shard, over a vector (empty when only timing is simulated).
+        let len = if spec.compute { model.num_params() } else { 0 };
+        let shard_cfg = ShardConfig {
+            id: 0,
+            len,
+            workers: spec.workers,
+            mode,
+            aggregate: spec.aggregate,
+            max_pending_bytes: u64::MAX,
+        };
+        let opt = spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr });
+        let opt = ShardOptimizer::new(opt, Arc::new(Constant), len);
+        let n = spec.workers as usize;
+        let share = data.train.len() / n;
+        let mut sim = Sim {
+            spec,
+            data,
+            mode,
+            core: ShardCore::new(shard_cfg, policy, opt, spec.scale.build()),
+            shard: VecParams::new(len, spec.workers),
+            out: Vec::new(),
+            queue: BinaryHeap::new(),
+            seq: 0,
+            workers: vec![SimWorker::default(); n],
+            waiting: BTreeMap::new(),
+            req: 0,
+            per_epoch: (share / spec.batch).max(1) as u64,
+            orders: BTreeMap::new(),
+            scratch: Scratch::new(),
+            x: Vec::new(),
+            y: Vec::new(),
+            curve: Vec::new(),
+            end: 0,
+            grad_wall: std::time::Duration::ZERO,
+            offers: 0,
+            taken: 0,
+            moved: 0,
+            model,
+        };
+        if spec.compute {
+            let values = sim.model.init_vec(spec.seed);
+            sim.feed(
+                0,
+                Input::Init {
+                    conn: 0,
+                    worker: 0,
+                    values,
+                },
+            )?;
+        }
+        Ok(sim)
+    }
+
+    fn feed(&mut self, t: u64, input: Input) -> Result<()> {
+        let out = &mut self.out;
+        self.core
+            .handle(t, input, &mut self.shard, &mut |o| out.push(o))?;
+        Ok(())
+    }
+
+    fn schedule(&mut self, t: u64, e: Ev) {
+        self.seq += 1;
+        self.queue.push(Reverse((t, self.seq, e)));
+    }
+
+    /// How long worker `w`'s iteration `c` takes, all its tasks computed by itself (virtual
+    /// ns): base ± jitter, plus its heterogeneity's delay.
+    fn duration(&self, w: u32, c: u64) -> u64 {
+        let spec = self.spec;
         let u = (splitmix(spec.seed ^ (u64::from(w) << 40) ^ c) >> 11) as f64 / (1u64 << 53) as f64;
         let d = spec.base_ns as f64 * (1.0 + spec.jitter * (2.0 * u - 1.0));
         let d = std::time::Duration::from_nanos(d as u64);
@@ -371,240 +482,244 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
                 h.delay(spec.seed ^ u64::from(w), c, d)
             });
         u64::try_from(d.saturating_add(extra).as_nanos()).unwrap_or(u64::MAX)
-    };
-    // Per worker: the clock of its pull waiting at the server, its iteration in flight, the
-    // generation of its push event, when it is done helping, the tasks it computed.
-    let mut pulling: Vec<Option<u64>> = vec![None; n];
-    let mut running: Vec<Option<Running>> = vec![None; n];
-    let mut generation = vec![0u64; n];
-    let mut busy_until = vec![0u64; n];
-    let mut tasks_computed = vec![0u64; n];
-    let (mut taken, mut moved) = (0u64, 0u64);
-
-    // Every worker pulls clock 0 at time 0.
-    for w in 0..spec.workers {
-        req += 1;
-        waiting.insert(req, (w, 0, 0));
-        pulling[w as usize] = Some(0);
-        let pull = Input::Pull {
-            worker: w,
-            clock: 0,
-            req,
-        };
-        core.handle(0, pull, &mut shard, &mut |o| out.push(o))?;
     }
-    loop {
-        // Carry out the actions of the last event (at time `end`).
-        let now = end;
-        for a in std::mem::take(&mut out) {
-            match a {
-                Output::Answer { req: r, .. } => {
-                    if let Some((w, c, since)) = waiting.remove(&r) {
-                        let wi = w as usize;
+
+    /// Worker `w`'s pull for clock `c` reaches the shard at `t`.
+    fn pull(&mut self, w: u32, c: u64, t: u64) -> Result<()> {
+        self.req += 1;
+        self.waiting.insert(self.req, (w, c, t));
+        self.workers[w as usize].pulling = Some(c);
+        let req = self.req;
+        self.feed(
+            t,
+            Input::Pull {
+                worker: w,
+                clock: c,
+                req,
+            },
+        )
+    }
+
+    /// Carries out what the shard said at the last event.
+    fn carry_out(&mut self) -> Result<()> {
+        let now = self.end;
+        for o in std::mem::take(&mut self.out) {
+            match o {
+                Output::Answer { req, .. } => {
+                    if let Some((w, c, since)) = self.waiting.remove(&req) {
+                        let me = &mut self.workers[w as usize];
                         let at = since.max(now);
-                        blocked[wi] += at - since;
-                        pulling[wi] = None;
+                        me.blocked += at - since;
+                        me.pulling = None;
                         // A helper starts its own iteration once its taken tasks are done.
-                        let begin = at.saturating_add(spec.latency_ns).max(busy_until[wi]);
-                        push_ev(&mut queue, begin, Ev::Start(w, c));
+                        let begin = at.saturating_add(self.spec.latency_ns).max(me.busy_until);
+                        self.schedule(begin, Ev::Start(w, c));
                     }
                 }
                 Output::Offer {
                     helper,
                     straggler,
                     clock,
-                } => {
-                    offers += 1;
-                    let (h, st) = (helper as usize, straggler as usize);
-                    if !spec.transfer || h == st || h >= n || st >= n || busy_until[h] > now {
-                        continue;
-                    }
-                    let Some(helper_clock) = pulling[h] else {
-                        continue;
-                    };
-                    let Some(run) = running[st].as_mut().filter(|r| r.clock == clock) else {
-                        continue;
-                    };
-                    let begun = tasks_begun(run.start, run.took, run.own, spec.tasks, now);
-                    let k = (run.own - begun) / 2;
-                    if k == 0 {
-                        continue;
-                    }
-                    let done = now.saturating_add(task_offset(
-                        duration(helper, helper_clock),
-                        k,
-                        spec.tasks,
-                    ));
-                    busy_until[h] = done;
-                    tasks_computed[h] += u64::from(k);
-                    run.own -= k;
-                    run.helped_until = run.helped_until.max(done);
-                    taken += 1;
-                    moved += u64::from(k);
-                    let own_end = run
-                        .start
-                        .saturating_add(task_offset(run.took, run.own, spec.tasks));
-                    let push_at = own_end
-                        .max(run.helped_until)
-                        .saturating_add(spec.latency_ns);
-                    generation[st] += 1;
-                    push_ev(
-                        &mut queue,
-                        push_at,
-                        Ev::Push(straggler, clock, generation[st]),
-                    );
-                }
+                } => self.transfer(helper, straggler, clock, now),
                 Output::Refuse { reason, .. } => {
                     return Err(Error::Config(format!("the shard refused a pull: {reason}")));
                 }
                 Output::Ack { .. } | Output::Lost { .. } => {}
             }
         }
-        let Some(Reverse((t, _, ev))) = queue.pop() else {
-            break;
+        Ok(())
+    }
+
+    /// An offer to `helper` of `straggler`'s iteration `clock`, carried out at `now` (see the
+    /// [module documentation](self#tasks-and-their-transfer)).
+    fn transfer(&mut self, helper: u32, straggler: u32, clock: u64, now: u64) {
+        self.offers += 1;
+        let (h, st, n) = (helper as usize, straggler as usize, self.workers.len());
+        let tasks = self.spec.tasks;
+        if !self.spec.transfer || h == st || h >= n || st >= n || self.workers[h].busy_until > now {
+            return;
+        }
+        let Some(helper_clock) = self.workers[h].pulling else {
+            return;
         };
-        if let Ev::Push(w, _, g) = ev
-            && g != generation[w as usize]
-        {
-            // Rescheduled by a transfer: the push happens at its new time.
-            continue;
+        let Some(run) = self.workers[st].running.filter(|r| r.clock == clock) else {
+            return;
+        };
+        let begun = tasks_begun(run.start, run.took, run.own, tasks, now);
+        let k = (run.own - begun) / 2;
+        if k == 0 {
+            return;
         }
-        end = end.max(t);
-        match ev {
-            Ev::Start(w, c) => {
-                let wi = w as usize;
-                seen[wi] = shard.version();
-                if spec.compute {
-                    let epoch = c / per_epoch;
-                    let k = (c % per_epoch) as usize;
-                    // One shuffle per epoch, cut into the workers' shares exactly as
-                    // `Split::batch_indices` does (its order depends on the seed and the
-                    // epoch only), instead of one shuffle of the whole split per worker.
-                    let order = orders
-                        .entry(epoch)
-                        .or_insert_with(|| data.train.batch_indices(0, 1, epoch, spec.seed));
-                    let len = order.len() as u128;
-                    let lo = (len * u128::from(w) / u128::from(spec.workers)) as usize;
-                    x.clear();
-                    y.clear();
-                    for &i in &order[lo + k * spec.batch..lo + (k + 1) * spec.batch] {
-                        x.extend_from_slice(data.train.image(i));
-                        y.push(data.train.label(i));
-                    }
-                    if orders.len() > 8 {
-                        orders.retain(|&e, _| e + 4 >= epoch);
-                    }
-                    let g = &mut grads[wi];
-                    g.clear();
-                    g.resize(p, 0.0);
-                    let tg = Instant::now();
-                    model.grad(shard.values(), &x, &y, g, &mut scratch)?;
-                    grad_wall += tg.elapsed();
-                    let inv = 1.0 / spec.batch as f32;
-                    g.iter_mut().for_each(|v| *v *= inv);
-                }
-                let took = duration(w, c);
-                running[wi] = Some(Running {
-                    clock: c,
-                    start: t,
-                    took,
-                    own: spec.tasks,
-                    helped_until: 0,
-                });
-                let at = t.saturating_add(took).saturating_add(spec.latency_ns);
-                push_ev(&mut queue, at, Ev::Push(w, c, generation[wi]));
-            }
-            Ev::Push(w, c, _) => {
-                let wi = w as usize;
-                if let Some(run) = running[wi].take() {
-                    tasks_computed[wi] += u64::from(run.own);
-                }
-                let push = Input::Push {
-                    conn: 0,
-                    worker: w,
-                    seq: c + 1,
-                    computed_on: Some(seen[wi]),
-                    grad: std::mem::take(&mut grads[wi]),
-                };
-                core.handle(t, push, &mut shard, &mut |o| out.push(o))?;
-                if w == 0 && spec.compute && spec.eval_every > 0 && (c + 1) % spec.eval_every == 0 {
-                    let (accuracy, loss) =
-                        evaluate(&*model, shard.values(), &data.test, spec.eval_examples)?;
-                    curve.push(EvalPoint {
-                        secs: t as f64 / 1e9,
-                        iteration: c + 1,
-                        accuracy,
-                        loss,
-                    });
-                }
-                if c + 1 < spec.iters {
-                    req += 1;
-                    waiting.insert(req, (w, c + 1, t));
-                    pulling[wi] = Some(c + 1);
-                    let pull = Input::Pull {
-                        worker: w,
-                        clock: c + 1,
-                        req,
-                    };
-                    core.handle(t, pull, &mut shard, &mut |o| out.push(o))?;
-                } else if mode == UpdateMode::Async {
-                    // Done: it holds nobody back any more (ElasticBSP's barriers leave it out,
-                    // as the scheduler does for a finished worker). Under synchronous updates
-                    // a finished worker has pushed every clock, and the quorum stays whole.
-                    core.handle(t, Input::Leave { worker: w }, &mut shard, &mut |o| {
-                        out.push(o)
-                    })?;
-                }
-            }
+        let done = now.saturating_add(task_offset(self.duration(helper, helper_clock), k, tasks));
+        self.workers[h].busy_until = done;
+        self.workers[h].tasks_computed += u64::from(k);
+        let mut run = run;
+        run.own -= k;
+        run.helped_until = run.helped_until.max(done);
+        self.taken += 1;
+        self.moved += u64::from(k);
+        let own_end = run
+            .start
+            .saturating_add(task_offset(run.took, run.own, tasks));
+        let push_at = own_end
+            .max(run.helped_until)
+            .saturating_add(self.spec.latency_ns);
+        let me = &mut self.workers[st];
+        me.running = Some(run);
+        me.generation += 1;
+        let g = me.generation;
+        self.schedule(push_at, Ev::Push(straggler, clock, g));
+    }
+
+    /// Worker `w` starts iteration `c` at `t` on the shard's values as they are.
+    fn start(&mut self, w: u32, c: u64, t: u64) -> Result<()> {
+        let wi = w as usize;
+        self.workers[wi].seen = self.shard.version();
+        if self.spec.compute {
+            self.gradient(w, c)?;
         }
+        let took = self.duration(w, c);
+        let me = &mut self.workers[wi];
+        me.running = Some(Running {
+            clock: c,
+            start: t,
+            took,
+            own: self.spec.tasks,
+            helped_until: 0,
+        });
+        let g = me.generation;
+        let at = t.saturating_add(took).saturating_add(self.spec.latency_ns);
+        self.schedule(at, Ev::Push(w, c, g));
+        Ok(())
     }
-    if !waiting.is_empty() {
-        return Err(Error::Config(format!(
-            "the policy left {} pulls parked with nothing left to happen (a policy bug)",
-            waiting.len()
-        )));
+
+    /// Worker `w`'s gradient of iteration `c`, on its share of the epoch's order.
+    fn gradient(&mut self, w: u32, c: u64) -> Result<()> {
+        let (spec, train) = (self.spec, &self.data.train);
+        let epoch = c / self.per_epoch;
+        let k = (c % self.per_epoch) as usize;
+        // One shuffle per epoch, cut into the workers' shares exactly as
+        // `Split::batch_indices` does (its order depends on the seed and the epoch only),
+        // instead of one shuffle of the whole split per worker.
+        let order = self
+            .orders
+            .entry(epoch)
+            .or_insert_with(|| train.batch_indices(0, 1, epoch, spec.seed));
+        let len = order.len() as u128;
+        let lo = (len * u128::from(w) / u128::from(spec.workers)) as usize;
+        self.x.clear();
+        self.y.clear();
+        for &i in &order[lo + k * spec.batch..lo + (k + 1) * spec.batch] {
+            self.x.extend_from_slice(train.image(i));
+            self.y.push(train.label(i));
+        }
+        if self.orders.len() > 8 {
+            self.orders.retain(|&e, _| e + 4 >= epoch);
+        }
+        let g = &mut self.workers[w as usize].grad;
+        g.clear();
+        g.resize(self.model.num_params(), 0.0);
+        let tg = Instant::now();
+        self.model
+            .grad(self.shard.values(), &self.x, &self.y, g, &mut self.scratch)?;
+        self.grad_wall += tg.elapsed();
+        let inv = 1.0 / spec.batch as f32;
+        g.iter_mut().for_each(|v| *v *= inv);
+        Ok(())
     }
-    let final_accuracy = if spec.compute {
-        evaluate(&*model, shard.values(), &data.test, 0)?.0
-    } else {
-        0.0
-    };
-    let digest = shard
-        .values()
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+
+    /// Worker `w`'s push of iteration `c` reaches the shard at `t`; then its next pull.
+    fn push(&mut self, w: u32, c: u64, t: u64) -> Result<()> {
+        let spec = self.spec;
+        let me = &mut self.workers[w as usize];
+        if let Some(run) = me.running.take() {
+            me.tasks_computed += u64::from(run.own);
+        }
+        let push = Input::Push {
+            conn: 0,
+            worker: w,
+            seq: c + 1,
+            computed_on: Some(me.seen),
+            grad: std::mem::take(&mut me.grad),
+        };
+        self.feed(t, push)?;
+        if w == 0 && spec.compute && spec.eval_every > 0 && (c + 1).is_multiple_of(spec.eval_every) {
+            let (accuracy, loss) = evaluate(
+                &*self.model,
+                self.shard.values(),
+                &self.data.test,
+                spec.eval_examples,
+            )?;
+            self.curve.push(EvalPoint {
+                secs: t as f64 / 1e9,
+                iteration: c + 1,
+                accuracy,
+                loss,
+            });
+        }
+        if c + 1 < spec.iters {
+            self.pull(w, c + 1, t)?;
+        } else if self.mode == UpdateMode::Async {
+            // Done: it holds nobody back any more (ElasticBSP's barriers leave it out, as
+            // the scheduler does for a finished worker). Under synchronous updates a finished
+            // worker has pushed every clock, and the quorum stays whole.
+            self.feed(t, Input::Leave { worker: w })?;
+        }
+        Ok(())
+    }
+
+    fn report(self, wall: Instant) -> Result<SimReport> {
+        let spec = self.spec;
+        if !self.waiting.is_empty() {
+            return Err(Error::Config(format!(
+                "the policy left {} pulls parked with nothing left to happen (a policy bug)",
+                self.waiting.len()
+            )));
+        }
+        let values = self.shard.values();
+        let final_accuracy = if spec.compute {
+            evaluate(&*self.model, values, &self.data.test, 0)?.0
+        } else {
+            0.0
+        };
+        let digest = values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
             (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
         });
-    let virtual_secs = end as f64 / 1e9;
-    let stats = core.stats();
-    let parked = stats.per_worker.iter().map(|c| c.parked_pulls).sum();
-    let dropped = stats.per_worker.iter().map(|c| c.dropped_gradients).sum();
-    let updates = stats.updates;
-    Ok(SimReport {
-        policy: core.policy().name(),
-        workers: spec.workers,
-        iters: spec.iters,
-        virtual_secs,
-        wall_secs: wall.elapsed().as_secs_f64(),
-        gradient_secs: grad_wall.as_secs_f64(),
-        iterations_per_sec: (u64::from(spec.workers) * spec.iters) as f64 / virtual_secs.max(1e-12),
-        time_to_target: curve
-            .iter()
-            .find(|e| e.accuracy >= spec.target)
-            .map(|e| e.secs),
-        curve,
-        final_accuracy,
-        blocked_secs: blocked.iter().map(|&b| b as f64 / 1e9).collect(),
-        parked_pulls: parked,
-        dropped,
-        transfers_offered: offers,
-        transfers_taken: taken,
-        tasks_transferred: moved,
-        tasks_computed,
-        updates,
-        bytes_moved: 2 * u64::from(spec.workers) * spec.iters * p as u64 * 4,
-        digest,
-    })
+        let virtual_secs = self.end as f64 / 1e9;
+        let stats = self.core.stats();
+        let p = self.model.num_params() as u64;
+        Ok(SimReport {
+            policy: self.core.policy().name(),
+            workers: spec.workers,
+            iters: spec.iters,
+            virtual_secs,
+            wall_secs: wall.elapsed().as_secs_f64(),
+            gradient_secs: self.grad_wall.as_secs_f64(),
+            iterations_per_sec: (u64::from(spec.workers) * spec.iters) as f64
+                / virtual_secs.max(1e-12),
+            time_to_target: self
+                .curve
+                .iter()
+                .find(|e| e.accuracy >= spec.target)
+                .map(|e| e.secs),
+            curve: self.curve,
+            final_accuracy,
+            blocked_secs: self
+                .workers
+                .iter()
+                .map(|w| w.blocked as f64 / 1e9)
+                .collect(),
+            parked_pulls: stats.per_worker.iter().map(|c| c.parked_pulls).sum(),
+            dropped: stats.per_worker.iter().map(|c| c.dropped_gradients).sum(),
+            transfers_offered: self.offers,
+            transfers_taken: self.taken,
+            tasks_transferred: self.moved,
+            tasks_computed: self.workers.iter().map(|w| w.tasks_computed).collect(),
+            updates: stats.updates,
+            bytes_moved: 2 * u64::from(spec.workers) * spec.iters * p * 4,
+            digest,
+        })
+    }
 }
 
 #[cfg(test)]
