@@ -695,15 +695,18 @@ impl Serving {
             return;
         };
         let slot = &s.slots[w as usize];
-        let mut grad = vec![0f32; s.spec.len as usize];
         let mut trailer = [0u8; 16];
-        let read = slot
-            .read_f32s(0, &mut grad)
-            .and_then(|()| slot.read_at(s.spec.bytes(), &mut trailer));
-        if let Err(e) = read {
-            tracing::warn!("server {rank}: reading worker {w}'s slot: {e}");
-            return;
-        }
+        let read = slot.read_f32_vec(0, s.spec.len as usize).and_then(|grad| {
+            slot.read_at(s.spec.bytes(), &mut trailer)?;
+            Ok(grad)
+        });
+        let grad = match read {
+            Ok(grad) => grad,
+            Err(e) => {
+                tracing::warn!("server {rank}: reading worker {w}'s slot: {e}");
+                return;
+            }
+        };
         let SlotTrailer { computed_on, seq } = SlotTrailer::from_bytes(trailer);
         let input = match imm.kind {
             PushKind::Init => Input::Init {

@@ -643,7 +643,8 @@ impl<'a> Sim<'a> {
             grad: std::mem::take(&mut me.grad),
         };
         self.feed(t, push)?;
-        if w == 0 && spec.compute && spec.eval_every > 0 && (c + 1).is_multiple_of(spec.eval_every) {
+        if w == 0 && spec.compute && spec.eval_every > 0 && (c + 1).is_multiple_of(spec.eval_every)
+        {
             let (accuracy, loss) = evaluate(
                 &*self.model,
                 self.shard.values(),

@@ -91,22 +91,25 @@ impl Region {
         Ok(())
     }
 
-    /// Copies `out.len()` floats starting at byte `offset` out of the region (a gradient a
-    /// peer wrote into a slot).
-    pub fn read_f32s(&self, offset: u64, out: &mut [f32]) -> Result<()> {
-        let bytes = std::mem::size_of_val(out) as u64;
+    /// `len` floats starting at byte `offset`, copied out of the region into a new vector (a
+    /// gradient a peer wrote into a slot): one pass over the bytes, no zeroing first.
+    pub fn read_f32_vec(&self, offset: u64, len: usize) -> Result<Vec<f32>> {
+        let bytes = (len as u64).checked_mul(4).unwrap_or(u64::MAX);
         check_bounds("region read", offset, bytes, self.len())?;
+        let mut out = Vec::<f32>::with_capacity(len);
         // SAFETY: the range was bounds-checked against the live mapping, which this handle keeps
-        // alive; `out` is a distinct Rust allocation, so the ranges cannot overlap; every bit
-        // pattern is a valid f32, and a byte copy needs no alignment.
+        // alive; `out` has room for `len` floats and is a distinct allocation, so the ranges
+        // cannot overlap; a byte copy needs no alignment; every bit pattern is a valid f32, so
+        // the `len` floats are initialized once copied.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.as_ptr().add(offset as usize),
                 out.as_mut_ptr().cast::<u8>(),
                 bytes as usize,
             );
+            out.set_len(len);
         }
-        Ok(())
+        Ok(out)
     }
 
     /// The region as 64-bit atomic words, each on its own cache line: as many whole lines as
