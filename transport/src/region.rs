@@ -94,7 +94,7 @@ impl Region {
     /// `len` floats starting at byte `offset`, copied out of the region into a new vector (a
     /// gradient a peer wrote into a slot): one pass over the bytes, no zeroing first.
     pub fn read_f32_vec(&self, offset: u64, len: usize) -> Result<Vec<f32>> {
-        let bytes = (len as u64).checked_mul(4).unwrap_or(u64::MAX);
+        let bytes = (len as u64).saturating_mul(4);
         check_bounds("region read", offset, bytes, self.len())?;
         let mut out = Vec::<f32>::with_capacity(len);
         // SAFETY: the range was bounds-checked against the live mapping, which this handle keeps
