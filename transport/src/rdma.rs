@@ -156,14 +156,16 @@ pub fn ports() -> Result<Vec<PortInfo>> {
         if ctx.is_null() {
             return Err(errno_error("open RDMA device"));
         }
-        // SAFETY: valid context and out-pointer.
+        // SAFETY: `ibv_device_attr` is plain C data: all zeroes is a valid value.
         let mut da: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: valid context and out-pointer.
         let nports = if unsafe { ibv_query_device(ctx, &mut da) } == 0 {
             da.phys_port_cnt
         } else {
             1
         };
         for port in 1..=nports {
+            // SAFETY: `ibv_port_attr` is plain C data: all zeroes is a valid value.
             let mut pa: ibv_port_attr = unsafe { std::mem::zeroed() };
             // SAFETY: valid context and out-pointer.
             if unsafe { ___ibv_query_port(ctx, port, &mut pa) } != 0 {
@@ -171,11 +173,13 @@ pub fn ports() -> Result<Vec<PortInfo>> {
             }
             let mut gids = Vec::new();
             for idx in 0..pa.gid_tbl_len.min(16) {
+                // SAFETY: `ibv_gid` is a union of plain bytes: all zeroes is a valid value.
                 let mut g: ibv_gid = unsafe { std::mem::zeroed() };
                 // SAFETY: valid context, index within the table, out-pointer.
-                if unsafe { ibv_query_gid(ctx, port, idx, &mut g) } == 0
-                    && unsafe { g.raw } != [0u8; 16]
-                {
+                let found = unsafe { ibv_query_gid(ctx, port, idx, &mut g) } == 0;
+                // SAFETY: reading the union's raw bytes is valid whatever the library wrote
+                // (every field is bytes).
+                if found && unsafe { g.raw } != [0u8; 16] {
                     gids.push((idx, gid_text(&g)));
                 }
             }
@@ -203,6 +207,7 @@ pub fn ports() -> Result<Vec<PortInfo>> {
 struct Mr(*mut ibv_mr);
 // SAFETY: an MR handle may be used and deregistered from any thread.
 unsafe impl Send for Mr {}
+// SAFETY: shared use only reads its keys; libibverbs needs no lock for that.
 unsafe impl Sync for Mr {}
 impl Drop for Mr {
     fn drop(&mut self) {
@@ -269,6 +274,7 @@ pub(crate) struct Device {
 // SAFETY: libibverbs objects are thread-safe (the library locks internally); the raw pointers
 // are owned by this struct and freed once in Drop, after the progress thread has stopped.
 unsafe impl Send for Device {}
+// SAFETY: as for `Send`: every use through `&Device` is a thread-safe verbs call.
 unsafe impl Sync for Device {}
 
 impl std::fmt::Debug for Device {
@@ -325,9 +331,11 @@ impl Device {
             )));
         }
         let port = 1u8;
+        // SAFETY: `ibv_port_attr` is plain C data: all zeroes is a valid value.
         let mut pa: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: valid context and out-pointer.
         if unsafe { ___ibv_query_port(ctx, port, &mut pa) } != 0 {
+            // SAFETY: opened above, closed once on this path.
             unsafe { ibv_close_device(ctx) };
             return Err(errno_error("query RDMA port"));
         }
@@ -340,9 +348,11 @@ impl Device {
             )));
         }
         let global = pa.link_layer == LINK_LAYER_ETHERNET || pa.lid == 0;
+        // SAFETY: `ibv_gid` is a union of plain bytes: all zeroes is a valid value.
         let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
         // SAFETY: valid context and out-pointer.
         if unsafe { ibv_query_gid(ctx, port, gid_index, &mut gid) } != 0 && global {
+            // SAFETY: opened above, closed once on this path.
             unsafe { ibv_close_device(ctx) };
             return Err(unavailable(format!(
                 "{name} has no GID at index {gid_index} (set FALCON_RDMA_GID_INDEX)"
@@ -350,10 +360,12 @@ impl Device {
         }
         // SAFETY: FFI constructors on a valid context; each result is checked.
         let pd = unsafe { ibv_alloc_pd(ctx) };
+        // SAFETY: as above.
         let channel = unsafe { ibv_create_comp_channel(ctx) };
         let cq = if channel.is_null() {
             std::ptr::null_mut()
         } else {
+            // SAFETY: as above, on a channel just created and checked non-null.
             unsafe { ibv_create_cq(ctx, 4096, std::ptr::null_mut(), channel, 0) }
         };
         if pd.is_null() || channel.is_null() || cq.is_null() {
@@ -684,6 +696,7 @@ struct QpState {
 
 // SAFETY: the QP pointer is used only through thread-safe verbs calls.
 unsafe impl Send for QpState {}
+// SAFETY: as for `Send`; destruction is fenced by `alive` under its write lock.
 unsafe impl Sync for QpState {}
 
 impl QpState {
