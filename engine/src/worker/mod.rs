@@ -38,7 +38,7 @@
 //! | lock | guards |
 //! |---|---|
 //! | `servers[r].state` (with its condvar `changed`) | server `r`'s link, its reconnection, whether it is gone for good |
-//! | `requests` | the [`Tracker`](tracker::Tracker) of every request in flight |
+//! | `requests` | the `Tracker` of every request in flight |
 //! | `gate` | ElasticBSP's barrier, interval samples and superstep report in flight |
 //! | `shards[i].keys` (read-write) | shard `i`'s remote keys (replaced on reattachment) |
 //! | `shards[i].scratch` | shard `i`'s scratch region (meta reads, slot trailers) |
@@ -49,7 +49,7 @@
 //! | `offers` | the task-transfer offers received and not yet taken |
 //! | `steal_hook` | how this worker gives tasks away |
 //!
-//! and every [`Signal`](tracker::Signal) a lock of its own.
+//! and every `Signal` (what a caller waits on) a lock of its own.
 //!
 //! The order: **no code holds two of the locks above at once.** Each is taken, used and
 //! released (what is needed past it is cloned out first). The one nesting is a signal's
