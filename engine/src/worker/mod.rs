@@ -46,7 +46,7 @@
 //! | `dead` | the workers the scheduler declared dead |
 //! | `staging` | the staging regions of `push_slice` |
 //! | `stats` | the counters |
-//! | `offers` | the task-transfer offers received and not yet taken |
+//! | `offers` | the task-transfer offers not yet taken, and every one received |
 //! | `steal_hook` | how this worker gives tasks away |
 //!
 //! and every `Signal` (what a caller waits on) a lock of its own.
