@@ -1,0 +1,358 @@
+//! The data path: writing a push into this worker's slot on a shard's server, and pulling a
+//! shard — the lock-free one-sided path, or a request the server's policy answers.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use falcon_transport::{Link, Region, RemoteKey};
+
+use super::tracker::{Request, Signal};
+use super::{Inner, ShardRemote, Worker, lock};
+use crate::error::{Error, Result};
+use crate::meta::{Snapshot, meta_bytes, within_staleness};
+use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer};
+
+/// A push as it must be written again (after a reconnection).
+#[derive(Clone)]
+pub(super) struct PushRecord {
+    /// The values (`None`: the slot as it is, a bare repeat).
+    pub(super) grad: Option<Region>,
+    pub(super) kind: PushKind,
+    pub(super) seq: u64,
+}
+
+/// What a tracked request keeps so that it can be sent again on a new link.
+#[derive(Clone)]
+pub(super) enum Resend {
+    /// A push into the slot of shard `shard` (an index into `Inner::shards`).
+    Push { shard: usize, rec: PushRecord },
+    /// A slow-path pull of shard `shard` (an index into `Inner::shards`) into `out`.
+    Pull {
+        shard: usize,
+        out: Region,
+        clock: u64,
+    },
+    /// Nothing: the scheduler answers it, and a scheduler link is never replaced.
+    Nothing,
+}
+
+impl Resend {
+    /// The order requests go out again in: pushes before pulls, each by shard.
+    pub(super) fn order(&self) -> (u8, usize) {
+        match self {
+            Resend::Push { shard, .. } => (0, *shard),
+            Resend::Pull { shard, .. } => (1, *shard),
+            Resend::Nothing => (2, 0),
+        }
+    }
+}
+
+impl Worker {
+    /// Waits until shard `s`'s slot is free: the previous push to it was acknowledged.
+    fn wait_slot(&self, s: &ShardRemote) -> Result<()> {
+        let prev = lock(&self.inner.requests).slot(s.spec.id);
+        match prev {
+            Some(p) => p.wait(Some(self.inner.timeout)).map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes `grad`'s part for shard `s` into this worker's slot with immediate `kind` and
+    /// sequence number `seq` (the server applies each sequence number once), once the
+    /// previous push left the slot; returns the signal of the ack (keyed `ack`). With
+    /// recovery, a push whose link fails is kept and written again after the reconnection.
+    pub(super) fn write_slot(
+        &self,
+        s: &ShardRemote,
+        grad: Option<&Region>,
+        ack: AckOf,
+        kind: PushKind,
+        seq: u64,
+    ) -> Result<Arc<Signal>> {
+        self.wait_slot(s)?;
+        let link = self.inner.link(s.server)?;
+        let rec = PushRecord {
+            grad: grad.cloned(),
+            kind,
+            seq,
+        };
+        let req = Request::Ack {
+            shard: s.spec.id,
+            of: ack,
+        };
+        let what = Resend::Push {
+            shard: self.inner.shard_index(s),
+            rec: rec.clone(),
+        };
+        let sig = lock(&self.inner.requests).register(
+            req,
+            Some(s.server),
+            Some(link.id()),
+            Instant::now(),
+            what,
+        );
+        if let Err(e) = self.inner.write_push(&link, s, &rec) {
+            if self.inner.book.recovery && e.is_fatal_for_link() {
+                tracing::debug!("worker: push to server {} deferred: {e}", s.server);
+            } else {
+                lock(&self.inner.requests).take(req);
+                return Err(self.inner.server_error(s.server, e));
+            }
+        }
+        Ok(sig)
+    }
+
+    /// The lock-free path: meta, check, parameters, sequence again. Ok(false) if the policy
+    /// does not allow it (or the shard kept changing under us).
+    pub(super) fn pull_fast(
+        &self,
+        s: &ShardRemote,
+        out: &Region,
+        clock: u64,
+        bound: u64,
+    ) -> Result<bool> {
+        // A server that is down: the slow path queues the request until it is back.
+        let Some(link) = self.inner.up_link(s.server) else {
+            return Ok(false);
+        };
+        let Some(keys) = *s.keys.read().unwrap_or_else(|p| p.into_inner()) else {
+            return Ok(false);
+        };
+        let dead = lock(&self.inner.dead).clone();
+        let workers = self.inner.book.workers;
+        let recovery = self.inner.book.recovery;
+        let read = |dst: &Region, off: u64, src: &RemoteKey, len: u64| -> Result<bool> {
+            match link.read(dst, off, src, 0, len) {
+                Ok(()) => Ok(true),
+                Err(e) if recovery && e.is_fatal_for_link() => Ok(false),
+                Err(e) => Err(self.inner.server_error(s.server, e)),
+            }
+        };
+        let scratch = lock(&s.scratch);
+        for _attempt in 0..4 {
+            if !read(&scratch, 0, &keys.meta, meta_bytes(workers))? {
+                return Ok(false);
+            }
+            let mut raw = vec![0u8; meta_bytes(workers) as usize];
+            scratch.read_at(0, &mut raw)?;
+            let snap = Snapshot::parse(&raw, workers)?;
+            if !snap.stable() {
+                continue;
+            }
+            let min = snap.min_clock(|w| !dead.contains(&(w as u32)));
+            if bound != u64::MAX && !within_staleness(min, clock, bound) {
+                return Ok(false);
+            }
+            if !read(out, s.spec.offset * 4, &keys.params, s.spec.bytes())?
+                || !read(&scratch, 0, &keys.meta, 8)?
+            {
+                return Ok(false);
+            }
+            let mut seq = [0u8; 8];
+            scratch.read_at(0, &mut seq)?;
+            if Snapshot::seq_of(&seq) == snap.seq {
+                s.pulled_version.store(snap.version, Ordering::Release);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Asks shard `s`'s server for the shard at `clock`, written into `out` when the policy
+    /// allows; returns the signal of the answer.
+    pub(super) fn pull_slow(
+        &self,
+        s: &ShardRemote,
+        out: &Region,
+        clock: u64,
+    ) -> Result<Arc<Signal>> {
+        let link = self.inner.link(s.server)?;
+        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        s.pulled_version.store(u64::MAX, Ordering::Release);
+        let what = Resend::Pull {
+            shard: self.inner.shard_index(s),
+            out: out.clone(),
+            clock,
+        };
+        let req = Request::Pull(id);
+        let sig = lock(&self.inner.requests).register(
+            req,
+            Some(s.server),
+            Some(link.id()),
+            Instant::now(),
+            what,
+        );
+        if let Err(e) = self.inner.send_pull(&link, s, id, out, clock) {
+            if self.inner.book.recovery && e.is_fatal_for_link() {
+                tracing::debug!("worker: pull from server {} deferred: {e}", s.server);
+            } else {
+                lock(&self.inner.requests).take(req);
+                return Err(self.inner.server_error(s.server, e));
+            }
+        }
+        Ok(sig)
+    }
+}
+
+impl Inner {
+    /// The index of `s` in `shards`.
+    fn shard_index(&self, s: &ShardRemote) -> usize {
+        self.shards
+            .iter()
+            .position(|x| x.spec.id == s.spec.id)
+            .expect("a shard of this worker")
+    }
+
+    /// A transport error on server `server`'s link, as the caller sees it.
+    pub(super) fn server_error(&self, server: usize, e: falcon_transport::Error) -> Error {
+        if e.is_fatal_for_link() {
+            Error::PeerGone {
+                role: "server",
+                rank: server as u32,
+                why: e.to_string(),
+            }
+        } else {
+            Error::Transport(e)
+        }
+    }
+
+    /// Writes a push on `link`: the slot's trailer (the version the gradient was computed
+    /// from, the sequence number), then the gradient with its immediate (same link, so the
+    /// trailer lands first).
+    pub(super) fn write_push(
+        &self,
+        link: &Link,
+        s: &ShardRemote,
+        rec: &PushRecord,
+    ) -> std::result::Result<(), falcon_transport::Error> {
+        let Some(keys) = *s.keys.read().unwrap_or_else(|p| p.into_inner()) else {
+            return Err(falcon_transport::Error::Closed {
+                peer: format!("server {}", s.server),
+                reason: "not reached yet".into(),
+            });
+        };
+        let scratch = lock(&s.scratch);
+        let v = s.pulled_version.load(Ordering::Acquire);
+        let trailer = SlotTrailer {
+            computed_on: Some(v).filter(|&v| v != u64::MAX),
+            seq: rec.seq,
+        };
+        scratch.write_at(0, &trailer.to_bytes())?;
+        link.write(
+            &scratch,
+            0,
+            &keys.slot,
+            s.spec.bytes(),
+            SlotTrailer::BYTES,
+            None,
+        )?;
+        let imm = Some(
+            Immediate {
+                kind: rec.kind,
+                local: s.local,
+            }
+            .pack(),
+        );
+        match &rec.grad {
+            Some(g) => link.write(g, s.spec.offset * 4, &keys.slot, 0, s.spec.bytes(), imm),
+            None => link.write(&scratch, 0, &keys.slot, 0, 0, imm),
+        }
+    }
+
+    /// Sends a pull request on `link`, granting the destination on it first (cached).
+    pub(super) fn send_pull(
+        &self,
+        link: &Link,
+        s: &ShardRemote,
+        req: u32,
+        out: &Region,
+        clock: u64,
+    ) -> std::result::Result<(), falcon_transport::Error> {
+        let dst = {
+            let mut grants = lock(&self.grants);
+            match grants.get(&(link.id(), out.id())) {
+                Some(k) => *k,
+                None => {
+                    let k = link.grant(out)?;
+                    grants.insert((link.id(), out.id()), k);
+                    k
+                }
+            }
+        };
+        let msg = Msg::PullReq {
+            shard: s.spec.id,
+            clock,
+            req,
+            dst: dst.to_bytes().to_vec(),
+            dst_off: s.spec.offset * 4,
+        };
+        link.send(&msg.encode())
+    }
+
+    /// Sends again, on server `r`'s current link, the pushes and pulls that went out on an
+    /// older link (the server applies a push's sequence number once).
+    pub(super) fn resync(&self, r: usize) {
+        let Some(link) = self.up_link(r) else { return };
+        let mut stale = lock(&self.requests).stale(r, link.id());
+        stale.sort_by_key(|(_, _, what)| what.order());
+        for (req, sig, what) in stale {
+            let sent = match (&what, req) {
+                (Resend::Push { shard, rec }, _) => {
+                    self.write_push(&link, &self.shards[*shard], rec)
+                }
+                (Resend::Pull { shard, out, clock }, Request::Pull(id)) => {
+                    self.send_pull(&link, &self.shards[*shard], id, out, *clock)
+                }
+                _ => continue,
+            };
+            if sent.is_ok() {
+                lock(&self.requests).resent(req, &sig, link.id());
+            }
+        }
+    }
+
+    /// A pull's values arrived (the server's write with the request id as immediate).
+    pub(super) fn on_pulled(&self, id: u32) {
+        let done = lock(&self.requests).take(Request::Pull(id));
+        if let Some(p) = done {
+            lock(&self.stats).pull_wait += p.since.elapsed();
+            p.sig.set(Ok(Default::default()));
+        }
+    }
+
+    /// The server could not serve pull `id`.
+    pub(super) fn on_pull_failed(&self, id: u32, reason: String) {
+        let done = lock(&self.requests).take(Request::Pull(id));
+        if let Some(p) = done {
+            let rank = p.server.map_or(0, |s| s as u32);
+            p.sig.set(Err(Error::Server { rank, reason }));
+        }
+    }
+
+    /// Shard `shard` acknowledged a push (`staleness`: updates applied between the values
+    /// the gradient was computed on and the gradient).
+    pub(super) fn on_ack(&self, shard: u32, of: AckOf, staleness: u64) {
+        let done = lock(&self.requests).take(Request::Ack { shard, of });
+        if let Some(t) = done {
+            // Counted before the caller goes on: a reattachment reports what was acknowledged.
+            if let Resend::Push { shard, rec } = &t.what {
+                let i = match rec.kind {
+                    PushKind::Gradient => Some(0),
+                    PushKind::Help => Some(1),
+                    PushKind::Init => None,
+                };
+                if let Some(i) = i {
+                    self.shards[*shard].acked[i].fetch_max(rec.seq, Ordering::AcqRel);
+                }
+            }
+            t.sig.set(Ok(Default::default()));
+        }
+        if of != AckOf::Init {
+            let mut stats = lock(&self.stats);
+            stats.staleness_sum += staleness;
+            stats.staleness_acks += 1;
+            stats.staleness_max = stats.staleness_max.max(staleness);
+        }
+    }
+}

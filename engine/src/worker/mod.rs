@@ -1,0 +1,754 @@
+//! The worker client: the API other trainers embed.
+//!
+//! `push(tensor, &grad, clock)` writes each shard's slice of `grad` one-sided into this
+//! worker's slot on the shard's server, with an immediate naming the shard; the server
+//! acknowledges once the slot is consumed. `pull(tensor, &out, clock)` first tries the
+//! lock-free path — read the shard's meta block one-sided, check the staleness predicate
+//! against its clocks, read the parameters one-sided, re-read the sequence word — and only if
+//! the policy does not allow it sends a request, which the server's policy may park; on
+//! release the server writes the *latest* values straight into `out`. Both have non-blocking
+//! variants returning a [`Handle`]. Buffers are [`Region`]s: push and pull are zero-copy.
+//!
+//! Under ElasticBSP (`PolicySpec::job_barriers`) the worker also holds a *gate*: a pull at a
+//! clock at or past its barrier first reports to the scheduler ([`Msg::Superstep`], with the
+//! mean of its last few iteration intervals) and waits for the scheduler's plan
+//! ([`Msg::Plan`]), which moves the barrier. The first barrier is at clock 1 (the first
+//! superstep is one iteration: no interval is known yet). An interval sample is the time from
+//! the start of an iteration (the previous iteration's first push, or the plan's arrival, so
+//! the wait at a barrier is not counted as compute, or the very first pull) to the iteration's
+//! first push. Other policies have no gate and pay nothing for it.
+//!
+//! # Layout
+//!
+//! - this file: the public [`Worker`] API (joining, push and pull, barriers, finishing);
+//! - `tracker`: every request a caller waits on (push acknowledgements, slow-path pulls,
+//!   barriers, steals), completed, failed or sent again in one place;
+//! - `data`: the data path (slot writes, the lock-free pull, pull requests);
+//! - `conn`: the server connections (the first attach; with recovery, reconnection,
+//!   reattachment and resending what was in flight);
+//! - `gate`: ElasticBSP's gate;
+//! - `transfer`: task transfer (offers, steals, [`Worker::push_for`]) and the supervisor's
+//!   reports and advice;
+//! - `progress`: the background thread that hands each completion to the piece it is for.
+//!
+//! # Locks
+//!
+//! `Inner` holds these locks:
+//!
+//! | lock | guards |
+//! |---|---|
+//! | `servers[r].state` (with its condvar `changed`) | server `r`'s link, its reconnection, whether it is gone for good |
+//! | `requests` | the `Tracker` of every request in flight |
+//! | `gate` | ElasticBSP's barrier, interval samples and superstep report in flight |
+//! | `shards[i].keys` (read-write) | shard `i`'s remote keys (replaced on reattachment) |
+//! | `shards[i].scratch` | shard `i`'s scratch region (meta reads, slot trailers) |
+//! | `grants` | the destinations granted on each link, by (link, region) |
+//! | `dead` | the workers the scheduler declared dead |
+//! | `staging` | the staging regions of `push_slice` |
+//! | `stats` | the counters |
+//! | `offers` | the task-transfer offers not yet taken, and every one received |
+//! | `steal_hook` | how this worker gives tasks away |
+//!
+//! and every `Signal` (what a caller waits on) a lock of its own.
+//!
+//! The order: **no code holds two of the locks above at once.** Each is taken, used and
+//! released (what is needed past it is cloned out first). The one nesting is a signal's
+//! lock, taken (by `Signal::set`) under `requests` or `gate`: a signal's lock is the
+//! innermost of all, and nothing is taken under it. Waiting on a signal, or on `changed`,
+//! holds no other lock. Some locks are held across transport calls, which take only the
+//! transport's own locks: `gate` while the superstep report is sent (so that the plan's
+//! handler finds it pending), `scratch` during one-sided reads and writes, `grants` while a
+//! destination is granted, and `servers[r].state` while links are closed.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use falcon_transport::{Link, LinkId, Region, RemoteKey, Transport, TransportConfig};
+
+use crate::config::JobConfig;
+use crate::error::{Error, Result};
+use crate::keys::{KeyMap, ShardSpec, TensorSpec};
+use crate::meta::meta_bytes;
+use crate::postoffice::rendezvous;
+use crate::proto::{AckOf, Book, Msg, PushKind, Role, ShardKeys};
+use crate::sync::{FastPath, PolicySpec};
+use crate::update::{Aggregate, Optimizer, UpdateMode};
+
+mod conn;
+mod data;
+mod gate;
+mod progress;
+mod tracker;
+mod transfer;
+
+use conn::ServerSlot;
+use data::Resend;
+use gate::Gate;
+use tracker::{Signal, Tracker};
+use transfer::Offers;
+pub use transfer::{Offer, StealHook};
+
+/// A push or pull in flight. `wait` returns when every shard is done.
+#[must_use = "a push or pull is only known done after wait()"]
+pub struct Handle {
+    signals: Vec<Arc<Signal>>,
+    /// Pushes: the operation timeout (the server acknowledges on receipt). Pulls: none — a pull
+    /// may rightly wait as long as the policy holds it (a straggler under BSP); peer death,
+    /// not a clock, ends it.
+    timeout: Option<Duration>,
+    /// When the operation started (a push's timeout counts from here in `wait_for`).
+    started: Instant,
+}
+
+impl Handle {
+    /// Waits at most `within` for completion: `Some` outcome when done (a push unacknowledged
+    /// past the operation timeout, counted from its start, is a [`Error::Timeout`]), `None`
+    /// when still in flight. An embedding that must stay responsive (Python's Ctrl-C) waits
+    /// in such slices.
+    pub fn wait_for(&self, within: Duration) -> Option<Result<()>> {
+        let deadline = Instant::now() + within;
+        for s in &self.signals {
+            match s.outcome_by(deadline) {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Some(Err(e)),
+                None => {
+                    return match self.timeout {
+                        Some(t) if self.started.elapsed() >= t => {
+                            Some(Err(Error::Timeout("push acknowledgement", t)))
+                        }
+                        _ => None,
+                    };
+                }
+            }
+        }
+        Some(Ok(()))
+    }
+
+    /// True once every part has completed (successfully or not): `wait` will not block.
+    pub fn ready(&self) -> bool {
+        self.signals.iter().all(|s| s.done())
+    }
+
+    /// Waits for completion.
+    pub fn wait(self) -> Result<()> {
+        for s in &self.signals {
+            s.wait(self.timeout)?;
+        }
+        Ok(())
+    }
+}
+
+/// This worker's side of one shard.
+struct ShardRemote {
+    spec: ShardSpec,
+    server: usize,
+    local: u32,
+    /// The server's keys for this shard (replaced when the worker reattaches; `None` until
+    /// a server that was down when this worker joined is reached).
+    keys: RwLock<Option<Keys>>,
+    /// Scratch for one-sided meta reads (one pull of this shard at a time).
+    scratch: Mutex<Region>,
+    /// Gradients pushed so far (the next push's clock).
+    pushes: AtomicU32,
+    /// The highest sequence numbers the server acknowledged: gradients
+    /// ([`PushKind::Gradient`]) and transferred-task gradients ([`PushKind::Help`]). A
+    /// reattaching worker reports them.
+    acked: [AtomicU64; 2],
+    /// The version of the values last pulled (u64::MAX: pulled through the server, which
+    /// remembers what it sent); sent with each push so the server knows its staleness.
+    pulled_version: AtomicU64,
+    /// Gradients of transferred tasks pushed to this shard (the next one's sequence number
+    /// is this plus one).
+    helps: AtomicU64,
+}
+
+impl ShardRemote {
+    /// This worker's side of every shard of the job: with the keys the servers sent, none
+    /// yet for those of a server not reached, starting at clock `start`.
+    fn all(
+        book: &Book,
+        keys: &HashMap<u32, ShardKeys>,
+        reached: &[usize],
+        start: u64,
+    ) -> Result<Vec<ShardRemote>> {
+        let mut shards = Vec::new();
+        let mut local_index = vec![0u32; book.servers.len()];
+        for spec in &book.keymap.shards {
+            let k = match keys.get(&spec.id) {
+                Some(k) => Some(Keys::from_wire(k)?),
+                None if !reached.contains(&(spec.server as usize)) => None,
+                None => {
+                    return Err(Error::PeerGone {
+                        role: "server",
+                        rank: spec.server,
+                        why: format!("sent no keys for shard {}", spec.id),
+                    });
+                }
+            };
+            let local = local_index[spec.server as usize];
+            local_index[spec.server as usize] += 1;
+            shards.push(ShardRemote {
+                spec: *spec,
+                server: spec.server as usize,
+                local,
+                keys: RwLock::new(k),
+                scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
+                pushes: AtomicU32::new(u32::try_from(start).unwrap_or(u32::MAX)),
+                acked: [AtomicU64::new(start), AtomicU64::new(0)],
+                pulled_version: AtomicU64::new(0),
+                helps: AtomicU64::new(0),
+            });
+        }
+        Ok(shards)
+    }
+}
+
+/// A shard's keys on its server.
+#[derive(Clone, Copy)]
+struct Keys {
+    params: RemoteKey,
+    meta: RemoteKey,
+    slot: RemoteKey,
+}
+
+impl Keys {
+    fn from_wire(k: &ShardKeys) -> Result<Keys> {
+        Ok(Keys {
+            params: RemoteKey::from_bytes(&k.params)?,
+            meta: RemoteKey::from_bytes(&k.meta)?,
+            slot: RemoteKey::from_bytes(&k.slot)?,
+        })
+    }
+}
+
+/// The worker's state, shared with its progress thread. See the [module docs](self) for
+/// its locks and their order.
+struct Inner {
+    t: Transport,
+    book: Book,
+    sched: Link,
+    servers: Vec<ServerSlot>,
+    /// The job token (a reattach answers the server's challenge with it).
+    token: String,
+    /// How long an operation waits for a server that is down to come back (recovery).
+    recovery_wait: Duration,
+    shards: Vec<ShardRemote>,
+    /// Every request a caller waits on.
+    requests: Mutex<Tracker<Resend>>,
+    dead: Mutex<HashSet<u32>>,
+    grants: Mutex<HashMap<(LinkId, u64), RemoteKey>>,
+    next_req: AtomicU32,
+    /// The sequence number of the last barrier this worker entered.
+    next_barrier: AtomicU64,
+    staging: Mutex<HashMap<usize, Region>>,
+    timeout: Duration,
+    stop: AtomicBool,
+    stats: Mutex<WorkerStats>,
+    /// ElasticBSP's gate; None under every other policy.
+    gate: Option<Mutex<Gate>>,
+    /// The policy's lock-free pull rule (fixed for the job).
+    fast_path: FastPath,
+    /// Task-transfer offers.
+    offers: Mutex<Offers>,
+    /// The parallelism manager's latest advice (0: none yet).
+    advised: AtomicU32,
+    /// Answers a helper's steal: (iteration, most tasks) → the task range given away.
+    steal_hook: Mutex<Option<StealHook>>,
+}
+
+/// Counters of one worker.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerStats {
+    /// Shard pulls served by one-sided reads after the lock-free check passed.
+    pub fast_pulls: u64,
+    /// Shard pulls that went to the server's policy.
+    pub slow_pulls: u64,
+    /// Shard pushes.
+    pub pushes: u64,
+    /// Time spent waiting at ElasticBSP barriers (from the report to the plan's arrival).
+    pub barrier_wait: Duration,
+    /// ElasticBSP supersteps this worker took part in (plans received).
+    pub supersteps: u64,
+    /// Time its slow-path pulls spent between request and answer (parked by the policy,
+    /// then written): the time the policy blocked it, plus one transfer each.
+    pub pull_wait: Duration,
+    /// Parameter bytes read one-sided by fast-path pulls.
+    pub fast_pull_bytes: u64,
+    /// Task-transfer offers received (each distinct offer once).
+    pub offers: u64,
+    /// Shard pushes of transferred tasks' gradients ([`Worker::push_for`]).
+    pub help_pushes: u64,
+    /// Staleness of its acknowledged shard pushes (updates applied between the values a
+    /// gradient was computed on and the gradient; 0 under synchronous clocks): sum, count
+    /// and maximum.
+    pub staleness_sum: u64,
+    /// Acknowledged shard pushes counted in `staleness_sum`.
+    pub staleness_acks: u64,
+    /// The largest.
+    pub staleness_max: u64,
+    /// Reattachments to a server (a dropped link, or a server restarted from its checkpoint).
+    pub reconnects: u64,
+    /// Acknowledged updates a restarted server no longer had (applied after its last
+    /// checkpoint), as the servers counted them when this worker reattached.
+    pub lost_updates: u64,
+}
+
+/// A worker of a job.
+#[derive(Clone)]
+pub struct Worker {
+    inner: Arc<Inner>,
+}
+
+impl Worker {
+    /// Joins the job as a worker that trains `tensors` (every worker declares the same).
+    pub fn join(cfg: &JobConfig, tensors: Vec<TensorSpec>, rank: Option<u32>) -> Result<Worker> {
+        let t = Transport::new(TransportConfig {
+            bind: None,
+            shm: false,
+            ..cfg.transport_config()
+        })?;
+        let (sched, book, _early) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
+        let links = conn::connect_servers(&t, &book)?;
+        let attached = conn::attach(&t, cfg, &book, &links)?;
+        let reached: Vec<usize> = links.iter().map(|(r, _)| *r).collect();
+        let shards = ShardRemote::all(&book, &attached.keys, &reached, attached.start)?;
+        let servers = conn::server_slots(&book, links);
+        let recovery_wait = cfg
+            .checkpoint
+            .as_ref()
+            .map_or(Duration::from_secs(60), |c| c.recovery_timeout);
+        let first_barrier = if book.rejoin { book.barriers } else { 0 };
+        let inner = Arc::new(Inner {
+            gate: book.policy.job_barriers().map(|_| Mutex::new(Gate::new())),
+            fast_path: book.policy.build(book.workers).fast_path(),
+            t,
+            book,
+            sched,
+            servers,
+            token: cfg.token.clone(),
+            recovery_wait,
+            shards,
+            requests: Mutex::new(Tracker::default()),
+            dead: Mutex::new(HashSet::new()),
+            grants: Mutex::new(HashMap::new()),
+            next_req: AtomicU32::new(1),
+            next_barrier: AtomicU64::new(first_barrier),
+            staging: Mutex::new(HashMap::new()),
+            timeout: cfg.transport.op_timeout,
+            stop: AtomicBool::new(false),
+            stats: Mutex::new(WorkerStats::default()),
+            offers: Mutex::new(Offers::default()),
+            advised: AtomicU32::new(0),
+            steal_hook: Mutex::new(None),
+        });
+        Inner::start_threads(&inner, cfg.heartbeat)?;
+        Ok(Worker { inner })
+    }
+
+    /// True when this process rejoined a running job (its rank had died): it starts at the
+    /// current clock ([`Worker::clock`]) and must not wait at the job's first barrier, which
+    /// has fallen.
+    pub fn rejoined(&self) -> bool {
+        self.inner.book.rejoin
+    }
+
+    /// The workers the scheduler declared dead (and that have not rejoined), by rank.
+    pub fn dead_workers(&self) -> Vec<u32> {
+        let mut d: Vec<u32> = lock(&self.inner.dead).iter().copied().collect();
+        d.sort_unstable();
+        d
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.inner.book.rank
+    }
+
+    /// Number of workers in the job.
+    pub fn workers(&self) -> u32 {
+        self.inner.book.workers
+    }
+
+    /// The job's synchronization policy, as the scheduler gave it.
+    pub fn policy(&self) -> PolicySpec {
+        self.inner.book.policy
+    }
+
+    /// The servers' optimizer, as they apply it: under an asynchronous policy its rate is
+    /// already the job's rate divided by the workers (each gradient is applied on its own).
+    pub fn optimizer(&self) -> Optimizer {
+        self.inner.book.optimizer
+    }
+
+    /// How a clock's gradients combine, and when updates are applied.
+    pub fn update_rule(&self) -> (Aggregate, UpdateMode) {
+        (self.inner.book.aggregate, self.inner.book.mode)
+    }
+
+    /// The job's tensors and shards.
+    pub fn keymap(&self) -> &KeyMap {
+        &self.inner.book.keymap
+    }
+
+    /// The medium of the link to each server, by server rank.
+    pub fn server_media(&self) -> Vec<&'static str> {
+        (0..self.inner.servers.len())
+            .map(|r| self.inner.up_link(r).map_or("down", |l| l.medium()))
+            .collect()
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> WorkerStats {
+        lock(&self.inner.stats).clone()
+    }
+
+    /// A zero-filled region sized for `tensor`: push from it and pull into it without copies.
+    pub fn buffer(&self, tensor: &str) -> Result<Region> {
+        let t = self.tensor(tensor)?;
+        Ok(Region::new(self.inner.book.keymap.tensors[t].len * 4)?)
+    }
+
+    /// The worker's clock: the iteration it is on, i.e. the fewest gradients pushed to any
+    /// tensor it has pushed at all (tensors it never pushes do not hold it back).
+    pub fn clock(&self) -> u64 {
+        let mut per_tensor: HashMap<u32, u64> = HashMap::new();
+        for s in &self.inner.shards {
+            let n = u64::from(s.pushes.load(Ordering::Acquire));
+            per_tensor
+                .entry(s.spec.tensor)
+                .and_modify(|m| *m = (*m).min(n))
+                .or_insert(n);
+        }
+        per_tensor
+            .values()
+            .copied()
+            .filter(|&n| n > 0)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Gradients pushed to `tensor` so far (its next push's clock).
+    pub fn clock_of(&self, tensor: &str) -> Result<u64> {
+        let t = self.tensor(tensor)? as u32;
+        Ok(self
+            .inner
+            .shards
+            .iter()
+            .filter(|s| s.spec.tensor == t)
+            .map(|s| u64::from(s.pushes.load(Ordering::Acquire)))
+            .min()
+            .unwrap_or(0))
+    }
+
+    /// The shards of tensor `t`.
+    fn shards_of(&self, t: usize) -> impl Iterator<Item = &ShardRemote> {
+        self.inner
+            .shards
+            .iter()
+            .filter(move |s| s.spec.tensor as usize == t)
+    }
+
+    fn check_running(&self) -> Result<()> {
+        if self.inner.stop.load(Ordering::Acquire) {
+            return Err(Error::Config(
+                "this worker has finished; it can no longer push or pull".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn tensor(&self, name: &str) -> Result<usize> {
+        self.inner.book.keymap.tensor(name)
+    }
+
+    fn check_len(&self, t: usize, region: &Region) -> Result<()> {
+        let spec = &self.inner.book.keymap.tensors[t];
+        if region.len() != spec.len * 4 {
+            return Err(Error::WrongLength {
+                tensor: spec.name.clone(),
+                expected: spec.len,
+                got: region.len() / 4,
+            });
+        }
+        Ok(())
+    }
+
+    fn handle(&self, signals: Vec<Arc<Signal>>, timeout: Option<Duration>) -> Handle {
+        Handle {
+            signals,
+            timeout,
+            started: Instant::now(),
+        }
+    }
+
+    /// Sets `tensor`'s initial values (the first initialization of each shard wins). Call it
+    /// from one worker before training.
+    pub fn init(&self, tensor: &str, values: &Region) -> Result<()> {
+        let t = self.tensor(tensor)?;
+        self.check_len(t, values)?;
+        let mut signals = Vec::new();
+        for s in self.shards_of(t) {
+            signals.push(self.write_slot(s, Some(values), AckOf::Init, PushKind::Init, 0)?);
+        }
+        self.handle(signals, Some(self.inner.timeout)).wait()
+    }
+
+    /// Pushes `grad` (a region of the tensor's length) as this worker's gradient for `clock`.
+    pub fn push(&self, tensor: &str, grad: &Region, clock: u64) -> Result<()> {
+        self.push_async(tensor, grad, clock)?.wait()
+    }
+
+    /// Starts a push; `grad` may be reused once the handle's `wait` returns.
+    pub fn push_async(&self, tensor: &str, grad: &Region, clock: u64) -> Result<Handle> {
+        self.check_running()?;
+        let t = self.tensor(tensor)?;
+        self.check_len(t, grad)?;
+        let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
+        for s in &shards {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock != made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "tensor {tensor:?} has {made} gradients pushed; the next push is clock {made}"
+                    ),
+                });
+            }
+        }
+        self.sample_interval(clock);
+        let mut signals = Vec::new();
+        for s in shards {
+            signals.push(self.write_slot(
+                s,
+                Some(grad),
+                AckOf::Push { clock },
+                PushKind::Gradient,
+                clock + 1,
+            )?);
+            s.pushes.fetch_add(1, Ordering::AcqRel);
+            lock(&self.inner.stats).pushes += 1;
+        }
+        Ok(self.handle(signals, Some(self.inner.timeout)))
+    }
+
+    /// Sends the last push of `tensor` again, as a retry after a lost acknowledgement would
+    /// (its immediate and sequence number again, on the slot as it is), and waits for the
+    /// server's answer. The server must not apply it twice. A fault-injection seam for
+    /// tests; no error if nothing was pushed yet.
+    #[doc(hidden)]
+    pub fn repeat_last_push(&self, tensor: &str) -> Result<()> {
+        self.check_running()?;
+        let t = self.tensor(tensor)?;
+        let mut signals = Vec::new();
+        for s in self.shards_of(t) {
+            let pushed = u64::from(s.pushes.load(Ordering::Acquire));
+            if pushed == 0 {
+                continue;
+            }
+            signals.push(self.write_slot(
+                s,
+                None,
+                AckOf::Push { clock: pushed - 1 },
+                PushKind::Gradient,
+                pushed,
+            )?);
+        }
+        self.handle(signals, Some(self.inner.timeout)).wait()
+    }
+
+    /// Closes the link to server `server` as a dropped connection would (a fault-injection
+    /// seam for tests and the chaos run): with recovery the worker reconnects and resends
+    /// what was in flight; without, its operations fail.
+    #[doc(hidden)]
+    pub fn drop_server_link(&self, server: u32) {
+        if let Some(l) = self.inner.up_link(server as usize) {
+            l.close();
+        }
+    }
+
+    /// Pushes from a slice (copied into a staging region first).
+    pub fn push_slice(&self, tensor: &str, grad: &[f32], clock: u64) -> Result<()> {
+        let region = self.stage(tensor, grad)?;
+        self.push(tensor, &region, clock)
+    }
+
+    fn stage(&self, tensor: &str, data: &[f32]) -> Result<Region> {
+        let t = self.tensor(tensor)?;
+        let spec = &self.inner.book.keymap.tensors[t];
+        if data.len() as u64 != spec.len {
+            return Err(Error::WrongLength {
+                tensor: spec.name.clone(),
+                expected: spec.len,
+                got: data.len() as u64,
+            });
+        }
+        let mut staging = lock(&self.inner.staging);
+        let region = match staging.get(&t) {
+            Some(r) => r.clone(),
+            None => {
+                let r = Region::new(spec.len * 4)?;
+                staging.insert(t, r.clone());
+                r
+            }
+        };
+        region.write_at(0, f32_bytes(data))?;
+        Ok(region)
+    }
+
+    /// Pulls `tensor` into `out` for iteration `clock`: returns when `out` holds values the
+    /// policy allows this clock to see.
+    pub fn pull(&self, tensor: &str, out: &Region, clock: u64) -> Result<()> {
+        self.pull_async(tensor, out, clock)?.wait()
+    }
+
+    /// Pulls into a slice (through a staging region).
+    pub fn pull_slice(&self, tensor: &str, out: &mut [f32], clock: u64) -> Result<()> {
+        let t = self.tensor(tensor)?;
+        let region = self.buffer(&self.inner.book.keymap.tensors[t].name)?;
+        if out.len() as u64 != self.inner.book.keymap.tensors[t].len {
+            return Err(Error::WrongLength {
+                tensor: tensor.to_string(),
+                expected: self.inner.book.keymap.tensors[t].len,
+                got: out.len() as u64,
+            });
+        }
+        self.pull(tensor, &region, clock)?;
+        region.read_at(0, f32_bytes_mut(out))?;
+        Ok(())
+    }
+
+    /// Starts a pull; `out` is complete once the handle's `wait` returns.
+    pub fn pull_async(&self, tensor: &str, out: &Region, clock: u64) -> Result<Handle> {
+        self.check_running()?;
+        let t = self.tensor(tensor)?;
+        self.check_len(t, out)?;
+        let fast = match self.inner.fast_path {
+            FastPath::Always => Some(u64::MAX),
+            FastPath::Within(s) => Some(s),
+            FastPath::Never => None,
+        };
+        for s in self.shards_of(t) {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock > made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "a pull for a clock from the future: {made} gradients pushed to tensor {tensor:?}"
+                    ),
+                });
+            }
+        }
+        self.pass_gate(clock)?;
+        let mut signals = Vec::new();
+        for s in self.shards_of(t) {
+            if let Some(bound) = fast
+                && self.pull_fast(s, out, clock, bound)?
+            {
+                let mut stats = lock(&self.inner.stats);
+                stats.fast_pulls += 1;
+                stats.fast_pull_bytes += s.spec.bytes();
+                continue;
+            }
+            lock(&self.inner.stats).slow_pulls += 1;
+            signals.push(self.pull_slow(s, out, clock)?);
+        }
+        Ok(self.handle(signals, None))
+    }
+
+    /// Waits until every live worker has reached this barrier. Under ElasticBSP a worker
+    /// waiting here does not hold the others' superstep barrier (they could never get here).
+    pub fn barrier(&self) -> Result<()> {
+        let seq = self.inner.next_barrier.fetch_add(1, Ordering::AcqRel) + 1;
+        let sig = lock(&self.inner.requests).register(
+            tracker::Request::Barrier(seq),
+            None,
+            None,
+            Instant::now(),
+            Resend::Nothing,
+        );
+        self.inner.sched.send(&Msg::Barrier { seq }.encode())?;
+        sig.wait(None).map(drop)
+    }
+
+    /// Tells the scheduler this worker is done (the job ends when every worker is) and closes
+    /// its links in order. A second call does nothing (a worker may finish itself as soon as
+    /// its work is done, which under barrier policies it should: a worker that neither
+    /// finishes nor reaches the barrier holds everyone else back; `LocalCluster::finish`
+    /// then finishes the rest).
+    pub fn finish(&self) -> Result<()> {
+        if self.inner.stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.inner.sched.send(&Msg::Done.encode())?;
+        self.inner.stop.store(true, Ordering::Release);
+        // Nobody will route completions any more: fail whatever still waits.
+        self.inner
+            .fail_all(Role::Worker, self.rank(), "this worker has finished");
+        self.inner.close_servers();
+        self.inner.sched.close();
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Starts the progress thread and the heartbeat to the scheduler; both end once the
+    /// worker is dropped or finished.
+    fn start_threads(inner: &Arc<Inner>, heartbeat: Duration) -> Result<()> {
+        let weak = Arc::downgrade(inner);
+        std::thread::Builder::new()
+            .name(format!("falcon-worker-{}", inner.book.rank))
+            .spawn(move || progress::progress(weak, heartbeat))
+            .map_err(|e| Error::Config(format!("spawn worker progress thread: {e}")))?;
+        let weak = Arc::downgrade(inner);
+        crate::heartbeat::start(
+            &format!("falcon-worker-{}-heartbeat", inner.book.rank),
+            inner.sched.clone(),
+            heartbeat,
+            move || {
+                weak.upgrade()
+                    .is_some_and(|w| !w.stop.load(Ordering::Acquire))
+            },
+        )
+    }
+
+    /// Fails every waiting caller: a peer is gone, nothing they wait for will come.
+    fn fail_all(&self, role: Role, rank: u32, why: &str) {
+        self.fail_with(Error::PeerGone {
+            role: role.name(),
+            rank,
+            why: why.to_string(),
+        });
+    }
+
+    /// Fails every waiter, and every later operation, with `err`.
+    fn fail_with(&self, err: Error) {
+        self.servers_gone(&err);
+        lock(&self.requests).fail(None, &err);
+        self.break_gate(&err);
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The heartbeat thread holds a clone of the scheduler link: close it here, with a
+        // goodbye, rather than when that thread notices.
+        self.stop.store(true, Ordering::Release);
+        self.sched.close();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The bytes of an f32 slice.
+pub fn f32_bytes(v: &[f32]) -> &[u8] {
+    zerocopy::IntoBytes::as_bytes(v)
+}
+
+/// The bytes of an f32 slice, mutably (every byte pattern is a valid f32).
+pub fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    zerocopy::IntoBytes::as_mut_bytes(v)
+}

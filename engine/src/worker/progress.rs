@@ -1,0 +1,162 @@
+//! The worker's progress thread: routes acknowledgements, pull answers and scheduler news to
+//! the pieces that wait for them. (Heartbeats have a thread of their own, which nothing here
+//! can block.)
+
+use std::sync::Weak;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use falcon_transport::{Completion, LinkId};
+
+use super::tracker::{Reply, Request};
+use super::transfer::Offer;
+use super::{Inner, lock};
+use crate::error::Error;
+use crate::postoffice::closed_why;
+use crate::proto::{Msg, Role};
+
+/// How often requests recorded against a replaced link are looked for (with recovery).
+const RESYNC_EVERY: Duration = Duration::from_millis(250);
+
+/// The progress loop; it ends when the worker is dropped or finished.
+pub(super) fn progress(inner: Weak<Inner>, heartbeat: Duration) {
+    let mut last_resync = Instant::now();
+    loop {
+        let Some(w) = inner.upgrade() else { return };
+        if w.stop.load(Ordering::Acquire) {
+            return;
+        }
+        if w.book.recovery {
+            w.reconnect();
+            // Anything recorded against a link that has since been replaced goes out again
+            // (a request that raced with a reconnection).
+            if last_resync.elapsed() >= RESYNC_EVERY {
+                for r in 0..w.servers.len() {
+                    w.resync(r);
+                }
+                last_resync = Instant::now();
+            }
+        }
+        let wait = heartbeat.min(Duration::from_millis(200));
+        if let Ok(c) = w.t.cq().wait(Some(wait)) {
+            w.route(c);
+        }
+    }
+}
+
+impl Inner {
+    /// Hands one completion to what waits for it.
+    fn route(&self, c: Completion) {
+        match c {
+            Completion::WriteImm { imm, .. } => self.on_pulled(imm),
+            // A completion on a reattachment under way (looked up once; none in steady state).
+            Completion::Message { link, data } => match self.joining_server(link) {
+                Some(r) => self.reattach_step(r, &data),
+                None => match Msg::decode(&data) {
+                    Ok(m) => self.on_message(m),
+                    Err(e) => tracing::warn!("worker: {e}"),
+                },
+            },
+            Completion::Closed { link, error } => match self.joining_server(link) {
+                Some(r) => self.reattach_failed(r, &error),
+                None => self.on_closed(link, &error),
+            },
+        }
+    }
+
+    /// A message from a server or the scheduler.
+    fn on_message(&self, m: Msg) {
+        let servers = self.servers.len();
+        match m {
+            Msg::PushAck {
+                shard,
+                of,
+                staleness,
+            } => self.on_ack(shard, of, staleness),
+            Msg::PullFailed { req, reason } => self.on_pull_failed(req, reason),
+            Msg::BarrierDone { seq } => {
+                lock(&self.requests).complete(Request::Barrier(seq), Ok(Reply::Done));
+            }
+            Msg::Plan { until } => self.on_plan(until),
+            Msg::Steal {
+                helper,
+                clock,
+                want,
+                ..
+            } => self.give_tasks(helper, clock, want),
+            Msg::Tasks {
+                straggler,
+                clock,
+                start,
+                end,
+                ..
+            } => self.on_tasks(straggler, clock, start..end),
+            Msg::Threads { threads } => self.advised.store(threads, Ordering::Release),
+            Msg::Offer { straggler, clock } => self.on_offer(Offer { straggler, clock }),
+            Msg::Dead {
+                role: Role::Worker,
+                rank,
+            } => {
+                lock(&self.dead).insert(rank);
+            }
+            Msg::Rejoined { rank } => {
+                lock(&self.dead).remove(&rank);
+            }
+            Msg::Dead {
+                role: Role::Server,
+                rank,
+            } if self.book.recovery && (rank as usize) < servers => {
+                self.on_server_dead(rank as usize)
+            }
+            Msg::Evicted { reason } => {
+                tracing::error!(
+                    "worker {}: evicted by the scheduler: {reason}",
+                    self.book.rank
+                );
+                self.fail_with(Error::Evicted {
+                    rank: self.book.rank,
+                    reason,
+                });
+            }
+            Msg::ServerBack { rank, addr } if (rank as usize) < servers => {
+                self.on_server_back(rank as usize, addr)
+            }
+            Msg::Dead { role, rank } => self.fail_all(role, rank, "declared dead by the scheduler"),
+            Msg::Shutdown => self.fail_all(Role::Scheduler, 0, "the job was shut down"),
+            _ => {}
+        }
+    }
+
+    /// A link closed: a server's (reconnect, or without recovery fail everything), one
+    /// already replaced, or the scheduler's.
+    fn on_closed(&self, link: LinkId, error: &Option<falcon_transport::Error>) {
+        match self.server_of(link) {
+            Some(r) if self.book.recovery => {
+                tracing::warn!(
+                    "worker: link to server {r} closed ({}); reconnecting",
+                    closed_why(error)
+                );
+                self.server_down(r);
+            }
+            Some(r) => self.fail_all(
+                Role::Server,
+                r as u32,
+                &format!("link closed: {}", closed_why(error)),
+            ),
+            // A link already replaced: nothing to do.
+            None if link != self.sched.id() => {}
+            // Lost without a goodbye (a partition the scheduler may have evicted this worker
+            // over, its eviction notice lost with the link): the worker may join again under
+            // its rank.
+            None if error.is_some() => self.fail_with(Error::SchedulerLost {
+                rank: self.book.rank,
+                why: closed_why(error),
+            }),
+            None => self.fail_all(
+                Role::Scheduler,
+                0,
+                &format!("link closed: {}", closed_why(error)),
+            ),
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! Task transfer (EPSP, FlexRR): offers of a straggler's tasks, steals through the scheduler,
+//! the gradients of taken tasks ([`Worker::push_for`]), and what the scheduler's supervisor
+//! learns and advises.
+
+use std::collections::{HashSet, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::data::Resend;
+use super::tracker::{Reply, Request};
+use super::{Inner, Worker, lock};
+use crate::error::{Error, Result};
+use crate::proto::{AckOf, Msg, PushKind};
+use crate::update::UpdateMode;
+
+/// How a worker gives tasks away: called with (iteration, most tasks wanted), returns the
+/// range of task indices now the helper's (empty: none).
+pub type StealHook = Arc<dyn Fn(u64, u32) -> Range<u32> + Send + Sync>;
+
+/// A task-transfer offer (EPSP, FlexRR): this worker may take unprocessed tasks of
+/// `straggler`'s iteration `clock`. The task side (the trainer) asks for the tasks and pushes
+/// their gradient credited to the straggler; the offer may find none left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Offer {
+    /// The worker behind.
+    pub straggler: u32,
+    /// Its iteration.
+    pub clock: u64,
+}
+
+/// The offers received.
+#[derive(Default)]
+pub(super) struct Offers {
+    /// Not yet taken by the embedder, oldest first.
+    queue: VecDeque<Offer>,
+    /// Every offer received (so the same one from several shards is kept once).
+    seen: HashSet<Offer>,
+}
+
+/// The scheduler's link failed.
+fn scheduler_gone(e: falcon_transport::Error) -> Error {
+    Error::PeerGone {
+        role: "scheduler",
+        rank: 0,
+        why: e.to_string(),
+    }
+}
+
+impl Worker {
+    /// Sets how this worker gives tasks away when a helper asks (task transfer): `hook(clock,
+    /// want)` takes up to `want` unprocessed tasks of its iteration `clock` off its own queue
+    /// and returns their range (the trainer's exactly-once claim point). Without a hook this
+    /// worker gives nothing away.
+    pub fn on_steal(&self, hook: impl Fn(u64, u32) -> Range<u32> + Send + Sync + 'static) {
+        *lock(&self.inner.steal_hook) = Some(Arc::new(hook));
+    }
+
+    /// Asks `straggler` (through the scheduler) for up to `want` unprocessed tasks of its
+    /// iteration `clock`. Returns the range now this worker's to compute and push with
+    /// [`Worker::push_for`]; empty when none is left, the straggler is gone or does not answer
+    /// within the operation timeout.
+    pub fn steal(&self, straggler: u32, clock: u64, want: u32) -> Result<Range<u32>> {
+        self.check_running()?;
+        if straggler >= self.workers() || straggler == self.rank() {
+            return Err(Error::Config(format!(
+                "worker {} cannot take tasks from worker {straggler}",
+                self.rank()
+            )));
+        }
+        let req = Request::Steal { straggler, clock };
+        let sig =
+            lock(&self.inner.requests).register(req, None, None, Instant::now(), Resend::Nothing);
+        let msg = Msg::Steal {
+            straggler,
+            helper: self.rank(),
+            clock,
+            want,
+        };
+        let sent = self.inner.sched.send(&msg.encode());
+        if let Err(e) = sent {
+            lock(&self.inner.requests).take(req);
+            return Err(scheduler_gone(e));
+        }
+        let waited = sig.wait(Some(self.inner.timeout));
+        lock(&self.inner.requests).take(req);
+        // No answer in time, or none coming (a peer gone): nothing taken.
+        match waited {
+            Ok(Reply::Tasks(r)) => Ok(r),
+            Ok(Reply::Done) | Err(_) => Ok(0..0),
+        }
+    }
+
+    /// Pushes the gradient of tasks taken from `straggler`'s iteration `clock` (task
+    /// transfer): applied by the servers like an asynchronous gradient, without moving this
+    /// worker's clock. Needs asynchronous updates (EPSP, FlexRR, SSP…): under a policy that
+    /// aggregates per clock (BSP, Sync-opt) it is refused.
+    pub fn push_for(
+        &self,
+        tensor: &str,
+        grad: &falcon_transport::Region,
+        straggler: u32,
+        clock: u64,
+    ) -> Result<()> {
+        self.check_running()?;
+        if self.inner.book.mode == UpdateMode::Sync {
+            return Err(Error::Config(
+                "transferred tasks need asynchronous updates; this job's policy (BSP or Sync-opt) aggregates per clock".into(),
+            ));
+        }
+        if straggler >= self.workers() {
+            return Err(Error::Config(format!("no worker {straggler}")));
+        }
+        let _ = clock;
+        let t = self.tensor(tensor)?;
+        self.check_len(t, grad)?;
+        let mut signals = Vec::new();
+        for s in self.shards_of(t) {
+            let seq = s.helps.fetch_add(1, Ordering::AcqRel) + 1;
+            signals.push(self.write_slot(s, Some(grad), AckOf::Help, PushKind::Help, seq)?);
+        }
+        lock(&self.inner.stats).help_pushes += signals.len() as u64;
+        self.handle(signals, Some(self.inner.timeout)).wait()
+    }
+
+    /// Tells the scheduler's supervisor that an iteration took `time` (compute and injected
+    /// slowness, not waiting for the policy) with `threads` threads and `tasks` own tasks.
+    pub fn report_iteration(&self, threads: usize, tasks: u32, time: Duration) -> Result<()> {
+        self.check_running()?;
+        let m = Msg::IterationDone {
+            threads: threads.min(u32::MAX as usize) as u32,
+            tasks,
+            nanos: time.as_nanos().min(u128::from(u64::MAX)) as u64,
+        };
+        self.inner.sched.send(&m.encode()).map_err(scheduler_gone)
+    }
+
+    /// The thread count the scheduler's parallelism manager last advised for this worker,
+    /// if it advised any.
+    pub fn advised_threads(&self) -> Option<usize> {
+        match self.inner.advised.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(n as usize),
+        }
+    }
+
+    /// Takes the task-transfer offers received since the last call (EPSP, FlexRR), oldest
+    /// first. Each distinct offer is returned once however many shards made it.
+    pub fn offers(&self) -> Vec<Offer> {
+        lock(&self.inner.offers).queue.drain(..).collect()
+    }
+}
+
+impl Inner {
+    /// A helper asks (through the scheduler) for up to `want` of this worker's tasks of
+    /// iteration `clock`: the steal hook gives them, and the answer goes back.
+    pub(super) fn give_tasks(&self, helper: u32, clock: u64, want: u32) {
+        let hook = lock(&self.steal_hook).clone();
+        let r = match hook {
+            Some(h) => h(clock, want),
+            None => 0..0,
+        };
+        let reply = Msg::Tasks {
+            straggler: self.book.rank,
+            helper,
+            clock,
+            start: r.start,
+            end: r.end.max(r.start),
+        };
+        let _ = self.sched.send(&reply.encode());
+    }
+
+    /// `straggler` answered this worker's steal of its iteration `clock`.
+    pub(super) fn on_tasks(&self, straggler: u32, clock: u64, tasks: Range<u32>) {
+        let tasks = tasks.start..tasks.end.max(tasks.start);
+        lock(&self.requests).complete(Request::Steal { straggler, clock }, Ok(Reply::Tasks(tasks)));
+    }
+
+    /// A shard's policy offers `offer` (every shard's may make the same one: it is kept once).
+    pub(super) fn on_offer(&self, offer: Offer) {
+        let fresh = {
+            let mut offers = lock(&self.offers);
+            let fresh = offers.seen.insert(offer);
+            if fresh {
+                offers.queue.push_back(offer);
+            }
+            fresh
+        };
+        if fresh {
+            lock(&self.stats).offers += 1;
+        }
+    }
+}
