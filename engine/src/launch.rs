@@ -440,19 +440,7 @@ impl Launch {
             1,
             checks::at_least_one_u32,
         )?;
-        let (role, placed) = match env.get(&["FALCON_ROLE", "DMLC_ROLE"]) {
-            Some(set) => (
-                set.value
-                    .trim()
-                    .parse::<Role>()
-                    .map_err(|_| set.refused("not a role: scheduler, server or worker"))?,
-                None,
-            ),
-            None => match launcher_layout(&env, servers)? {
-                Some(p) => (p.role, Some(p)),
-                None => return Err(LaunchError::NoRole),
-            },
-        };
+        let (role, placed) = role_of(&env, servers)?;
         let uri = env
             .get(&["FALCON_SCHEDULER_URI", "DMLC_PS_ROOT_URI"])
             .map(|from| SchedulerHost {
@@ -460,31 +448,8 @@ impl Launch {
                 from,
             })
             .or_else(|| placed.as_ref().and_then(|p| p.host.clone()));
-        let port: Option<u16> =
-            match env.get(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"]) {
-                Some(set) => {
-                    let p = checks::port(&set.value).map_err(|e| set.refused(e))?;
-                    // torchrun's agent keeps its own store on MASTER_PORT under its default
-                    // (static) rendezvous, and tells its ranks so: the scheduler takes the
-                    // next port, the same on every rank.
-                    let agent_store = env
-                        .get(&["TORCHELASTIC_USE_AGENT_STORE"])
-                        .is_some_and(|s| s.value.trim().eq_ignore_ascii_case("true"));
-                    if set.var == "MASTER_PORT" && agent_store {
-                        Some(p.checked_add(1).ok_or_else(|| {
-                            set.refused(
-                                "torchrun's agent holds this port and falcon's scheduler takes the \
-                                 next one, past 65535: set FALCON_SCHEDULER_PORT",
-                            )
-                        })?)
-                    } else {
-                        Some(p)
-                    }
-                }
-                None => None,
-            };
         // Launched by Slurm or mpirun, which name no port: falcon's default.
-        let port = port.or(placed.as_ref().map(|_| DEFAULT_SCHEDULER_PORT));
+        let port = scheduler_port(&env)?.or(placed.as_ref().map(|_| DEFAULT_SCHEDULER_PORT));
         // The scheduler's address; given as HOST:PORT, also where a scheduler listens.
         let (scheduler, scheduler_tcp) = match (env.get(&["FALCON_SCHEDULER"]), &uri, port) {
             (Some(set), _, _) => {
@@ -498,143 +463,23 @@ impl Launch {
             }
             _ => return Err(LaunchError::NoScheduler),
         };
-        let policy_set = env.get(&["FALCON_POLICY"]);
-        let d = JobConfig::default();
-        let mut cfg = JobConfig {
-            job: env
-                .get(&["FALCON_JOB"])
-                .map_or_else(|| "falcon".into(), |s| s.value),
-            token: env
-                .get(&["FALCON_TOKEN"])
-                .map(|s| s.value)
-                .unwrap_or_default(),
-            servers,
-            workers: match &placed {
-                Some(p) => p.world - 1 - servers,
-                None => env.value(
-                    &["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"],
-                    1,
-                    checks::at_least_one_u32,
-                )?,
-            },
-            scheduler,
-            policy: env.value(&["FALCON_POLICY"], PolicySpec::Bsp, str::parse)?,
-            optimizer: {
-                let lr = env.value(&["FALCON_LR"], DEFAULT_LR, checks::learning_rate)?;
-                env.value(&["FALCON_OPTIMIZER"], Optimizer::Sgd { lr }, |s| {
-                    Optimizer::parse(s, lr)
-                })?
-            },
-            aggregate: env.value(&["FALCON_AGGREGATE"], Aggregate::Mean, |s| {
-                match s.trim().to_ascii_lowercase().as_str() {
-                    "mean" => Ok(Aggregate::Mean),
-                    "sum" => Ok(Aggregate::Sum),
-                    _ => Err("not an aggregate of a clock's gradients: mean or sum"),
-                }
-            })?,
-            max_shard_bytes: env.value(
-                &["FALCON_MAX_SHARD_BYTES"],
-                d.max_shard_bytes,
-                checks::shard_bytes,
+        let workers = match &placed {
+            Some(p) => p.world - 1 - servers,
+            None => env.value(
+                &["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"],
+                1,
+                checks::at_least_one_u32,
             )?,
-            scale: env.value(&["FALCON_SCALE"], ScaleSpec::Unscaled, str::parse)?,
-            ..JobConfig::default()
         };
-        // Server checkpoints and recovery: a dead server restarts from its checkpoint. A
-        // failed checkpoint write warns, or stops the job.
-        let on_failure = env.value(
-            &["FALCON_CHECKPOINT_ON_FAILURE"],
-            OnCheckpointFailure::default(),
-            |s| {
-                s.parse::<OnCheckpointFailure>()
-                    .map_err(|_| "not an action on a failed checkpoint write: warn or stop")
-            },
-        )?;
-        if let Some(dir) = env.get(&["FALCON_CHECKPOINT_DIR"]) {
-            let c = CheckpointSettings::new(dir.value);
-            cfg.checkpoint = Some(CheckpointSettings {
-                every: env.millis("FALCON_CHECKPOINT_MS", c.every, checks::checkpoint_ms)?,
-                recovery_timeout: env.millis(
-                    "FALCON_RECOVERY_TIMEOUT_MS",
-                    c.recovery_timeout,
-                    checks::timeout_ms,
-                )?,
-                on_failure,
-                ..c
-            });
-        }
-        // The heartbeat and the timeouts (FALCON_SUSPICION_MS: 0 never).
-        cfg.heartbeat = env.millis("FALCON_HEARTBEAT_MS", d.heartbeat, checks::heartbeat_ms)?;
-        cfg.suspicion = match env.millis(
-            "FALCON_SUSPICION_MS",
-            DEFAULT_SUSPICION,
-            checks::suspicion_ms,
-        )? {
-            Duration::ZERO => None,
-            s => Some(s),
-        };
-        cfg.rendezvous_timeout = env.millis(
-            "FALCON_RENDEZVOUS_TIMEOUT_MS",
-            d.rendezvous_timeout,
-            checks::timeout_ms,
-        )?;
-        cfg.transport.op_timeout = env.millis(
-            "FALCON_OP_TIMEOUT_MS",
-            d.transport.op_timeout,
-            checks::timeout_ms,
-        )?;
-        cfg.transport.handshake_timeout = env.millis(
-            "FALCON_HANDSHAKE_TIMEOUT_MS",
-            d.transport.handshake_timeout,
-            checks::timeout_ms,
-        )?;
-        checks::suspicion_fits(cfg.heartbeat, cfg.suspicion)?;
-        // The admission wall's caps on connections waiting to prove the job token.
-        cfg.transport.max_handshakes = env.value(
-            &["FALCON_MAX_HANDSHAKES"],
-            cfg.transport.max_handshakes,
-            checks::at_least_one_usize,
-        )?;
-        cfg.transport.max_handshakes_per_source = env.value(
-            &["FALCON_MAX_HANDSHAKES_PER_SOURCE"],
-            cfg.transport.max_handshakes_per_source,
-            checks::at_least_one_usize,
-        )?;
-        checks::policy_fits(
-            &cfg.policy,
-            policy_set.as_ref().map_or("bsp", |s| s.value.as_str()),
-            cfg.workers,
-        )?;
-        // Async policies apply each worker's gradient on its own: lr / workers keeps the step
-        // of a round equal to BSP's (mean of W gradients) and delayed-gradient descent stable.
-        // The optimizer stays the one configured (momentum and Adam apply per arrival).
-        if cfg.update_mode() == UpdateMode::Async {
-            let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
-            cfg.optimizer = cfg.optimizer.with_lr(lr);
-        }
+        let mut cfg = job_config(&env, servers, workers, scheduler)?;
+        checkpoints(&env, &mut cfg)?;
+        timeouts(&env, &mut cfg)?;
         cfg.transport.medium = env.value(&["FALCON_MEDIUM"], Medium::Auto, |s| {
             s.trim()
                 .parse::<Medium>()
                 .map_err(|_| "not a medium: auto, shm, tcp or rdma")
         })?;
-        // The scheduler listens on its advertised address; other roles on any port of their
-        // interface (FALCON_NODE_HOST / DMLC_NODE_HOST), or FALCON_BIND.
-        cfg.transport.bind = Some(match (role, &uri, port) {
-            (Role::Scheduler, Some(u), Some(p)) => {
-                resolve(&u.host, p).map_err(|e| u.from.refused(e))?
-            }
-            _ => match (env.get(&["FALCON_BIND"]), role, scheduler_tcp) {
-                (Some(set), _, _) => socket_address(&set.value).map_err(|e| set.refused(e))?,
-                (None, Role::Scheduler, Some(addr)) => addr,
-                _ => match env.get(&["FALCON_NODE_HOST", "DMLC_NODE_HOST"]) {
-                    Some(set) => resolve(set.value.trim(), 0).map_err(|e| set.refused(e))?,
-                    None => match &uri {
-                        Some(u) => resolve(&u.host, 0).map_err(|e| u.from.refused(e))?,
-                        None => SocketAddr::from(([127, 0, 0, 1], 0)),
-                    },
-                },
-            },
-        });
+        cfg.transport.bind = Some(bind_address(&env, role, (&uri, port), scheduler_tcp)?);
         if let Some(set) = env.get(&["FALCON_ADVERTISE"]) {
             cfg.transport.advertise = Some(set.value.trim().parse().map_err(|_| {
                 set.refused("not a socket address: expected IP:PORT, e.g. 10.0.0.5:9000")
@@ -656,6 +501,206 @@ impl Launch {
             rank,
         })
     }
+}
+
+/// The role: named (FALCON_ROLE, DMLC_ROLE), or placed by a launcher (Slurm, mpirun) from the
+/// process's global rank.
+fn role_of<F: Fn(&str) -> Option<String>>(
+    env: &Env<F>,
+    servers: u32,
+) -> Result<(Role, Option<Placed>), LaunchError> {
+    match env.get(&["FALCON_ROLE", "DMLC_ROLE"]) {
+        Some(set) => Ok((
+            set.value
+                .trim()
+                .parse::<Role>()
+                .map_err(|_| set.refused("not a role: scheduler, server or worker"))?,
+            None,
+        )),
+        None => match launcher_layout(env, servers)? {
+            Some(p) => Ok((p.role, Some(p))),
+            None => Err(LaunchError::NoRole),
+        },
+    }
+}
+
+/// The scheduler's port, if one is named.
+fn scheduler_port<F: Fn(&str) -> Option<String>>(env: &Env<F>) -> Result<Option<u16>, LaunchError> {
+    let Some(set) = env.get(&["FALCON_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT", "MASTER_PORT"]) else {
+        return Ok(None);
+    };
+    let p = checks::port(&set.value).map_err(|e| set.refused(e))?;
+    // torchrun's agent keeps its own store on MASTER_PORT under its default (static)
+    // rendezvous, and tells its ranks so: the scheduler takes the next port, the same on
+    // every rank.
+    let agent_store = env
+        .get(&["TORCHELASTIC_USE_AGENT_STORE"])
+        .is_some_and(|s| s.value.trim().eq_ignore_ascii_case("true"));
+    if set.var == "MASTER_PORT" && agent_store {
+        return Ok(Some(p.checked_add(1).ok_or_else(|| {
+            set.refused(
+                "torchrun's agent holds this port and falcon's scheduler takes the next one, \
+                 past 65535: set FALCON_SCHEDULER_PORT",
+            )
+        })?));
+    }
+    Ok(Some(p))
+}
+
+/// The job: its name and token, its roles, its policy and update rule.
+fn job_config<F: Fn(&str) -> Option<String>>(
+    env: &Env<F>,
+    servers: u32,
+    workers: u32,
+    scheduler: String,
+) -> Result<JobConfig, LaunchError> {
+    let policy_set = env.get(&["FALCON_POLICY"]);
+    let d = JobConfig::default();
+    let mut cfg = JobConfig {
+        job: env
+            .get(&["FALCON_JOB"])
+            .map_or_else(|| "falcon".into(), |s| s.value),
+        token: env
+            .get(&["FALCON_TOKEN"])
+            .map(|s| s.value)
+            .unwrap_or_default(),
+        servers,
+        workers,
+        scheduler,
+        policy: env.value(&["FALCON_POLICY"], PolicySpec::Bsp, str::parse)?,
+        optimizer: {
+            let lr = env.value(&["FALCON_LR"], DEFAULT_LR, checks::learning_rate)?;
+            env.value(&["FALCON_OPTIMIZER"], Optimizer::Sgd { lr }, |s| {
+                Optimizer::parse(s, lr)
+            })?
+        },
+        aggregate: env.value(&["FALCON_AGGREGATE"], Aggregate::Mean, |s| {
+            match s.trim().to_ascii_lowercase().as_str() {
+                "mean" => Ok(Aggregate::Mean),
+                "sum" => Ok(Aggregate::Sum),
+                _ => Err("not an aggregate of a clock's gradients: mean or sum"),
+            }
+        })?,
+        max_shard_bytes: env.value(
+            &["FALCON_MAX_SHARD_BYTES"],
+            d.max_shard_bytes,
+            checks::shard_bytes,
+        )?,
+        scale: env.value(&["FALCON_SCALE"], ScaleSpec::Unscaled, str::parse)?,
+        ..JobConfig::default()
+    };
+    checks::policy_fits(
+        &cfg.policy,
+        policy_set.as_ref().map_or("bsp", |s| s.value.as_str()),
+        cfg.workers,
+    )?;
+    // Async policies apply each worker's gradient on its own: lr / workers keeps the step of a
+    // round equal to BSP's (mean of W gradients) and delayed-gradient descent stable. The
+    // optimizer stays the one configured (momentum and Adam apply per arrival).
+    if cfg.update_mode() == UpdateMode::Async {
+        let lr = cfg.optimizer.lr() / cfg.workers.max(1) as f32;
+        cfg.optimizer = cfg.optimizer.with_lr(lr);
+    }
+    Ok(cfg)
+}
+
+/// Server checkpoints and recovery: a dead server restarts from its checkpoint. A failed
+/// checkpoint write warns, or stops the job.
+fn checkpoints<F: Fn(&str) -> Option<String>>(
+    env: &Env<F>,
+    cfg: &mut JobConfig,
+) -> Result<(), LaunchError> {
+    let on_failure = env.value(
+        &["FALCON_CHECKPOINT_ON_FAILURE"],
+        OnCheckpointFailure::default(),
+        |s| {
+            s.parse::<OnCheckpointFailure>()
+                .map_err(|_| "not an action on a failed checkpoint write: warn or stop")
+        },
+    )?;
+    if let Some(dir) = env.get(&["FALCON_CHECKPOINT_DIR"]) {
+        let c = CheckpointSettings::new(dir.value);
+        cfg.checkpoint = Some(CheckpointSettings {
+            every: env.millis("FALCON_CHECKPOINT_MS", c.every, checks::checkpoint_ms)?,
+            recovery_timeout: env.millis(
+                "FALCON_RECOVERY_TIMEOUT_MS",
+                c.recovery_timeout,
+                checks::timeout_ms,
+            )?,
+            on_failure,
+            ..c
+        });
+    }
+    Ok(())
+}
+
+/// The heartbeat, the timeouts (FALCON_SUSPICION_MS: 0 never) and the admission wall's caps on
+/// connections waiting to prove the job token.
+fn timeouts<F: Fn(&str) -> Option<String>>(
+    env: &Env<F>,
+    cfg: &mut JobConfig,
+) -> Result<(), LaunchError> {
+    let d = JobConfig::default();
+    cfg.heartbeat = env.millis("FALCON_HEARTBEAT_MS", d.heartbeat, checks::heartbeat_ms)?;
+    cfg.suspicion = match env.millis(
+        "FALCON_SUSPICION_MS",
+        DEFAULT_SUSPICION,
+        checks::suspicion_ms,
+    )? {
+        Duration::ZERO => None,
+        s => Some(s),
+    };
+    cfg.rendezvous_timeout = env.millis(
+        "FALCON_RENDEZVOUS_TIMEOUT_MS",
+        d.rendezvous_timeout,
+        checks::timeout_ms,
+    )?;
+    cfg.transport.op_timeout = env.millis(
+        "FALCON_OP_TIMEOUT_MS",
+        d.transport.op_timeout,
+        checks::timeout_ms,
+    )?;
+    cfg.transport.handshake_timeout = env.millis(
+        "FALCON_HANDSHAKE_TIMEOUT_MS",
+        d.transport.handshake_timeout,
+        checks::timeout_ms,
+    )?;
+    checks::suspicion_fits(cfg.heartbeat, cfg.suspicion)?;
+    cfg.transport.max_handshakes = env.value(
+        &["FALCON_MAX_HANDSHAKES"],
+        cfg.transport.max_handshakes,
+        checks::at_least_one_usize,
+    )?;
+    cfg.transport.max_handshakes_per_source = env.value(
+        &["FALCON_MAX_HANDSHAKES_PER_SOURCE"],
+        cfg.transport.max_handshakes_per_source,
+        checks::at_least_one_usize,
+    )?;
+    Ok(())
+}
+
+/// Where this process listens: the scheduler on its advertised address; other roles on any
+/// port of their interface (FALCON_NODE_HOST / DMLC_NODE_HOST), or FALCON_BIND.
+fn bind_address<F: Fn(&str) -> Option<String>>(
+    env: &Env<F>,
+    role: Role,
+    (uri, port): (&Option<SchedulerHost>, Option<u16>),
+    scheduler_tcp: Option<SocketAddr>,
+) -> Result<SocketAddr, LaunchError> {
+    if let (Role::Scheduler, Some(u), Some(p)) = (role, uri, port) {
+        return resolve(&u.host, p).map_err(|e| u.from.refused(e));
+    }
+    Ok(match (env.get(&["FALCON_BIND"]), role, scheduler_tcp) {
+        (Some(set), _, _) => socket_address(&set.value).map_err(|e| set.refused(e))?,
+        (None, Role::Scheduler, Some(addr)) => addr,
+        _ => match env.get(&["FALCON_NODE_HOST", "DMLC_NODE_HOST"]) {
+            Some(set) => resolve(set.value.trim(), 0).map_err(|e| set.refused(e))?,
+            None => match uri {
+                Some(u) => resolve(&u.host, 0).map_err(|e| u.from.refused(e))?,
+                None => SocketAddr::from(([127, 0, 0, 1], 0)),
+            },
+        },
+    })
 }
 
 #[cfg(test)]
