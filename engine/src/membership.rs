@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::config::{JobConfig, OnCheckpointFailure};
 use crate::error::Error;
 use crate::proto::{Msg, Role};
-use crate::scheduler::{SchedulerReport, plan_superstep};
+use crate::sync::zipline::{predict, zipline};
 
 /// A node of the job: its role and rank.
 pub type Node = (Role, u32);
@@ -863,4 +863,102 @@ impl Membership {
         out.push(Action::End(how));
         self.ended = true;
     }
+}
+
+/// What the scheduler saw, returned when the job ends.
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerReport {
+    /// Bytes of parameters per server.
+    pub bytes_per_server: Vec<u64>,
+    /// Processes refused at rendezvous, with the reason.
+    pub refused: Vec<String>,
+    /// Nodes declared dead (role, rank).
+    pub dead: Vec<(Role, u32)>,
+    /// Nodes evicted for silence (role, rank, why): a subset of `dead`.
+    pub evicted: Vec<(Role, u32, String)>,
+    /// Servers whose checkpoint writes failed, by rank: (rank, failed writes, the last
+    /// failure in words).
+    pub checkpoint_failures: Vec<(u32, u64, String)>,
+    /// ElasticBSP supersteps planned (barriers that fell); 0 under other policies.
+    pub supersteps: u64,
+    /// The last ElasticBSP plan, one entry per worker that took part, by rank.
+    pub last_plan: Vec<SuperstepPlan>,
+    /// Task-transfer steals relayed (or answered "none").
+    pub steals: u64,
+    /// Times the parallelism manager re-planned.
+    pub parallelism_plans: u64,
+    /// The last thread count advised to each worker.
+    pub threads: Vec<usize>,
+    /// The straggler projection's last class of each worker (pioneer, transient,
+    /// persistent, unknown).
+    pub classes: Vec<String>,
+    /// Tasks moved from stragglers to helpers.
+    pub tasks_transferred: u64,
+    /// Nodes admitted into the running job: servers restarted from their checkpoint,
+    /// workers rejoining (role, rank).
+    pub rejoined: Vec<(Role, u32)>,
+}
+
+/// One worker's part of an ElasticBSP superstep plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SuperstepPlan {
+    /// The worker's rank.
+    pub worker: u32,
+    /// The clock it reported at its barrier (the iteration it is about to start).
+    pub clock: u64,
+    /// The interval estimate the plan used for it, in nanoseconds (0: nobody's was known, so
+    /// everyone runs one iteration).
+    pub interval_ns: u64,
+    /// Its next barrier: it runs iterations `clock..until` (`1 ≤ until − clock ≤ R`).
+    pub until: u64,
+}
+
+/// Plans one ElasticBSP superstep for the workers at the barrier, given as
+/// `(rank, clock, interval_ns)` with `interval_ns` 0 when unknown. Every worker starts now, so
+/// worker `w`'s next `r` iterations end at `j·I_w`, `j = 1..=r`; ZipLine picks one end time per
+/// worker minimizing the spread and worker `w` runs `picks[w] + 1` iterations. A worker without
+/// an estimate is given the mean of the known ones; if none is known, everyone runs one
+/// iteration. `r` is taken as at least 1. The result is in the order of `arrivals`.
+pub fn plan_superstep(arrivals: &[(u32, u64, u64)], r: u32) -> Vec<SuperstepPlan> {
+    let known: Vec<u64> = arrivals.iter().map(|a| a.2).filter(|&i| i > 0).collect();
+    let one_each = || {
+        arrivals
+            .iter()
+            .map(|&(worker, clock, _)| SuperstepPlan {
+                worker,
+                clock,
+                interval_ns: 0,
+                until: clock.saturating_add(1),
+            })
+            .collect()
+    };
+    if known.is_empty() {
+        return one_each();
+    }
+    let sum: u128 = known.iter().map(|&i| u128::from(i)).sum();
+    // The mean of values that fit a u64 fits a u64.
+    let mean = u64::try_from(sum / known.len() as u128).unwrap_or(u64::MAX);
+    let intervals: Vec<u64> = arrivals
+        .iter()
+        .map(|a| if a.2 > 0 { a.2 } else { mean.max(1) })
+        .collect();
+    let r = r.max(1) as usize;
+    let candidates: Vec<Vec<u64>> = intervals.iter().map(|&i| predict(0, i, r)).collect();
+    let Some(zip) = zipline(&candidates) else {
+        // Only when there is nobody to plan for.
+        return one_each();
+    };
+    arrivals
+        .iter()
+        .zip(&intervals)
+        .zip(&zip.picks)
+        .map(
+            |((&(worker, clock, _), &interval_ns), &pick)| SuperstepPlan {
+                worker,
+                clock,
+                interval_ns,
+                until: clock.saturating_add(pick as u64 + 1),
+            },
+        )
+        .collect()
 }
