@@ -722,8 +722,19 @@ impl ShardCore {
         }
         self.held.push_back((conn, w, AckOf::Push { clock }, false));
         if !counts {
-            // Dropped: the shard is done with this worker's gradient.
+            // Dropped: the shard is done with this worker's gradient, and so is the policy
+            // (one that judged the arrival saw it already): the worker's clock moves past it
+            // in both, or a worker whose step fell without it (a rejoin racing the others'
+            // pushes) would wait for a step that never comes.
             params.write(&mut |s| raise_clock(s, wi, clock + 1));
+            if !self.policy.judges_arrivals() {
+                let ev = Event::Push {
+                    worker: w,
+                    clock,
+                    at: now,
+                };
+                self.policy.on_event(ev, &mut self.actions);
+            }
         }
         self.apply_ready(now, params);
     }

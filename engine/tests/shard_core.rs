@@ -437,3 +437,35 @@ fn sync_opt_counts_the_places_a_reattaching_worker_holds() {
     assert_eq!(st.pending[0].0, 1, "waiting in step 1");
     assert!(st.pending[0].1[0].is_some());
 }
+
+#[test]
+fn a_rejoining_worker_whose_step_fell_without_it_goes_on() {
+    // BSP, 2 workers. Worker 1 leaves; worker 0's gradient alone completes step 0. Worker 1
+    // rejoins at clock 0 (the others' count when it attached, before step 0 fell): its
+    // gradient of clock 0 comes too late and is dropped, and its pull of clock 1 is answered
+    // instead of waiting for a step that already fell.
+    let mut c = core("bsp", 2, optimizer(0), Aggregate::Sum, u64::MAX);
+    let mut p = VecParams::new(LEN, 2);
+    c.handle(0, Input::Leave { worker: 1 }, &mut p, &mut |_| {})
+        .unwrap();
+    push(&mut c, &mut p, 0, 1, vec![1.0; LEN]);
+    assert_eq!(p.version(), 1);
+    let rejoin = Input::Resume {
+        worker: 1,
+        pushes: 0,
+        helps: 0,
+        rejoin: true,
+    };
+    c.handle(0, rejoin, &mut p, &mut |_| {}).unwrap();
+    push(&mut c, &mut p, 1, 1, vec![1.0; LEN]);
+    assert_eq!(p.version(), 1, "dropped, not applied");
+    assert_eq!(p.clocks(), &[1, 1]);
+    let mut out = Vec::new();
+    let pull = Input::Pull {
+        worker: 1,
+        clock: 1,
+        req: 8,
+    };
+    c.handle(0, pull, &mut p, &mut |o| out.push(o)).unwrap();
+    assert_eq!(out, vec![Output::Answer { worker: 1, req: 8 }]);
+}
