@@ -23,6 +23,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{Ptx, result as nvrtc_result, sys as nvrtc_sys};
 
+mod staged;
+pub use staged::{DeviceRegion, Staged};
+
 /// What can go wrong with CUDA.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CudaError {
