@@ -111,6 +111,10 @@ pub enum Error {
         /// The ranks that never joined, in words.
         missing: String,
     },
+    /// A CUDA call of a device push or pull failed (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    #[error("CUDA: {0}")]
+    Cuda(#[from] falcon_transport::cuda::CudaError),
     /// Something did not happen in time.
     #[error("{what} timed out after {secs:.1} s", what = .0, secs = .1.as_secs_f64())]
     Timeout(&'static str, std::time::Duration),
