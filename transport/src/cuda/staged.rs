@@ -95,7 +95,9 @@ impl DeviceRegion {
             .map_err(|e| super::driver_message(&e))
         };
         if let Err(why) = &pinned {
-            tracing::warn!("cuda: the staging region is not page-locked ({why}); copies go through the driver's bounce buffer");
+            tracing::warn!(
+                "cuda: the staging region is not page-locked ({why}); copies go through the driver's bounce buffer"
+            );
         }
         Ok(Self {
             dev,
@@ -148,9 +150,7 @@ impl DeviceRegion {
             return Ok(());
         }
         let mut view = self.dev.slice_mut(..self.len);
-        self.stream
-            .memcpy_htod(values, &mut view)
-            .map_err(driver)?;
+        self.stream.memcpy_htod(values, &mut view).map_err(driver)?;
         self.synchronize()
     }
 
