@@ -98,9 +98,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 worker.push_slice(&name, &hand, clock)?;
                 clock += 1;
                 worker.pull_slice(&name, &mut hand, clock)?;
-                let mut view = dev.device_mut().slice_mut(..n);
-                s.memcpy_htod(&hand, &mut view)?;
-                drop(view);
+                s.memcpy_htod(&hand, &mut dev.device_mut().slice_mut(..n))?;
                 dev.synchronize()?;
                 let b = t.elapsed();
                 if r >= 5 {

@@ -168,8 +168,8 @@ fn device_against_host(gpu: &Gpu, medium: Medium) {
     let keymap = cluster.workers[0].keymap().clone();
     let report = cluster.finish().unwrap();
     let mut p = init;
-    for t in 0..ITERS as usize {
-        let (d, h) = (seen[0][t].as_ref().unwrap(), seen[1][t].as_ref().unwrap());
+    for (t, (d, h)) in seen[0].iter().zip(&seen[1]).enumerate() {
+        let (d, h) = (d.as_ref().unwrap(), h.as_ref().unwrap());
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(d),
@@ -184,8 +184,8 @@ fn device_against_host(gpu: &Gpu, medium: Medium) {
             medium.name()
         );
         let gs = [grad(0, t as u64, &p), grad(1, t as u64, &p)];
-        for i in 0..N {
-            p[i] -= 0.1 * ((gs[0][i] + gs[1][i]) * 0.5);
+        for ((x, a), b) in p.iter_mut().zip(&gs[0]).zip(&gs[1]) {
+            *x -= 0.1 * ((a + b) * 0.5);
         }
     }
     let got = report.tensor(&keymap, "w").unwrap();
