@@ -615,7 +615,7 @@ fn doctor() -> Res {
 /// loads at run time, as they are (nothing is assumed from the build).
 #[cfg(feature = "cuda")]
 fn cuda_report() {
-    use falcon_transport::cuda;
+    use falcon_transport::{cuda, gdr};
     match cuda::probe() {
         Ok(info) => {
             outln!(
@@ -638,14 +638,38 @@ fn cuda_report() {
                     yes(d.dma_buf)
                 );
             }
+            let peer = cuda::peer_memory_loaded();
             outln!(
-                "    peer memory (nvidia_peermem) {}; falcon's regions are host memory (device regions are not built yet)",
-                if cuda::peer_memory_loaded() {
-                    "loaded"
-                } else {
-                    "not loaded"
-                }
+                "    peer memory (nvidia_peermem) {}; push/pull of device memory go through page-locked staging on every medium",
+                if peer { "loaded" } else { "not loaded" }
             );
+            let enabled = gdr::gdr_enabled(std::env::var("FALCON_GDR").ok().as_deref());
+            for d in &info.devices {
+                let plan = gdr::gdr_plan(&gdr::GdrProbe {
+                    enabled,
+                    cuda_version: info.cuda_version,
+                    device_gpu_direct_rdma: d.gpu_direct_rdma,
+                    device_dma_buf: d.dma_buf,
+                    verbs_dma_buf: None,
+                    peer_memory: peer,
+                });
+                let tries: Vec<&str> = plan.tries.iter().map(|p| p.name()).collect();
+                let skipped: Vec<String> = plan
+                    .skipped
+                    .iter()
+                    .map(|(p, why)| format!("{}: {why}", p.name()))
+                    .collect();
+                outln!(
+                    "    {}: GPUDirect RDMA registration, as NCCL would try it: {}{} (not wired: the rdma medium registers host memory)",
+                    d.ordinal,
+                    tries.join(", then "),
+                    if skipped.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (left out: {})", skipped.join("; "))
+                    }
+                );
+            }
         }
         Err(e) => {
             outln!("  cuda               built in; unavailable: {e} (--device auto uses the CPU)")

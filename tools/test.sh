@@ -161,7 +161,8 @@ rdma_host() {
 # a cubin for sm_80 and sm_90 (a kernel that does not compile fails the stage); then the two
 # no-GPU paths run for real: no libcuda at all, and Debian's libcuda1 (non-free; downloaded and
 # unpacked into target/, not installed) with no device. The device tests print SKIPPED lines
-# here (counted below); they run on a machine with a GPU (docs/cuda.md).
+# here (counted below); they run on a machine with a GPU (docs/cuda.md). The engine's device
+# push/pull tests (engine/tests/cuda.rs) take the same two paths.
 cuda_no_gpu() {
     local venv=target/nvrtc-venv cache=$PWD/target/libcuda1
     if ! find "$venv" -name 'libnvrtc.so.12' 2>/dev/null | grep -q .; then
@@ -192,9 +193,14 @@ cuda_no_gpu() {
     env FALCON_CUDA_EXPECT=no-driver FALCON_CUDA_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc" \
         cargo test -p falcon-trainer --features cuda --lib --test cuda -- --nocapture 2>&1 | tee "$log" |
         grep -E "^(test result|compiled|cuda:)" || return 1
+    env LD_LIBRARY_PATH="$nvrtc" cargo test -p falcon-engine --features cuda --test cuda -- --nocapture 2>&1 |
+        tee -a "$log" | grep -E "^(test result|cuda:)" || return 1
     echo "::: Debian's libcuda1 and no device ($libcuda)"
     env FALCON_CUDA_EXPECT=no-device LD_LIBRARY_PATH="$libcuda:$nvrtc" \
         cargo test -p falcon-trainer --features cuda --test cuda no_driver -- --nocapture 2>&1 |
+        grep -E "^(test result|cuda:)" || return 1
+    env LD_LIBRARY_PATH="$libcuda:$nvrtc" \
+        cargo test -p falcon-engine --features cuda --test cuda without_a_device -- --nocapture 2>&1 |
         grep -E "^(test result|cuda:)" || return 1
     echo "::: cuda device tests skipped on this host (no GPU):"
     grep "^SKIPPED" "$log" | cut -d: -f2 | sort | uniq -c

@@ -127,7 +127,7 @@ impl From<EngineError> for Failure {
             }
             E::Refused(_) | E::Server { .. } => FALCON_ERR_REFUSED,
             E::Timeout(..) | E::Rendezvous { .. } => FALCON_ERR_TIMEOUT,
-            E::Transport(_) | E::Malformed(_) => FALCON_ERR_TRANSPORT,
+            E::Transport(_) | E::Malformed(_) | E::Cuda(_) => FALCON_ERR_TRANSPORT,
             E::Checkpoint(_) | E::CheckpointFailed { .. } => FALCON_ERR_CHECKPOINT,
         };
         Failure::new(code, e.to_string())

@@ -111,9 +111,20 @@ pub enum Error {
         /// The ranks that never joined, in words.
         missing: String,
     },
+    /// A CUDA call of a device push or pull failed (only with feature `cuda`; the variant is
+    /// there without it, so that matches on this enum do not depend on the feature).
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// Something did not happen in time.
     #[error("{what} timed out after {secs:.1} s", what = .0, secs = .1.as_secs_f64())]
     Timeout(&'static str, std::time::Duration),
+}
+
+#[cfg(feature = "cuda")]
+impl From<falcon_transport::cuda::CudaError> for Error {
+    fn from(e: falcon_transport::cuda::CudaError) -> Self {
+        Error::Cuda(e.to_string())
+    }
 }
 
 /// The engine's result type.

@@ -7,7 +7,8 @@
 //! names what is missing instead.
 //!
 //! This is the one place of falcon that holds CUDA's `unsafe` calls (kernel launches, sgemm,
-//! the NVRTC calls that produce a cubin); the crates above it compute on the device through
+//! the NVRTC calls that produce a cubin, and in `staged.rs` the page-locking of a
+//! [`DeviceRegion`]'s staging region and its copies to and from the device); the crates above it compute on the device through
 //! the checked, safe functions of this module and the safe parts of cudarc re-exported as
 //! [`cudarc`]. It knows nothing of models: kernels come in as CUDA C++ source with a
 //! declared signature ([`Signature`]) that every launch is checked against.
@@ -22,6 +23,9 @@ use cudarc::driver::{
     LaunchConfig, PinnedHostSlice, PushKernelArg, sys,
 };
 use cudarc::nvrtc::{Ptx, result as nvrtc_result, sys as nvrtc_sys};
+
+mod staged;
+pub use staged::{DeviceRegion, Staged};
 
 /// What can go wrong with CUDA.
 #[derive(Debug, Clone, thiserror::Error)]

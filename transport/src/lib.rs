@@ -33,6 +33,7 @@ mod error;
 /// Fuzzing seam for the cargo-fuzz targets in `fuzz/`; not API.
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod gdr;
 mod handshake;
 mod link;
 mod memfd;

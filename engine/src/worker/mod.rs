@@ -29,6 +29,8 @@
 //! - `gate`: ElasticBSP's gate;
 //! - `transfer`: task transfer (offers, steals, [`Worker::push_for`]) and the supervisor's
 //!   reports and advice;
+//! - `device` (feature `cuda`): push and pull of device memory ([`Worker::push_device`],
+//!   `Worker::pull_device`) through a page-locked staging region;
 //! - `progress`: the background thread that hands each completion to the piece it is for.
 //!
 //! # Locks
@@ -78,6 +80,8 @@ use crate::update::{Aggregate, Optimizer, UpdateMode};
 
 mod conn;
 mod data;
+#[cfg(feature = "cuda")]
+mod device;
 mod gate;
 mod progress;
 mod tracker;
@@ -502,6 +506,12 @@ impl Worker {
 
     /// Starts a push; `grad` may be reused once the handle's `wait` returns.
     pub fn push_async(&self, tensor: &str, grad: &Region, clock: u64) -> Result<Handle> {
+        let shards = self.push_shards(tensor, grad, clock)?;
+        self.write_pushes(shards, grad, clock, |_| Ok(()))
+    }
+
+    /// The shards of `tensor`, once `grad` and `clock` are checked for a push.
+    fn push_shards(&self, tensor: &str, grad: &Region, clock: u64) -> Result<Vec<&ShardRemote>> {
         self.check_running()?;
         let t = self.tensor(tensor)?;
         self.check_len(t, grad)?;
@@ -517,9 +527,22 @@ impl Worker {
                 });
             }
         }
+        Ok(shards)
+    }
+
+    /// Writes `grad` to `shards` as the gradient of `clock`, calling `before(i)` before the
+    /// `i`-th shard's part is written.
+    fn write_pushes(
+        &self,
+        shards: Vec<&ShardRemote>,
+        grad: &Region,
+        clock: u64,
+        mut before: impl FnMut(usize) -> Result<()>,
+    ) -> Result<Handle> {
         self.sample_interval(clock);
         let mut signals = Vec::new();
-        for s in shards {
+        for (i, s) in shards.into_iter().enumerate() {
+            before(i)?;
             signals.push(self.write_slot(
                 s,
                 Some(grad),
@@ -621,6 +644,20 @@ impl Worker {
 
     /// Starts a pull; `out` is complete once the handle's `wait` returns.
     pub fn pull_async(&self, tensor: &str, out: &Region, clock: u64) -> Result<Handle> {
+        let slow = self.pull_shards(tensor, out, clock, |_| Ok(()))?;
+        Ok(self.handle(slow.into_iter().map(|(_, sig)| sig).collect(), None))
+    }
+
+    /// Pulls each shard of `tensor` into `out`: calls `fast_done(s)` after shard `s` was read on
+    /// the lock-free path (before the next shard is read), and returns the shards that went to their server with the signal
+    /// of each.
+    fn pull_shards(
+        &self,
+        tensor: &str,
+        out: &Region,
+        clock: u64,
+        mut fast_done: impl FnMut(&ShardRemote) -> Result<()>,
+    ) -> Result<Vec<(&ShardRemote, Arc<Signal>)>> {
         self.check_running()?;
         let t = self.tensor(tensor)?;
         self.check_len(t, out)?;
@@ -641,20 +678,23 @@ impl Worker {
             }
         }
         self.pass_gate(clock)?;
-        let mut signals = Vec::new();
+        let mut slow = Vec::new();
         for s in self.shards_of(t) {
             if let Some(bound) = fast
                 && self.pull_fast(s, out, clock, bound)?
             {
-                let mut stats = lock(&self.inner.stats);
-                stats.fast_pulls += 1;
-                stats.fast_pull_bytes += s.spec.bytes();
+                {
+                    let mut stats = lock(&self.inner.stats);
+                    stats.fast_pulls += 1;
+                    stats.fast_pull_bytes += s.spec.bytes();
+                }
+                fast_done(s)?;
                 continue;
             }
             lock(&self.inner.stats).slow_pulls += 1;
-            signals.push(self.pull_slow(s, out, clock)?);
+            slow.push((s, self.pull_slow(s, out, clock)?));
         }
-        Ok(self.handle(signals, None))
+        Ok(slow)
     }
 
     /// Waits until every live worker has reached this barrier. Under ElasticBSP a worker
