@@ -371,6 +371,16 @@ pub struct ShardStats {
     pub per_worker: Vec<WorkerCounters>,
 }
 
+/// A gradient as it arrived: the connection, the worker, its sequence number, the version it
+/// was computed on, and the values.
+struct Arrival {
+    conn: u64,
+    worker: u32,
+    seq: u64,
+    computed_on: Option<u64>,
+    grad: Vec<f32>,
+}
+
 /// One shard's state machine (see the [module documentation](self)).
 pub struct ShardCore {
     cfg: ShardConfig,
@@ -529,14 +539,32 @@ impl ShardCore {
                 seq,
                 computed_on,
                 grad,
-            } => self.push(now, conn, worker, seq, computed_on, grad, params, out),
+            } => {
+                let a = Arrival {
+                    conn,
+                    worker,
+                    seq,
+                    computed_on,
+                    grad,
+                };
+                self.push(now, a, params, out)
+            }
             Input::Help {
                 conn,
                 worker,
                 seq,
                 computed_on,
                 grad,
-            } => self.help(conn, worker, seq, computed_on, grad, params, out),
+            } => {
+                let a = Arrival {
+                    conn,
+                    worker,
+                    seq,
+                    computed_on,
+                    grad,
+                };
+                self.help(a, params, out)
+            }
             Input::Pull { worker, clock, req } => {
                 let pushed = self.pushes[worker as usize];
                 if clock > pushed {
@@ -645,18 +673,14 @@ impl ShardCore {
         false
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn push<P: ShardParams + ?Sized>(
         &mut self,
         now: u64,
-        conn: u64,
-        w: u32,
-        seq: u64,
-        computed_on: Option<u64>,
-        grad: Vec<f32>,
+        a: Arrival,
         params: &mut P,
         out: &mut dyn FnMut(Output),
     ) {
+        let (conn, w, seq) = (a.conn, a.worker, a.seq);
         let wi = w as usize;
         self.stats.bytes_in += self.cfg.len as u64 * 4;
         let clock = self.pushes[wi];
@@ -676,7 +700,7 @@ impl ShardCore {
         match self.cfg.mode {
             UpdateMode::Async => {
                 let of = AckOf::Push { clock };
-                let d = self.apply_async(conn, w, of, computed_on, grad, Some(clock), params, out);
+                let d = self.apply_async(a, of, Some(clock), params, out);
                 self.stats.staleness_sum += d;
                 self.stats.staleness_max = self.stats.staleness_max.max(d);
                 *self.stats.per_worker[wi].staleness.entry(d).or_default() += 1;
@@ -687,7 +711,7 @@ impl ShardCore {
                 };
                 self.policy.on_event(ev, &mut self.actions);
             }
-            UpdateMode::Sync => self.push_sync(now, conn, w, clock, grad, params),
+            UpdateMode::Sync => self.push_sync(now, conn, w, clock, a.grad, params),
         }
     }
 
@@ -783,17 +807,13 @@ impl ShardCore {
         self.stats.peak_pending_bytes = self.stats.peak_pending_bytes.max(self.pending_bytes);
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn help<P: ShardParams + ?Sized>(
         &mut self,
-        conn: u64,
-        w: u32,
-        seq: u64,
-        computed_on: Option<u64>,
-        grad: Vec<f32>,
+        a: Arrival,
         params: &mut P,
         out: &mut dyn FnMut(Output),
     ) {
+        let (conn, w, seq) = (a.conn, a.worker, a.seq);
         let wi = w as usize;
         self.stats.bytes_in += self.cfg.len as u64 * 4;
         if !self.fresh((conn, w), seq, self.helps[wi], AckOf::Help, out) {
@@ -816,25 +836,28 @@ impl ShardCore {
         // Tasks taken from another worker, computed on this worker's values: applied like an
         // asynchronous gradient; the pusher's clock does not move and the policy sees no push
         // (the straggler's own push completes its iteration).
-        self.apply_async(conn, w, AckOf::Help, computed_on, grad, None, params, out);
+        self.apply_async(a, AckOf::Help, None, params, out);
         self.stats.per_worker[wi].help_pushes += 1;
     }
 
     /// Applies worker `w`'s gradient at once, scaled by its version staleness, acknowledging
     /// it first; with `clock`, the worker's applied count becomes `clock + 1`. Returns the
     /// staleness.
-    #[allow(clippy::too_many_arguments)]
     fn apply_async<P: ShardParams + ?Sized>(
         &mut self,
-        conn: u64,
-        w: u32,
+        a: Arrival,
         of: AckOf,
-        computed_on: Option<u64>,
-        mut g: Vec<f32>,
         clock: Option<u64>,
         params: &mut P,
         out: &mut dyn FnMut(Output),
     ) -> u64 {
+        let Arrival {
+            conn,
+            worker: w,
+            computed_on,
+            grad: mut g,
+            ..
+        } = a;
         let base = computed_on.unwrap_or(self.sent_version[w as usize]);
         let d = params.version().saturating_sub(base);
         let factor = self.scale.scale(d);

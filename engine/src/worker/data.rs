@@ -92,15 +92,30 @@ impl Worker {
             Instant::now(),
             what,
         );
-        if let Err(e) = self.inner.write_push(&link, s, &rec) {
-            if self.inner.book.recovery && e.is_fatal_for_link() {
-                tracing::debug!("worker: push to server {} deferred: {e}", s.server);
-            } else {
-                lock(&self.inner.requests).take(req);
-                return Err(self.inner.server_error(s.server, e));
-            }
-        }
+        let sent = self.inner.write_push(&link, s, &rec);
+        self.sent_or_deferred(sent, s.server, req, "push to")?;
         Ok(sig)
+    }
+
+    /// What a request's first send came to: with recovery, a send the link's failure stopped
+    /// is deferred (the request goes out again after the reconnection); any other failure
+    /// withdraws the request and is the caller's error.
+    fn sent_or_deferred(
+        &self,
+        sent: std::result::Result<(), falcon_transport::Error>,
+        server: usize,
+        req: Request,
+        what: &str,
+    ) -> Result<()> {
+        let Err(e) = sent else {
+            return Ok(());
+        };
+        if self.inner.book.recovery && e.is_fatal_for_link() {
+            tracing::debug!("worker: {what} server {server} deferred: {e}");
+            return Ok(());
+        }
+        lock(&self.inner.requests).take(req);
+        Err(self.inner.server_error(server, e))
     }
 
     /// The lock-free path: meta, check, parameters, sequence again. Ok(false) if the policy
@@ -183,14 +198,8 @@ impl Worker {
             Instant::now(),
             what,
         );
-        if let Err(e) = self.inner.send_pull(&link, s, id, out, clock) {
-            if self.inner.book.recovery && e.is_fatal_for_link() {
-                tracing::debug!("worker: pull from server {} deferred: {e}", s.server);
-            } else {
-                lock(&self.inner.requests).take(req);
-                return Err(self.inner.server_error(s.server, e));
-            }
-        }
+        let sent = self.inner.send_pull(&link, s, id, out, clock);
+        self.sent_or_deferred(sent, s.server, req, "pull from")?;
         Ok(sig)
     }
 }
