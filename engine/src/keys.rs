@@ -1,9 +1,12 @@
 //! Keys: named tensors cut into shards and placed on servers.
 //!
-//! Placement is by size, least-loaded first, and deterministic: the same tensors and server
-//! count give the same map on every process. Round-robin placement is the hot-spot complaint
-//! users of TF and BytePS file most; placing the biggest shards first on the least-loaded
-//! server keeps the bytes per server within one shard of each other.
+//! Every server works: a tensor is cut into at least one slice per server (slices of at least
+//! [`MIN_SLICE_BYTES`], so a tiny tensor stays whole) and into slices of at most the largest
+//! shard size, as ps-lite splits every request over all servers. Placement is by size,
+//! least-loaded first, and deterministic: the same tensors and server count give the same map
+//! on every process. Round-robin placement is the hot-spot complaint users of TF and BytePS
+//! file most; placing the biggest shards first on the least-loaded server keeps the bytes per
+//! server within one shard of each other.
 
 use serde::{Deserialize, Serialize};
 
@@ -11,6 +14,11 @@ use crate::error::{Error, Result};
 
 /// Default largest shard: 4 MiB.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 4 << 20;
+
+/// The smallest slice a tensor is cut into to spread it over the servers: 16 KiB. A tensor
+/// under two such slices stays whole (a shard's fixed costs — a message, an acknowledgement,
+/// a meta block — would outweigh what its server adds).
+pub const MIN_SLICE_BYTES: u64 = 16 << 10;
 
 /// A named tensor of f32 values.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,7 +103,9 @@ impl KeyMap {
         Ok(())
     }
 
-    /// Cuts `tensors` into shards of at most `max_shard_bytes` and places them on `servers`.
+    /// Cuts `tensors` into shards of at most `max_shard_bytes`, each tensor into at least one
+    /// slice per server where its slices stay at least [`MIN_SLICE_BYTES`], and places them on
+    /// `servers`.
     pub fn plan(tensors: Vec<TensorSpec>, servers: u32, max_shard_bytes: u64) -> Result<KeyMap> {
         if servers == 0 {
             return Err(Error::Config("a job needs at least one server".into()));
@@ -118,10 +128,13 @@ impl KeyMap {
             }
         }
         let max_elems = max_shard_bytes / 4;
+        let min_elems = (MIN_SLICE_BYTES / 4).min(max_elems);
         let mut shards = Vec::new();
         for (ti, t) in tensors.iter().enumerate() {
-            // Near-equal pieces: ceil(len / max) shards whose sizes differ by at most one.
-            let n = t.len.div_ceil(max_elems);
+            // Near-equal pieces whose sizes differ by at most one: ceil(len / max) of them, or
+            // one per server when that many pieces of at least the floor fit.
+            let spread = (t.len / min_elems).clamp(1, u64::from(servers));
+            let n = t.len.div_ceil(max_elems).max(spread);
             let (base, extra) = (t.len / n, t.len % n);
             let mut offset = 0;
             for k in 0..n {
@@ -280,6 +293,25 @@ mod tests {
             "{:?}",
             map.bytes_per_server()
         );
+    }
+
+    #[test]
+    fn every_server_holds_a_share_of_a_small_model() {
+        // The default `falcon train` model: 203 530 floats (814 KB), under one 4 MiB shard.
+        let map = KeyMap::plan(vec![t("params", 203_530)], 2, 4 << 20).unwrap();
+        assert_eq!(map.bytes_per_server(), vec![407_060, 407_060]);
+        let map = KeyMap::plan(vec![t("params", 203_530)], 3, 4 << 20).unwrap();
+        let b = map.bytes_per_server();
+        assert!(b.iter().all(|&x| x >= 271_372), "{b:?}");
+        // A tensor under two slices of the floor stays whole.
+        let tiny = KeyMap::plan(vec![t("bias", 10), t("w", 4096)], 4, 4 << 20).unwrap();
+        assert_eq!(tiny.shards.len(), 2);
+        // Between: as many slices of at least the floor as fit, up to one per server.
+        let mid = KeyMap::plan(vec![t("w", 3 * 4096 + 5)], 8, 4 << 20).unwrap();
+        assert_eq!(mid.shards.len(), 3);
+        assert!(mid.shards.iter().all(|s| s.bytes() >= MIN_SLICE_BYTES));
+        let servers: std::collections::HashSet<u32> = mid.shards.iter().map(|s| s.server).collect();
+        assert_eq!(servers.len(), 3, "each slice on its own server");
     }
 
     #[test]
