@@ -1,0 +1,76 @@
+//! The cost of applying an update, in nanoseconds per float, beside memcpy of the same bytes:
+//! a stream of ordinary updates, and a stream of tiny ones (a small learning rate times small
+//! gradients) that leaves denormal values behind unless the apply path flushes them.
+//!
+//! `cargo run --release -p falcon-engine --example apply_cost [FLOATS] [ROUNDS]`
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use falcon_engine::update::{Constant, Optimizer, ShardOptimizer};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median ns per float of `rounds` applications of `g` to fresh parameters `w0`.
+fn apply_ns(opt: Optimizer, w0: &[f32], g: &[f32], rounds: usize) -> f64 {
+    let mut times = Vec::new();
+    let mut o = ShardOptimizer::new(opt, Arc::new(Constant), w0.len());
+    let mut w = w0.to_vec();
+    for _ in 0..rounds {
+        let t = Instant::now();
+        o.apply(&mut w, g);
+        times.push(t.elapsed().as_nanos() as f64 / w.len() as f64);
+    }
+    std::hint::black_box(&w);
+    median(times)
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1 << 20);
+    let rounds: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(50);
+    let mut rng = fastrand::Rng::with_seed(7);
+    let normal_w: Vec<f32> = (0..n).map(|_| rng.f32() - 0.5).collect();
+    let normal_g: Vec<f32> = (0..n).map(|_| rng.f32() - 0.5).collect();
+    // Parameters and steps at the bottom of the normal range: results fall below it (denormals).
+    let tiny_w: Vec<f32> = (0..n).map(|_| (rng.f32() - 0.5) * 4e-38).collect();
+    let tiny_g: Vec<f32> = (0..n).map(|_| (rng.f32() - 0.5) * 1e-35).collect();
+    let mut dst = vec![0f32; n];
+    let copy = median(
+        (0..rounds)
+            .map(|_| {
+                let t = Instant::now();
+                dst.copy_from_slice(&normal_w);
+                std::hint::black_box(&dst);
+                t.elapsed().as_nanos() as f64 / n as f64
+            })
+            .collect(),
+    );
+    println!("| optimizer | stream | ns per float | × memcpy ({copy:.3} ns per float) |");
+    println!("|---|---|---|---|");
+    let opts = [
+        ("sgd", Optimizer::Sgd { lr: 1e-3 }),
+        ("momentum(0.9)", Optimizer::Momentum { lr: 1e-3, mu: 0.9 }),
+        (
+            "adam",
+            Optimizer::Adam {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ),
+    ];
+    for (name, opt) in opts {
+        for (stream, w, g) in [
+            ("normal", &normal_w, &normal_g),
+            ("tiny (denormal results)", &tiny_w, &tiny_g),
+        ] {
+            let ns = apply_ns(opt, w, g, rounds);
+            println!("| {name} | {stream} | {ns:.3} | {:.2} |", ns / copy);
+        }
+    }
+}
