@@ -430,3 +430,29 @@ fn local_piped_into_head_ends_quietly_with_its_roles() {
     );
     all_gone(&roles, Duration::from_secs(5));
 }
+
+#[test]
+fn log_lines_name_the_role_and_rank_and_carry_no_colour_off_a_terminal() {
+    // A worker whose scheduler never answers logs its waiting (after 3 s) and gives up.
+    let o = Command::new(FALCON)
+        .arg("role")
+        .env("FALCON_ROLE", "worker")
+        .env("FALCON_RANK", "1")
+        .env("FALCON_SCHEDULER", "127.0.0.1:1")
+        .env("FALCON_RENDEZVOUS_TIMEOUT_MS", "4000")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    let logged: Vec<&str> = err.lines().filter(|l| l.contains(" WARN ")).collect();
+    assert!(!logged.is_empty(), "a warning while waiting: {err}");
+    assert!(
+        logged.iter().all(|l| l.starts_with("[worker 1] ")),
+        "every log line names its role and rank: {err}"
+    );
+    assert!(
+        !err.contains('\u{1b}'),
+        "no terminal colour codes in a pipe: {err:?}"
+    );
+}

@@ -13,6 +13,7 @@ mod checks;
 mod config;
 mod experiment;
 mod local_cmd;
+mod logs;
 mod train_cmd;
 
 use std::process::ExitCode;
@@ -75,12 +76,7 @@ enum Command_ {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    logs::init();
     let argv = match config::expand(
         &<Cli as clap::CommandFactory>::command(),
         std::env::args_os().collect(),
@@ -352,6 +348,10 @@ fn role() -> Res {
     // Started by `falcon local`: die with it.
     hygiene::die_with_parent()?;
     let (cfg, role, rank) = job_from_env()?;
+    logs::label(match rank {
+        Some(r) => format!("{} {r}", role.name()),
+        None => role.name().to_string(),
+    });
     match role {
         Role::Scheduler => {
             let sched = Scheduler::bind(cfg)?;
@@ -391,7 +391,9 @@ fn role() -> Res {
             }
         }
         Role::Server => {
-            let report = Server::join(cfg, rank, Default::default())?.run()?;
+            let server = Server::join(cfg, rank, Default::default())?;
+            logs::label(format!("server {}", server.rank()));
+            let report = server.run()?;
             outln!(
                 "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes",
                 report.rank,
@@ -523,6 +525,7 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
         len: floats,
     }];
     let w = Worker::join(cfg, tensors, rank)?;
+    crate::logs::label(format!("worker {}", w.rank()));
     spawn_link_dropper(&w)?;
     let buf = w.buffer("model")?;
     let grad = w.buffer("model")?;

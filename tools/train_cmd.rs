@@ -608,6 +608,7 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
         len: model.num_params() as u64,
     }];
     let w = falcon_engine::Worker::join(cfg, tensors, rank)?;
+    crate::logs::label(format!("worker {}", w.rank()));
     crate::spawn_link_dropper(&w)?;
     let me = w.rank();
     let hetero = all_hetero.get(me as usize).cloned().unwrap_or(Hetero::None);
