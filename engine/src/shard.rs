@@ -516,6 +516,7 @@ impl ShardCore {
         out: &mut dyn FnMut(Output),
     ) -> Result<()> {
         self.check(&input)?;
+        let help = matches!(input, Input::Help { .. });
         match input {
             Input::Init {
                 conn,
@@ -539,17 +540,8 @@ impl ShardCore {
                 seq,
                 computed_on,
                 grad,
-            } => {
-                let a = Arrival {
-                    conn,
-                    worker,
-                    seq,
-                    computed_on,
-                    grad,
-                };
-                self.push(now, a, params, out)
             }
-            Input::Help {
+            | Input::Help {
                 conn,
                 worker,
                 seq,
@@ -563,7 +555,11 @@ impl ShardCore {
                     computed_on,
                     grad,
                 };
-                self.help(a, params, out)
+                if help {
+                    self.help(a, params, out)
+                } else {
+                    self.push(now, a, params, out)
+                }
             }
             Input::Pull { worker, clock, req } => {
                 let pushed = self.pushes[worker as usize];

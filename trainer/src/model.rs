@@ -287,6 +287,11 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
 /// Checks everything a forward pass reads: parameters, inputs and labels.
 fn check_batch(model: &dyn Model, params: &[f32], x: &[f32], y: &[u8]) -> Result<()> {
     check_len("params", model.num_params(), params.len())?;
+    check_inputs(model, x, y)
+}
+
+/// Checks a batch's inputs and labels against the model.
+fn check_inputs(model: &dyn Model, x: &[f32], y: &[u8]) -> Result<()> {
     let expected = y
         .len()
         .checked_mul(model.input_len())

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use falcon_transport::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
 use falcon_transport::cuda::{self, Arg, Gpu, Kernels, Lane, Signature, Ty};
 
-use super::{Cnn, Mlp, Model, Scratch, check_batch, check_len};
+use super::{Cnn, Mlp, Model, Scratch, check_batch, check_inputs, check_len};
 use crate::{Error, Result};
 
 /// The kernels' CUDA C++ source.
@@ -934,18 +934,7 @@ impl Session<'_> {
     pub fn step(&mut self, x: &[f32], y: &[u8], lr: f32) -> Result<(f32, usize)> {
         let model = self.model;
         let p = model.num_params();
-        check_len("x", y.len() * model.input_len(), x.len())?;
-        let classes = model.classes();
-        if let Some((i, &l)) = y
-            .iter()
-            .enumerate()
-            .find(|&(_, &l)| usize::from(l) >= classes)
-        {
-            return Err(Error::Config(format!(
-                "label {l} of example {i} is out of range: {} has {classes} classes",
-                model.name()
-            )));
-        }
+        check_inputs(model, x, y)?;
         let ws = self.ws()?;
         let result = (|| {
             ws.lane
