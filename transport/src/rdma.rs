@@ -750,12 +750,14 @@ impl QpState {
     }
 
     fn fail(&self, err: Error) {
+        // The cause is recorded before the flag is raised: a waiter that sees `failed` reads
+        // the error next, and must find it (raising the flag first let a refused write
+        // return Ok to a waiter that looked in between).
+        self.record(err.clone());
         if self.failed.swap(true, Ordering::AcqRel) {
-            self.record(err);
             return;
         }
         tracing::warn!(link = self.link, "rdma link failed: {err}");
-        self.record(err.clone());
         if let Some(t) = lock(&self.waiter).as_ref() {
             t.unpark();
         }
@@ -1019,7 +1021,16 @@ impl RdmaQp {
             }
             *lock(&self.state.waiter) = None;
         }
-        self.check()
+        self.check()?;
+        if self.state.done.load(Ordering::Acquire) < id {
+            // Failed without a recorded cause (cannot happen: `fail` records first); never
+            // report an unfinished request as done.
+            return Err(Error::Closed {
+                peer: self.dev.name.clone(),
+                reason: "queue pair failed".into(),
+            });
+        }
+        Ok(())
     }
 
     pub(crate) fn write(
