@@ -858,7 +858,7 @@ impl ShardCore {
         let d = params.version().saturating_sub(base);
         let factor = self.scale.scale(d);
         if factor != 1.0 {
-            g.iter_mut().for_each(|x| *x *= factor);
+            crate::update::scale_in_place(&mut g, factor);
         }
         out(Output::Ack {
             conn,
