@@ -137,6 +137,50 @@ fn elasticbsp_over_tcp() {
 }
 
 /// A free loopback port.
+/// Parts of one push or pull for different servers in flight at once (one thread per
+/// server, forced on whatever this host's cores): every gradient is applied once, every
+/// server's shard reaches the exact BSP answer.
+fn fan_out_is_exact(medium: &str) {
+    let out = Command::new(FALCON)
+        .args(["local", "--servers", "2", "--workers", "4", "--iters", "40"])
+        .args(["--floats", "400000", "--policy", "bsp", "--medium", medium])
+        .env("FALCON_FAN_OUT", "on")
+        .output()
+        .expect("run falcon local");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // 1.6 MB: one 800 KB slice on each server, above the fan-out's 256 KiB per server.
+    assert!(
+        stdout.contains("bytes per server [800000, 800000]"),
+        "{stdout}"
+    );
+    for s in 0..2 {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("server {s}: 160 gradients, 40 updates,"))),
+            "server {s}: every gradient once:\n{stdout}"
+        );
+        // BSP with the mean of targets 1..=4: every parameter ends at 2.5.
+        assert!(
+            stdout.contains(&format!("server {s}: shard {s} first parameter 2.500000, sequence numbers 160 = applied + 0 skipped")),
+            "server {s}:\n{stdout}"
+        );
+    }
+    assert!(stdout.contains("job finished"), "{stdout}");
+}
+
+#[test]
+fn per_server_parts_in_flight_at_once_over_tcp() {
+    fan_out_is_exact("tcp");
+}
+
+#[test]
+fn per_server_parts_in_flight_at_once_over_shm() {
+    fan_out_is_exact("shm");
+}
+
 fn port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -173,6 +173,10 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_SCALE                  staleness scaling of asynchronous gradients: none (default),
                                 dynsgd, consgd(F)
   FALCON_MAX_SHARD_BYTES        largest shard, at least 4 (default 4194304)
+  FALCON_FAN_OUT                a worker's parts of one push or pull for different servers go
+                                out at once, one thread per server: auto (default: when
+                                each part is at least 256 KiB and the host has 4 cores or
+                                more), on (whatever the cores) or off
   FALCON_MEDIUM                 auto, shm, tcp, rdma (default auto)
   FALCON_HEARTBEAT_MS           heartbeat interval, at least 10 (default 1000)
   FALCON_SUSPICION_MS           a role silent this long is declared dead; 0: never

@@ -73,6 +73,35 @@ pub struct JobConfig {
     /// Memory cap of a server shard's gradients waiting for their step (sync mode): above
     /// it the server holds back acknowledgements, so the pushers' next pushes wait.
     pub max_pending_bytes: u64,
+    /// Whether a worker's push or pull puts its parts for different servers in flight at once,
+    /// one thread per server (see [`FanOut`]).
+    pub fan_out: FanOut,
+}
+
+/// How a worker issues the per-server parts of one push or pull.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FanOut {
+    /// At once, one thread per server, when each server's part is at least 256 KiB and the
+    /// host has at least 4 cores (on fewer, the threads compete with co-located servers).
+    #[default]
+    Auto,
+    /// At once whenever more than one server is involved and each part is at least 256 KiB,
+    /// whatever the cores.
+    On,
+    /// One after the other on the caller's thread.
+    Off,
+}
+
+impl std::str::FromStr for FanOut {
+    type Err = &'static str;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(FanOut::Auto),
+            "on" => Ok(FanOut::On),
+            "off" => Ok(FanOut::Off),
+            _ => Err("not a fan-out setting: auto, on or off"),
+        }
+    }
 }
 
 /// Server checkpoints: where, how often, and how long the job waits for a dead server to
@@ -189,6 +218,7 @@ impl Default for JobConfig {
             supervisor: SupervisorSettings::default(),
             checkpoint: None,
             max_pending_bytes: 256 << 20,
+            fan_out: FanOut::Auto,
         }
     }
 }

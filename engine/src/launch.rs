@@ -38,7 +38,7 @@
 //!   `FALCON_ADVERTISE`;
 //! - the job: `FALCON_JOB`, `FALCON_TOKEN`, `FALCON_POLICY`, `FALCON_LR`, `FALCON_OPTIMIZER`,
 //!   `FALCON_AGGREGATE`, `FALCON_SCALE`,
-//!   `FALCON_MAX_SHARD_BYTES`, `FALCON_MEDIUM`;
+//!   `FALCON_MAX_SHARD_BYTES`, `FALCON_FAN_OUT`, `FALCON_MEDIUM`;
 //! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
 //!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`;
@@ -55,7 +55,9 @@ use std::time::Duration;
 use falcon_transport::{Medium, PeerAddr};
 
 use crate::checks::{self, Conflict};
-use crate::config::{CheckpointSettings, DEFAULT_SUSPICION, JobConfig, OnCheckpointFailure};
+use crate::config::{
+    CheckpointSettings, DEFAULT_SUSPICION, FanOut, JobConfig, OnCheckpointFailure,
+};
 use crate::proto::Role;
 use crate::sync::PolicySpec;
 use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
@@ -107,6 +109,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_AGGREGATE",
     "FALCON_SCALE",
     "FALCON_MAX_SHARD_BYTES",
+    "FALCON_FAN_OUT",
     "FALCON_MEDIUM",
     "FALCON_HEARTBEAT_MS",
     "FALCON_SUSPICION_MS",
@@ -587,6 +590,7 @@ fn job_config<F: Fn(&str) -> Option<String>>(
             checks::shard_bytes,
         )?,
         scale: env.value(&["FALCON_SCALE"], ScaleSpec::Unscaled, str::parse)?,
+        fan_out: env.value(&["FALCON_FAN_OUT"], FanOut::Auto, str::parse)?,
         ..JobConfig::default()
     };
     checks::policy_fits(
@@ -815,6 +819,7 @@ mod tests {
             ("FALCON_LR", "0.4"),
             ("FALCON_SCALE", "dynsgd"),
             ("FALCON_MAX_SHARD_BYTES", "4096"),
+            ("FALCON_FAN_OUT", " Off"),
             ("FALCON_MEDIUM", "tcp"),
             ("FALCON_HEARTBEAT_MS", "100"),
             ("FALCON_SUSPICION_MS", "0"),
@@ -837,6 +842,7 @@ mod tests {
         assert_eq!(c.optimizer.lr(), 0.1);
         assert_eq!(c.scale, "dynsgd".parse().unwrap());
         assert_eq!(c.max_shard_bytes, 4096);
+        assert_eq!(c.fan_out, FanOut::Off);
         assert_eq!(c.transport.medium, Medium::Tcp);
         assert_eq!(c.heartbeat, Duration::from_millis(100));
         assert_eq!(c.suspicion, None);
@@ -1046,6 +1052,10 @@ mod tests {
         assert_eq!(
             with(&[("DMLC_NUM_SERVER", "0")]),
             "DMLC_NUM_SERVER=0: the count must be at least 1; 0 is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_FAN_OUT", "maybe")]),
+            "FALCON_FAN_OUT=maybe: not a fan-out setting: auto, on or off"
         );
         assert_eq!(
             with(&[("FALCON_NUM_WORKER", "two")]),

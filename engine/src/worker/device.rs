@@ -10,7 +10,7 @@
 
 use falcon_transport::cuda::DeviceRegion;
 
-use super::Worker;
+use super::{ShardRemote, Worker};
 use crate::error::Result;
 
 impl Worker {
@@ -55,10 +55,11 @@ impl Worker {
     pub fn pull_device(&self, tensor: &str, out: &mut DeviceRegion, clock: u64) -> Result<()> {
         let staging = out.staging().clone();
         let pulled = (|| -> Result<()> {
-            let slow = self.pull_shards(tensor, &staging, clock, |s| {
+            let mut stage = |s: &ShardRemote| -> Result<()> {
                 out.stage_in(s.spec.offset as usize, s.spec.len as usize)?;
                 Ok(())
-            })?;
+            };
+            let slow = self.pull_shards(tensor, &staging, clock, Some(&mut stage))?;
             for (s, sig) in slow {
                 sig.wait(None)?;
                 out.stage_in(s.spec.offset as usize, s.spec.len as usize)?;
