@@ -260,7 +260,7 @@ class _Distributed:
     """Methods mixed into the user's optimizer class (as Horovod does), so learning-rate
     schedulers and `isinstance` checks keep working."""
 
-    def _falcon_setup(self, named, policy, worker, backward_passes_per_step):
+    def _falcon_setup(self, named, policy, worker, backward_passes_per_step, model=None):
         if backward_passes_per_step < 1:
             raise _f.ConfigError("backward_passes_per_step must be at least 1")
         mine = {id(p) for g in self.param_groups for p in g["params"]}
@@ -294,6 +294,21 @@ class _Distributed:
         self._falcon_hooks = []
         broadcast_parameters(named, 0, w)
         self._falcon_clock = min(w.clock_of(n) for n, _ in named)
+        # Pulls go out in the order of first use in the forward pass (learnt from the first
+        # forward with a model; the parameters' order until then) and, with a model, each
+        # module waits only for its own parameters: the next forward starts while later
+        # layers' values are still arriving (priority scheduling, as P3 and ByteScheduler).
+        self._falcon_pending: dict[str, object] = {}
+        self._falcon_first_use: list[str] = []
+        self._falcon_model_hooks = []
+        if model is not None:
+            params = {id(p): n for n, p in named}
+            for module in model.modules():
+                own = [params[id(p)] for p in module.parameters(recurse=False) if id(p) in params]
+                if own:
+                    self._falcon_model_hooks.append(
+                        module.register_forward_pre_hook(self._falcon_pre_forward(own))
+                    )
         for n, p in named:
             if not p.requires_grad:
                 continue
@@ -305,6 +320,39 @@ class _Distributed:
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 self._falcon_hooks.append(acc.register_hook(self._falcon_hook_for(p)))
                 self._falcon_hooks.append(acc)  # keep the accumulator alive
+
+    def _falcon_pre_forward(self, names):
+        def hook(*_):
+            seen = set(self._falcon_first_use)
+            for n in names:
+                if n not in seen:
+                    self._falcon_first_use.append(n)
+                h = self._falcon_pending.pop(n, None)
+                if h is not None:
+                    h.wait()
+
+        return hook
+
+    @property
+    def pull_order(self) -> list[str]:
+        """The order in which `step()` pulls the parameters: first use in the forward pass
+        (known once a forward ran with `model=` given), then the rest in their own order."""
+        used = [n for n in self._falcon_first_use if n in self._falcon_passes]
+        seen = set(used)
+        return used + [n for n, _ in self._falcon_named if n not in seen]
+
+    def wait_pulls(self) -> None:
+        """Waits for the pulls `step()` left in flight (with `model=`, the forward pass waits
+        for each module's own; call this before reading parameters any other way)."""
+        pending, self._falcon_pending = self._falcon_pending, {}
+        errors = []
+        for h in pending.values():
+            try:
+                h.wait()
+            except _f.Error as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _falcon_hook_for(self, p):
         def hook(*_):
@@ -378,6 +426,7 @@ class _Distributed:
     def synchronize(self) -> None:
         """Pushes what backward did not (parameters without a gradient push zeros, so
         every tensor moves one clock) and waits until the servers have every gradient."""
+        self.wait_pulls()
         w = self._falcon_worker
         for n, p in self._falcon_named:
             if n not in self._falcon_handles:
@@ -404,12 +453,12 @@ class _Distributed:
         self.synchronize()
         self._falcon_clock += 1
         w = self._falcon_worker
+        param = dict(self._falcon_named)
         with torch.no_grad():
-            handles = [
-                w.pull_async(n, _view(p.data), self._falcon_clock) for n, p in self._falcon_named
-            ]
-            for h in handles:
-                h.wait()
+            for n in self.pull_order:
+                self._falcon_pending[n] = w.pull_async(n, _view(param[n].data), self._falcon_clock)
+        if not self._falcon_model_hooks:
+            self.wait_pulls()
         return loss
 
     @property
@@ -430,6 +479,7 @@ def DistributedOptimizer(
     *,
     backward_passes_per_step: int = 1,
     worker=None,
+    model: torch.nn.Module | None = None,
 ):
     """Wraps `optimizer` for training on a falcon job, in the manner of Horovod's and
     BytePS's `DistributedOptimizer`.
@@ -447,6 +497,13 @@ def DistributedOptimizer(
     `step()` (gradient clipping, a manual edit) does not reach the servers; clip inside the
     loss, or train with `fit`. `model.named_parameters()` is the input, not a state_dict
     (whose tensors are copies).
+
+    With `model` (the module whose parameters these are), `step()` returns as soon as the
+    pulls are issued, in the order the forward pass first uses the parameters, and each
+    module's forward waits only for its own parameters' values: the next forward overlaps
+    the pulls still arriving. A parameter read outside its own module's forward (a weight
+    used functionally by a parent) must not be: leave `model` out then, or call
+    `wait_pulls()` first. `wait_pulls()` also precedes evaluation or saving outside forward.
 
     The result is an instance of `optimizer`'s class (schedulers accept it) that trains the
     same parameter groups."""
@@ -474,7 +531,7 @@ def DistributedOptimizer(
     except TypeError:  # a class whose defaults are not all constructor arguments
         base.__init__(new, optimizer.param_groups)
     new._falcon_base = optimizer
-    new._falcon_setup(named, policy, worker, backward_passes_per_step)
+    new._falcon_setup(named, policy, worker, backward_passes_per_step, model)
     return new
 
 

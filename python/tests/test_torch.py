@@ -304,3 +304,61 @@ def test_a_momentum_schedule_is_refused_not_ignored():
         F.cross_entropy(model(x), y).backward()
     falcon.finish()
     c.finish()
+
+
+class _Reversed(torch.nn.Module):
+    """Registers its layers in the reverse of the order its forward uses them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.b = torch.nn.Linear(8, 3)
+        self.a = torch.nn.Linear(10, 8)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+def test_pulls_go_in_first_use_order_and_forward_waits_per_layer():
+    model, ref = _Reversed(), _Reversed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), model=model)
+    # Before any forward: the parameters' own order (b before a).
+    assert dopt.pull_order == ["b.weight", "b.bias", "a.weight", "a.bias"]
+    x, y = data()
+    for step in range(15):
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        # The forward pass used a first: its values are pulled first.
+        assert dopt.pull_order == ["a.weight", "a.bias", "b.weight", "b.bias"]
+        # The next forward waits for each layer's values: the results are plain PyTorch's.
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-5)
+    dopt.wait_pulls()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    assert dopt.clock == 15
+    falcon.finish()
+    c.finish()
+
+
+def test_without_a_model_every_pull_is_done_when_step_returns():
+    model = _Reversed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    x, y = data()
+    dopt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    dopt.step()
+    # No model: no forward hooks, so no first-use order, and nothing left in flight.
+    assert dopt.pull_order == ["b.weight", "b.bias", "a.weight", "a.bias"]
+    assert dopt._falcon_pending == {}
+    falcon.finish()
+    c.finish()
