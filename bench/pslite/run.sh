@@ -229,8 +229,8 @@ run_job() {
 # ---- the plan -----------------------------------------------------------------------------
 SIZES=(4096 65536 1048576 16777216)
 LABELS=("4 KiB" "64 KiB" "1 MiB" "16 MiB")
-ITERS=(3000 2000 300 50)
-if [[ $QUICK -eq 1 ]]; then ITERS=(600 400 60 10); fi
+ITERS=(5000 4000 1000 100)
+if [[ $QUICK -eq 1 ]]; then ITERS=(1000 800 200 20); fi
 # name | workers | servers | falcon medium | ps-lite medium
 CONFIGS=(
     "tcp 1 worker x 1 server|1|1|tcp|tcp"
