@@ -177,6 +177,9 @@ Environment: the launch contract, the same for a worker process of one's own
                                 out at once, one thread per server: auto (default: when
                                 each part is at least 256 KiB and the host has 4 cores or
                                 more), on (whatever the cores) or off
+  FALCON_WIRE                   gradients and pulled values on the wire: f32 (default, exact),
+                                bf16 or f16 (half the bytes; the servers keep f32 weights;
+                                the scheduler's setting holds for the job)
   FALCON_MEDIUM                 auto, shm, tcp, rdma (default auto)
   FALCON_HEARTBEAT_MS           heartbeat interval, at least 10 (default 1000)
   FALCON_SUSPICION_MS           a role silent this long is declared dead; 0: never

@@ -76,6 +76,8 @@ pub struct JobConfig {
     /// Whether a worker's push or pull puts its parts for different servers in flight at once,
     /// one thread per server (see [`FanOut`]).
     pub fan_out: FanOut,
+    /// The precision of gradients and pulled values on the wire (the scheduler's decides).
+    pub wire: crate::precision::Wire,
 }
 
 /// How a worker issues the per-server parts of one push or pull.
@@ -219,6 +221,7 @@ impl Default for JobConfig {
             checkpoint: None,
             max_pending_bytes: 256 << 20,
             fan_out: FanOut::Auto,
+            wire: crate::precision::Wire::F32,
         }
     }
 }

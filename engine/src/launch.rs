@@ -38,7 +38,7 @@
 //!   `FALCON_ADVERTISE`;
 //! - the job: `FALCON_JOB`, `FALCON_TOKEN`, `FALCON_POLICY`, `FALCON_LR`, `FALCON_OPTIMIZER`,
 //!   `FALCON_AGGREGATE`, `FALCON_SCALE`,
-//!   `FALCON_MAX_SHARD_BYTES`, `FALCON_FAN_OUT`, `FALCON_MEDIUM`;
+//!   `FALCON_MAX_SHARD_BYTES`, `FALCON_FAN_OUT`, `FALCON_WIRE`, `FALCON_MEDIUM`;
 //! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
 //!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`;
@@ -110,6 +110,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_SCALE",
     "FALCON_MAX_SHARD_BYTES",
     "FALCON_FAN_OUT",
+    "FALCON_WIRE",
     "FALCON_MEDIUM",
     "FALCON_HEARTBEAT_MS",
     "FALCON_SUSPICION_MS",
@@ -591,6 +592,7 @@ fn job_config<F: Fn(&str) -> Option<String>>(
         )?,
         scale: env.value(&["FALCON_SCALE"], ScaleSpec::Unscaled, str::parse)?,
         fan_out: env.value(&["FALCON_FAN_OUT"], FanOut::Auto, str::parse)?,
+        wire: env.value(&["FALCON_WIRE"], crate::precision::Wire::F32, str::parse)?,
         ..JobConfig::default()
     };
     checks::policy_fits(
@@ -820,6 +822,7 @@ mod tests {
             ("FALCON_SCALE", "dynsgd"),
             ("FALCON_MAX_SHARD_BYTES", "4096"),
             ("FALCON_FAN_OUT", " Off"),
+            ("FALCON_WIRE", "bf16"),
             ("FALCON_MEDIUM", "tcp"),
             ("FALCON_HEARTBEAT_MS", "100"),
             ("FALCON_SUSPICION_MS", "0"),
@@ -843,6 +846,7 @@ mod tests {
         assert_eq!(c.scale, "dynsgd".parse().unwrap());
         assert_eq!(c.max_shard_bytes, 4096);
         assert_eq!(c.fan_out, FanOut::Off);
+        assert_eq!(c.wire, crate::precision::Wire::Bf16);
         assert_eq!(c.transport.medium, Medium::Tcp);
         assert_eq!(c.heartbeat, Duration::from_millis(100));
         assert_eq!(c.suspicion, None);
@@ -1052,6 +1056,10 @@ mod tests {
         assert_eq!(
             with(&[("DMLC_NUM_SERVER", "0")]),
             "DMLC_NUM_SERVER=0: the count must be at least 1; 0 is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_WIRE", "int8")]),
+            "FALCON_WIRE=int8: not a wire precision: f32, bf16 or f16"
         );
         assert_eq!(
             with(&[("FALCON_FAN_OUT", "maybe")]),

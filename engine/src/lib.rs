@@ -23,6 +23,7 @@ mod heartbeat;
 pub mod launch;
 #[cfg(not(loom))]
 pub mod postoffice;
+pub mod precision;
 pub mod proto;
 pub mod shard;
 // The roles map real shared memory with std atomics; the loom build (`--cfg loom`) models

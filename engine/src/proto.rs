@@ -12,7 +12,7 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`; 6: server
 /// recovery and worker rejoin; 7: typed acknowledgements and refused pulls).
-const VERSION: u8 = 7;
+const VERSION: u8 = 8;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -71,6 +71,8 @@ pub struct Book {
     pub optimizer: Optimizer,
     /// Staleness scaling of asynchronously applied gradients.
     pub scale: ScaleSpec,
+    /// The precision of gradients and pulled values on the wire.
+    pub wire: crate::precision::Wire,
     /// Servers checkpoint and a dead server is waited for (it restarts from its checkpoint)
     /// instead of ending the job.
     pub recovery: bool,

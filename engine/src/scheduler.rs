@@ -283,6 +283,7 @@ impl Scheduler {
             aggregate: cfg.aggregate,
             optimizer: cfg.optimizer,
             scale: cfg.scale,
+            wire: cfg.wire,
             recovery: cfg.checkpoint.is_some(),
             rejoin: false,
             instance,

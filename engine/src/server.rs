@@ -308,7 +308,7 @@ impl Serving {
             shards.push(Shard {
                 spec: *spec,
                 core: ShardCore::new(shard_cfg, policy, opt, scale.clone()),
-                params: RegionParams::new(len, book.workers)?,
+                params: RegionParams::with_wire(len, book.workers, book.wire)?,
                 // Each slot holds the gradient and its trailer (`SlotTrailer`).
                 slots: (0..workers)
                     .map(|_| Region::new(spec.bytes() + SlotTrailer::BYTES))
@@ -591,7 +591,7 @@ impl Serving {
         for s in &self.shards {
             keys.push(ShardKeys {
                 shard: s.spec.id,
-                params: l.grant(s.params.values_region())?.to_bytes().to_vec(),
+                params: l.grant(s.params.pull_region())?.to_bytes().to_vec(),
                 meta: l.grant(s.params.meta_region())?.to_bytes().to_vec(),
                 clock: s.core.start_clock(rank),
                 slot: l.grant(&s.slots[rank as usize])?.to_bytes().to_vec(),
@@ -696,7 +696,20 @@ impl Serving {
         };
         let slot = &s.slots[w as usize];
         let mut trailer = [0u8; 16];
-        let read = slot.read_f32_vec(0, s.spec.len as usize).and_then(|grad| {
+        // Initial values travel as f32; gradients in the job's wire precision.
+        let wire = match imm.kind {
+            PushKind::Init => crate::precision::Wire::F32,
+            _ => self.book.wire,
+        };
+        let read = match wire {
+            crate::precision::Wire::F32 => slot.read_f32_vec(0, s.spec.len as usize),
+            w => {
+                // Widened in the slot, then read as f32 (the slot holds a gradient's f32 bytes).
+                crate::precision::widen_in_place(w, slot, 0, s.spec.len)
+                    .and_then(|()| slot.read_f32_vec(0, s.spec.len as usize))
+            }
+        }
+        .and_then(|grad| {
             slot.read_at(s.spec.bytes(), &mut trailer)?;
             Ok(grad)
         });
@@ -799,11 +812,11 @@ impl Serving {
         };
         let s = &self.shards[i];
         let r = l.write(
-            s.params.values_region(),
+            s.params.pull_region(),
             0,
             &p.dst,
             p.dst_off,
-            s.spec.bytes(),
+            self.book.wire.bytes(s.spec.len),
             Some(p.req),
         );
         if let Err(e) = r {

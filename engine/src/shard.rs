@@ -257,21 +257,54 @@ impl ShardParams for VecParams {
 pub struct RegionParams {
     values: falcon_transport::F32Region,
     meta: falcon_transport::Region,
+    /// With 16-bit values on the wire: the values as pulls read them, refreshed inside every
+    /// write section (so the seqlock covers them), and the encoding buffer.
+    mirror: Option<(crate::precision::Wire, falcon_transport::Region, Vec<u8>)>,
 }
 
 #[cfg(not(loom))]
 impl RegionParams {
     /// Zeroed regions for `len` floats and `workers` clocks.
     pub fn new(len: usize, workers: u32) -> Result<RegionParams> {
+        Self::with_wire(len, workers, crate::precision::Wire::F32)
+    }
+
+    /// As [`RegionParams::new`], with pulls reading the values in `wire`'s precision.
+    pub fn with_wire(
+        len: usize,
+        workers: u32,
+        wire: crate::precision::Wire,
+    ) -> Result<RegionParams> {
+        let mirror = match wire {
+            crate::precision::Wire::F32 => None,
+            w => {
+                let bytes = w.bytes(len as u64);
+                Some((
+                    w,
+                    falcon_transport::Region::new(bytes)?,
+                    vec![0u8; bytes as usize],
+                ))
+            }
+        };
         Ok(RegionParams {
             values: falcon_transport::F32Region::new(len)?,
             meta: falcon_transport::Region::new(crate::meta::meta_bytes(workers))?,
+            mirror,
         })
     }
 
-    /// The values' region (granted to workers; the source of answered pulls).
+    /// The values' region.
     pub fn values_region(&self) -> &falcon_transport::Region {
         self.values.region()
+    }
+
+    /// What pulls read (granted to workers; the source of answered pulls): the values, or
+    /// their 16-bit mirror.
+    pub fn pull_region(&self) -> &falcon_transport::Region {
+        match &self.mirror {
+            Some((_, r, _)) => r,
+            None => self.values.region(),
+        }
     }
 
     /// The meta block's region (granted to workers).
@@ -323,7 +356,15 @@ impl ShardParams for RegionParams {
     fn write(&mut self, f: &mut dyn FnMut(&mut dyn WriteSection)) {
         let meta = crate::meta::Meta::new(self.meta.padded_atomics());
         let values = self.values.values_mut();
-        meta.write(|m| f(&mut RegionSection { meta: m, values }));
+        let mirror = &mut self.mirror;
+        meta.write(|m| {
+            f(&mut RegionSection { meta: m, values });
+            if let Some((wire, region, buf)) = mirror.as_mut() {
+                wire.encode(values, buf);
+                // In bounds: the mirror was made for these values.
+                let _ = region.write_at(0, buf);
+            }
+        });
     }
 }
 

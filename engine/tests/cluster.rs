@@ -534,3 +534,57 @@ fn the_scheduler_may_be_given_as_host_and_port() {
         "{e}"
     );
 }
+
+/// 16-bit values on the wire: a pull gives the servers' f32 values rounded, the servers apply
+/// the rounded gradient to f32 weights, and initial values arrive exact — bit for bit the
+/// reference arithmetic, over both media and both 16-bit formats.
+#[test]
+fn bf16_and_f16_on_the_wire_are_exactly_the_rounded_arithmetic() {
+    use falcon_engine::precision::Wire;
+    use falcon_transport::Medium;
+    let lr = 0.5f32;
+    let round = |w: Wire, v: &[f32]| w.decoded(&w.encoded(v));
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let init: Vec<f32> = (0..1000)
+        .map(|i| 1.0 + (i as f32 * 0.37).sin() / 3.0)
+        .collect();
+    for medium in [Medium::Tcp, Medium::Shm] {
+        for wire in [Wire::Bf16, Wire::F16] {
+            let mut c = cfg(2, 1, PolicySpec::Bsp);
+            c.optimizer = Optimizer::Sgd { lr };
+            c.wire = wire;
+            c.transport.medium = medium;
+            let cluster = LocalCluster::start(c, tensors()).unwrap();
+            let worker = cluster.workers[0].clone();
+            let buf = worker.buffer("w").unwrap();
+            buf.write_at(0, falcon_engine::worker::f32_bytes(&init))
+                .unwrap();
+            worker.init("w", &buf).unwrap();
+            worker.barrier().unwrap();
+            let mut master = init.clone();
+            let mut p = vec![0f32; 1000];
+            for t in 0..4u64 {
+                worker.pull_slice("w", &mut p, t).unwrap();
+                assert_eq!(
+                    bits(&p),
+                    bits(&round(wire, &master)),
+                    "{wire:?} over {medium:?}: pull {t} is the f32 values rounded"
+                );
+                assert!(t > 0 || p != init, "{wire:?}: the values do travel rounded");
+                let g: Vec<f32> = p.iter().map(|x| (x - 0.25) * 1.001).collect();
+                worker.push_slice("w", &g, t).unwrap();
+                worker.push_slice("b", &[0.0; 10], t).unwrap();
+                for (m, gi) in master.iter_mut().zip(round(wire, &g)) {
+                    *m -= lr * gi;
+                }
+            }
+            worker.pull_slice("w", &mut p, 4).unwrap();
+            assert_eq!(
+                bits(&p),
+                bits(&round(wire, &master)),
+                "{wire:?} over {medium:?}"
+            );
+            cluster.finish().unwrap();
+        }
+    }
+}

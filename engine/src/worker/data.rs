@@ -11,6 +11,7 @@ use super::tracker::{Request, Signal};
 use super::{Inner, ShardRemote, Worker, lock};
 use crate::error::{Error, Result};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
+use crate::precision::Wire;
 use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer};
 
 /// A push as it must be written again (after a reconnection).
@@ -159,7 +160,8 @@ impl Worker {
             if bound != u64::MAX && !within_staleness(min, clock, bound) {
                 return Ok(false);
             }
-            if !read(out, s.spec.offset * 4, &keys.params, s.spec.bytes())?
+            let wire_bytes = self.inner.book.wire.bytes(s.spec.len);
+            if !read(out, s.spec.offset * 4, &keys.params, wire_bytes)?
                 || !read(&scratch, 0, &keys.meta, 8)?
             {
                 return Ok(false);
@@ -167,6 +169,7 @@ impl Worker {
             let mut seq = [0u8; 8];
             scratch.read_at(0, &mut seq)?;
             if Snapshot::seq_of(&seq) == snap.seq {
+                self.inner.widen(out, s)?;
                 s.pulled_version.store(snap.version, Ordering::Release);
                 return Ok(true);
             }
@@ -263,10 +266,35 @@ impl Inner {
             }
             .pack(),
         );
+        let wire = self.book.wire;
         match &rec.grad {
+            Some(g) if wire != Wire::F32 && rec.kind != PushKind::Init => {
+                let bytes = wire.bytes(s.spec.len);
+                let mut buf = lock(&s.push_buf);
+                let region = match buf.as_ref() {
+                    Some(r) => r.clone(),
+                    None => {
+                        let r = Region::new(bytes)?;
+                        *buf = Some(r.clone());
+                        r
+                    }
+                };
+                crate::precision::encode_region(wire, g, s.spec.offset * 4, s.spec.len, &region)?;
+                link.write(&region, 0, &keys.slot, 0, bytes, imm)
+            }
             Some(g) => link.write(g, s.spec.offset * 4, &keys.slot, 0, s.spec.bytes(), imm),
             None => link.write(&scratch, 0, &keys.slot, 0, 0, imm),
         }
+    }
+
+    /// With 16-bit values on the wire, a pull put the shard's values encoded at the start of
+    /// its range in `out`: widens them to f32 in place.
+    pub(super) fn widen(
+        &self,
+        out: &Region,
+        s: &ShardRemote,
+    ) -> std::result::Result<(), falcon_transport::Error> {
+        crate::precision::widen_in_place(self.book.wire, out, s.spec.offset * 4, s.spec.len)
     }
 
     /// Sends a pull request on `link`, granting the destination on it first (cached).
@@ -326,7 +354,13 @@ impl Inner {
         let done = lock(&self.requests).take(Request::Pull(id));
         if let Some(p) = done {
             lock(&self.stats).pull_wait += p.since.elapsed();
-            p.sig.set(Ok(Default::default()));
+            let widened = match &p.what {
+                Resend::Pull { shard, out, .. } => self
+                    .widen(out, &self.shards[*shard])
+                    .map_err(Error::Transport),
+                _ => Ok(()),
+            };
+            p.sig.set(widened.map(|()| Default::default()));
         }
     }
 

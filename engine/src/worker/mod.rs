@@ -172,6 +172,9 @@ struct ShardRemote {
     keys: RwLock<Option<Keys>>,
     /// Scratch for one-sided meta reads (one pull of this shard at a time).
     scratch: Mutex<Region>,
+    /// With 16-bit values on the wire: the encoded gradient as it goes out (made at the
+    /// first push; one push of a shard is in its slot at a time).
+    push_buf: Mutex<Option<Region>>,
     /// Gradients pushed so far (the next push's clock).
     pushes: AtomicU32,
     /// The highest sequence numbers the server acknowledged: gradients
@@ -217,6 +220,7 @@ impl ShardRemote {
                 local,
                 keys: RwLock::new(k),
                 scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
+                push_buf: Mutex::new(None),
                 pushes: AtomicU32::new(u32::try_from(start).unwrap_or(u32::MAX)),
                 acked: [AtomicU64::new(start), AtomicU64::new(0)],
                 pulled_version: AtomicU64::new(0),
