@@ -167,8 +167,8 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_POLICY                 synchronization policy (default bsp)
   FALCON_LR                     learning rate, finite and > 0 (default 0.5; 0.05 for train);
                                 asynchronous policies apply each gradient with lr / workers
-  FALCON_OPTIMIZER              the servers' optimizer: sgd (default), momentum(MU), adam or
-                                adam(B1,B2,EPS)
+  FALCON_OPTIMIZER              the servers' optimizer: sgd (default), momentum(MU), adam,
+                                adam(B1,B2,EPS), adagrad or adagrad(EPS)
   FALCON_AGGREGATE              a clock's gradients combined: mean (default) or sum
   FALCON_SCALE                  staleness scaling of asynchronous gradients: none (default),
                                 dynsgd, consgd(F)

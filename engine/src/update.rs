@@ -59,15 +59,25 @@ pub enum Optimizer {
         /// ε.
         eps: f32,
     },
+    /// Adagrad (Duchi et al.): `v += g²; w -= lr · g / (√v + ε)`, initial accumulator 0 (as
+    /// PyTorch's). A zero gradient changes neither `v` nor `w`: rows a sparse push does not
+    /// touch stay as they are.
+    Adagrad {
+        /// Learning rate.
+        lr: f32,
+        /// ε.
+        eps: f32,
+    },
 }
 
 impl Optimizer {
     /// The base learning rate.
     pub fn lr(&self) -> f32 {
         match *self {
-            Optimizer::Sgd { lr } | Optimizer::Momentum { lr, .. } | Optimizer::Adam { lr, .. } => {
-                lr
-            }
+            Optimizer::Sgd { lr }
+            | Optimizer::Momentum { lr, .. }
+            | Optimizer::Adam { lr, .. }
+            | Optimizer::Adagrad { lr, .. } => lr,
         }
     }
 }
@@ -86,7 +96,14 @@ impl Optimizer {
                 beta2,
                 eps,
             },
+            Optimizer::Adagrad { eps, .. } => Optimizer::Adagrad { lr, eps },
         }
+    }
+
+    /// Whether a gradient of zero leaves a value and its state as they are (SGD, Adagrad):
+    /// the rule sparse row pushes need.
+    pub fn zero_is_identity(&self) -> bool {
+        matches!(self, Optimizer::Sgd { .. } | Optimizer::Adagrad { .. })
     }
 
     /// Parses an optimizer's text, given the learning rate: `sgd`, `momentum(MU)` (0 ≤ MU <
@@ -99,7 +116,7 @@ impl Optimizer {
         let err = |why: &str| {
             crate::Error::Config(format!(
                 "optimizer {shown}: {why}; the optimizers: sgd, momentum(MU), adam, \
-                 adam(B1,B2,EPS)"
+                 adam(B1,B2,EPS), adagrad, adagrad(EPS)"
             ))
         };
         let (name, args) = match l.split_once('(') {
@@ -141,6 +158,9 @@ impl Optimizer {
             ("adam", _) => Err(err(
                 "adam takes none or three arguments: B1 and B2 in [0, 1), EPS > 0",
             )),
+            ("adagrad", None) => Ok(Optimizer::Adagrad { lr, eps: 1e-10 }),
+            ("adagrad", Some(&[eps])) if eps > 0.0 => Ok(Optimizer::Adagrad { lr, eps }),
+            ("adagrad", _) => Err(err("adagrad takes none or one argument: EPS > 0")),
             _ => Err(err("unknown optimizer")),
         }
     }
@@ -293,6 +313,7 @@ impl ShardOptimizer {
             Optimizer::Sgd { .. } => (Vec::new(), Vec::new()),
             Optimizer::Momentum { .. } => (vec![0.0; len], Vec::new()),
             Optimizer::Adam { .. } => (vec![0.0; len], vec![0.0; len]),
+            Optimizer::Adagrad { .. } => (Vec::new(), vec![0.0; len]),
         };
         ShardOptimizer {
             opt,
@@ -429,6 +450,16 @@ fn apply_rule(
                 *wi = keep(*wi - keep(step, TINY), TINY);
             }
         }
+        Optimizer::Adagrad { eps, .. } => {
+            // g·g is normal when |g| ≥ √TINY.
+            let sq_floor = TINY.sqrt() * (1.0 + 1e-6);
+            for ((wi, gi), vi) in w.iter_mut().zip(g).zip(v) {
+                let g2 = keep(*gi, sq_floor);
+                *vi = keep(*vi + g2 * g2, TINY);
+                let step = lr * keep(*gi, lr_floor) / (vi.sqrt() + eps);
+                *wi = keep(*wi - keep(step, TINY), TINY);
+            }
+        }
     }
 }
 
@@ -525,6 +556,10 @@ mod tests {
         for opt in [
             Optimizer::Sgd { lr: 0.1 },
             Optimizer::Momentum { lr: 0.05, mu: 0.9 },
+            Optimizer::Adagrad {
+                lr: 0.5,
+                eps: 1e-10,
+            },
             Optimizer::Adam {
                 lr: 0.1,
                 beta1: 0.9,
@@ -543,8 +578,12 @@ mod tests {
         }
     }
 
-    fn opts() -> [Optimizer; 3] {
+    fn opts() -> [Optimizer; 4] {
         [
+            Optimizer::Adagrad {
+                lr: 1e-3,
+                eps: 1e-10,
+            },
             Optimizer::Sgd { lr: 1e-3 },
             Optimizer::Momentum { lr: 1e-3, mu: 0.9 },
             Optimizer::Adam {
@@ -559,6 +598,43 @@ mod tests {
     fn no_denormals(what: &str, xs: &[f32]) {
         let bad = xs.iter().filter(|x| x.is_subnormal()).count();
         assert_eq!(bad, 0, "{what}: {bad} denormal values stored");
+    }
+
+    #[test]
+    fn a_zero_gradient_leaves_sgd_and_adagrad_rows_alone() {
+        let mut rng = fastrand::Rng::with_seed(6);
+        let w0: Vec<f32> = (0..64).map(|_| rng.f32() - 0.5).collect();
+        for opt in opts() {
+            let mut o = ShardOptimizer::new(opt, Arc::new(Constant), 64);
+            let mut w = w0.clone();
+            // Every row gets a gradient once; then rows 0..32 get gradients and rows 32..64
+            // zeros, twice: momentum and Adam still move those rows, SGD and Adagrad do not.
+            o.apply(&mut w, &[0.2; 64]);
+            let w1 = w.clone();
+            let g: Vec<f32> = (0..64).map(|i| if i < 32 { 0.3 } else { 0.0 }).collect();
+            o.apply(&mut w, &g);
+            o.apply(&mut w, &g);
+            let untouched = w[32..] == w1[32..];
+            assert_eq!(untouched, opt.zero_is_identity(), "{opt:?}");
+            assert!(w[..32] != w1[..32], "{opt:?} moved the rows it got");
+        }
+        assert_eq!(
+            Optimizer::parse("adagrad", 0.1).unwrap(),
+            Optimizer::Adagrad {
+                lr: 0.1,
+                eps: 1e-10
+            }
+        );
+        assert_eq!(
+            Optimizer::parse("Adagrad(1e-8)", 0.1).unwrap(),
+            Optimizer::Adagrad { lr: 0.1, eps: 1e-8 }
+        );
+        assert!(
+            Optimizer::parse("adagrad(0)", 0.1)
+                .unwrap_err()
+                .to_string()
+                .contains("adagrad takes none or one argument: EPS > 0")
+        );
     }
 
     #[test]
@@ -625,6 +701,10 @@ mod tests {
                             rm[i] = beta1 * rm[i] + (1.0 - beta1) * g[i];
                             rv[i] = beta2 * rv[i] + (1.0 - beta2) * g[i] * g[i];
                             rw[i] -= lr * (rm[i] / c1) / ((rv[i] / c2).sqrt() + eps);
+                        }
+                        Optimizer::Adagrad { lr, eps } => {
+                            rv[i] += g[i] * g[i];
+                            rw[i] -= lr * g[i] / (rv[i].sqrt() + eps);
                         }
                     }
                 }

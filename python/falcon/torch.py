@@ -54,14 +54,17 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, str]:
     {"FALCON_OPTIMIZER": ..., "FALCON_LR": ...}. Pass them to `falcon.local_cluster(**...)`
     as `optimizer=`/`lr=`, or set them where `falcon role` starts the servers.
 
-    Supported: torch.optim.SGD (with or without momentum; no dampening, no Nesterov) and
-    torch.optim.Adam (no amsgrad); weight decay is added to each gradient on the worker, as
+    Supported: torch.optim.SGD (with or without momentum; no dampening, no Nesterov),
+    torch.optim.Adam (no amsgrad) and torch.optim.Adagrad (no lr_decay, initial accumulator
+    0); weight decay is added to each gradient on the worker, as
     PyTorch does. Anything else raises ConfigError."""
     kind, lr, extra = _rule_of(optimizer)
     if kind == "sgd":
         text = "sgd"
     elif kind == "momentum":
         text = f"momentum({extra['momentum']!r})"
+    elif kind == "adagrad":
+        text = f"adagrad({extra['eps']!r})"
     else:
         b1, b2 = extra["betas"]
         text = f"adam({b1!r},{b2!r},{extra['eps']!r})"
@@ -109,9 +112,19 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
             raise _f.ConfigError(f"{name} with maximize=True is not supported")
         b1, b2 = (float(b) for b in same("betas"))
         return "adam", lr, {"betas": (b1, b2), "eps": float(same("eps"))}
+    if "Adagrad" in mro:
+        if same("lr_decay") not in (0, 0.0, None):
+            raise _f.ConfigError(f"{name} with lr_decay: the servers apply a constant rate")
+        if same("initial_accumulator_value") not in (0, 0.0, None):
+            raise _f.ConfigError(
+                f"{name} with initial_accumulator_value: the servers' accumulators start at 0"
+            )
+        if same("maximize"):
+            raise _f.ConfigError(f"{name} with maximize=True is not supported")
+        return "adagrad", lr, {"eps": float(same("eps"))}
     raise _f.ConfigError(
-        f"the servers apply SGD (with or without momentum) or Adam; {name} is neither: "
-        f"wrap torch.optim.SGD or torch.optim.Adam"
+        f"the servers apply SGD (with or without momentum), Adam or Adagrad; {name} is none "
+        f"of them: wrap torch.optim.SGD, torch.optim.Adam or torch.optim.Adagrad"
     )
 
 
@@ -150,6 +163,18 @@ def _check_rule(optimizer, job: Mapping) -> float:
             raise _f.ConfigError(
                 f"the job's servers apply Adam with lr {job['lr']}, the optimizer has {lr}: "
                 f"{fix} (Adam is blind to a gradient's scale, so the rate cannot be carried "
+                f"by the gradient)"
+            )
+    if kind == "adagrad":
+        if not _close(extra["eps"], job["eps"]):
+            raise _f.ConfigError(
+                f"the job's servers apply adagrad({job['eps']}), the optimizer has eps "
+                f"{extra['eps']}: {fix}"
+            )
+        if not _close(lr, job["lr"]):
+            raise _f.ConfigError(
+                f"the job's servers apply Adagrad with lr {job['lr']}, the optimizer has {lr}: "
+                f"{fix} (Adagrad is blind to a gradient's scale, so the rate cannot be carried "
                 f"by the gradient)"
             )
     return float(job["lr"])
@@ -390,10 +415,11 @@ class _Distributed:
                 f"{tuple(job['betas'])} (a momentum schedule does not reach them: turn it off)"
             )
         if not _close(lr, self._falcon_job_lr):
-            if self._falcon_kind == "adam":
+            if self._falcon_kind in ("adam", "adagrad"):
+                rule = "Adam" if self._falcon_kind == "adam" else "Adagrad"
                 raise _f.ConfigError(
-                    f"the learning rate changed to {lr}; the servers apply Adam with "
-                    f"{self._falcon_job_lr}, and Adam is blind to a gradient's scale"
+                    f"the learning rate changed to {lr}; the servers apply {rule} with "
+                    f"{self._falcon_job_lr}, and {rule} is blind to a gradient's scale"
                 )
             scale = lr / self._falcon_job_lr
         if wd or scale != 1.0:

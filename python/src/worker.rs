@@ -333,7 +333,7 @@ impl Worker {
     }
 
     /// The job's rules as the scheduler gave them: a dict with `policy` (its text, as
-    /// `policy=` takes it), `optimizer` ("sgd", "momentum" or "adam"), `lr` (the rate the job
+    /// `policy=` takes it), `optimizer` ("sgd", "momentum", "adam" or "adagrad"), `lr` (the rate the job
     /// was given, FALCON_LR), `lr_per_push` (the rate each gradient is applied with: `lr`, or
     /// `lr` / workers under an asynchronous policy),
     /// `momentum`, `betas` and `eps` where the optimizer has them, `aggregate` ("mean" or
@@ -372,6 +372,11 @@ impl Worker {
                 d.set_item("optimizer", "adam")?;
                 d.set_item("lr", lr)?;
                 d.set_item("betas", (beta1, beta2))?;
+                d.set_item("eps", eps)?;
+            }
+            Optimizer::Adagrad { lr, eps } => {
+                d.set_item("optimizer", "adagrad")?;
+                d.set_item("lr", lr)?;
                 d.set_item("eps", eps)?;
             }
         }
