@@ -448,6 +448,8 @@ pub enum PushKind {
     /// A gradient of tasks taken from another worker (task transfer): applied, not counted
     /// in the pusher's clock.
     Help,
+    /// A gradient of the pusher's iteration, as rows (see [`crate::rows`]).
+    Rows,
 }
 
 /// The immediate of a push: the kind in the top two bits, the shard's index on its server in
@@ -470,6 +472,7 @@ impl Immediate {
             PushKind::Gradient => 0,
             PushKind::Init => 1,
             PushKind::Help => 2,
+            PushKind::Rows => 3,
         };
         (kind << 30) | (self.local & Self::MAX_LOCAL)
     }
@@ -480,6 +483,7 @@ impl Immediate {
             0 => PushKind::Gradient,
             1 => PushKind::Init,
             2 => PushKind::Help,
+            3 => PushKind::Rows,
             k => {
                 return Err(Error::Malformed(format!(
                     "push immediate of unknown kind {k}"

@@ -701,9 +701,13 @@ impl Serving {
             PushKind::Init => crate::precision::Wire::F32,
             _ => self.book.wire,
         };
-        let read = match wire {
-            crate::precision::Wire::F32 => slot.read_f32_vec(0, s.spec.len as usize),
-            w => {
+        let read = match (imm.kind, wire) {
+            (PushKind::Rows, _) => crate::rows::densify(s.spec.len, s.spec.bytes(), |o, buf| {
+                slot.read_at(o, buf).map_err(Error::from)
+            })
+            .map_err(|e| falcon_transport::Error::Malformed(e.to_string())),
+            (_, crate::precision::Wire::F32) => slot.read_f32_vec(0, s.spec.len as usize),
+            (_, w) => {
                 // Widened in the slot, then read as f32 (the slot holds a gradient's f32 bytes).
                 crate::precision::widen_in_place(w, slot, 0, s.spec.len)
                     .and_then(|()| slot.read_f32_vec(0, s.spec.len as usize))
@@ -727,7 +731,7 @@ impl Serving {
                 worker: w,
                 values: grad,
             },
-            PushKind::Gradient => Input::Push {
+            PushKind::Gradient | PushKind::Rows => Input::Push {
                 conn: link,
                 worker: w,
                 seq,

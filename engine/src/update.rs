@@ -100,6 +100,16 @@ impl Optimizer {
         }
     }
 
+    /// Its name as the settings spell it (`sgd`, `momentum`, `adam`, `adagrad`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Optimizer::Sgd { .. } => "sgd",
+            Optimizer::Momentum { .. } => "momentum",
+            Optimizer::Adam { .. } => "adam",
+            Optimizer::Adagrad { .. } => "adagrad",
+        }
+    }
+
     /// Whether a gradient of zero leaves a value and its state as they are (SGD, Adagrad):
     /// the rule sparse row pushes need.
     pub fn zero_is_identity(&self) -> bool {

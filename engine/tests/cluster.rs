@@ -588,3 +588,196 @@ fn bf16_and_f16_on_the_wire_are_exactly_the_rounded_arithmetic() {
         }
     }
 }
+
+const ROWS: u64 = 500;
+const DIM: u64 = 2;
+const BATCH: usize = 16;
+
+/// A training example of the row-sparse test: five feature ids hashed into rows
+/// (collisions included), a value each, and the label the `truth` weights give.
+fn example(truth: &[f32], rank: u32, step: u64, i: usize) -> (Vec<u64>, Vec<f32>, f32) {
+    let mut r = fastrand::Rng::with_seed(u64::from(rank) * 1_000_003 + step * 101 + i as u64);
+    let ids: Vec<u64> = (0..5).map(|_| r.u64(0..10_000)).collect();
+    let rows: Vec<u64> = ids
+        .iter()
+        .map(|id| id.wrapping_mul(2_654_435_761) % ROWS)
+        .collect();
+    let vals: Vec<f32> = rows.iter().map(|_| r.f32()).collect();
+    let score: f32 = rows
+        .iter()
+        .zip(&vals)
+        .map(|(&f, v)| truth[(f * DIM) as usize] + truth[(f * DIM + 1) as usize] * v)
+        .sum();
+    (rows, vals, if score > 0.0 { 1.0 } else { 0.0 })
+}
+
+/// One worker's step: the rows its batch touches (in order, repeats kept) and their
+/// gradients of the summed log-loss, given the weights `w(row, k)`.
+fn step_grads(
+    truth: &[f32],
+    rank: u32,
+    step: u64,
+    w: &dyn Fn(u64, u64) -> f32,
+) -> (Vec<u64>, Vec<f32>) {
+    let (mut rows, mut grads) = (Vec::new(), Vec::new());
+    for i in 0..BATCH {
+        let (f, v, y) = example(truth, rank, step, i);
+        let s: f32 = f.iter().zip(&v).map(|(&r, x)| w(r, 0) + w(r, 1) * x).sum();
+        let p = 1.0 / (1.0 + (-s).exp());
+        for (&r, x) in f.iter().zip(&v) {
+            rows.push(r);
+            grads.extend([p - y, (p - y) * x]);
+        }
+    }
+    (rows, grads)
+}
+
+/// Row-sparse training: logistic regression on hashed features (each example names five
+/// feature ids hashed into 500 rows of two weights, collisions included), two workers, two
+/// servers with small shards (rows straddle them), BSP. Only the rows an example touches
+/// travel; the servers sum duplicate rows. The run is bit for bit a dense single-process
+/// reference, and it learns.
+#[test]
+fn row_sparse_logistic_regression_is_exactly_the_dense_reference() {
+    const STEPS: u64 = 60;
+    let lr = 0.5f32;
+    let mut c = cfg(2, 2, PolicySpec::Bsp);
+    c.optimizer = Optimizer::Sgd { lr };
+    c.aggregate = Aggregate::Mean;
+    c.max_shard_bytes = 1000; // 250 floats: shards cut rows
+    let table = vec![TensorSpec {
+        name: "emb".into(),
+        len: ROWS * DIM,
+    }];
+    let truth: std::sync::Arc<Vec<f32>> = {
+        let mut r = fastrand::Rng::with_seed(11);
+        std::sync::Arc::new((0..ROWS * DIM).map(|_| r.f32() * 2.0 - 1.0).collect())
+    };
+    let cluster = LocalCluster::start(c, table).unwrap();
+    let threads: Vec<_> = cluster
+        .workers
+        .iter()
+        .cloned()
+        .map(|worker: Worker| {
+            let truth = truth.clone();
+            std::thread::spawn(move || {
+                worker.barrier().unwrap();
+                for t in 0..STEPS {
+                    // The rows this step touches, pulled at clock t.
+                    let (rows, _) = step_grads(&truth, worker.rank(), t, &|_, _| 0.0);
+                    let mut uniq = rows.clone();
+                    uniq.sort();
+                    uniq.dedup();
+                    let mut vals = vec![0f32; uniq.len() * DIM as usize];
+                    worker.pull_rows("emb", DIM, &uniq, &mut vals, t).unwrap();
+                    let at = |r: u64, k: u64| {
+                        let i = uniq.binary_search(&r).unwrap();
+                        vals[i * DIM as usize + k as usize]
+                    };
+                    let (rows, grads) = step_grads(&truth, worker.rank(), t, &at);
+                    worker.push_rows("emb", DIM, &rows, &grads, t).unwrap();
+                }
+                let all: Vec<u64> = (0..ROWS).collect();
+                let mut w = vec![0f32; (ROWS * DIM) as usize];
+                worker.pull_rows("emb", DIM, &all, &mut w, STEPS).unwrap();
+                worker.finish().unwrap();
+                w
+            })
+        })
+        .collect();
+    let got: Vec<Vec<f32>> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    cluster.finish().unwrap();
+    // The reference: dense gradients (duplicates summed in order), the mean in rank order,
+    // plain SGD.
+    let mut w = vec![0f32; (ROWS * DIM) as usize];
+    for t in 0..STEPS {
+        let snapshot = w.clone();
+        let at = |r: u64, k: u64| snapshot[(r * DIM + k) as usize];
+        let dense: Vec<Vec<f32>> = (0..2)
+            .map(|rank| {
+                let (rows, grads) = step_grads(&truth, rank, t, &at);
+                let mut g = vec![0f32; w.len()];
+                for (i, &r) in rows.iter().enumerate() {
+                    for k in 0..DIM as usize {
+                        g[(r * DIM) as usize + k] += grads[i * DIM as usize + k];
+                    }
+                }
+                g
+            })
+            .collect();
+        for (i, wi) in w.iter_mut().enumerate() {
+            let g = (dense[0][i] + dense[1][i]) * 0.5;
+            *wi -= lr * g;
+        }
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for g in &got {
+        assert_eq!(bits(g), bits(&w), "bit for bit the dense reference");
+    }
+    // And it learnt: accuracy on fresh examples well above chance.
+    let at = |r: u64, k: u64| w[(r * DIM + k) as usize];
+    let mut right = 0;
+    for i in 0..400 {
+        let (f, v, y) = example(&truth, 9, 9, i);
+        let s: f32 = f
+            .iter()
+            .zip(&v)
+            .map(|(&r, x)| at(r, 0) + at(r, 1) * x)
+            .sum();
+        right += usize::from((s > 0.0) == (y > 0.5));
+    }
+    assert!(right > 280, "accuracy {right}/400");
+}
+
+/// Row pushes are refused with what is wrong: a row out of the table, a width that does not
+/// divide the tensor, values of the wrong length, an optimizer that moves rows without a
+/// gradient.
+#[test]
+fn row_pushes_refuse_bad_rows_and_optimizers_that_move_untouched_rows() {
+    let mut c = cfg(1, 1, PolicySpec::Asp);
+    c.optimizer = Optimizer::Sgd { lr: 0.1 };
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let w = &cluster.workers[0];
+    let e = w.push_rows("w", 10, &[100], &[0.0; 10], 0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("row 100 of tensor \"w\": it has 100 rows of 10"),
+        "{e}"
+    );
+    let e = w.push_rows("w", 7, &[1], &[0.0; 7], 0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("the row width must divide its length"),
+        "{e}"
+    );
+    assert!(matches!(
+        w.push_rows("w", 10, &[1, 2], &[0.0; 10], 0),
+        Err(Error::WrongLength {
+            expected: 20,
+            got: 10,
+            ..
+        })
+    ));
+    assert!(matches!(
+        w.push_rows("nope", 10, &[1], &[0.0; 10], 0),
+        Err(Error::UnknownTensor(_))
+    ));
+    let mut out = [0f32; 10];
+    assert!(w.pull_rows("w", 10, &[1000], &mut out, 0).is_err());
+    // Nothing was pushed: the clock is still 0, and a good push goes through.
+    w.push_rows("w", 10, &[3, 3], &[1.0; 20], 0).unwrap();
+    w.pull_rows("w", 10, &[3], &mut out, 0).unwrap();
+    cluster.finish().unwrap();
+    let mut c = cfg(1, 1, PolicySpec::Asp);
+    c.optimizer = Optimizer::Momentum { lr: 0.1, mu: 0.9 };
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let e = cluster.workers[0]
+        .push_rows("w", 10, &[1], &[0.0; 10], 0)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("(sgd or adagrad); this job's is momentum"),
+        "{e}"
+    );
+    cluster.finish().unwrap();
+}

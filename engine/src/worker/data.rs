@@ -19,6 +19,9 @@ use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer};
 pub(super) struct PushRecord {
     /// The values (`None`: the slot as it is, a bare repeat).
     pub(super) grad: Option<Region>,
+    /// `Some(n)`: `grad` holds this shard's part alone, `n` bytes from its start (a row push,
+    /// or its dense fallback); `None`: `grad` is the whole tensor.
+    pub(super) own: Option<u64>,
     pub(super) kind: PushKind,
     pub(super) seq: u64,
 }
@@ -51,7 +54,7 @@ impl Resend {
 
 impl Worker {
     /// Waits until shard `s`'s slot is free: the previous push to it was acknowledged.
-    fn wait_slot(&self, s: &ShardRemote) -> Result<()> {
+    pub(super) fn wait_slot(&self, s: &ShardRemote) -> Result<()> {
         let prev = lock(&self.inner.requests).slot(s.spec.id);
         match prev {
             Some(p) => p.wait(Some(self.inner.timeout)).map(drop),
@@ -71,13 +74,24 @@ impl Worker {
         kind: PushKind,
         seq: u64,
     ) -> Result<Arc<Signal>> {
-        self.wait_slot(s)?;
-        let link = self.inner.link(s.server)?;
         let rec = PushRecord {
             grad: grad.cloned(),
+            own: None,
             kind,
             seq,
         };
+        self.write_record(s, rec, ack)
+    }
+
+    /// [`Worker::write_slot`] with the record made by the caller.
+    pub(super) fn write_record(
+        &self,
+        s: &ShardRemote,
+        rec: PushRecord,
+        ack: AckOf,
+    ) -> Result<Arc<Signal>> {
+        self.wait_slot(s)?;
+        let link = self.inner.link(s.server)?;
         let req = Request::Ack {
             shard: s.spec.id,
             of: ack,
@@ -267,7 +281,16 @@ impl Inner {
             .pack(),
         );
         let wire = self.book.wire;
+        // Where this shard's values start in `grad`.
+        let src_off = if rec.own.is_some() {
+            0
+        } else {
+            s.spec.offset * 4
+        };
         match &rec.grad {
+            Some(g) if rec.kind == PushKind::Rows => {
+                link.write(g, 0, &keys.slot, 0, rec.own.unwrap_or(0), imm)
+            }
             Some(g) if wire != Wire::F32 && rec.kind != PushKind::Init => {
                 let bytes = wire.bytes(s.spec.len);
                 let mut buf = lock(&s.push_buf);
@@ -279,10 +302,10 @@ impl Inner {
                         r
                     }
                 };
-                crate::precision::encode_region(wire, g, s.spec.offset * 4, s.spec.len, &region)?;
+                crate::precision::encode_region(wire, g, src_off, s.spec.len, &region)?;
                 link.write(&region, 0, &keys.slot, 0, bytes, imm)
             }
-            Some(g) => link.write(g, s.spec.offset * 4, &keys.slot, 0, s.spec.bytes(), imm),
+            Some(g) => link.write(g, src_off, &keys.slot, 0, s.spec.bytes(), imm),
             None => link.write(&scratch, 0, &keys.slot, 0, 0, imm),
         }
     }
@@ -381,7 +404,7 @@ impl Inner {
             // Counted before the caller goes on: a reattachment reports what was acknowledged.
             if let Resend::Push { shard, rec } = &t.what {
                 let i = match rec.kind {
-                    PushKind::Gradient => Some(0),
+                    PushKind::Gradient | PushKind::Rows => Some(0),
                     PushKind::Help => Some(1),
                     PushKind::Init => None,
                 };

@@ -175,6 +175,8 @@ struct ShardRemote {
     /// With 16-bit values on the wire: the encoded gradient as it goes out (made at the
     /// first push; one push of a shard is in its slot at a time).
     push_buf: Mutex<Option<Region>>,
+    /// A row push's payload for this shard (made at the first row push).
+    rows_buf: Mutex<Option<Region>>,
     /// Gradients pushed so far (the next push's clock).
     pushes: AtomicU32,
     /// The highest sequence numbers the server acknowledged: gradients
@@ -221,6 +223,7 @@ impl ShardRemote {
                 keys: RwLock::new(k),
                 scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
                 push_buf: Mutex::new(None),
+                rows_buf: Mutex::new(None),
                 pushes: AtomicU32::new(u32::try_from(start).unwrap_or(u32::MAX)),
                 acked: [AtomicU64::new(start), AtomicU64::new(0)],
                 pulled_version: AtomicU64::new(0),
@@ -552,6 +555,134 @@ impl Worker {
         Ok(self.handle(signals, Some(self.inner.timeout)))
     }
 
+    /// Pushes the gradient of some rows of `tensor`, seen as a table of `len / dim` rows of
+    /// `dim` floats, as this worker's gradient for `clock`: `grads` holds `rows.len()` rows
+    /// of `dim` floats in the order of `rows`; duplicate rows are summed; rows not named
+    /// have a zero gradient. Only the named rows travel, but every shard of the tensor counts
+    /// the push, so every policy treats it as it treats a dense push. The servers' optimizer
+    /// must leave a row with a zero gradient alone (sgd, adagrad): under momentum or Adam
+    /// the push is refused.
+    pub fn push_rows(
+        &self,
+        tensor: &str,
+        dim: u64,
+        rows: &[u64],
+        grads: &[f32],
+        clock: u64,
+    ) -> Result<()> {
+        self.push_rows_async(tensor, dim, rows, grads, clock)?
+            .wait()
+    }
+
+    /// Starts a row push (see [`Worker::push_rows`]); `rows` and `grads` are copied before
+    /// this returns.
+    pub fn push_rows_async(
+        &self,
+        tensor: &str,
+        dim: u64,
+        rows: &[u64],
+        grads: &[f32],
+        clock: u64,
+    ) -> Result<Handle> {
+        self.check_running()?;
+        let t = self.tensor(tensor)?;
+        let spec = &self.inner.book.keymap.tensors[t];
+        crate::rows::check(&spec.name, spec.len, dim, rows, grads.len())?;
+        let opt = self.inner.book.optimizer;
+        if !opt.zero_is_identity() {
+            return Err(Error::Config(format!(
+                "row pushes need servers whose optimizer leaves rows without a gradient alone \
+                 (sgd or adagrad); this job's is {}",
+                opt.name()
+            )));
+        }
+        let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
+        for s in &shards {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock != made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "tensor {tensor:?} has {made} gradients pushed; the next push is clock {made}"
+                    ),
+                });
+            }
+        }
+        self.sample_interval(clock);
+        let signals = self.per_server(&shards, |s| {
+            // The slot's previous push may still be sent again from the buffer: wait for it.
+            self.wait_slot(s)?;
+            let part = crate::rows::for_shard(s.spec.offset, s.spec.len, dim, rows, grads);
+            let (kind, bytes) = match &part {
+                crate::rows::ShardRows::Sparse(p) => (PushKind::Rows, p.len() as u64),
+                crate::rows::ShardRows::Dense(_) => (PushKind::Gradient, s.spec.bytes()),
+            };
+            let region = {
+                let mut buf = lock(&s.rows_buf);
+                match buf.as_ref() {
+                    Some(r) => r.clone(),
+                    None => {
+                        let r = Region::new(s.spec.bytes())?;
+                        *buf = Some(r.clone());
+                        r
+                    }
+                }
+            };
+            match &part {
+                crate::rows::ShardRows::Sparse(p) => region.write_at(0, p)?,
+                crate::rows::ShardRows::Dense(d) => region.write_at(0, f32_bytes(d))?,
+            }
+            let rec = data::PushRecord {
+                grad: Some(region),
+                own: Some(bytes),
+                kind,
+                seq: clock + 1,
+            };
+            let sig = self.write_record(s, rec, AckOf::Push { clock })?;
+            s.pushes.fetch_add(1, Ordering::AcqRel);
+            lock(&self.inner.stats).pushes += 1;
+            Ok(sig)
+        })?;
+        Ok(self.handle(signals, Some(self.inner.timeout)))
+    }
+
+    /// Pulls some rows of `tensor` (a table of `len / dim` rows of `dim` floats) for
+    /// iteration `clock` into `out` (`rows.len() · dim` floats, in the order of `rows`), with
+    /// the values the policy allows this clock to see. Only the shards holding those rows
+    /// are pulled (whole: a server-side gather is not there yet).
+    pub fn pull_rows(
+        &self,
+        tensor: &str,
+        dim: u64,
+        rows: &[u64],
+        out: &mut [f32],
+        clock: u64,
+    ) -> Result<()> {
+        let t = self.tensor(tensor)?;
+        let spec = &self.inner.book.keymap.tensors[t];
+        crate::rows::check(&spec.name, spec.len, dim, rows, out.len())?;
+        let name = spec.name.clone();
+        let wanted: std::collections::HashSet<u32> = self
+            .shards_of(t)
+            .filter(|s| {
+                rows.iter().any(|&r| {
+                    let (a, b) = (r * dim, r * dim + dim);
+                    a < s.spec.offset + s.spec.len && s.spec.offset < b
+                })
+            })
+            .map(|s| s.spec.id)
+            .collect();
+        let region = self.buffer(&name)?;
+        let slow = self.pull_shards_of(tensor, &region, clock, None, Some(&wanted))?;
+        for (_, sig) in slow {
+            sig.wait(None)?;
+        }
+        for (r, o) in rows.iter().zip(out.chunks_mut(dim as usize)) {
+            region.read_at(r * dim * 4, f32_bytes_mut(o))?;
+        }
+        Ok(())
+    }
+
     /// Runs `op` on every shard in `shards` and returns the results in their order. Where the
     /// shards live on more than one server and carry at least [`FAN_OUT_BYTES`] per server,
     /// each server's shards go on their own thread, so the one-sided writes or reads to
@@ -758,8 +889,21 @@ impl Worker {
         tensor: &str,
         out: &Region,
         clock: u64,
-        mut fast_done: Option<&mut ShardHook<'_>>,
+        fast_done: Option<&mut ShardHook<'_>>,
     ) -> Result<Vec<(&ShardRemote, Arc<Signal>)>> {
+        self.pull_shards_of(tensor, out, clock, fast_done, None)
+    }
+
+    /// [`Worker::pull_shards`], of the shards in `only` (every shard with `None`).
+    fn pull_shards_of(
+        &self,
+        tensor: &str,
+        out: &Region,
+        clock: u64,
+        mut fast_done: Option<&mut ShardHook<'_>>,
+        only: Option<&std::collections::HashSet<u32>>,
+    ) -> Result<Vec<(&ShardRemote, Arc<Signal>)>> {
+        let picked = |s: &&ShardRemote| only.is_none_or(|o| o.contains(&s.spec.id));
         // Without a per-shard hook, shards on different servers are read at once.
         let fan_out = fast_done.is_none();
         self.check_running()?;
@@ -785,7 +929,7 @@ impl Worker {
         if let Some(bound) = fast
             && fan_out
         {
-            let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
+            let shards: Vec<&ShardRemote> = self.shards_of(t).filter(picked).collect();
             let done = self.per_server(&shards, |s| {
                 if self.pull_fast(s, out, clock, bound)? {
                     let mut stats = lock(&self.inner.stats);
@@ -799,7 +943,7 @@ impl Worker {
             return Ok(done.into_iter().flatten().collect());
         }
         let mut slow = Vec::new();
-        for s in self.shards_of(t) {
+        for s in self.shards_of(t).filter(picked) {
             if let Some(bound) = fast
                 && self.pull_fast(s, out, clock, bound)?
             {
