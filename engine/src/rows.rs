@@ -23,7 +23,7 @@ pub enum ShardRows {
 /// Checks a row push or pull: `dim ≥ 1` divides the tensor's `len`, every row exists, and
 /// `values` holds `rows.len() · dim` floats. Returns the number of rows of the table.
 pub fn check(tensor: &str, len: u64, dim: u64, rows: &[u64], values: usize) -> Result<u64> {
-    if dim == 0 || len % dim != 0 {
+    if dim == 0 || !len.is_multiple_of(dim) {
         return Err(Error::Config(format!(
             "tensor {tensor:?} of {len} floats cannot be rows of {dim}: the row width must \
              divide its length"
