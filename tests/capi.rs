@@ -456,6 +456,9 @@ fn c_errors_are_typed_codes_with_readable_messages() {
         "wait on a null handle: FALCON_ERR_NULL: the handle must not be NULL",
         "a tensor name that is not UTF-8: FALCON_ERR_ARGUMENT: the tensor name is not UTF-8 text",
         "push after finishing: FALCON_ERR_CONFIG: invalid configuration: this worker has finished",
+        "push of a row outside the table: FALCON_ERR_CONFIG: invalid configuration: row 4 of tensor \"w\": it has 4 rows of 2",
+        "push of rows of a width that does not divide the tensor: FALCON_ERR_CONFIG: invalid configuration: tensor \"w\" of 8 floats cannot be rows of 3",
+        "push of rows from a null array: FALCON_ERR_NULL: the gradients must not be NULL",
         "errors job: every error as expected (worker 0)",
     ] {
         assert!(

@@ -252,6 +252,49 @@ int falcon_push(falcon_worker *w,
 int falcon_pull(falcon_worker *w, const char *tensor, float *out, size_t len, uint64_t clock);
 
 /**
+ * Pushes the gradients of `count` rows of `tensor`, seen as a table of rows of `dim` floats,
+ * as this worker's gradient for iteration `clock`: `rows` holds the row ids (duplicates are
+ * summed), `grads` their `count` × `dim` gradients, row after row. Only these rows travel;
+ * every other row's gradient is zero. The job's optimizer must be sgd or adagrad
+ * (`FALCON_ERR_CONFIG` otherwise); a row outside the table is `FALCON_ERR_CONFIG`. Blocks
+ * until the servers acknowledge; the values are copied before the push starts.
+ *
+ * Thread safety: as `falcon_push`.
+ *
+ * # Safety
+ *
+ * `w` is a live worker; `tensor` a NUL-terminated string; `rows` valid for reads of `count`
+ * ids and `grads` of `count` × `dim` floats (either may be null when `count` is 0).
+ */
+int falcon_push_rows(falcon_worker *w,
+                     const char *tensor,
+                     uint64_t dim,
+                     const uint64_t *rows,
+                     size_t count,
+                     const float *grads,
+                     uint64_t clock);
+
+/**
+ * Pulls `count` rows of `tensor` (a table of rows of `dim` floats) for iteration `clock`
+ * into `out` (`count` × `dim` floats, row after row), with the values the job's policy lets
+ * this clock see.
+ *
+ * Thread safety: as `falcon_pull`.
+ *
+ * # Safety
+ *
+ * `w` is a live worker; `tensor` a NUL-terminated string; `rows` valid for reads of `count`
+ * ids and `out` for writes of `count` × `dim` floats (either may be null when `count` is 0).
+ */
+int falcon_pull_rows(falcon_worker *w,
+                     const char *tensor,
+                     uint64_t dim,
+                     const uint64_t *rows,
+                     size_t count,
+                     float *out,
+                     uint64_t clock);
+
+/**
  * Starts a push as `falcon_push` does, without waiting: `*handle` is the push in flight,
  * to be waited for (`falcon_handle_wait`) and released (`falcon_handle_free`); NULL on
  * failure. The floats

@@ -768,6 +768,113 @@ pub unsafe extern "C" fn falcon_pull(
     })
 }
 
+/// Pushes the gradients of `count` rows of `tensor`, seen as a table of rows of `dim` floats,
+/// as this worker's gradient for iteration `clock`: `rows` holds the row ids (duplicates are
+/// summed), `grads` their `count` × `dim` gradients, row after row. Only these rows travel;
+/// every other row's gradient is zero. The job's optimizer must be sgd or adagrad
+/// (`FALCON_ERR_CONFIG` otherwise); a row outside the table is `FALCON_ERR_CONFIG`. Blocks
+/// until the servers acknowledge; the values are copied before the push starts.
+///
+/// Thread safety: as `falcon_push`.
+///
+/// # Safety
+///
+/// `w` is a live worker; `tensor` a NUL-terminated string; `rows` valid for reads of `count`
+/// ids and `grads` of `count` × `dim` floats (either may be null when `count` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn falcon_push_rows(
+    w: *mut FalconWorker,
+    tensor: *const c_char,
+    dim: u64,
+    rows: *const u64,
+    count: usize,
+    grads: *const f32,
+    clock: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (s, name) = unsafe { (worker(w)?, text(tensor, "the tensor name")?) };
+        let n = rows_len(count, dim)?;
+        // SAFETY: forwarded contract (valid for `count` ids and `n` floats, or count 0).
+        let (ids, vals) = unsafe {
+            (
+                slice_or_empty(rows, count, "the rows")?,
+                slice_or_empty(grads, n, "the gradients")?,
+            )
+        };
+        s.w.push_rows(name, dim, ids, vals, clock)?;
+        Ok(FALCON_OK)
+    })
+}
+
+/// Pulls `count` rows of `tensor` (a table of rows of `dim` floats) for iteration `clock`
+/// into `out` (`count` × `dim` floats, row after row), with the values the job's policy lets
+/// this clock see.
+///
+/// Thread safety: as `falcon_pull`.
+///
+/// # Safety
+///
+/// `w` is a live worker; `tensor` a NUL-terminated string; `rows` valid for reads of `count`
+/// ids and `out` for writes of `count` × `dim` floats (either may be null when `count` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn falcon_pull_rows(
+    w: *mut FalconWorker,
+    tensor: *const c_char,
+    dim: u64,
+    rows: *const u64,
+    count: usize,
+    out: *mut f32,
+    clock: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (s, name) = unsafe { (worker(w)?, text(tensor, "the tensor name")?) };
+        let n = rows_len(count, dim)?;
+        // SAFETY: forwarded contract.
+        let ids = unsafe { slice_or_empty(rows, count, "the rows")? };
+        let mut got = vec![0f32; n];
+        s.w.pull_rows(name, dim, ids, &mut got, clock)?;
+        if n > 0 {
+            if out.is_null() {
+                return Err(Failure::null("the rows' destination"));
+            }
+            // SAFETY: non-null and valid for `n` floats by the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(got.as_ptr(), out, n) };
+        }
+        Ok(FALCON_OK)
+    })
+}
+
+/// The floats of `count` rows of `dim`.
+fn rows_len(count: usize, dim: u64) -> Res<usize> {
+    usize::try_from(dim)
+        .ok()
+        .and_then(|d| count.checked_mul(d))
+        .ok_or_else(|| {
+            Failure::new(
+                FALCON_ERR_WRONG_LENGTH,
+                format!("{count} rows of {dim} floats do not fit in memory"),
+            )
+        })
+}
+
+/// `len` values at `p`, or an empty slice when `len` is 0 (then `p` may be null).
+///
+/// # Safety
+///
+/// `p` is valid for reads of `len` values when `len > 0`.
+unsafe fn slice_or_empty<'a, T>(p: *const T, len: usize, what: &str) -> Res<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Failure::null(what));
+    }
+    // SAFETY: non-null and valid for `len` values by the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
 // --- handles ---------------------------------------------------------------------------------
 
 /// A push or pull in flight (opaque): made by `falcon_push_async` or `falcon_pull_async`,

@@ -126,9 +126,30 @@ static int job(void) {
         failures++;
     }
 
+    /* Rows: the tensor as a table of 4 rows of 2. */
+    uint64_t rows[] = {1, 1}, outside[] = {4}, both[] = {0, 1};
+    float row_grads[] = {1, 2, 3, 4}, before[4], after[4];
+    expect("push of a row outside the table", falcon_push_rows(w, "w", 2, outside, 1, row_grads, 1),
+           FALCON_ERR_CONFIG);
+    expect("push of rows of a width that does not divide the tensor",
+           falcon_push_rows(w, "w", 3, rows, 1, row_grads, 1), FALCON_ERR_CONFIG);
+    expect("push of rows from a null array", falcon_push_rows(w, "w", 2, rows, 2, NULL, 1),
+           FALCON_ERR_NULL);
+    ok("falcon_pull_rows", falcon_pull_rows(w, "w", 2, both, 2, before, 1));
+    ok("falcon_push_rows", falcon_push_rows(w, "w", 2, rows, 2, row_grads, 1));
+    ok("falcon_pull_rows after the push", falcon_pull_rows(w, "w", 2, both, 2, after, 2));
+    /* Row 0 got nothing; row 1 got (1+3, 2+4): moved in the ratio 4 : 6. */
+    float d0 = before[2] - after[2], d1 = before[3] - after[3], off = d1 * 4 - d0 * 6;
+    if (after[0] != before[0] || after[1] != before[1] || !(d0 > 0) || off > 1e-4f ||
+        off < -1e-4f) {
+        fprintf(stderr, "rows: before %g %g %g %g, after %g %g %g %g\n", before[0], before[1],
+                before[2], before[3], after[0], after[1], after[2], after[3]);
+        failures++;
+    }
+
     ok("falcon_finish", falcon_finish(w));
     ok("falcon_finish again", falcon_finish(w));
-    expect("push after finishing", falcon_push(w, "w", grad, LEN, 1), FALCON_ERR_CONFIG);
+    expect("push after finishing", falcon_push(w, "w", grad, LEN, 2), FALCON_ERR_CONFIG);
     ok("falcon_worker_free", falcon_worker_free(w));
     ok("falcon_worker_free(NULL)", falcon_worker_free(NULL));
     if (failures == 0) printf("errors job: every error as expected (worker %u)\n", rank);

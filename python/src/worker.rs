@@ -70,6 +70,64 @@ fn wait_handle(py: Python<'_>, h: &falcon_engine::Handle) -> PyResult<()> {
     }
 }
 
+/// A CPU torch tensor's numpy view (which shares its memory); `None` for anything else.
+fn numpy_view<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if obj.hasattr("detach")? && obj.hasattr("numpy")? {
+        return Ok(Some(obj.call_method0("detach")?.call_method0("numpy")?));
+    }
+    Ok(None)
+}
+
+/// Row ids from a buffer of unsigned or signed 64-bit integers (a numpy array, a CPU torch
+/// tensor) or a sequence of ints.
+fn row_ids(py: Python<'_>, tensor: &str, rows: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let view = numpy_view(rows)?;
+    let obj = view.as_ref().unwrap_or(rows);
+    if let Ok(b) = PyBuffer::<u64>::get(obj) {
+        return b.to_vec(py);
+    }
+    let signed: Vec<i64> = match PyBuffer::<i64>::get(obj) {
+        Ok(b) => b.to_vec(py)?,
+        Err(_) => obj.extract().map_err(|_| {
+            LengthError::new_err(format!(
+                "tensor {tensor:?}: row ids must be 64-bit integers (numpy int64 or uint64, \
+                 or a list of ints)"
+            ))
+        })?,
+    };
+    signed
+        .into_iter()
+        .map(|r| {
+            u64::try_from(r).map_err(|_| {
+                ConfigError::new_err(format!("tensor {tensor:?}: row {r} is negative"))
+            })
+        })
+        .collect()
+}
+
+/// Float32 values from a buffer (a numpy array, a CPU torch tensor).
+fn floats(py: Python<'_>, tensor: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
+    let view = numpy_view(values)?;
+    let b = PyBuffer::<f32>::get(view.as_ref().unwrap_or(values)).map_err(|e| {
+        LengthError::new_err(format!(
+            "tensor {tensor:?}: the rows' gradients must be float32 values ({e})"
+        ))
+    })?;
+    b.to_vec(py)
+}
+
+/// The row width: `dim`, or the values per row id.
+fn row_width(tensor: &str, dim: Option<u64>, rows: usize, values: usize) -> PyResult<u64> {
+    match dim {
+        Some(d) => Ok(d),
+        None if rows == 0 => Ok(1),
+        None if values % rows == 0 => Ok((values / rows) as u64),
+        None => Err(LengthError::new_err(format!(
+            "tensor {tensor:?}: {values} values for {rows} rows: not a whole row each"
+        ))),
+    }
+}
+
 /// Runs `f` (a blocking engine call) on its own thread with the GIL released, checking for
 /// Ctrl-C while it runs. On an interrupt the call goes on in the background and its result
 /// is dropped.
@@ -473,6 +531,69 @@ impl Worker {
         clock: u64,
     ) -> PyResult<Handle> {
         self.start_pull(py, tensor, out, clock)
+    }
+
+    /// Pushes the gradient of some rows of `tensor`, seen as a table of rows of `dim` floats
+    /// (`dim` defaults to `len(grads) / len(rows)`), as this worker's gradient for `clock`:
+    /// `rows` holds integer row ids (duplicates are summed), `grads` their gradients, row
+    /// after row (float32; a 2-D array of `len(rows)` × `dim` is fine). Only these rows
+    /// travel; every other row's gradient is zero. The job's optimizer must be sgd or
+    /// adagrad.
+    #[pyo3(signature = (tensor, rows, grads, clock, dim=None))]
+    fn push_rows(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        rows: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+        clock: u64,
+        dim: Option<u64>,
+    ) -> PyResult<()> {
+        let ids = row_ids(py, tensor, rows)?;
+        let values = floats(py, tensor, grads)?;
+        let dim = row_width(tensor, dim, ids.len(), values.len())?;
+        let (w, t) = (self.w.clone(), tensor.to_string());
+        blocking(py, "push_rows", move || {
+            w.push_rows(&t, dim, &ids, &values, clock)
+                .map_err(engine_err)
+        })
+    }
+
+    /// Pulls some rows of `tensor` (a table of rows of `dim` floats; `dim` defaults to
+    /// `len(out) / len(rows)`) for `clock` into `out`, a writable float32 buffer of
+    /// `len(rows)` × `dim` values, row after row, with the values the job's policy lets this
+    /// clock see.
+    #[pyo3(signature = (tensor, rows, out, clock, dim=None))]
+    fn pull_rows(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        rows: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        clock: u64,
+        dim: Option<u64>,
+    ) -> PyResult<()> {
+        let ids = row_ids(py, tensor, rows)?;
+        let obj = numpy_view(out)?;
+        let buf = PyBuffer::<f32>::get(obj.as_ref().unwrap_or(out)).map_err(|e| {
+            LengthError::new_err(format!(
+                "tensor {tensor:?}: the rows' buffer must hold float32 values ({e})"
+            ))
+        })?;
+        if buf.readonly() || !buf.is_c_contiguous() {
+            return Err(LengthError::new_err(format!(
+                "tensor {tensor:?}: a row pull needs a writable, contiguous buffer"
+            )));
+        }
+        let dim = row_width(tensor, dim, ids.len(), buf.item_count())?;
+        let (w, t, n) = (self.w.clone(), tensor.to_string(), buf.item_count());
+        let got = blocking(py, "pull_rows", move || {
+            let mut v = vec![0f32; n];
+            w.pull_rows(&t, dim, &ids, &mut v, clock)
+                .map_err(engine_err)?;
+            Ok(v)
+        })?;
+        buf.copy_from_slice(py, &got)
     }
 
     /// Waits until every live worker has reached this barrier.

@@ -246,3 +246,31 @@ def test_the_type_stubs_name_what_the_extension_has():
         if isinstance(obj, type) and not issubclass(obj, BaseException):
             have = {m for m in vars(obj) if not m.startswith("_")}
             assert methods - {"__init__"} == have, f"{name}: {methods ^ have}"
+
+
+def test_rows_push_and_pull_with_duplicates_summed():
+    # A table of 6 rows of 2 (12 floats), SGD at rate 0.5, one worker under BSP.
+    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)
+    w = falcon.init({"emb": 12}, env=c.env)
+    rows = np.array([4, 1, 4], np.int64)
+    grads = np.array([[1, 2], [3, 4], [10, 20]], np.float32)
+    w.push_rows("emb", rows, grads, 0)
+    out = np.zeros((2, 2), np.float32)
+    w.pull_rows("emb", np.array([4, 1], np.uint64), out, 1)
+    # Row 4 got 1+10 and 2+20, row 1 got 3 and 4; the rest of the table did not move.
+    np.testing.assert_array_equal(out, -0.5 * np.array([[11, 22], [3, 4]], np.float32))
+    everything = np.zeros(12, np.float32)
+    w.pull("emb", everything, 1)
+    assert np.count_nonzero(everything) == 4
+    # The width comes from the values, or is given; bad rows are typed errors.
+    w.push_rows("emb", [0], np.ones(2, np.float32), 1, dim=2)
+    with pytest.raises(falcon.ConfigError, match="row 6 of tensor"):
+        w.push_rows("emb", [6], np.ones(2, np.float32), 2)
+    with pytest.raises(falcon.ConfigError, match="row -1 is negative"):
+        w.push_rows("emb", [-1], np.ones(2, np.float32), 2)
+    with pytest.raises(falcon.LengthError, match="not a whole row each"):
+        w.push_rows("emb", [1, 2], np.ones(3, np.float32), 2)
+    with pytest.raises(falcon.LengthError, match="float32"):
+        w.push_rows("emb", [1], np.ones(2, np.float64), 2)
+    falcon.finish()
+    c.finish()
