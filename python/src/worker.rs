@@ -121,7 +121,7 @@ fn row_width(tensor: &str, dim: Option<u64>, rows: usize, values: usize) -> PyRe
     match dim {
         Some(d) => Ok(d),
         None if rows == 0 => Ok(1),
-        None if values % rows == 0 => Ok((values / rows) as u64),
+        None if values.is_multiple_of(rows) => Ok((values / rows) as u64),
         None => Err(LengthError::new_err(format!(
             "tensor {tensor:?}: {values} values for {rows} rows: not a whole row each"
         ))),
