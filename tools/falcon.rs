@@ -198,7 +198,9 @@ Environment: the launch contract, the same for a worker process of one's own
 
 Read by falcon role itself:
   FALCON_WORKLOAD               a worker's work: synthetic (default), count (every gradient
-                                -1, exactly-once checks) or train (with FALCON_MODEL,
+                                -1, exactly-once checks), rows (row-sparse: a table of
+                                FALCON_FLOATS rows of one float, each iteration pulls and
+                                pushes FALCON_ROWS random rows, default 1000) or train (with FALCON_MODEL,
                                 FALCON_DATA, FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
                                 FALCON_SEED, FALCON_DEVICE: cpu, cuda or auto, the
                                 default; cuda needs a build with feature cuda)
@@ -518,6 +520,53 @@ pub(crate) fn spawn_link_dropper(w: &Worker) -> Res {
     Ok(())
 }
 
+/// The row-sparse workload (the key-value loop of ps-lite's users): a table of `rows` rows of
+/// one float; each iteration pulls `FALCON_ROWS` distinct random rows, and pushes a gradient
+/// for them (the value minus the worker's target, as the synthetic workload).
+fn rows_workload(cfg: &JobConfig, rank: Option<u32>, iters: u64, rows: u64) -> Res {
+    let per: u64 = env_value(&["FALCON_ROWS"], 1000, checks::at_least_one_u64)?;
+    if per > rows {
+        return Err(format!("FALCON_ROWS={per} is more than the table's {rows} rows").into());
+    }
+    let tensors = vec![TensorSpec {
+        name: "table".into(),
+        len: rows,
+    }];
+    let w = Worker::join(cfg, tensors, rank)?;
+    crate::logs::label(format!("worker {}", w.rank()));
+    let target = (w.rank() + 1) as f32;
+    let mut rng = fastrand::Rng::with_seed(u64::from(w.rank()) + 1);
+    if !w.rejoined() {
+        w.barrier()?;
+    }
+    let start = Instant::now();
+    let first = w.clock();
+    let mut vals = vec![0f32; per as usize];
+    let mut grads = vec![0f32; per as usize];
+    for t in first..iters {
+        // Distinct sorted ids, as a key-value request carries them.
+        let mut ids: Vec<u64> = (0..per).map(|_| rng.u64(0..rows)).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let n = ids.len();
+        w.pull_rows("table", 1, &ids, &mut vals[..n], t)?;
+        for (g, v) in grads.iter_mut().zip(&vals[..n]) {
+            *g = v - target;
+        }
+        w.push_rows("table", 1, &ids, &grads[..n], t)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    w.barrier()?;
+    outln!(
+        "worker {}: {} iterations in {secs:.2} s ({:.1} it/s, {per} rows pulled and pushed each)",
+        w.rank(),
+        iters - first,
+        (iters - first) as f64 / secs,
+    );
+    w.finish()?;
+    Ok(())
+}
+
 /// The synthetic workload: minimise ½‖w − (rank+1)‖² together; under BSP with the mean the
 /// model converges to the mean of the targets.
 fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
@@ -525,6 +574,9 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let floats: u64 = env_value(&["FALCON_FLOATS"], 1 << 20, checks::at_least_one_u64)?;
     // Fault injection (tests, the chaos run): drop a server link every N iterations.
     let drop_every: u64 = env_value(&["FALCON_FAULT_DROP_EVERY"], 0, checks::whole)?;
+    if env(&["FALCON_WORKLOAD"]).as_deref() == Some("rows") {
+        return rows_workload(cfg, rank, iters, floats);
+    }
     // FALCON_WORKLOAD=count: constant gradients (see `job_from_env`).
     let count = env(&["FALCON_WORKLOAD"]).as_deref() == Some("count");
     let tensors = vec![TensorSpec {
@@ -781,6 +833,7 @@ mod tests {
     /// The variables `falcon role` reads besides the launch contract's (all in [`ROLE_HELP`]).
     const ROLE_OWN_VARIABLES: &[&str] = &[
         "FALCON_WORKLOAD",
+        "FALCON_ROWS",
         "FALCON_HETERO",
         "FALCON_ITERS",
         "FALCON_FLOATS",
