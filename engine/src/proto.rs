@@ -320,6 +320,26 @@ pub enum Msg {
         /// Its failed checkpoint writes so far, this one included.
         failures: u64,
     },
+    /// worker → server: some rows of a shard, answered with [`Msg::Rows`] when the shard's
+    /// policy allows clock `clock` (or refused with [`Msg::PullFailed`]).
+    PullRows {
+        /// Global shard id.
+        shard: u32,
+        /// The worker's clock.
+        clock: u64,
+        /// Request id (echoed in the answer).
+        req: u32,
+        /// The ranges wanted: (first float from the shard's start, floats), in order.
+        ranges: Vec<(u32, u32)>,
+    },
+    /// server → worker: the values of a [`Msg::PullRows`], its ranges one after another
+    /// (f32, little-endian).
+    Rows {
+        /// The request id.
+        req: u32,
+        /// The values.
+        values: Vec<u8>,
+    },
 }
 
 impl Msg {
@@ -356,6 +376,8 @@ impl Msg {
             Msg::Tasks { .. } => "tasks",
             Msg::Evicted { .. } => "evicted",
             Msg::CheckpointFailed { .. } => "checkpoint failed",
+            Msg::PullRows { .. } => "pull rows",
+            Msg::Rows { .. } => "rows",
         }
     }
 }

@@ -131,9 +131,16 @@ struct Shard {
 /// A pull waiting for its shard's policy: where the answer goes.
 struct ParkedPull {
     link: LinkId,
-    dst: RemoteKey,
-    dst_off: u64,
+    to: PullTo,
     req: u32,
+}
+
+/// Where a released pull's values go.
+enum PullTo {
+    /// Written one-sided into the worker's region.
+    Write { dst: RemoteKey, dst_off: u64 },
+    /// Some ranges of the shard, gathered into a [`Msg::Rows`] message.
+    Rows(Vec<(u32, u32)>),
 }
 
 /// A server joined to its job, not yet serving.
@@ -537,6 +544,12 @@ impl Serving {
                 dst,
                 dst_off,
             }) => self.on_pull_req(&l, shard, clock, req, (&dst, dst_off)),
+            Ok(Msg::PullRows {
+                shard,
+                clock,
+                req,
+                ranges,
+            }) => self.on_pull_rows(&l, shard, clock, req, ranges),
             Ok(Msg::Resume {
                 rejoin,
                 shards: resume,
@@ -629,8 +642,54 @@ impl Serving {
         let id = (u64::from(w) << 32) | u64::from(req);
         let parked = ParkedPull {
             link: l.id(),
-            dst,
-            dst_off,
+            to: PullTo::Write { dst, dst_off },
+            req,
+        };
+        self.parked.insert(id, parked);
+        self.feed(
+            i,
+            Input::Pull {
+                worker: w,
+                clock,
+                req: id,
+            },
+        );
+    }
+
+    /// Some rows of a shard: parked like any pull, answered with the rows alone.
+    fn on_pull_rows(
+        &mut self,
+        l: &Link,
+        shard: u32,
+        clock: u64,
+        req: u32,
+        ranges: Vec<(u32, u32)>,
+    ) {
+        let Some(&w) = self.worker_of.get(&l.id()) else {
+            return;
+        };
+        let fail = |reason: String| {
+            let _ = l.send(&Msg::PullFailed { req, reason }.encode());
+        };
+        let Some(&i) = self.local_of.get(&shard) else {
+            fail(format!("shard {shard} is not on server {}", self.book.rank));
+            return;
+        };
+        let len = self.shards[i].spec.len;
+        if let Some(&(off, n)) = ranges
+            .iter()
+            .find(|&&(off, n)| u64::from(off) + u64::from(n) > len)
+        {
+            fail(format!(
+                "rows {off}..{} lie outside shard {shard} of {len} floats",
+                u64::from(off) + u64::from(n)
+            ));
+            return;
+        }
+        let id = (u64::from(w) << 32) | u64::from(req);
+        let parked = ParkedPull {
+            link: l.id(),
+            to: PullTo::Rows(ranges),
             req,
         };
         self.parked.insert(id, parked);
@@ -815,14 +874,27 @@ impl Serving {
             return;
         };
         let s = &self.shards[i];
-        let r = l.write(
-            s.params.pull_region(),
-            0,
-            &p.dst,
-            p.dst_off,
-            self.book.wire.bytes(s.spec.len),
-            Some(p.req),
-        );
+        let r = match p.to {
+            PullTo::Write { dst, dst_off } => l.write(
+                s.params.pull_region(),
+                0,
+                &dst,
+                dst_off,
+                self.book.wire.bytes(s.spec.len),
+                Some(p.req),
+            ),
+            PullTo::Rows(ranges) => {
+                let v = s.params.values();
+                let n: usize = ranges.iter().map(|&(_, n)| n as usize).sum();
+                let mut values = Vec::with_capacity(4 * n);
+                for (off, n) in ranges {
+                    for x in &v[off as usize..][..n as usize] {
+                        values.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+                l.send(&Msg::Rows { req: p.req, values }.encode())
+            }
+        };
         if let Err(e) = r {
             tracing::warn!("server {}: answering a pull failed: {e}", self.book.rank);
         }

@@ -37,6 +37,12 @@ pub(super) enum Resend {
         out: Region,
         clock: u64,
     },
+    /// A pull of some ranges of shard `shard` (an index into `Inner::shards`).
+    PullRows {
+        shard: usize,
+        ranges: Vec<(u32, u32)>,
+        clock: u64,
+    },
     /// Nothing: the scheduler answers it, and a scheduler link is never replaced.
     Nothing,
 }
@@ -46,7 +52,7 @@ impl Resend {
     pub(super) fn order(&self) -> (u8, usize) {
         match self {
             Resend::Push { shard, .. } => (0, *shard),
-            Resend::Pull { shard, .. } => (1, *shard),
+            Resend::Pull { shard, .. } | Resend::PullRows { shard, .. } => (1, *shard),
             Resend::Nothing => (2, 0),
         }
     }
@@ -115,7 +121,7 @@ impl Worker {
     /// What a request's first send came to: with recovery, a send the link's failure stopped
     /// is deferred (the request goes out again after the reconnection); any other failure
     /// withdraws the request and is the caller's error.
-    fn sent_or_deferred(
+    pub(super) fn sent_or_deferred(
         &self,
         sent: std::result::Result<(), falcon_transport::Error>,
         server: usize,
@@ -223,7 +229,7 @@ impl Worker {
 
 impl Inner {
     /// The index of `s` in `shards`.
-    fn shard_index(&self, s: &ShardRemote) -> usize {
+    pub(super) fn shard_index(&self, s: &ShardRemote) -> usize {
         self.shards
             .iter()
             .position(|x| x.spec.id == s.spec.id)
@@ -364,11 +370,37 @@ impl Inner {
                 (Resend::Pull { shard, out, clock }, Request::Pull(id)) => {
                     self.send_pull(&link, &self.shards[*shard], id, out, *clock)
                 }
+                (
+                    Resend::PullRows {
+                        shard,
+                        ranges,
+                        clock,
+                    },
+                    Request::Pull(id),
+                ) => link.send(
+                    &Msg::PullRows {
+                        shard: self.shards[*shard].spec.id,
+                        clock: *clock,
+                        req: id,
+                        ranges: ranges.clone(),
+                    }
+                    .encode(),
+                ),
                 _ => continue,
             };
             if sent.is_ok() {
                 lock(&self.requests).resent(req, &sig, link.id());
             }
+        }
+    }
+
+    /// A row pull's values arrived: kept for the caller, then its signal set.
+    pub(super) fn on_rows(&self, req: u32, values: Vec<u8>) {
+        let done = lock(&self.requests).take(Request::Pull(req));
+        if let Some(p) = done {
+            lock(&self.stats).pull_wait += p.since.elapsed();
+            lock(&self.row_answers).insert(req, values);
+            p.sig.set(Ok(Default::default()));
         }
     }
 

@@ -150,6 +150,9 @@ impl Handle {
 /// gains.
 const FAN_OUT_BYTES: u64 = 256 << 10;
 
+/// Ranges of a shard a row pull asks for: (first float from the shard's start, floats).
+type RowRanges = Vec<(u32, u32)>;
+
 /// Called with each shard a pull read on the lock-free path (the device path copies it on).
 type ShardHook<'a> = dyn FnMut(&ShardRemote) -> Result<()> + 'a;
 
@@ -267,6 +270,8 @@ struct Inner {
     /// Every request a caller waits on.
     requests: Mutex<Tracker<Resend>>,
     dead: Mutex<HashSet<u32>>,
+    /// Row pulls answered and not yet taken by their caller: request id → values.
+    row_answers: Mutex<HashMap<u32, Vec<u8>>>,
     grants: Mutex<HashMap<(LinkId, u64), RemoteKey>>,
     next_req: AtomicU32,
     /// The sequence number of the last barrier this worker entered.
@@ -368,6 +373,7 @@ impl Worker {
             shards,
             requests: Mutex::new(Tracker::default()),
             dead: Mutex::new(HashSet::new()),
+            row_answers: Mutex::new(HashMap::new()),
             grants: Mutex::new(HashMap::new()),
             next_req: AtomicU32::new(1),
             next_barrier: AtomicU64::new(first_barrier),
@@ -648,8 +654,8 @@ impl Worker {
 
     /// Pulls some rows of `tensor` (a table of `len / dim` rows of `dim` floats) for
     /// iteration `clock` into `out` (`rows.len() · dim` floats, in the order of `rows`), with
-    /// the values the policy allows this clock to see. Only the shards holding those rows
-    /// are pulled (whole: a server-side gather is not there yet).
+    /// the values the policy allows this clock to see. Each server holding some of the rows
+    /// gathers them into one answer: only the rows travel.
     pub fn pull_rows(
         &self,
         tensor: &str,
@@ -658,29 +664,100 @@ impl Worker {
         out: &mut [f32],
         clock: u64,
     ) -> Result<()> {
+        self.check_running()?;
         let t = self.tensor(tensor)?;
         let spec = &self.inner.book.keymap.tensors[t];
         crate::rows::check(&spec.name, spec.len, dim, rows, out.len())?;
-        let name = spec.name.clone();
-        let wanted: std::collections::HashSet<u32> = self
-            .shards_of(t)
-            .filter(|s| {
-                rows.iter().any(|&r| {
-                    let (a, b) = (r * dim, r * dim + dim);
-                    a < s.spec.offset + s.spec.len && s.spec.offset < b
-                })
-            })
-            .map(|s| s.spec.id)
-            .collect();
-        let region = self.buffer(&name)?;
-        let slow = self.pull_shards_of(tensor, &region, clock, None, Some(&wanted))?;
-        for (_, sig) in slow {
-            sig.wait(None)?;
+        for s in self.shards_of(t) {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock > made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "a pull for a clock from the future: {made} gradients pushed to tensor {tensor:?}"
+                    ),
+                });
+            }
         }
-        for (r, o) in rows.iter().zip(out.chunks_mut(dim as usize)) {
-            region.read_at(r * dim * 4, f32_bytes_mut(o))?;
+        self.pass_gate(clock)?;
+        // Per shard: the ranges it sends and where each lands in `out`.
+        let mut asks: Vec<(&ShardRemote, RowRanges, Vec<usize>)> = Vec::new();
+        for s in self.shards_of(t) {
+            let (lo, hi) = (s.spec.offset, s.spec.offset + s.spec.len);
+            let (mut ranges, mut dest) = (Vec::new(), Vec::new());
+            for (i, &r) in rows.iter().enumerate() {
+                let (a, b) = (r * dim, r * dim + dim);
+                let (x, y) = (a.max(lo), b.min(hi));
+                if x < y {
+                    ranges.push(((x - lo) as u32, (y - x) as u32));
+                    dest.push(i * dim as usize + (x - a) as usize);
+                }
+            }
+            if !ranges.is_empty() {
+                asks.push((s, ranges, dest));
+            }
         }
-        Ok(())
+        let mut waiting = Vec::with_capacity(asks.len());
+        let mut first_err = None;
+        for (s, ranges, dest) in asks {
+            let link = match self.inner.link(s.server) {
+                Ok(l) => l,
+                Err(e) => {
+                    // The requests already out are still waited for (their answers taken).
+                    first_err = Some(e);
+                    break;
+                }
+            };
+            let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+            let req = tracker::Request::Pull(id);
+            let msg = Msg::PullRows {
+                shard: s.spec.id,
+                clock,
+                req: id,
+                ranges: ranges.clone(),
+            };
+            let what = Resend::PullRows {
+                shard: self.inner.shard_index(s),
+                ranges: ranges.clone(),
+                clock,
+            };
+            let sig = lock(&self.inner.requests).register(
+                req,
+                Some(s.server),
+                Some(link.id()),
+                Instant::now(),
+                what,
+            );
+            lock(&self.inner.stats).slow_pulls += 1;
+            let sent = link.send(&msg.encode());
+            if let Err(e) = self.sent_or_deferred(sent, s.server, req, "pull rows from") {
+                first_err = Some(e);
+                break;
+            }
+            waiting.push((id, sig, ranges, dest));
+        }
+        for (id, sig, ranges, dest) in waiting {
+            let got = sig.wait(None).map(drop);
+            let values = lock(&self.inner.row_answers).remove(&id);
+            if let Err(e) = got {
+                first_err.get_or_insert(e);
+                continue;
+            }
+            let Some(values) = values else { continue };
+            let mut at = values.chunks_exact(4);
+            for ((_, n), d) in ranges.iter().zip(dest) {
+                for o in &mut out[d..d + *n as usize] {
+                    let b = at.next().ok_or_else(|| {
+                        Error::Malformed(format!("row pull {id}: fewer values than asked"))
+                    })?;
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Runs `op` on every shard in `shards` and returns the results in their order. Where the

@@ -74,6 +74,7 @@ impl Inner {
                 staleness,
             } => self.on_ack(shard, of, staleness),
             Msg::PullFailed { req, reason } => self.on_pull_failed(req, reason),
+            Msg::Rows { req, values } => self.on_rows(req, values),
             Msg::BarrierDone { seq } => {
                 lock(&self.requests).complete(Request::Barrier(seq), Ok(Reply::Done));
             }
