@@ -215,6 +215,9 @@ Read by falcon role itself:
 ";
 
 fn bench(what: &str, quick: bool) -> Res {
+    if let Some(warning) = busy_warning(std::fs::read_to_string("/proc/loadavg").ok(), cores()) {
+        eprintln!("{warning}");
+    }
     if what == "knee" {
         return knee(quick);
     }
@@ -232,6 +235,25 @@ fn bench(what: &str, quick: bool) -> Res {
         falcon_bench::transport::summary(&falcon_bench::transport::available_media(), effort);
     outln!("{}", falcon_bench::transport::markdown(&rows));
     Ok(())
+}
+
+/// This host's cores.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A warning when the machine is busy (its one-minute load average above a quarter of its
+/// cores): benchmark figures taken then say more about the other load than about falcon.
+fn busy_warning(loadavg: Option<String>, cores: usize) -> Option<String> {
+    let load: f64 = loadavg?.split_whitespace().next()?.parse().ok()?;
+    let limit = (cores as f64 / 4.0).max(0.5);
+    (load > limit).then(|| {
+        format!(
+            "falcon bench: warning: this machine is busy (load average {load:.2} on {cores} \
+             cores, above {limit:.2}); the figures will reflect that load. Measure on a quiet \
+             machine, or compare only ratios taken in the same run."
+        )
+    })
 }
 
 /// Falcon's over-subscription figure on this machine: one iteration of 64 CPU-bound tasks
@@ -829,6 +851,16 @@ fn rustix_limit() -> (Option<u64>, Option<u64>) {
 #[cfg(test)]
 mod tests {
     use super::ROLE_HELP;
+
+    #[test]
+    fn a_busy_machine_is_named_before_its_figures() {
+        let w = super::busy_warning(Some("3.10 2.00 1.00 3/200 123".into()), 2).unwrap();
+        assert!(w.contains("load average 3.10 on 2 cores"), "{w}");
+        assert_eq!(super::busy_warning(Some("0.20 0.1 0.1 1/1 1".into()), 2), None);
+        assert_eq!(super::busy_warning(Some("9.0 1 1 1/1 1".into()), 64), None);
+        assert_eq!(super::busy_warning(None, 2), None);
+        assert_eq!(super::busy_warning(Some("garbage".into()), 2), None);
+    }
 
     /// The variables `falcon role` reads besides the launch contract's (all in [`ROLE_HELP`]).
     const ROLE_OWN_VARIABLES: &[&str] = &[
