@@ -856,7 +856,10 @@ mod tests {
     fn a_busy_machine_is_named_before_its_figures() {
         let w = super::busy_warning(Some("3.10 2.00 1.00 3/200 123".into()), 2).unwrap();
         assert!(w.contains("load average 3.10 on 2 cores"), "{w}");
-        assert_eq!(super::busy_warning(Some("0.20 0.1 0.1 1/1 1".into()), 2), None);
+        assert_eq!(
+            super::busy_warning(Some("0.20 0.1 0.1 1/1 1".into()), 2),
+            None
+        );
         assert_eq!(super::busy_warning(Some("9.0 1 1 1/1 1".into()), 64), None);
         assert_eq!(super::busy_warning(None, 2), None);
         assert_eq!(super::busy_warning(Some("garbage".into()), 2), None);

@@ -580,6 +580,16 @@ mod tests {
                 reason: "write server-1.ckpt: No space left on device".into(),
                 failures: 3,
             },
+            Msg::PullRows {
+                shard: 3,
+                clock: 9,
+                req: 77,
+                ranges: vec![(0, 4), (12, 4)],
+            },
+            Msg::Rows {
+                req: 77,
+                values: vec![1, 2, 3, 4],
+            },
         ] {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
         }
@@ -587,11 +597,16 @@ mod tests {
         let mut old = Msg::Plan { until: 1 }.encode();
         old[2] = VERSION - 1;
         assert!(Msg::decode(&old).is_err());
-        for kind in [PushKind::Gradient, PushKind::Init, PushKind::Help] {
+        // The two kind bits are all taken: every immediate reads as one kind.
+        for kind in [
+            PushKind::Gradient,
+            PushKind::Init,
+            PushKind::Help,
+            PushKind::Rows,
+        ] {
             let i = Immediate { kind, local: 12345 };
             assert_eq!(Immediate::unpack(i.pack()).unwrap(), i);
         }
-        assert!(Immediate::unpack(3 << 30).is_err());
         for t in [
             SlotTrailer {
                 computed_on: None,

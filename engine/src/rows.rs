@@ -11,6 +11,9 @@
 
 use crate::error::{Error, Result};
 
+/// Ranges of a shard: (first float from the shard's start, floats), in order.
+pub type Ranges = Vec<(u32, u32)>;
+
 /// One shard's part of a row push.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ShardRows {
@@ -102,8 +105,28 @@ pub fn for_shard(
 pub fn densify(
     len: u64,
     capacity: u64,
-    mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
+    read: impl FnMut(u64, &mut [u8]) -> Result<()>,
 ) -> Result<Vec<f32>> {
+    let (ranges, values) = parse(len, capacity, read)?;
+    let mut grad = vec![0f32; len as usize];
+    let mut at = 0;
+    for (off, n) in ranges {
+        let (off, n) = (off as usize, n as usize);
+        for (g, v) in grad[off..off + n].iter_mut().zip(&values[at..at + n]) {
+            *g += v;
+        }
+        at += n;
+    }
+    Ok(grad)
+}
+
+/// Reads a row payload (as [`densify`]) into its ranges `(first float, floats)` and their
+/// values, one range after another.
+pub fn parse(
+    len: u64,
+    capacity: u64,
+    mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
+) -> Result<(Ranges, Vec<f32>)> {
     let mut head = [0u8; 4];
     read(0, &mut head)?;
     let count = u64::from(u32::from_le_bytes(head));
@@ -124,7 +147,7 @@ pub fn densify(
                 "a row push entry of {n} floats at {off} lies outside the shard's {len}"
             )));
         }
-        entries.push((off as usize, n as usize));
+        entries.push((off as u32, n as u32));
         floats += n;
     }
     let start = 4 + 8 * count;
@@ -135,15 +158,11 @@ pub fn densify(
     }
     let mut vals = vec![0u8; 4 * floats as usize];
     read(start, &mut vals)?;
-    let mut grad = vec![0f32; len as usize];
-    let mut at = vals.chunks_exact(4);
-    for (off, n) in entries {
-        for g in &mut grad[off..off + n] {
-            let b = at.next().expect("counted above");
-            *g += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
-    }
-    Ok(grad)
+    let values = vals
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Ok((entries, values))
 }
 
 #[cfg(test)]

@@ -760,9 +760,14 @@ impl Serving {
             PushKind::Init => crate::precision::Wire::F32,
             _ => self.book.wire,
         };
+        let mut ranges = None;
         let read = match (imm.kind, wire) {
-            (PushKind::Rows, _) => crate::rows::densify(s.spec.len, s.spec.bytes(), |o, buf| {
+            (PushKind::Rows, _) => crate::rows::parse(s.spec.len, s.spec.bytes(), |o, buf| {
                 slot.read_at(o, buf).map_err(Error::from)
+            })
+            .map(|(r, values)| {
+                ranges = Some(r);
+                values
             })
             .map_err(|e| falcon_transport::Error::Malformed(e.to_string())),
             (_, crate::precision::Wire::F32) => slot.read_f32_vec(0, s.spec.len as usize),
@@ -790,7 +795,15 @@ impl Serving {
                 worker: w,
                 values: grad,
             },
-            PushKind::Gradient | PushKind::Rows => Input::Push {
+            PushKind::Rows => Input::PushRows {
+                conn: link,
+                worker: w,
+                seq,
+                computed_on,
+                ranges: ranges.unwrap_or_default(),
+                values: grad,
+            },
+            PushKind::Gradient => Input::Push {
                 conn: link,
                 worker: w,
                 seq,

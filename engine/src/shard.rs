@@ -86,6 +86,23 @@ pub enum Input {
         /// The gradient.
         grad: Vec<f32>,
     },
+    /// A gradient of the worker's own iteration given as some ranges of the shard (a row
+    /// push): the rest of the gradient is zero. Applied over those ranges alone in
+    /// asynchronous mode, widened to the whole shard for a synchronous step.
+    PushRows {
+        /// The connection.
+        conn: u64,
+        /// The worker.
+        worker: u32,
+        /// Its sequence number, as for [`Input::Push`].
+        seq: u64,
+        /// The version it was computed on, as for [`Input::Push`].
+        computed_on: Option<u64>,
+        /// The ranges: (first float, floats), in order; they may repeat (summed).
+        ranges: Vec<(u32, u32)>,
+        /// Their values, one range after another.
+        values: Vec<f32>,
+    },
     /// A pull the lock-free check did not allow: answered now or when the policy says.
     Pull {
         /// The worker.
@@ -419,7 +436,28 @@ struct Arrival {
     worker: u32,
     seq: u64,
     computed_on: Option<u64>,
+    /// The whole gradient, or with `ranges` the values of those ranges alone.
     grad: Vec<f32>,
+    ranges: Option<Vec<(u32, u32)>>,
+}
+
+impl Arrival {
+    /// The whole gradient of a shard of `len` floats (repeated ranges summed in order).
+    fn dense(self, len: usize) -> Vec<f32> {
+        let Some(ranges) = self.ranges else {
+            return self.grad;
+        };
+        let mut g = vec![0f32; len];
+        let mut at = 0;
+        for (off, n) in ranges {
+            let (off, n) = (off as usize, n as usize);
+            for (d, v) in g[off..off + n].iter_mut().zip(&self.grad[at..at + n]) {
+                *d += v;
+            }
+            at += n;
+        }
+        g
+    }
 }
 
 /// One shard's state machine (see the [module documentation](self)).
@@ -595,12 +633,31 @@ impl ShardCore {
                     seq,
                     computed_on,
                     grad,
+                    ranges: None,
                 };
                 if help {
                     self.help(a, params, out)
                 } else {
                     self.push(now, a, params, out)
                 }
+            }
+            Input::PushRows {
+                conn,
+                worker,
+                seq,
+                computed_on,
+                ranges,
+                values,
+            } => {
+                let a = Arrival {
+                    conn,
+                    worker,
+                    seq,
+                    computed_on,
+                    grad: values,
+                    ranges: Some(ranges),
+                };
+                self.push(now, a, params, out)
             }
             Input::Pull { worker, clock, req } => {
                 let pushed = self.pushes[worker as usize];
@@ -659,6 +716,33 @@ impl ShardCore {
             Input::Init { worker, values, .. } => (*worker, Some(values.len())),
             Input::Push { worker, grad, .. } | Input::Help { worker, grad, .. } => {
                 (*worker, Some(grad.len()))
+            }
+            Input::PushRows {
+                worker,
+                ranges,
+                values,
+                ..
+            } => {
+                let mut total = 0u64;
+                for &(off, n) in ranges {
+                    if u64::from(off) + u64::from(n) > self.cfg.len as u64 {
+                        return Err(Error::Malformed(format!(
+                            "rows {off}..{} outside shard {} of {} floats",
+                            u64::from(off) + u64::from(n),
+                            self.cfg.id,
+                            self.cfg.len
+                        )));
+                    }
+                    total += u64::from(n);
+                }
+                if total != values.len() as u64 {
+                    return Err(Error::WrongLength {
+                        tensor: format!("shard {} rows", self.cfg.id),
+                        expected: total,
+                        got: values.len() as u64,
+                    });
+                }
+                (*worker, None)
             }
             Input::Pull { worker, .. } | Input::Leave { worker } | Input::Resume { worker, .. } => {
                 (*worker, None)
@@ -719,7 +803,7 @@ impl ShardCore {
     ) {
         let (conn, w, seq) = (a.conn, a.worker, a.seq);
         let wi = w as usize;
-        self.stats.bytes_in += self.cfg.len as u64 * 4;
+        self.stats.bytes_in += a.grad.len() as u64 * 4;
         let clock = self.pushes[wi];
         if !self.fresh(
             (conn, w),
@@ -748,7 +832,10 @@ impl ShardCore {
                 };
                 self.policy.on_event(ev, &mut self.actions);
             }
-            UpdateMode::Sync => self.push_sync(now, conn, w, clock, a.grad, params),
+            UpdateMode::Sync => {
+                let grad = a.dense(self.cfg.len);
+                self.push_sync(now, conn, w, clock, grad, params)
+            }
         }
     }
 
@@ -893,6 +980,7 @@ impl ShardCore {
             worker: w,
             computed_on,
             grad: mut g,
+            ranges,
             ..
         } = a;
         let base = computed_on.unwrap_or(self.sent_version[w as usize]);
@@ -909,7 +997,10 @@ impl ShardCore {
         });
         let opt = &mut self.opt;
         params.write(&mut |s| {
-            opt.apply(s.values(), &g);
+            match &ranges {
+                Some(r) => opt.apply_ranges(s.values(), r, &g),
+                None => opt.apply(s.values(), &g),
+            }
             if let Some(c) = clock {
                 s.set_clock(w as usize, c + 1);
             }

@@ -361,6 +361,48 @@ impl ShardOptimizer {
         Ok(())
     }
 
+    /// Applies a gradient given as some ranges of `w` (`(first, count)`, in order, possibly
+    /// repeated) with their values one range after another; the rest of the gradient is
+    /// zero. Under SGD and Adagrad (a zero gradient leaves a value and its state alone) this
+    /// is exactly [`ShardOptimizer::apply`] of the whole gradient, at the cost of the ranges;
+    /// under momentum and Adam it widens the gradient and applies that. One update either way.
+    pub fn apply_ranges(&mut self, w: &mut [f32], ranges: &[(u32, u32)], values: &[f32]) {
+        let merged = merge_repeats(ranges, values);
+        let (ranges, values) = match &merged {
+            Some(Some((r, v))) => (r.as_slice(), v.as_slice()),
+            _ => (ranges, values),
+        };
+        if !self.opt.zero_is_identity() || merged == Some(None) {
+            // Overlapping ranges must be summed before the rule sees them.
+            let mut g = vec![0f32; w.len()];
+            let mut at = 0;
+            for &(off, n) in ranges {
+                let (off, n) = (off as usize, n as usize);
+                for (d, v) in g[off..off + n].iter_mut().zip(&values[at..at + n]) {
+                    *d += v;
+                }
+                at += n;
+            }
+            return self.apply(w, &g);
+        }
+        let lr = self.schedule.lr(self.opt.lr(), self.step);
+        self.step += 1;
+        let lr_floor = floor_for(lr);
+        let mut at = 0;
+        for &(off, n) in ranges {
+            let (off, n) = (off as usize, n as usize);
+            let g = &values[at..at + n];
+            at += n;
+            let w = &mut w[off..off + n];
+            let v = if self.v.is_empty() {
+                &mut [][..]
+            } else {
+                &mut self.v[off..off + n]
+            };
+            apply_rule(self.opt, lr, lr_floor, self.step, w, g, &mut [], v);
+        }
+    }
+
     /// Applies gradient `g` (already aggregated and scaled) to `w`.
     ///
     /// Flush-to-zero in software: no multiply here is ever handed operands whose product
@@ -471,6 +513,49 @@ fn apply_rule(
             }
         }
     }
+}
+
+/// Ranges that repeat, summed: `None` when no two ranges overlap (nothing to do),
+/// `Some(Some(..))` the ranges with each repeated one once and its values summed in order,
+/// `Some(None)` when ranges overlap without being equal (the caller widens instead).
+#[allow(clippy::type_complexity)]
+fn merge_repeats(
+    ranges: &[(u32, u32)],
+    values: &[f32],
+) -> Option<Option<(Vec<(u32, u32)>, Vec<f32>)>> {
+    let mut at = Vec::with_capacity(ranges.len());
+    let mut start = 0usize;
+    for &(_, n) in ranges {
+        at.push(start);
+        start += n as usize;
+    }
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| (ranges[i].0, i));
+    let overlaps = order
+        .windows(2)
+        .any(|p| ranges[p[0]].0 + ranges[p[0]].1 > ranges[p[1]].0);
+    if !overlaps {
+        return None;
+    }
+    let (mut out_r, mut out_v): (Vec<(u32, u32)>, Vec<f32>) = (Vec::new(), Vec::new());
+    for i in order {
+        let (off, n) = ranges[i];
+        let src = &values[at[i]..at[i] + n as usize];
+        match out_r.last() {
+            Some(&(o, m)) if o == off && m == n => {
+                let base = out_v.len() - n as usize;
+                for (d, v) in out_v[base..].iter_mut().zip(src) {
+                    *d += v;
+                }
+            }
+            Some(&(o, m)) if o + m > off => return Some(None),
+            _ => {
+                out_r.push((off, n));
+                out_v.extend_from_slice(src);
+            }
+        }
+    }
+    Some(Some((out_r, out_v)))
 }
 
 /// The smallest normal `f32`: below it a value is denormal (subnormal).
@@ -608,6 +693,50 @@ mod tests {
     fn no_denormals(what: &str, xs: &[f32]) {
         let bad = xs.iter().filter(|x| x.is_subnormal()).count();
         assert_eq!(bad, 0, "{what}: {bad} denormal values stored");
+    }
+
+    #[test]
+    fn a_gradient_given_as_ranges_is_exactly_the_whole_gradient() {
+        let mut rng = fastrand::Rng::with_seed(12);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for round in 0..200 {
+            let len = rng.usize(1..60);
+            let w0: Vec<f32> = (0..len).map(|_| rng.f32() - 0.5).collect();
+            // Rows of 3 (the last may be cut), some repeated; every few rounds a range that
+            // overlaps another without being equal.
+            let mut ranges: Vec<(u32, u32)> = (0..rng.usize(0..8))
+                .map(|_| {
+                    let off = rng.usize(0..len) / 3 * 3;
+                    (off as u32, (len - off).min(3) as u32)
+                })
+                .collect();
+            if round % 5 == 0 && len > 2 {
+                ranges.push((1, 1));
+                ranges.push((0, 2));
+            }
+            let n: usize = ranges.iter().map(|&(_, n)| n as usize).sum();
+            let values: Vec<f32> = (0..n).map(|_| rng.f32() - 0.5).collect();
+            let mut dense = vec![0f32; len];
+            let mut at = 0;
+            for &(off, k) in &ranges {
+                for j in 0..k as usize {
+                    dense[off as usize + j] += values[at + j];
+                }
+                at += k as usize;
+            }
+            for opt in opts() {
+                let mut a = ShardOptimizer::new(opt, Arc::new(Constant), len);
+                let mut b = ShardOptimizer::new(opt, Arc::new(Constant), len);
+                let (mut wa, mut wb) = (w0.clone(), w0.clone());
+                for _ in 0..3 {
+                    a.apply_ranges(&mut wa, &ranges, &values);
+                    b.apply(&mut wb, &dense);
+                }
+                assert_eq!(bits(&wa), bits(&wb), "{opt:?} {ranges:?}");
+                assert_eq!(bits(a.state().1), bits(b.state().1), "{opt:?} state");
+                assert_eq!(a.steps(), 3);
+            }
+        }
     }
 
     #[test]
