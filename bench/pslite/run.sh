@@ -2,8 +2,10 @@
 # falcon beside dmlc/ps-lite: the same worker loop (pull the whole model, grad = w - (rank+1),
 # push it; serial, waited) on both, interleaved round by round. See README.md.
 #
-#   bench/pslite/run.sh [--quick] [--rounds N] [--src DIR] [--out FILE]
+#   bench/pslite/run.sh [--sparse] [--quick] [--rounds N] [--src DIR] [--out FILE]
 #
+# --sparse: the key-value loop instead (a table of 1 000 000 one-float keys; each iteration
+# pulls and pushes K random keys, K = 1 000 .. 1 000 000).
 # ps-lite's source comes from --src DIR, else $PSLITE_SRC, else a shallow clone of
 # https://github.com/dmlc/ps-lite; it is built in a scratch directory
 # (${TMPDIR:-/tmp}/falcon-pslite), never in the repository. Exit 77: skipped (no ps-lite
@@ -19,11 +21,13 @@ ROUNDS=5
 QUICK=0
 SRC="${PSLITE_SRC:-}"
 OUT=""
+SPARSE=0
 
-usage() { sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) QUICK=1; ROUNDS=1; shift ;;
+        --sparse) SPARSE=1; shift ;;
         --rounds) ROUNDS="${2:?--rounds needs a number}"; shift 2 ;;
         --src) SRC="${2:?--src needs a directory}"; shift 2 ;;
         --out) OUT="${2:?--out needs a file}"; shift 2 ;;
@@ -135,15 +139,19 @@ rm -rf "$RUNS"
 mkdir -p "$RUNS"
 JOBN=0
 
-# run_job SYSTEM(pslite|falcon) MEDIUM(tcp|ipc|shm) WORKERS SERVERS FLOATS ITERS
+# run_job SYSTEM(pslite|falcon) MEDIUM(tcp|ipc|shm) WORKERS SERVERS FLOATS ITERS [KEYS]
 # Sets JOB_OUT to "IT_S P50_US". IT_S: iterations per second per worker (the mean over the
 # workers), counted over the whole loop on both sides, as falcon's worker counts it. P50_US:
 # ps-lite's median iteration after a 10 % warm-up (the mean over workers); falcon prints no
-# p50, so its field is 1e6 / IT_S, its mean iteration.
+# p50, so its field is 1e6 / IT_S, its mean iteration. KEYS > 0: the sparse loop, FLOATS the
+# table's rows (one float each), KEYS the keys drawn per iteration; then JOB_KEYS is
+# ps-lite's mean count of distinct keys per iteration (empty for falcon).
 run_job() {
-    local sys="$1" medium="$2" nw="$3" ns="$4" floats="$5" iters="$6"
+    local sys="$1" medium="$2" nw="$3" ns="$4" floats="$5" iters="$6" keys="${7:-0}"
     JOBN=$((JOBN + 1))
+    JOB_KEYS=""
     local dir="$RUNS/$JOBN-$sys-$medium-${nw}x$ns-$floats"
+    [[ $keys -gt 0 ]] && dir+="-k$keys"
     mkdir -p "$dir"
     local port
     port="$(free_port)"
@@ -155,6 +163,7 @@ run_job() {
         [[ "$medium" == ipc ]] && local_=1
         common+=(PS_VERBOSE=0 DMLC_LOCAL="$local_" PSBENCH_FLOATS="$floats"
                  PSBENCH_ITERS="$iters" PSBENCH_LR=0.001)
+        [[ $keys -gt 0 ]] && common+=(KV_MODE=sparse KV_TABLE="$floats" KV_KEYS="$keys")
         cmd=("$KV_LOOP")
     else
         # One equal slice per server at most falcon's default shard size (4 MiB), so the
@@ -165,6 +174,7 @@ run_job() {
         common+=(FALCON_POLICY=asp FALCON_FLOATS="$floats" FALCON_ITERS="$iters"
                  FALCON_JOB="pslite-bench-$$-$JOBN" FALCON_TOKEN=bench FALCON_MEDIUM="$medium"
                  FALCON_LR=0.001 FALCON_MAX_SHARD_BYTES="$shard" RUST_LOG=error)
+        [[ $keys -gt 0 ]] && common+=(FALCON_WORKLOAD=rows FALCON_ROWS="$keys")
         cmd=("$FALCON" role)
     fi
     local others=() workers=() names=() i p
@@ -223,23 +233,47 @@ run_job() {
         nres="$(cat "$dir"/worker*.out | grep -c '^worker [0-9]*: [0-9]* iterations in' || true)"
     fi
     [[ "$nres" -eq "$nw" ]] || die "$sys $medium ${nw}x$ns floats=$floats: $nres of $nw workers reported (logs: $dir)"
+    if [[ $keys -gt 0 && "$sys" == pslite ]]; then
+        JOB_KEYS="$(cat "$dir"/worker*.out | awk '/^RESULT role=worker/ {
+                for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+                n++; k += v["mean_keys"] }
+            END { if (n) printf "%.0f\n", k / n }')"
+    fi
     JOB_OUT="$out"
 }
 
 # ---- the plan -----------------------------------------------------------------------------
-SIZES=(4096 65536 1048576 16777216)
-LABELS=("4 KiB" "64 KiB" "1 MiB" "16 MiB")
-ITERS=(5000 4000 1000 100)
-if [[ $QUICK -eq 1 ]]; then ITERS=(1000 800 200 20); fi
-# name | workers | servers | falcon medium | ps-lite medium
-CONFIGS=(
-    "tcp 1 worker x 1 server|1|1|tcp|tcp"
-    "tcp 2 workers x 2 servers|2|2|tcp|tcp"
-    "falcon shm vs ps-lite ipc (DMLC_LOCAL=1), 1x1|1|1|shm|ipc"
-    "falcon shm vs ps-lite tcp, 1x1|1|1|shm|tcp"
-)
+if [[ $SPARSE -eq 0 ]]; then
+    SIZES=(4096 65536 1048576 16777216)
+    LABELS=("4 KiB" "64 KiB" "1 MiB" "16 MiB")
+    ITERS=(5000 4000 1000 100)
+    if [[ $QUICK -eq 1 ]]; then ITERS=(1000 800 200 20); fi
+    FITERS=("${ITERS[@]}")
+    # name | workers | servers | falcon medium | ps-lite medium
+    CONFIGS=(
+        "tcp 1 worker x 1 server|1|1|tcp|tcp"
+        "tcp 2 workers x 2 servers|2|2|tcp|tcp"
+        "falcon shm vs ps-lite ipc (DMLC_LOCAL=1), 1x1|1|1|shm|ipc"
+        "falcon shm vs ps-lite tcp, 1x1|1|1|shm|tcp"
+    )
+else
+    # The sparse loop: a table of TABLE one-float keys; SIZES are the keys drawn per
+    # iteration. Each side gets its own iteration count, so that a run takes 1-3 s on both
+    # (falcon's row pull fetches whole shards, so it runs far fewer iterations per second at
+    # small K); the figure is a rate either way.
+    TABLE=1000000
+    SIZES=(1000 10000 100000 1000000)
+    LABELS=("1 k keys" "10 k keys" "100 k keys" "1 M keys")
+    ITERS=(4000 3000 1000 100)    # ps-lite
+    FITERS=(200 200 200 40)       # falcon
+    if [[ $QUICK -eq 1 ]]; then ITERS=(800 600 200 20); FITERS=(40 40 40 8); fi
+    CONFIGS=(
+        "tcp 1 worker x 1 server|1|1|tcp|tcp"
+        "tcp 2 workers x 2 servers|2|2|tcp|tcp"
+    )
+fi
 
-declare -A RATIO FIT PIT FUS PUS
+declare -A RATIO FIT PIT FUS PUS NKEYS
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ a[NR] = $1 }
     END { if (NR == 0) print "nan"; else if (NR % 2) print a[(NR + 1) / 2];
           else print (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
@@ -249,17 +283,19 @@ for ((r = 1; r <= ROUNDS; r++)); do
     for c in "${!CONFIGS[@]}"; do
         IFS='|' read -r cname nw ns fmed pmed <<<"${CONFIGS[$c]}"
         for s in "${!SIZES[@]}"; do
-            floats=$((SIZES[s] / 4))
-            iters=${ITERS[$s]}
+            if [[ $SPARSE -eq 0 ]]; then floats=$((SIZES[s] / 4)); keys=0
+            else floats=$TABLE; keys=${SIZES[$s]}; fi
             key="$c|$s"
             if (((r + c + s) % 2)); then order=(falcon pslite); else order=(pslite falcon); fi
             declare -A res=()
             for sys in "${order[@]}"; do
-                if [[ $sys == falcon ]]; then med=$fmed; else med=$pmed; fi
+                if [[ $sys == falcon ]]; then med=$fmed; iters=${FITERS[$s]}
+                else med=$pmed; iters=${ITERS[$s]}; fi
                 # Not in $(...): the job's processes must stay this shell's children, so
                 # the exit trap can kill them.
-                run_job "$sys" "$med" "$nw" "$ns" "$floats" "$iters"
+                run_job "$sys" "$med" "$nw" "$ns" "$floats" "$iters" "$keys"
                 res[$sys]="$JOB_OUT"
+                [[ -n "$JOB_KEYS" ]] && NKEYS[$key]+=" $JOB_KEYS"
             done
             read -r fit fus <<<"${res[falcon]}"
             read -r pit pus <<<"${res[pslite]}"
@@ -292,18 +328,35 @@ CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || ech
          "ps-lite's p50 is its median iteration after a 10 % warm-up, falcon's figure its mean" \
          "iteration, 1e6 / it/s, as it prints no p50):"
     echo
-    echo "| configuration | size | iters | falcon it/s | ps-lite it/s | falcon mean µs | ps-lite p50 µs |"
-    echo "|---|---|---:|---:|---:|---:|---:|"
+    if [[ $SPARSE -eq 0 ]]; then
+        echo "| configuration | size | iters | falcon it/s | ps-lite it/s | falcon mean µs | ps-lite p50 µs |"
+        echo "|---|---|---:|---:|---:|---:|---:|"
+    else
+        echo "| configuration | keys drawn | distinct keys | iters falcon / ps-lite | falcon it/s | ps-lite it/s | falcon mean µs | ps-lite p50 µs |"
+        echo "|---|---|---:|---:|---:|---:|---:|---:|"
+    fi
     for c in "${!CONFIGS[@]}"; do
         IFS='|' read -r cname _ <<<"${CONFIGS[$c]}"
         for s in "${!SIZES[@]}"; do
             k="$c|$s"
-            printf '| %s | %s | %d | %.1f | %.1f | %.1f | %.1f |\n' "$cname" "${LABELS[$s]}" \
-                "${ITERS[$s]}" "$(echo "${FIT[$k]}" | median)" "$(echo "${PIT[$k]}" | median)" \
-                "$(echo "${FUS[$k]}" | median)" "$(echo "${PUS[$k]}" | median)"
+            if [[ $SPARSE -eq 0 ]]; then
+                printf '| %s | %s | %d | %.1f | %.1f | %.1f | %.1f |\n' "$cname" "${LABELS[$s]}" \
+                    "${ITERS[$s]}" "$(echo "${FIT[$k]}" | median)" "$(echo "${PIT[$k]}" | median)" \
+                    "$(echo "${FUS[$k]}" | median)" "$(echo "${PUS[$k]}" | median)"
+            else
+                printf '| %s | %s | %.0f | %d / %d | %.1f | %.1f | %.1f | %.1f |\n' "$cname" \
+                    "${LABELS[$s]}" "$(echo "${NKEYS[$k]}" | median)" "${FITERS[$s]}" \
+                    "${ITERS[$s]}" "$(echo "${FIT[$k]}" | median)" "$(echo "${PIT[$k]}" | median)" \
+                    "$(echo "${FUS[$k]}" | median)" "$(echo "${PUS[$k]}" | median)"
+            fi
         done
     done
     echo
+    if [[ $SPARSE -eq 1 ]]; then
+        echo "- sparse: a table of $TABLE keys of one float; each iteration draws K keys with" \
+             "replacement (duplicates dropped: 'distinct keys', ps-lite's mean, is what travels);" \
+             "falcon: FALCON_WORKLOAD=rows, FALCON_MAX_SHARD_BYTES as in the dense mode"
+    fi
     echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "- machine: $(nproc) CPUs, $CPU"
     echo "- command: \`$ORIG_CMD\`"
