@@ -329,8 +329,10 @@ pub enum Msg {
         clock: u64,
         /// Request id (echoed in the answer).
         req: u32,
-        /// The ranges wanted: (first float from the shard's start, floats), in order.
-        ranges: Vec<(u32, u32)>,
+        /// The ranges wanted: (first float from the shard's start, floats), in order, as
+        /// little-endian u32 pairs (see [`ranges_to_bytes`]).
+        #[serde(with = "serde_bytes")]
+        ranges: Vec<u8>,
     },
     /// server → worker: the values of a [`Msg::PullRows`], its ranges one after another
     /// (f32, little-endian).
@@ -338,8 +340,38 @@ pub enum Msg {
         /// The request id.
         req: u32,
         /// The values.
+        #[serde(with = "serde_bytes")]
         values: Vec<u8>,
     },
+}
+
+/// Ranges as [`Msg::PullRows`] carries them: each `(first, count)` as two little-endian u32.
+pub fn ranges_to_bytes(ranges: &[(u32, u32)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 * ranges.len());
+    for &(a, b) in ranges {
+        out.extend_from_slice(&a.to_le_bytes());
+        out.extend_from_slice(&b.to_le_bytes());
+    }
+    out
+}
+
+/// The ranges of [`ranges_to_bytes`]; a length that is not whole pairs is an error.
+pub fn ranges_from_bytes(bytes: &[u8]) -> Result<Vec<(u32, u32)>> {
+    if bytes.len() % 8 != 0 {
+        return Err(Error::Malformed(format!(
+            "row ranges of {} bytes: not whole (first, count) pairs",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| {
+            (
+                u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+            )
+        })
+        .collect())
 }
 
 impl Msg {
@@ -584,7 +616,7 @@ mod tests {
                 shard: 3,
                 clock: 9,
                 req: 77,
-                ranges: vec![(0, 4), (12, 4)],
+                ranges: ranges_to_bytes(&[(0, 4), (12, 4)]),
             },
             Msg::Rows {
                 req: 77,

@@ -549,7 +549,18 @@ impl Serving {
                 clock,
                 req,
                 ranges,
-            }) => self.on_pull_rows(&l, shard, clock, req, ranges),
+            }) => match crate::proto::ranges_from_bytes(&ranges) {
+                Ok(r) => self.on_pull_rows(&l, shard, clock, req, r),
+                Err(e) => {
+                    let _ = l.send(
+                        &Msg::PullFailed {
+                            req,
+                            reason: e.to_string(),
+                        }
+                        .encode(),
+                    );
+                }
+            },
             Ok(Msg::Resume {
                 rejoin,
                 shards: resume,

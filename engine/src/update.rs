@@ -388,18 +388,34 @@ impl ShardOptimizer {
         let lr = self.schedule.lr(self.opt.lr(), self.step);
         self.step += 1;
         let lr_floor = floor_for(lr);
+        // The rules written out per element: a call per range costs more than the update
+        // when ranges are single rows of one float.
         let mut at = 0;
-        for &(off, n) in ranges {
-            let (off, n) = (off as usize, n as usize);
-            let g = &values[at..at + n];
-            at += n;
-            let w = &mut w[off..off + n];
-            let v = if self.v.is_empty() {
-                &mut [][..]
-            } else {
-                &mut self.v[off..off + n]
-            };
-            apply_rule(self.opt, lr, lr_floor, self.step, w, g, &mut [], v);
+        match self.opt {
+            Optimizer::Adagrad { eps, .. } => {
+                let sq_floor = TINY.sqrt() * (1.0 + 1e-6);
+                for &(off, n) in ranges {
+                    let (off, n) = (off as usize, n as usize);
+                    for j in 0..n {
+                        let (gi, wi, vi) = (values[at + j], &mut w[off + j], &mut self.v[off + j]);
+                        let g2 = keep(gi, sq_floor);
+                        *vi = keep(*vi + g2 * g2, TINY);
+                        let step = lr * keep(gi, lr_floor) / (vi.sqrt() + eps);
+                        *wi = keep(*wi - keep(step, TINY), TINY);
+                    }
+                    at += n;
+                }
+            }
+            _ => {
+                for &(off, n) in ranges {
+                    let (off, n) = (off as usize, n as usize);
+                    for j in 0..n {
+                        let wi = &mut w[off + j];
+                        *wi = keep(*wi - lr * keep(values[at + j], lr_floor), TINY);
+                    }
+                    at += n;
+                }
+            }
         }
     }
 
@@ -523,6 +539,10 @@ fn merge_repeats(
     ranges: &[(u32, u32)],
     values: &[f32],
 ) -> Option<Option<(Vec<(u32, u32)>, Vec<f32>)>> {
+    // The common case, rows sorted and distinct, in one pass.
+    if ranges.windows(2).all(|p| p[0].0 + p[0].1 <= p[1].0) {
+        return None;
+    }
     let mut at = Vec::with_capacity(ranges.len());
     let mut start = 0usize;
     for &(_, n) in ranges {

@@ -382,7 +382,7 @@ impl Inner {
                         shard: self.shards[*shard].spec.id,
                         clock: *clock,
                         req: id,
-                        ranges: ranges.clone(),
+                        ranges: crate::proto::ranges_to_bytes(ranges),
                     }
                     .encode(),
                 ),

@@ -714,7 +714,7 @@ impl Worker {
                 shard: s.spec.id,
                 clock,
                 req: id,
-                ranges: ranges.clone(),
+                ranges: crate::proto::ranges_to_bytes(&ranges),
             };
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
