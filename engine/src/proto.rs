@@ -357,7 +357,7 @@ pub fn ranges_to_bytes(ranges: &[(u32, u32)]) -> Vec<u8> {
 
 /// The ranges of [`ranges_to_bytes`]; a length that is not whole pairs is an error.
 pub fn ranges_from_bytes(bytes: &[u8]) -> Result<Vec<(u32, u32)>> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return Err(Error::Malformed(format!(
             "row ranges of {} bytes: not whole (first, count) pairs",
             bytes.len()
