@@ -631,15 +631,11 @@ impl Serving {
     /// A pull the worker's lock-free check did not allow: parked here, answered when its
     /// shard's policy releases it.
     fn on_pull_req(&mut self, l: &Link, shard: u32, clock: u64, req: u32, dst: (&[u8], u64)) {
-        let Some(&w) = self.worker_of.get(&l.id()) else {
+        let Some((w, i)) = self.pull_target(l, shard, req) else {
             return;
         };
         let fail = |reason: String| {
             let _ = l.send(&Msg::PullFailed { req, reason }.encode());
-        };
-        let Some(&i) = self.local_of.get(&shard) else {
-            fail(format!("shard {shard} is not on server {}", self.book.rank));
-            return;
         };
         let (dst, dst_off) = dst;
         let bytes = self.shards[i].spec.bytes();
@@ -667,6 +663,18 @@ impl Serving {
         );
     }
 
+    /// The worker a pull on `l` comes from and the local index of its shard; a shard not
+    /// here is refused (`PullFailed`), an unattached link ignored.
+    fn pull_target(&self, l: &Link, shard: u32, req: u32) -> Option<(u32, usize)> {
+        let &w = self.worker_of.get(&l.id())?;
+        let Some(&i) = self.local_of.get(&shard) else {
+            let reason = format!("shard {shard} is not on server {}", self.book.rank);
+            let _ = l.send(&Msg::PullFailed { req, reason }.encode());
+            return None;
+        };
+        Some((w, i))
+    }
+
     /// Some rows of a shard: parked like any pull, answered with the rows alone.
     fn on_pull_rows(
         &mut self,
@@ -676,15 +684,11 @@ impl Serving {
         req: u32,
         ranges: Vec<(u32, u32)>,
     ) {
-        let Some(&w) = self.worker_of.get(&l.id()) else {
+        let Some((w, i)) = self.pull_target(l, shard, req) else {
             return;
         };
         let fail = |reason: String| {
             let _ = l.send(&Msg::PullFailed { req, reason }.encode());
-        };
-        let Some(&i) = self.local_of.get(&shard) else {
-            fail(format!("shard {shard} is not on server {}", self.book.rank));
-            return;
         };
         let len = self.shards[i].spec.len;
         if let Some(&(off, n)) = ranges

@@ -554,8 +554,7 @@ impl Worker {
                 PushKind::Gradient,
                 clock + 1,
             )?;
-            s.pushes.fetch_add(1, Ordering::AcqRel);
-            lock(&self.inner.stats).pushes += 1;
+            self.pushed(s);
             Ok(sig)
         })?;
         Ok(self.handle(signals, Some(self.inner.timeout)))
@@ -603,17 +602,7 @@ impl Worker {
             )));
         }
         let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
-        for s in &shards {
-            let made = u64::from(s.pushes.load(Ordering::Acquire));
-            if clock != made {
-                return Err(Error::BadClock {
-                    got: clock,
-                    why: format!(
-                        "tensor {tensor:?} has {made} gradients pushed; the next push is clock {made}"
-                    ),
-                });
-            }
-        }
+        self.check_push_clock(&shards, tensor, clock)?;
         self.sample_interval(clock);
         let signals = self.per_server(&shards, |s| {
             // The slot's previous push may still be sent again from the buffer: wait for it.
@@ -645,8 +634,7 @@ impl Worker {
                 seq: clock + 1,
             };
             let sig = self.write_record(s, rec, AckOf::Push { clock })?;
-            s.pushes.fetch_add(1, Ordering::AcqRel);
-            lock(&self.inner.stats).pushes += 1;
+            self.pushed(s);
             Ok(sig)
         })?;
         Ok(self.handle(signals, Some(self.inner.timeout)))
@@ -668,17 +656,7 @@ impl Worker {
         let t = self.tensor(tensor)?;
         let spec = &self.inner.book.keymap.tensors[t];
         crate::rows::check(&spec.name, spec.len, dim, rows, out.len())?;
-        for s in self.shards_of(t) {
-            let made = u64::from(s.pushes.load(Ordering::Acquire));
-            if clock > made {
-                return Err(Error::BadClock {
-                    got: clock,
-                    why: format!(
-                        "a pull for a clock from the future: {made} gradients pushed to tensor {tensor:?}"
-                    ),
-                });
-            }
-        }
+        self.check_pull_clock(t, tensor, clock)?;
         self.pass_gate(clock)?;
         // Per shard: the ranges it sends and where each lands in `out`.
         let mut asks: Vec<(&ShardRemote, RowRanges, Vec<usize>)> = Vec::new();
@@ -760,6 +738,44 @@ impl Worker {
         }
     }
 
+    /// Refuses a push at `clock` unless it is the next of every shard in `shards`.
+    fn check_push_clock(&self, shards: &[&ShardRemote], tensor: &str, clock: u64) -> Result<()> {
+        for s in shards {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock != made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "tensor {tensor:?} has {made} gradients pushed; the next push is clock {made}"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a pull of tensor `t` at a clock past this worker's pushes.
+    fn check_pull_clock(&self, t: usize, tensor: &str, clock: u64) -> Result<()> {
+        for s in self.shards_of(t) {
+            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            if clock > made {
+                return Err(Error::BadClock {
+                    got: clock,
+                    why: format!(
+                        "a pull for a clock from the future: {made} gradients pushed to tensor {tensor:?}"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a push of shard `s` written.
+    fn pushed(&self, s: &ShardRemote) {
+        s.pushes.fetch_add(1, Ordering::AcqRel);
+        lock(&self.inner.stats).pushes += 1;
+    }
+
     /// Runs `op` on every shard in `shards` and returns the results in their order. Where the
     /// shards live on more than one server and carry at least [`FAN_OUT_BYTES`] per server,
     /// each server's shards go on their own thread, so the one-sided writes or reads to
@@ -825,17 +841,7 @@ impl Worker {
         let t = self.tensor(tensor)?;
         self.check_len(t, grad)?;
         let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
-        for s in &shards {
-            let made = u64::from(s.pushes.load(Ordering::Acquire));
-            if clock != made {
-                return Err(Error::BadClock {
-                    got: clock,
-                    why: format!(
-                        "tensor {tensor:?} has {made} gradients pushed; the next push is clock {made}"
-                    ),
-                });
-            }
-        }
+        self.check_push_clock(&shards, tensor, clock)?;
         Ok(shards)
     }
 
@@ -991,17 +997,7 @@ impl Worker {
             FastPath::Within(s) => Some(s),
             FastPath::Never => None,
         };
-        for s in self.shards_of(t) {
-            let made = u64::from(s.pushes.load(Ordering::Acquire));
-            if clock > made {
-                return Err(Error::BadClock {
-                    got: clock,
-                    why: format!(
-                        "a pull for a clock from the future: {made} gradients pushed to tensor {tensor:?}"
-                    ),
-                });
-            }
-        }
+        self.check_pull_clock(t, tensor, clock)?;
         self.pass_gate(clock)?;
         if let Some(bound) = fast
             && fan_out
