@@ -520,7 +520,7 @@ impl Trainer {
             if let Some(m) = &self.metrics {
                 // Staleness of the pushes acknowledged since the last line.
                 let st = w.stats();
-                let (d, n) = (st.staleness_sum - acked.0, st.staleness_acks - acked.1);
+                let (stale, acks) = (st.staleness_sum - acked.0, st.staleness_acks - acked.1);
                 acked = (st.staleness_sum, st.staleness_acks);
                 let line = serde_json::json!({
                     "t": start.elapsed().as_secs_f64(),
@@ -535,8 +535,9 @@ impl Trainer {
                     "tasks_own": done,
                     "tasks_helped": sum.tasks_helped - helped_before,
                     "loss": sum.last_loss,
-                    "bytes": 2 * n * 4,
-                    "staleness": (n > 0).then(|| d as f64 / n as f64),
+                    // The iteration's push and pull of the whole model, in bytes.
+                    "bytes": 2 * n as u64 * 4,
+                    "staleness": (acks > 0).then(|| stale as f64 / acks as f64),
                 });
                 let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
                 let _ = writeln!(m, "{line}");

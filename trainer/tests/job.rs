@@ -201,6 +201,11 @@ fn per_iteration_metrics_are_json_lines() {
             assert!(l.get(key).is_some(), "{key} missing in {l}");
         }
     }
+    // Each line's bytes are one push and one pull of the whole model (not a count of acks).
+    let model = spec.model.build().unwrap().num_params() as u64;
+    for l in &lines {
+        assert_eq!(l["bytes"].as_u64(), Some(2 * 4 * model), "{l}");
+    }
     // Acknowledged pushes report their staleness (SSP applies gradients asynchronously).
     assert!(
         lines.iter().any(|l| l["staleness"].as_f64().is_some()),
