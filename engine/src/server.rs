@@ -135,6 +135,11 @@ struct ParkedPull {
     req: u32,
 }
 
+/// Tells the worker on `l` that its pull `req` was refused, and why.
+fn refuse_pull(l: &Link, req: u32, reason: String) {
+    let _ = l.send(&Msg::PullFailed { req, reason }.encode());
+}
+
 /// Where a released pull's values go.
 enum PullTo {
     /// Written one-sided into the worker's region.
@@ -551,15 +556,7 @@ impl Serving {
                 ranges,
             }) => match crate::proto::ranges_from_bytes(&ranges) {
                 Ok(r) => self.on_pull_rows(&l, shard, clock, req, r),
-                Err(e) => {
-                    let _ = l.send(
-                        &Msg::PullFailed {
-                            req,
-                            reason: e.to_string(),
-                        }
-                        .encode(),
-                    );
-                }
+                Err(e) => refuse_pull(&l, req, e.to_string()),
             },
             Ok(Msg::Resume {
                 rejoin,
@@ -634,9 +631,7 @@ impl Serving {
         let Some((w, i)) = self.pull_target(l, shard, req) else {
             return;
         };
-        let fail = |reason: String| {
-            let _ = l.send(&Msg::PullFailed { req, reason }.encode());
-        };
+        let fail = |reason: String| refuse_pull(l, req, reason);
         let (dst, dst_off) = dst;
         let bytes = self.shards[i].spec.bytes();
         let dst = match RemoteKey::from_bytes(dst) {
@@ -646,13 +641,21 @@ impl Serving {
                 return;
             }
         };
+        self.park(l, (w, i), clock, req, PullTo::Write { dst, dst_off });
+    }
+
+    /// Parks a pull of worker `w` on local shard `i` and hands it to the shard's policy,
+    /// which answers it now or later.
+    fn park(&mut self, l: &Link, (w, i): (u32, usize), clock: u64, req: u32, to: PullTo) {
         let id = (u64::from(w) << 32) | u64::from(req);
-        let parked = ParkedPull {
-            link: l.id(),
-            to: PullTo::Write { dst, dst_off },
-            req,
-        };
-        self.parked.insert(id, parked);
+        self.parked.insert(
+            id,
+            ParkedPull {
+                link: l.id(),
+                to,
+                req,
+            },
+        );
         self.feed(
             i,
             Input::Pull {
@@ -668,8 +671,11 @@ impl Serving {
     fn pull_target(&self, l: &Link, shard: u32, req: u32) -> Option<(u32, usize)> {
         let &w = self.worker_of.get(&l.id())?;
         let Some(&i) = self.local_of.get(&shard) else {
-            let reason = format!("shard {shard} is not on server {}", self.book.rank);
-            let _ = l.send(&Msg::PullFailed { req, reason }.encode());
+            refuse_pull(
+                l,
+                req,
+                format!("shard {shard} is not on server {}", self.book.rank),
+            );
             return None;
         };
         Some((w, i))
@@ -687,9 +693,7 @@ impl Serving {
         let Some((w, i)) = self.pull_target(l, shard, req) else {
             return;
         };
-        let fail = |reason: String| {
-            let _ = l.send(&Msg::PullFailed { req, reason }.encode());
-        };
+        let fail = |reason: String| refuse_pull(l, req, reason);
         let len = self.shards[i].spec.len;
         if let Some(&(off, n)) = ranges
             .iter()
@@ -701,21 +705,7 @@ impl Serving {
             ));
             return;
         }
-        let id = (u64::from(w) << 32) | u64::from(req);
-        let parked = ParkedPull {
-            link: l.id(),
-            to: PullTo::Rows(ranges),
-            req,
-        };
-        self.parked.insert(id, parked);
-        self.feed(
-            i,
-            Input::Pull {
-                worker: w,
-                clock,
-                req: id,
-            },
-        );
+        self.park(l, (w, i), clock, req, PullTo::Rows(ranges));
     }
 
     /// A worker reattached (or rejoined) says where it stands on each shard.
@@ -877,7 +867,7 @@ impl Serving {
                     if let Some(p) = self.parked.remove(&req)
                         && let Some(l) = self.links.get(&p.link)
                     {
-                        let _ = l.send(&Msg::PullFailed { req: p.req, reason }.encode());
+                        refuse_pull(l, p.req, reason);
                     }
                 }
                 Output::Offer {

@@ -159,24 +159,18 @@ def _check_rule(optimizer, job: Mapping) -> float:
                 f"the job's servers apply adam{tuple(job['betas']) + (job['eps'],)}, the "
                 f"optimizer has betas {extra['betas']} and eps {extra['eps']}: {fix}"
             )
-        if not _close(lr, job["lr"]):
-            raise _f.ConfigError(
-                f"the job's servers apply Adam with lr {job['lr']}, the optimizer has {lr}: "
-                f"{fix} (Adam is blind to a gradient's scale, so the rate cannot be carried "
-                f"by the gradient)"
-            )
-    if kind == "adagrad":
-        if not _close(extra["eps"], job["eps"]):
-            raise _f.ConfigError(
-                f"the job's servers apply adagrad({job['eps']}), the optimizer has eps "
-                f"{extra['eps']}: {fix}"
-            )
-        if not _close(lr, job["lr"]):
-            raise _f.ConfigError(
-                f"the job's servers apply Adagrad with lr {job['lr']}, the optimizer has {lr}: "
-                f"{fix} (Adagrad is blind to a gradient's scale, so the rate cannot be carried "
-                f"by the gradient)"
-            )
+    if kind == "adagrad" and not _close(extra["eps"], job["eps"]):
+        raise _f.ConfigError(
+            f"the job's servers apply adagrad({job['eps']}), the optimizer has eps "
+            f"{extra['eps']}: {fix}"
+        )
+    if kind in ("adam", "adagrad") and not _close(lr, job["lr"]):
+        rule = "Adam" if kind == "adam" else "Adagrad"
+        raise _f.ConfigError(
+            f"the job's servers apply {rule} with lr {job['lr']}, the optimizer has {lr}: "
+            f"{fix} ({rule} is blind to a gradient's scale, so the rate cannot be carried "
+            f"by the gradient)"
+        )
     return float(job["lr"])
 
 

@@ -106,16 +106,27 @@ impl Worker {
             shard: self.inner.shard_index(s),
             rec: rec.clone(),
         };
-        let sig = lock(&self.inner.requests).register(
+        let sig = self.track(s, &link, req, what);
+        let sent = self.inner.write_push(&link, s, &rec);
+        self.sent_or_deferred(sent, s.server, req, "push to")?;
+        Ok(sig)
+    }
+
+    /// Registers `req`, answered by shard `s`'s server and about to go out on `link`.
+    pub(super) fn track(
+        &self,
+        s: &ShardRemote,
+        link: &Link,
+        req: Request,
+        what: Resend,
+    ) -> Arc<Signal> {
+        lock(&self.inner.requests).register(
             req,
             Some(s.server),
             Some(link.id()),
             Instant::now(),
             what,
-        );
-        let sent = self.inner.write_push(&link, s, &rec);
-        self.sent_or_deferred(sent, s.server, req, "push to")?;
-        Ok(sig)
+        )
     }
 
     /// What a request's first send came to: with recovery, a send the link's failure stopped
@@ -214,13 +225,7 @@ impl Worker {
             clock,
         };
         let req = Request::Pull(id);
-        let sig = lock(&self.inner.requests).register(
-            req,
-            Some(s.server),
-            Some(link.id()),
-            Instant::now(),
-            what,
-        );
+        let sig = self.track(s, &link, req, what);
         let sent = self.inner.send_pull(&link, s, id, out, clock);
         self.sent_or_deferred(sent, s.server, req, "pull from")?;
         Ok(sig)
@@ -356,6 +361,24 @@ impl Inner {
         link.send(&msg.encode())
     }
 
+    /// Asks for some ranges of shard `s` (answered with [`Msg::Rows`]).
+    pub(super) fn send_pull_rows(
+        &self,
+        link: &Link,
+        s: &ShardRemote,
+        req: u32,
+        ranges: &[(u32, u32)],
+        clock: u64,
+    ) -> std::result::Result<(), falcon_transport::Error> {
+        let msg = Msg::PullRows {
+            shard: s.spec.id,
+            clock,
+            req,
+            ranges: crate::proto::ranges_to_bytes(ranges),
+        };
+        link.send(&msg.encode())
+    }
+
     /// Sends again, on server `r`'s current link, the pushes and pulls that went out on an
     /// older link (the server applies a push's sequence number once).
     pub(super) fn resync(&self, r: usize) {
@@ -377,15 +400,7 @@ impl Inner {
                         clock,
                     },
                     Request::Pull(id),
-                ) => link.send(
-                    &Msg::PullRows {
-                        shard: self.shards[*shard].spec.id,
-                        clock: *clock,
-                        req: id,
-                        ranges: crate::proto::ranges_to_bytes(ranges),
-                    }
-                    .encode(),
-                ),
+                ) => self.send_pull_rows(&link, &self.shards[*shard], id, ranges, *clock),
                 _ => continue,
             };
             if sent.is_ok() {

@@ -688,26 +688,14 @@ impl Worker {
             };
             let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
             let req = tracker::Request::Pull(id);
-            let msg = Msg::PullRows {
-                shard: s.spec.id,
-                clock,
-                req: id,
-                ranges: crate::proto::ranges_to_bytes(&ranges),
-            };
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
                 ranges: ranges.clone(),
                 clock,
             };
-            let sig = lock(&self.inner.requests).register(
-                req,
-                Some(s.server),
-                Some(link.id()),
-                Instant::now(),
-                what,
-            );
+            let sig = self.track(s, &link, req, what);
             lock(&self.inner.stats).slow_pulls += 1;
-            let sent = link.send(&msg.encode());
+            let sent = self.inner.send_pull_rows(&link, s, id, &ranges, clock);
             if let Err(e) = self.sent_or_deferred(sent, s.server, req, "pull rows from") {
                 first_err = Some(e);
                 break;
