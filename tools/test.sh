@@ -21,10 +21,16 @@ stage() {
         failures+=("$name")
         echo "::: FAILED: $name"
     fi
+    echo "::: disk: target/ holds $(du -sh target 2>/dev/null | cut -f1), $(df -h --output=avail . | tail -1 | tr -d ' ') free"
 }
 
 # --- what the stages need -------------------------------------------------------------
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# Disk: one pass builds a debug tree, release trees for three feature sets, and the loom and
+# miri trees. Incremental caches only pay off when editing and rebuilding; in one pass they
+# more than double the debug tree (13 GiB of 29 on a developer's machine), and a CI machine
+# with little disk ran out of it. CARGO_INCREMENTAL=1 brings them back.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 if ! command -v cargo >/dev/null; then
     echo "cargo is not installed; install Rust (rustup) first" >&2
     exit 2
