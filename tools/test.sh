@@ -218,7 +218,7 @@ stage "cargo fmt --check" cargo fmt --all -- --check
 stage "cargo clippy (all targets, all features, -D warnings)" \
     cargo clippy --workspace --all-targets --all-features -- -D warnings
 # The network-fault tests run in their own stage (FALCON_NETNS=0 skips them here, visibly).
-stage "cargo test (workspace)" env FALCON_NETNS=0 cargo test --workspace
+stage "cargo test (workspace)" env FALCON_NETNS=0 cargo test --workspace --no-fail-fast
 stage "network faults between namespace hosts (tests/netns.rs)" \
     cargo test -p falcon --test netns -- --nocapture --test-threads=1
 stage "Python package: pip install ./python, then its tests (numpy, PyTorch, processes)" python_tests

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::ScaleSpec;
-use falcon_trainer::data::Dataset;
+use falcon_trainer::data::{Dataset, Partition};
 use falcon_trainer::device::{Device, Placement};
 use falcon_trainer::hetero::Hetero;
 use falcon_trainer::job::{Fault, JobReport, JobSpec, Timeouts, run_local};
@@ -700,6 +700,22 @@ pub struct SimArgs {
     /// One-way network latency, virtual microseconds (≥ 0).
     #[arg(long, default_value_t = 50.0, value_parser = checks::non_negative)]
     latency_us: f64,
+    /// Bandwidth of every link, Gbit/s (0: unlimited); the model's bytes pay it on the
+    /// worker's link and, shared, at the servers.
+    #[arg(long, default_value_t = 10.0, value_parser = checks::non_negative)]
+    bandwidth_gbps: f64,
+    /// The servers' apply cost, virtual ns per float (default: the measured cost of the
+    /// optimizer: SGD 0.11, momentum 0.29, Adam and Adagrad 0.93).
+    #[arg(long, value_parser = checks::non_negative)]
+    apply_ns: Option<f64>,
+    /// Servers sharing the model (each holds 1/servers of it; they work in parallel).
+    #[arg(long, default_value_t = 2, value_parser = checks::at_least_one_u32)]
+    servers: u32,
+    /// How the training data is divided among the workers: iid (a fixed random share each),
+    /// skewed (a fixed share of label-sorted data: few classes each) or shuffled (every epoch
+    /// reshuffled across all workers).
+    #[arg(long, default_value = "iid", value_parser = ["iid", "skewed", "shuffled"])]
+    partition: String,
     /// Heterogeneity RANKS:SPEC (RANKS: N, A-B or *; repeatable, or `;`-separated); default:
     /// the last worker at h=0.25.
     #[arg(long, env = "FALCON_HETERO", value_delimiter = ';')]
@@ -711,11 +727,13 @@ pub struct SimArgs {
     /// The profile of --slow-fraction's workers.
     #[arg(long, default_value = "h=0.5")]
     slow_spec: String,
-    /// Evaluate worker 0's values every this many of its iterations.
+    /// Evaluate the servers' parameters every this many full-speed iterations of virtual
+    /// time (0: only at the end).
     #[arg(long, default_value_t = 10)]
     eval_every: u64,
-    /// Test examples per evaluation.
-    #[arg(long, default_value_t = 500)]
+    /// Test examples per evaluation, spread evenly over the test split (0: all; the final
+    /// accuracy always uses all).
+    #[arg(long, default_value_t = 2000)]
     eval_examples: usize,
     /// Timing and policies only, no gradients.
     #[arg(long)]
@@ -808,6 +826,10 @@ pub fn sim(a: SimArgs) -> Res {
             base_ns: (a.base_ms * 1e6) as u64,
             jitter: a.jitter,
             latency_ns: (a.latency_us * 1e3) as u64,
+            bandwidth: a.bandwidth_gbps * 1e9 / 8.0,
+            apply_ns_per_float: a.apply_ns,
+            servers: a.servers,
+            partition: checks::setting(a.partition.parse::<Partition>())?,
             hetero: hetero.clone(),
             eval_every: a.eval_every,
             eval_examples: a.eval_examples,
@@ -820,12 +842,13 @@ pub fn sim(a: SimArgs) -> Res {
         let r = simulate(&spec, &data)?;
         let mean_blocked = r.blocked_secs.iter().sum::<f64>() / r.blocked_secs.len().max(1) as f64;
         outln!(
-            "| {} | {:.2} | {:.0} | {} | {:.2}% | {:.2} | {} | {} | {} / {} | {:.2} | {:.2} |",
+            "| {} | {:.2} | {:.0} | {} | {:.2}%{} | {:.2} | {} | {} | {} / {} | {:.2} | {:.2} |",
             p,
             r.virtual_secs,
             r.iterations_per_sec,
             r.time_to_target.map_or("–".into(), |t| format!("{t:.2} s")),
             100.0 * r.final_accuracy,
+            if r.diverged { " (diverged)" } else { "" },
             mean_blocked,
             r.parked_pulls,
             r.dropped,

@@ -262,6 +262,15 @@ pub enum ScaleSpec {
 }
 
 impl ScaleSpec {
+    /// How a configuration names it after its policy: `""`, `"+dynsgd"`, `"+consgd(F)"`.
+    pub fn suffix(&self) -> String {
+        match *self {
+            ScaleSpec::Unscaled => String::new(),
+            ScaleSpec::DynSgd => "+dynsgd".into(),
+            ScaleSpec::ConSgd { factor } => format!("+consgd({factor})"),
+        }
+    }
+
     /// The rule.
     pub fn build(&self) -> std::sync::Arc<dyn GradientScale> {
         match *self {

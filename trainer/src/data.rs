@@ -326,6 +326,42 @@ fn body(r: &mut impl Read, avail: Avail, gz: bool, dims: usize, source: &str) ->
     })
 }
 
+/// How a job's training data is divided among its workers ([`Split::partition`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Partition {
+    /// Every epoch reshuffles the whole split across all workers.
+    Shuffled,
+    /// A fixed random share per worker (independent, identically distributed).
+    #[default]
+    Iid,
+    /// A fixed share per worker of label-sorted data: each worker sees few classes.
+    Skewed,
+}
+
+impl std::str::FromStr for Partition {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Partition, String> {
+        match s {
+            "shuffled" => Ok(Partition::Shuffled),
+            "iid" => Ok(Partition::Iid),
+            "skewed" => Ok(Partition::Skewed),
+            other => Err(format!(
+                "unknown partition {other:?}: shuffled, iid or skewed"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Partition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Partition::Shuffled => "shuffled",
+            Partition::Iid => "iid",
+            Partition::Skewed => "skewed",
+        })
+    }
+}
+
 /// One split (train or test): images scaled to `[0, 1]` and their labels.
 #[derive(Clone, PartialEq)]
 pub struct Split {
@@ -458,6 +494,68 @@ impl Split {
     /// If `i >= len()`, like slice indexing.
     pub fn label(&self, i: usize) -> u8 {
         self.labels[i]
+    }
+
+    /// The fixed share of this split that `worker` (of `workers`) owns under `partition`, in
+    /// index order (a worker of a real job reads its own shard of the data, every epoch).
+    ///
+    /// - [`Partition::Shuffled`]: no fixed share (every epoch reshuffles across all workers, see
+    ///   [`Split::batch_indices`]): all indices.
+    /// - [`Partition::Iid`]: the indices shuffled once with a generator seeded from `seed`, cut
+    ///   into `workers` contiguous shares whose sizes differ by at most one.
+    /// - [`Partition::Skewed`]: the indices sorted by label (stable) and cut the same way: each
+    ///   worker sees one or two classes when `workers ≥ 10`, a few when fewer (the label-skewed
+    ///   split of federated-learning studies).
+    ///
+    /// A `worker` outside `0..workers` gets no indices.
+    pub fn partition(
+        &self,
+        partition: Partition,
+        worker: u32,
+        workers: u32,
+        seed: u64,
+    ) -> Vec<usize> {
+        if worker >= workers {
+            return Vec::new();
+        }
+        let n = self.len();
+        let mut order: Vec<usize> = (0..n).collect();
+        match partition {
+            Partition::Shuffled => return order,
+            Partition::Iid => {
+                fastrand::Rng::with_seed(splitmix64(seed ^ 0x5041_5254)).shuffle(&mut order);
+            }
+            Partition::Skewed => order.sort_by_key(|&i| self.labels[i]),
+        }
+        let share = |w: u32| (n as u128 * u128::from(w) / u128::from(workers)) as usize;
+        let (lo, hi) = (share(worker), share(worker + 1));
+        let mut mine = order[lo..hi].to_vec();
+        mine.sort_unstable();
+        mine
+    }
+
+    /// A fixed subset of `n` examples spread evenly over the split (every `len/n`-th; all of
+    /// it when `n` is 0 or at least `len()`): an evaluation set that is not biased towards
+    /// the split's first images.
+    pub fn spread_subset(&self, n: usize) -> Split {
+        let len = self.len();
+        if n == 0 || n >= len {
+            return self.clone();
+        }
+        let f = self.features();
+        let mut images = Vec::with_capacity(n * f);
+        let mut labels = Vec::with_capacity(n);
+        for k in 0..n {
+            let i = (k as u128 * len as u128 / n as u128) as usize;
+            images.extend_from_slice(self.image(i));
+            labels.push(self.labels[i]);
+        }
+        Split {
+            images,
+            labels,
+            rows: self.rows,
+            cols: self.cols,
+        }
     }
 
     /// The indices of this split that `worker` (of `workers`) visits in `epoch`, in order.

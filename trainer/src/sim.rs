@@ -12,20 +12,37 @@
 //! not a copy of it. Worker `w`'s iteration `c`:
 //!
 //! 1. its pull for clock `c` reaches the policy; when released at virtual time `t`, the
-//!    worker starts at `t + latency` (or when it is done helping, if later: see below) on the
-//!    server's values *at release* (FluentPS's lazy execution: a released pull gets the
-//!    latest values) and computes its gradient then;
+//!    servers send the model (see *communication* below) and the worker starts when it has
+//!    arrived (or when it is done helping, if later: see below) on the servers' values *at
+//!    release* (FluentPS's lazy execution: a released pull gets the latest values) and
+//!    computes its gradient then, on a batch of its own share of the data
+//!    ([`SimSpec::partition`]);
 //! 2. its iteration takes `base × (1 ± jitter)` plus the delay of its heterogeneity profile
 //!    ([`Hetero::delay`]: ratio, Gaussian, episodes, trace; contention has no meaning here),
 //!    less the tasks helpers take from it;
-//! 3. its push reaches the server `latency` after its own and its helpers' tasks are done:
-//!    applied at once under asynchronous updates (scaled by its version staleness), or
+//! 3. its push leaves when its own and its helpers' tasks are done and reaches the servers as
+//!    *communication* below says: applied at once under asynchronous updates (scaled by its version staleness), or
 //!    aggregated per step in rank order and applied when the policy's quorum of live workers
 //!    is in (BSP, Sync-opt; late gradients Sync-opt drops are counted), with the configured
 //!    optimizer ([`SimSpec::optimizer`]) and aggregate ([`SimSpec::aggregate`]); then the
 //!    worker's pull for `c + 1` reaches the policy.
 //!
 //! ElasticBSP runs as its single job-wide state machine ([`ElasticBsp`]).
+//!
+//! # Communication
+//!
+//! Every message pays the one-way latency ([`SimSpec::latency_ns`]); the model's bytes (f32)
+//! also pay the bandwidth ([`SimSpec::bandwidth`], bytes per virtual second, the same on every
+//! link) twice: once on the worker's link for the whole model, once on the servers' side,
+//! where the [`SimSpec::servers`] servers each hold `1/servers` of it and work in parallel,
+//! one message after another in arrival order. A push occupies the servers' receiving side for
+//! its share of the bytes plus the apply cost ([`SimSpec::apply_ns_per_float`] times the
+//! floats of the share); a pull answer occupies their sending side for its share. So a push
+//! that leaves at `e` is applied at `max(e + latency + bytes/bandwidth, b + bytes/servers/
+//! bandwidth + apply)`, `b` being when the servers get to it (no earlier than `e + latency`),
+//! and a pull answered at `t` arrives at `max(t + bytes/bandwidth, b + bytes/servers/
+//! bandwidth) + latency`. Many workers pushing at once queue at the servers: the incast a
+//! synchronous barrier causes costs time, as it does on a real network.
 //!
 //! # Tasks and their transfer
 //!
@@ -41,12 +58,14 @@
 //!   the offer is carried out — FlexRR offers right after a push) and it is not already
 //!   helping;
 //! - the straggler is computing iteration `clock` and has `r` tasks of its own not yet begun
-//!   at `now` (a task beginning exactly at `now` counts as begun).
+//!   at `now` (a task beginning exactly at `now` counts as begun). A straggler between
+//!   iterations, `clock` being its next one (an offer made right after its push), hands the
+//!   tasks over when it begins that iteration, if the helper is still idle then.
 //!
 //! The helper then takes `k = ⌊r/2⌋` of them (none if `k = 0`) and computes them at its own
 //! speed: `k` tasks of the duration its *next* iteration (the clock of its waiting pull) would
 //! take, base, jitter and heterogeneity included, i.e. `⌊took_helper·k/tasks⌋`, from `now`
-//! (handing the tasks over is instantaneous; the latency is charged once, on the push). It is
+//! (handing the tasks over is instantaneous; the communication is charged once, on the push). It is
 //! busy until then: a pull of the helper released earlier starts its iteration only when it is
 //! free. The straggler's push is rescheduled to when both its remaining own tasks and every
 //! helper's taken tasks are done, plus the latency (a generation number per worker makes the
@@ -61,8 +80,15 @@
 //! [`SimReport::tasks_computed`] who computed every task. A worker's `blocked_secs` is the
 //! time its pull was parked, whether or not it was helping meanwhile.
 //!
-//! Time to accuracy: worker 0's values are evaluated every `eval_every` of its iterations on
-//! the first `eval_examples` test images.
+//! # Measurement
+//!
+//! The global model (the servers' parameters) is evaluated at time 0, then every
+//! [`SimSpec::eval_every`] full-speed iterations of virtual time (`eval_every × base`) on a
+//! fixed subset of [`SimSpec::eval_examples`] test images spread evenly over the test split,
+//! and once more when the last push is applied; the time to accuracy is the first crossing of
+//! that curve. The final accuracy is on the whole test split. A run whose parameters are not
+//! finite, or that ends near chance (below 20 %) with a loss no lower than the initial
+//! model's, is reported as diverged ([`SimReport::diverged`]).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -76,7 +102,7 @@ use falcon_engine::update::{
 };
 use serde::Serialize;
 
-use crate::data::Dataset;
+use crate::data::{Dataset, Partition, Split};
 use crate::hetero::Hetero;
 use crate::model::{ModelSpec, Scratch};
 use crate::train::{EvalPoint, evaluate};
@@ -110,11 +136,23 @@ pub struct SimSpec {
     pub jitter: f64,
     /// One-way network latency, virtual nanoseconds.
     pub latency_ns: u64,
+    /// Bandwidth of every link, bytes per virtual second (0: unlimited). See the
+    /// [module documentation](self#communication).
+    pub bandwidth: f64,
+    /// The servers' cost of applying one float of a gradient, virtual ns (`None`: the measured
+    /// cost of the optimizer, [`apply_cost`]).
+    pub apply_ns_per_float: Option<f64>,
+    /// Servers sharing the model (each holds `1/servers` of it; they work in parallel).
+    pub servers: u32,
+    /// How the training data is divided among the workers.
+    pub partition: Partition,
     /// Heterogeneity of each worker (missing: none).
     pub hetero: Vec<Hetero>,
-    /// Evaluate worker 0's values every this many of its iterations (0: only at the end).
+    /// Evaluate the servers' parameters every this many full-speed iterations of virtual time
+    /// (`eval_every × base_ns`; 0: only at the end).
     pub eval_every: u64,
-    /// Test examples of each evaluation (the final one uses the whole test split).
+    /// Test examples of each evaluation, spread evenly over the test split (0: all of it; the
+    /// final accuracy always uses all of it).
     pub eval_examples: usize,
     /// Compute real gradients (off: timing and policy behaviour only).
     pub compute: bool,
@@ -128,6 +166,22 @@ pub struct SimSpec {
     /// Staleness scaling of asynchronously applied gradients (DynSGD, ConSGD): a gradient
     /// computed on values `d` updates old is scaled as the servers scale it.
     pub scale: ScaleSpec,
+}
+
+/// The default link bandwidth: 10 Gbit/s (1.25 GB/s), a commodity cluster's Ethernet. falcon's
+/// own tcp path moves 1.5–2 GB/s on one machine's loopback (`falcon bench engine`), so on such a
+/// link the wire, not falcon, is the limit.
+pub const DEFAULT_BANDWIDTH: f64 = 1.25e9;
+
+/// The servers' measured apply cost of `opt`, ns per float (`cargo run --release -p
+/// falcon-engine --example apply_cost`, 1 M floats, on the project's 2-core build machine):
+/// SGD 0.11, momentum 0.29, Adam 0.93; Adagrad, not measured there, is charged as Adam.
+pub fn apply_cost(opt: &Optimizer) -> f64 {
+    match opt {
+        Optimizer::Sgd { .. } => 0.11,
+        Optimizer::Momentum { .. } => 0.29,
+        _ => 0.93,
+    }
 }
 
 impl Default for SimSpec {
@@ -147,6 +201,10 @@ impl Default for SimSpec {
             base_ns: 10_000_000,
             jitter: 0.1,
             latency_ns: 50_000,
+            bandwidth: DEFAULT_BANDWIDTH,
+            apply_ns_per_float: None,
+            servers: 1,
+            partition: Partition::Iid,
             hetero: Vec::new(),
             eval_every: 10,
             eval_examples: 500,
@@ -177,12 +235,16 @@ pub struct SimReport {
     pub gradient_secs: f64,
     /// Iterations per virtual second, all workers together.
     pub iterations_per_sec: f64,
-    /// Worker 0's accuracy over virtual time.
+    /// The global model's accuracy over virtual time (`iteration`: pushes applied per worker).
     pub curve: Vec<EvalPoint>,
     /// Final accuracy (whole test split; 0 without computing).
     pub final_accuracy: f64,
     /// Virtual seconds until the target accuracy (None: never).
     pub time_to_target: Option<f64>,
+    /// The run diverged (see the [module documentation](self#measurement)).
+    pub diverged: bool,
+    /// How the data was divided among the workers.
+    pub partition: String,
     /// Per worker: virtual seconds its pulls were parked.
     pub blocked_secs: Vec<f64>,
     /// Pulls the policy parked.
@@ -204,6 +266,9 @@ pub struct SimReport {
     /// Bytes between workers and servers: every iteration pulls the model and pushes a
     /// gradient of its size (f32).
     pub bytes_moved: u64,
+    /// Virtual seconds the servers spent receiving and applying pushes and sending pulls
+    /// (of their time; `virtual_secs` is the whole).
+    pub server_busy_secs: f64,
     /// A digest of the final parameters (bit-for-bit reproducibility).
     pub digest: u64,
 }
@@ -217,9 +282,13 @@ impl SimReport {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
-    /// Worker `w`'s push of clock `c` reaches the server, unless the worker's generation has
-    /// moved past `g` (a transfer rescheduled it).
+    /// Worker `w`'s push of clock `c` leaves it (its tasks are done), unless the worker's
+    /// generation has moved past `g` (a transfer rescheduled it).
+    Sent(u32, u64, u64),
+    /// Worker `w`'s push of clock `c` is applied by the servers.
     Push(u32, u64, u64),
+    /// Evaluate the servers' parameters.
+    Eval,
     /// Worker `w`'s released pull of clock `c` reaches it: it starts iteration `c`.
     Start(u32, u64),
 }
@@ -313,22 +382,34 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
     for w in 0..spec.workers {
         sim.pull(w, 0, 0)?;
     }
+    if spec.compute {
+        sim.record(0)?;
+    }
+    if let Some(every) = sim.eval_interval() {
+        sim.schedule(every, Ev::Eval);
+    }
     loop {
         // Carry out what the shard said at the last event (at time `end`).
         sim.carry_out()?;
         let Some(Reverse((t, _, ev))) = sim.queue.pop() else {
             break;
         };
-        if let Ev::Push(w, _, g) = ev
+        if let Ev::Sent(w, _, g) = ev
             && g != sim.workers[w as usize].generation
         {
-            // Rescheduled by a transfer: the push happens at its new time.
+            // Rescheduled by a transfer: the push leaves at its new time.
+            continue;
+        }
+        if ev == Ev::Eval {
+            sim.eval(t)?;
             continue;
         }
         sim.end = sim.end.max(t);
         match ev {
             Ev::Start(w, c) => sim.start(w, c, t)?,
+            Ev::Sent(w, c, g) => sim.sent(w, c, g, t),
             Ev::Push(w, c, _) => sim.push(w, c, t)?,
+            Ev::Eval => {}
         }
     }
     sim.report(wall)
@@ -353,6 +434,10 @@ struct SimWorker {
     tasks_computed: u64,
     /// Virtual ns its pulls were parked.
     blocked: u64,
+    /// The iteration it computes next (its running one's successor while running).
+    next: u64,
+    /// Helpers offered its next iteration before it began.
+    pending: Vec<u32>,
 }
 
 /// A simulation in progress: the event queue, the workers, and the servers' shard core
@@ -375,8 +460,24 @@ struct Sim<'a> {
     req: u64,
     /// Iterations per epoch of a worker's share.
     per_epoch: u64,
-    /// Each epoch's order of the training examples.
+    /// Each epoch's order of the training examples ([`Partition::Shuffled`]).
     orders: BTreeMap<u64, Vec<usize>>,
+    /// Per worker, its fixed share of the training examples (other partitions), and its
+    /// order of the epoch it is in.
+    shares: Vec<Vec<usize>>,
+    epoch_orders: Vec<(u64, Vec<usize>)>,
+    /// The evaluation subset of the test split.
+    eval_set: Split,
+    /// Model bytes (f32) and floats.
+    bytes: u64,
+    floats: u64,
+    /// When the servers' receiving and sending sides are free, and their busy time.
+    in_free: u64,
+    out_free: u64,
+    busy: u64,
+    /// Pushes applied, and workers done.
+    pushes: u64,
+    finished: u32,
     scratch: Scratch,
     x: Vec<f32>,
     y: Vec<u8>,
@@ -417,6 +518,17 @@ impl<'a> Sim<'a> {
         let opt = ShardOptimizer::new(opt, Arc::new(Constant), len);
         let n = spec.workers as usize;
         let share = data.train.len() / n;
+        let shares = if spec.partition == Partition::Shuffled || !spec.compute {
+            Vec::new()
+        } else {
+            (0..spec.workers)
+                .map(|w| {
+                    data.train
+                        .partition(spec.partition, w, spec.workers, spec.seed)
+                })
+                .collect()
+        };
+        let floats = model.num_params() as u64;
         let mut sim = Sim {
             spec,
             data,
@@ -431,6 +543,20 @@ impl<'a> Sim<'a> {
             req: 0,
             per_epoch: (share / spec.batch).max(1) as u64,
             orders: BTreeMap::new(),
+            shares,
+            epoch_orders: vec![(u64::MAX, Vec::new()); n],
+            eval_set: if spec.compute {
+                data.test.spread_subset(spec.eval_examples)
+            } else {
+                data.test.spread_subset(1)
+            },
+            bytes: floats * 4,
+            floats,
+            in_free: 0,
+            out_free: 0,
+            busy: 0,
+            pushes: 0,
+            finished: 0,
             scratch: Scratch::new(),
             x: Vec::new(),
             y: Vec::new(),
@@ -511,8 +637,9 @@ impl<'a> Sim<'a> {
                         let at = since.max(now);
                         me.blocked += at - since;
                         me.pulling = None;
+                        let busy_until = me.busy_until;
                         // A helper starts its own iteration once its taken tasks are done.
-                        let begin = at.saturating_add(self.spec.latency_ns).max(me.busy_until);
+                        let begin = self.answer_arrives(at).max(busy_until);
                         self.schedule(begin, Ev::Start(w, c));
                     }
                 }
@@ -535,8 +662,24 @@ impl<'a> Sim<'a> {
     fn transfer(&mut self, helper: u32, straggler: u32, clock: u64, now: u64) {
         self.offers += 1;
         let (h, st, n) = (helper as usize, straggler as usize, self.workers.len());
+        if !self.spec.transfer || h == st || h >= n || st >= n {
+            return;
+        }
+        match self.workers[st].running {
+            Some(r) if r.clock == clock => self.take_tasks(helper, straggler, clock, now),
+            // Between iterations (its push applied, its next iteration not begun): the helper
+            // takes its tasks of that iteration when it begins.
+            None if self.workers[st].next == clock => self.workers[st].pending.push(helper),
+            _ => {}
+        }
+    }
+
+    /// `helper` takes tasks of `straggler`'s running iteration `clock` at `now`, if it is
+    /// idle and any are left.
+    fn take_tasks(&mut self, helper: u32, straggler: u32, clock: u64, now: u64) {
+        let (h, st) = (helper as usize, straggler as usize);
         let tasks = self.spec.tasks;
-        if !self.spec.transfer || h == st || h >= n || st >= n || self.workers[h].busy_until > now {
+        if self.workers[h].busy_until > now {
             return;
         }
         let Some(helper_clock) = self.workers[h].pulling else {
@@ -561,14 +704,89 @@ impl<'a> Sim<'a> {
         let own_end = run
             .start
             .saturating_add(task_offset(run.took, run.own, tasks));
-        let push_at = own_end
-            .max(run.helped_until)
-            .saturating_add(self.spec.latency_ns);
+        let push_at = own_end.max(run.helped_until);
         let me = &mut self.workers[st];
         me.running = Some(run);
         me.generation += 1;
         let g = me.generation;
-        self.schedule(push_at, Ev::Push(straggler, clock, g));
+        self.schedule(push_at, Ev::Sent(straggler, clock, g));
+    }
+
+    /// Virtual ns to move `bytes` over one link.
+    fn wire(&self, bytes: u64) -> u64 {
+        if self.spec.bandwidth > 0.0 {
+            (bytes as f64 * 1e9 / self.spec.bandwidth) as u64
+        } else {
+            0
+        }
+    }
+
+    /// A pull answered at `t`: when the model has reached the worker.
+    fn answer_arrives(&mut self, t: u64) -> u64 {
+        let servers = u64::from(self.spec.servers.max(1));
+        let begin = t.max(self.out_free);
+        let side = self.wire(self.bytes.div_ceil(servers));
+        self.out_free = begin + side;
+        self.busy += side;
+        (begin + side)
+            .max(t.saturating_add(self.wire(self.bytes)))
+            .saturating_add(self.spec.latency_ns)
+    }
+
+    /// Worker `w`'s push of clock `c` leaves it at `t`: it is applied once it has crossed the
+    /// network and the servers have received and applied it (see the
+    /// [module documentation](self#communication)).
+    fn sent(&mut self, w: u32, c: u64, g: u64, t: u64) {
+        let spec = self.spec;
+        let servers = u64::from(spec.servers.max(1));
+        let arrive = t.saturating_add(spec.latency_ns);
+        let begin = arrive.max(self.in_free);
+        let per_float = spec.apply_ns_per_float.unwrap_or_else(|| {
+            apply_cost(&spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr }))
+        });
+        let side = self.wire(self.bytes.div_ceil(servers))
+            + (per_float * self.floats.div_ceil(servers) as f64) as u64;
+        self.in_free = begin + side;
+        self.busy += side;
+        let done = (begin + side).max(arrive.saturating_add(self.wire(self.bytes)));
+        self.schedule(done, Ev::Push(w, c, g));
+    }
+
+    /// The evaluation interval, virtual ns (`None`: only at the end).
+    fn eval_interval(&self) -> Option<u64> {
+        (self.spec.compute && self.spec.eval_every > 0).then(|| {
+            self.spec
+                .eval_every
+                .saturating_mul(self.spec.base_ns)
+                .max(1)
+        })
+    }
+
+    /// Evaluates the servers' parameters at `t` (while any worker is still at work), and
+    /// schedules the next evaluation.
+    fn eval(&mut self, t: u64) -> Result<()> {
+        if self.finished >= self.spec.workers {
+            return Ok(());
+        }
+        self.record(t)?;
+        // Only while something else is to happen (a policy that left pulls parked for ever
+        // is reported as such, not evaluated for ever).
+        if let Some(every) = self.eval_interval().filter(|_| !self.queue.is_empty()) {
+            self.schedule(t.saturating_add(every), Ev::Eval);
+        }
+        Ok(())
+    }
+
+    /// One point of the curve: the servers' parameters at `t` on the evaluation subset.
+    fn record(&mut self, t: u64) -> Result<()> {
+        let (accuracy, loss) = evaluate(&*self.model, self.shard.values(), &self.eval_set, 0)?;
+        self.curve.push(EvalPoint {
+            secs: t as f64 / 1e9,
+            iteration: self.pushes / u64::from(self.spec.workers.max(1)),
+            accuracy,
+            loss,
+        });
+        Ok(())
     }
 
     /// Worker `w` starts iteration `c` at `t` on the shard's values as they are.
@@ -587,9 +805,13 @@ impl<'a> Sim<'a> {
             own: self.spec.tasks,
             helped_until: 0,
         });
+        me.next = c + 1;
         let g = me.generation;
-        let at = t.saturating_add(took).saturating_add(self.spec.latency_ns);
-        self.schedule(at, Ev::Push(w, c, g));
+        let pending = std::mem::take(&mut me.pending);
+        self.schedule(t.saturating_add(took), Ev::Sent(w, c, g));
+        for helper in pending {
+            self.take_tasks(helper, w, c, t);
+        }
         Ok(())
     }
 
@@ -598,23 +820,38 @@ impl<'a> Sim<'a> {
         let (spec, train) = (self.spec, &self.data.train);
         let epoch = c / self.per_epoch;
         let k = (c % self.per_epoch) as usize;
-        // One shuffle per epoch, cut into the workers' shares exactly as
-        // `Split::batch_indices` does (its order depends on the seed and the epoch only),
-        // instead of one shuffle of the whole split per worker.
-        let order = self
-            .orders
-            .entry(epoch)
-            .or_insert_with(|| train.batch_indices(0, 1, epoch, spec.seed));
-        let len = order.len() as u128;
-        let lo = (len * u128::from(w) / u128::from(spec.workers)) as usize;
         self.x.clear();
         self.y.clear();
-        for &i in &order[lo + k * spec.batch..lo + (k + 1) * spec.batch] {
-            self.x.extend_from_slice(train.image(i));
-            self.y.push(train.label(i));
-        }
-        if self.orders.len() > 8 {
-            self.orders.retain(|&e, _| e + 4 >= epoch);
+        if let Some(share) = self.shares.get(w as usize) {
+            // Its own share, reshuffled every epoch.
+            let mine = &mut self.epoch_orders[w as usize];
+            if mine.0 != epoch {
+                let mut order = share.clone();
+                fastrand::Rng::with_seed(splitmix(spec.seed ^ (u64::from(w) << 40) ^ epoch))
+                    .shuffle(&mut order);
+                *mine = (epoch, order);
+            }
+            for &i in &mine.1[k * spec.batch..(k + 1) * spec.batch] {
+                self.x.extend_from_slice(train.image(i));
+                self.y.push(train.label(i));
+            }
+        } else {
+            // One shuffle per epoch, cut into the workers' shares exactly as
+            // `Split::batch_indices` does (its order depends on the seed and the epoch only),
+            // instead of one shuffle of the whole split per worker.
+            let order = self
+                .orders
+                .entry(epoch)
+                .or_insert_with(|| train.batch_indices(0, 1, epoch, spec.seed));
+            let len = order.len() as u128;
+            let lo = (len * u128::from(w) / u128::from(spec.workers)) as usize;
+            for &i in &order[lo + k * spec.batch..lo + (k + 1) * spec.batch] {
+                self.x.extend_from_slice(train.image(i));
+                self.y.push(train.label(i));
+            }
+            if self.orders.len() > 8 {
+                self.orders.retain(|&e, _| e + 4 >= epoch);
+            }
         }
         let g = &mut self.workers[w as usize].grad;
         g.clear();
@@ -643,33 +880,22 @@ impl<'a> Sim<'a> {
             grad: std::mem::take(&mut me.grad),
         };
         self.feed(t, push)?;
-        if w == 0 && spec.compute && spec.eval_every > 0 && (c + 1).is_multiple_of(spec.eval_every)
-        {
-            let (accuracy, loss) = evaluate(
-                &*self.model,
-                self.shard.values(),
-                &self.data.test,
-                spec.eval_examples,
-            )?;
-            self.curve.push(EvalPoint {
-                secs: t as f64 / 1e9,
-                iteration: c + 1,
-                accuracy,
-                loss,
-            });
-        }
+        self.pushes += 1;
         if c + 1 < spec.iters {
             self.pull(w, c + 1, t)?;
-        } else if self.mode == UpdateMode::Async {
-            // Done: it holds nobody back any more (ElasticBSP's barriers leave it out, as
-            // the scheduler does for a finished worker). Under synchronous updates a finished
-            // worker has pushed every clock, and the quorum stays whole.
-            self.feed(t, Input::Leave { worker: w })?;
+        } else {
+            self.finished += 1;
+            if self.mode == UpdateMode::Async {
+                // Done: it holds nobody back any more (ElasticBSP's barriers leave it out, as
+                // the scheduler does for a finished worker). Under synchronous updates a
+                // finished worker has pushed every clock, and the quorum stays whole.
+                self.feed(t, Input::Leave { worker: w })?;
+            }
         }
         Ok(())
     }
 
-    fn report(self, wall: Instant) -> Result<SimReport> {
+    fn report(mut self, wall: Instant) -> Result<SimReport> {
         let spec = self.spec;
         if !self.waiting.is_empty() {
             return Err(Error::Config(format!(
@@ -677,12 +903,20 @@ impl<'a> Sim<'a> {
                 self.waiting.len()
             )));
         }
+        if spec.compute {
+            self.record(self.end)?;
+        }
         let values = self.shard.values();
-        let final_accuracy = if spec.compute {
-            evaluate(&*self.model, values, &self.data.test, 0)?.0
+        let (final_accuracy, final_loss) = if spec.compute {
+            evaluate(&*self.model, values, &self.data.test, 0)?
         } else {
-            0.0
+            (0.0, 0.0)
         };
+        let first_loss = self.curve.first().map_or(f64::INFINITY, |e| e.loss);
+        let diverged = spec.compute
+            && (values.iter().any(|v| !v.is_finite())
+                || !final_loss.is_finite()
+                || (final_accuracy < 0.2 && final_loss >= first_loss));
         let digest = values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
             (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
         });
@@ -690,7 +924,7 @@ impl<'a> Sim<'a> {
         let stats = self.core.stats();
         let p = self.model.num_params() as u64;
         Ok(SimReport {
-            policy: self.core.policy().name(),
+            policy: format!("{}{}", self.core.policy().name(), spec.scale.suffix()),
             workers: spec.workers,
             iters: spec.iters,
             virtual_secs,
@@ -705,6 +939,8 @@ impl<'a> Sim<'a> {
                 .map(|e| e.secs),
             curve: self.curve,
             final_accuracy,
+            diverged,
+            partition: spec.partition.to_string(),
             blocked_secs: self
                 .workers
                 .iter()
@@ -718,6 +954,7 @@ impl<'a> Sim<'a> {
             tasks_computed: self.workers.iter().map(|w| w.tasks_computed).collect(),
             updates: stats.updates,
             bytes_moved: 2 * u64::from(spec.workers) * spec.iters * p * 4,
+            server_busy_secs: self.busy as f64 / 1e9,
             digest,
         })
     }

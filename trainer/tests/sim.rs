@@ -113,3 +113,163 @@ fn one_shuffle_per_epoch_cut_into_shares_is_every_worker_s_order() {
         }
     }
 }
+
+/// The model's bytes pay the bandwidth on the worker's link and, one message after another,
+/// at the servers. BSP, 4 workers, no jitter, no latency, a link that moves the whole model in
+/// 1 ms, one server, no apply cost: the answers of a round reach the workers 1, 2, 3, 4 ms
+/// after the release, each computes 10 ms, and the pushes are applied one after another, the
+/// last 15 ms after the round's release. Unlimited, a round is the 10 ms of compute.
+#[test]
+fn bandwidth_and_the_servers_queue_cost_time_exactly() {
+    let d = data();
+    let mut s = SimSpec {
+        workers: 4,
+        iters: 6,
+        policy: "bsp".parse().unwrap(),
+        jitter: 0.0,
+        latency_ns: 0,
+        servers: 1,
+        apply_ns_per_float: Some(0.0),
+        compute: false,
+        base_ns: 10_000_000,
+        ..SimSpec::default()
+    };
+    let bytes = 4.0 * 7850.0; // mlp:784-10
+    s.bandwidth = bytes / 1e-3;
+    let r = simulate(&s, &d).unwrap();
+    assert!(
+        (r.virtual_secs - 6.0 * 0.015).abs() < 1e-6,
+        "{} virtual s",
+        r.virtual_secs
+    );
+    // Each round the servers receive 4 models and send 4: 8 ms busy.
+    assert!(
+        (r.server_busy_secs - 6.0 * 0.008).abs() < 1e-6,
+        "{}",
+        r.server_busy_secs
+    );
+    s.bandwidth = 0.0;
+    let free = simulate(&s, &d).unwrap();
+    assert!(
+        (free.virtual_secs - 0.06).abs() < 1e-6,
+        "{}",
+        free.virtual_secs
+    );
+    // Two servers halve the servers' side: a push or an answer costs 0.5 ms there, but the
+    // worker's link still takes 1 ms for the whole model.
+    s.bandwidth = bytes / 1e-3;
+    s.servers = 2;
+    let two = simulate(&s, &d).unwrap();
+    assert!(two.virtual_secs < r.virtual_secs, "{}", two.virtual_secs);
+    // The apply cost counts on the servers' side: 1 µs per float = 7.85 ms per push.
+    s.servers = 1;
+    s.apply_ns_per_float = Some(1000.0);
+    let slow = simulate(&s, &d).unwrap();
+    assert!(
+        slow.virtual_secs > r.virtual_secs + 6.0 * 0.025,
+        "{}",
+        slow.virtual_secs
+    );
+}
+
+/// The curve is the global model's at regular intervals of virtual time, plus one point when
+/// the last push is applied; the time to target is its first crossing.
+#[test]
+fn the_global_model_is_evaluated_at_regular_virtual_times() {
+    let d = data();
+    let s = SimSpec {
+        eval_every: 4,
+        target: 0.3,
+        ..spec("asp", 4, 40)
+    };
+    let r = simulate(&s, &d).unwrap();
+    let every = 4.0 * s.base_ns as f64 / 1e9;
+    let (last, regular) = r.curve.split_last().unwrap();
+    assert!(regular.len() > 1);
+    assert_eq!(regular[0].iteration, 0, "the initial model first");
+    for (k, e) in regular.iter().enumerate() {
+        assert!(
+            (e.secs - every * k as f64).abs() < 1e-9,
+            "point {k} at {} s",
+            e.secs
+        );
+    }
+    assert!((last.secs - r.virtual_secs).abs() < 1e-9);
+    assert_eq!(last.iteration, 40, "pushes applied per worker at the end");
+    let first = r.curve.iter().find(|e| e.accuracy >= 0.3).map(|e| e.secs);
+    assert_eq!(r.time_to_target, first);
+    assert!(!r.diverged);
+}
+
+/// A learning rate far too large diverges, and the report says so.
+#[test]
+fn a_diverging_run_is_reported_as_diverged() {
+    let d = data();
+    let model: falcon_trainer::model::ModelSpec = "mlp:784-32-10".parse().unwrap();
+    let s = SimSpec {
+        lr: 50.0,
+        model: model.clone(),
+        ..spec("asp", 4, 30)
+    };
+    let r = simulate(&s, &d).unwrap();
+    assert!(
+        r.diverged,
+        "accuracy {} at lr 50, curve {:?}",
+        r.final_accuracy, r.curve
+    );
+    let calm = SimSpec {
+        model,
+        ..spec("asp", 4, 30)
+    };
+    assert!(!simulate(&calm, &d).unwrap().diverged);
+}
+
+/// Fixed partitions: IID shares are disjoint and cover the split; label-skewed shares hold few
+/// classes each; the partition changes what is learned, deterministically.
+#[test]
+fn partitions_are_fixed_disjoint_and_skewed_as_asked() {
+    use falcon_trainer::data::Partition;
+    let d = data();
+    let train = &d.train;
+    for p in [Partition::Iid, Partition::Skewed] {
+        let mut all: Vec<usize> = (0..5).flat_map(|w| train.partition(p, w, 5, 1)).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..train.len()).collect::<Vec<_>>(), "{p}");
+    }
+    let classes = |w| {
+        let mut c: Vec<u8> = train
+            .partition(Partition::Skewed, w, 10, 1)
+            .iter()
+            .map(|&i| train.label(i))
+            .collect();
+        c.sort_unstable();
+        c.dedup();
+        c.len()
+    };
+    for w in 0..10 {
+        assert!(classes(w) <= 3, "worker {w} sees {} classes", classes(w));
+    }
+    let iid: std::collections::HashSet<u8> = train
+        .partition(Partition::Iid, 0, 10, 1)
+        .iter()
+        .map(|&i| train.label(i))
+        .collect();
+    assert!(iid.len() >= 8, "an IID share sees most classes");
+    let run = |p| {
+        simulate(
+            &SimSpec {
+                partition: p,
+                ..spec("asp", 4, 20)
+            },
+            &d,
+        )
+        .unwrap()
+    };
+    let (a, b) = (run(Partition::Iid), run(Partition::Skewed));
+    assert_ne!(a.digest, b.digest);
+    assert_eq!(a.digest, run(Partition::Iid).digest);
+    assert_eq!(
+        (a.partition.as_str(), b.partition.as_str()),
+        ("iid", "skewed")
+    );
+}

@@ -27,15 +27,24 @@
 //! pulls still parked are judged at the next push with the bound then in force.
 //!
 //! **Task transfer** (mechanism 2, `transfer`). When a pull is parked, its worker is a pioneer
-//! that would block. The policy then offers it tasks of the straggler with the most remaining
-//! work: [`Action::Transfer`]`{ helper, straggler, clock }`, `straggler` being, among the live
-//! workers holding the pull back (applied `< c − s`), the one furthest behind (smallest applied
-//! count), ties broken by the latest projected end of its current iteration (its start plus
-//! its predicted iteration time; unknown counts as latest), then by the lowest rank; `clock`
-//! is the straggler's current iteration (its applied count). One offer per parked pull. The
-//! task side (the trainer, via the scheduler) moves unprocessed tasks of that iteration to the
-//! helper, which computes them on its own weights and pushes the gradient credited to the
-//! straggler's clock; the straggler skips them, and each task is counted once there.
+//! that would block. The policy then offers it tasks of a straggler holding the pull back
+//! (live, applied `< c − s`): [`Action::Transfer`]`{ helper, straggler, clock }`, `clock` being
+//! the straggler's current iteration (its applied count). Pioneers are spread over the
+//! stragglers by their remaining work: a straggler's remaining work is what is left of its
+//! current iteration (its start plus its predicted iteration time, less now) plus one
+//! predicted iteration for every further iteration the pioneer waits for (`c − s − applied −
+//! 1`); the offer goes to the straggler with the most remaining work per helper, counting the
+//! pioneers already offered its current iteration and still parked (`work / (helpers + 1)`),
+//! ties to the lowest rank. A straggler whose iteration time is not known yet counts as having
+//! more work than any known one.
+//!
+//! **Helping goes on while the pull stays parked**: after every push that moves a worker's
+//! applied count, each parked pioneer whose last offer is spent (its straggler moved on to
+//! another iteration) gets a fresh offer by the same rule. Several stragglers are helped at
+//! once, and a pioneer parked across several straggler iterations helps in each. The task side
+//! (the trainer, via the scheduler) moves unprocessed tasks of that iteration to the helper,
+//! which computes them on its own weights and pushes the gradient credited to the straggler's
+//! clock; the straggler skips them, and each task is counted once there.
 //!
 //! Mechanism 3, elastic parallelism control, lives in the trainer (it changes thread counts,
 //! not synchronization); it is switched off there.
@@ -96,6 +105,9 @@ pub struct Epsp {
     switches: u64,
     /// Pushes since the last verdict.
     since_verdict: u64,
+    /// Per worker: the straggler iteration it was last offered while its pull is parked
+    /// (cleared when the pull is released).
+    helping: Vec<Option<(Worker, u64)>>,
 }
 
 impl Epsp {
@@ -110,6 +122,7 @@ impl Epsp {
             transfers: 0,
             switches: 0,
             since_verdict: 0,
+            helping: vec![None; workers as usize],
         }
     }
 
@@ -170,29 +183,77 @@ impl Epsp {
         }
     }
 
-    /// The straggler whose tasks a pioneer pulling at `clock` should take, if any.
-    fn straggler_for(&self, helper: Worker, clock: u64) -> Option<(Worker, u64)> {
+    /// The straggler whose tasks a pioneer pulling at `clock` should take at `now`, if any
+    /// (the most remaining work per helper; see the [module docs](self)).
+    fn straggler_for(&self, helper: Worker, clock: u64, now: Nanos) -> Option<(Worker, u64)> {
         let threshold = clock.saturating_sub(self.s);
         let n = self.clocks.applied.len();
         (0..n)
             .filter(|&w| self.clocks.live[w] && w != helper as usize)
             .filter(|&w| self.clocks.applied[w] < threshold)
             .map(|w| {
-                let end = match (
+                let applied = self.clocks.applied[w];
+                let work = match (
                     self.projection.started(w as Worker),
                     self.projection.predicted(w as Worker),
                 ) {
-                    (Some(s), Some(p)) => s.saturating_add(p),
-                    _ => Nanos::MAX,
+                    (Some(s), Some(p)) => {
+                        let left = s.saturating_add(p).saturating_sub(now);
+                        let behind = threshold - applied - 1;
+                        u128::from(left) + u128::from(behind) * u128::from(p)
+                    }
+                    // Unknown: more than any known amount.
+                    _ => u128::from(u64::MAX) * u128::from(u64::MAX),
                 };
-                (w, self.clocks.applied[w], end)
+                let helpers = self
+                    .helping
+                    .iter()
+                    .enumerate()
+                    .filter(|&(h, o)| h != helper as usize && *o == Some((w as Worker, applied)))
+                    .count() as u128;
+                (w, applied, work / (helpers + 1))
             })
-            .min_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0)))
+            .max_by(|a, b| a.2.cmp(&b.2).then(b.0.cmp(&a.0)))
             .map(|(w, applied, _)| (w as Worker, applied))
+    }
+
+    /// Offers `helper`, parked at `clock`, a straggler's tasks (when one holds it back).
+    fn offer(&mut self, helper: Worker, clock: u64, now: Nanos, out: &mut Vec<Action>) {
+        let Some((straggler, sclock)) = self.straggler_for(helper, clock, now) else {
+            return;
+        };
+        if let Some(h) = self.helping.get_mut(helper as usize) {
+            *h = Some((straggler, sclock));
+        }
+        self.transfers += 1;
+        out.push(Action::Transfer {
+            helper,
+            straggler,
+            clock: sclock,
+        });
+    }
+
+    /// After a push: every parked pioneer whose offer is spent (its straggler moved on) is
+    /// offered again.
+    fn offer_again(&mut self, now: Nanos, out: &mut Vec<Action>) {
+        if !self.cfg.transfer {
+            return;
+        }
+        let parked: Vec<(u64, Worker)> = self.parked.list.iter().map(|&(c, _, w)| (c, w)).collect();
+        for (clock, helper) in parked {
+            let spent = match self.helping.get(helper as usize).copied().flatten() {
+                Some((s, c)) => self.clocks.applied.get(s as usize) != Some(&c),
+                None => true,
+            };
+            if spent {
+                self.offer(helper, clock, now, out);
+            }
+        }
     }
 
     fn release_ready(&mut self, at: Nanos, out: &mut Vec<Action>) {
         let projection = &mut self.projection;
+        let helping = &mut self.helping;
         release_within(
             &mut self.parked.list,
             self.clocks.min_live(),
@@ -200,6 +261,9 @@ impl Epsp {
             |worker, req| {
                 out.push(Action::Release { worker, req });
                 projection.start(worker, at);
+                if let Some(h) = helping.get_mut(worker as usize) {
+                    *h = None;
+                }
             },
         );
     }
@@ -236,26 +300,26 @@ impl SyncPolicy for Epsp {
                 let min = self.clocks.min_live();
                 if !self.parked.judge(min, self.s, (worker, clock, req), out) {
                     self.projection.start(worker, at);
-                } else if self.cfg.transfer
-                    && let Some((straggler, sclock)) = self.straggler_for(worker, clock)
-                {
-                    self.transfers += 1;
-                    out.push(Action::Transfer {
-                        helper: worker,
-                        straggler,
-                        clock: sclock,
-                    });
+                } else if self.cfg.transfer {
+                    self.offer(worker, clock, at, out);
                 }
             }
             Event::Push { worker, at, .. } => {
-                if before.is_some_and(|b| self.clocks.applied[worker as usize] > b) {
+                let moved = before.is_some_and(|b| self.clocks.applied[worker as usize] > b);
+                if moved {
                     self.projection.finish(worker, at);
                     self.adapt_on_push();
                 }
                 self.release_ready(at, out);
+                if moved {
+                    self.offer_again(at, out);
+                }
             }
             Event::Leave { worker, at } => {
                 self.projection.leave(worker);
+                if let Some(h) = self.helping.get_mut(worker as usize) {
+                    *h = None;
+                }
                 self.adapt();
                 self.release_ready(at, out);
             }

@@ -13,9 +13,9 @@
 //!   helper offers help to a helpee behind by more than a threshold. The policy sees
 //!   iterations (pushes), not checkpoints, so the threshold `theta` is in iterations (our
 //!   reading): after each push of worker `h`, and when `h`'s pull is parked, `h` is offered
-//!   the work of the group member `j` furthest behind (smallest applied count; on ties the
-//!   one whose current iteration started earliest, i.e. whose latest push is oldest, then the
-//!   lowest rank) if `applied[h] − applied[j] ≥ theta`: [`Action::Transfer`]`{ helper: h, straggler:
+//!   the work of the group member `j` with the most work left: furthest behind (smallest
+//!   applied count); on ties the one whose current iteration started latest (its latest push
+//!   is the newest, so the least of its iteration is done), then the lowest rank) if `applied[h] − applied[j] ≥ theta`: [`Action::Transfer`]`{ helper: h, straggler:
 //!   j, clock: applied[j] }`. A helper is offered one helpee iteration once (no repeat offer
 //!   for the same `(j, clock)`). The task side hands over the tail of `j`'s unprocessed items,
 //!   the helper pushes their gradient credited to `j`'s clock, `j` skips them.
@@ -27,6 +27,8 @@
 //!
 //! Fast path `Within(s)`: offers are decided on pushes and parked pulls, both of which reach
 //! the policy. Events about unknown workers are ignored.
+
+use std::cmp::Reverse;
 
 use super::{Action, Clocks, Event, FastPath, Nanos, Parked, SyncPolicy, Worker, release_within};
 
@@ -73,7 +75,7 @@ impl FlexRr {
         let mine = self.clocks.applied[h];
         let Some(j) = (0..self.clocks.applied.len())
             .filter(|&j| j != h && self.clocks.live[j] && self.same_group(h, j))
-            .min_by_key(|&j| (self.clocks.applied[j], self.last_push[j], j))
+            .min_by_key(|&j| (self.clocks.applied[j], Reverse(self.last_push[j]), j))
         else {
             return;
         };

@@ -56,11 +56,11 @@ pub(super) fn connect_servers(t: &Transport, book: &Book) -> Result<Vec<(usize, 
             .parse()
             .map_err(|e| Error::Config(format!("server {r} address {addr:?}: {e}")))?;
         tracing::debug!("worker {}: connecting to server {r} at {addr}", book.rank);
-        match t.connect(&peer) {
-            Ok(link) => {
-                link.send(&Msg::Knock.encode())?;
-                links.push((r, link));
-            }
+        match t.connect(&peer).and_then(|link| {
+            link.send(&Msg::Knock.encode())?;
+            Ok(link)
+        }) {
+            Ok(link) => links.push((r, link)),
             Err(e) if book.recovery => {
                 tracing::warn!("worker {}: server {r} unreachable for now: {e}", book.rank);
             }
@@ -82,35 +82,81 @@ pub(super) struct Attached {
     pub(super) keys: HashMap<u32, ShardKeys>,
     /// The clock this worker starts at (a rejoining worker's is the job's current one).
     pub(super) start: u64,
+    /// The links attached, with the rank each reaches (with recovery, a server that died while
+    /// this worker attached is left out: it is reached again when the scheduler announces it).
+    pub(super) links: Vec<(usize, Link)>,
 }
 
 /// The first attach to the servers reached, in progress.
 struct Attaching<'a> {
     book: &'a Book,
     token: &'a str,
-    links: &'a [(usize, Link)],
-    /// Which links answered their server's challenge.
+    links: Vec<(usize, Link)>,
+    /// Per link: it answered its server's challenge; its server sent its keys; (rejoining)
+    /// its server agreed to resume; the link failed (with recovery: left out).
     attached: Vec<bool>,
+    got: Vec<bool>,
+    resumed: Vec<bool>,
+    down: Vec<bool>,
     keys: HashMap<u32, ShardKeys>,
-    /// Servers that sent their keys, and (rejoining) that agreed to resume.
-    got: usize,
-    resumed: usize,
     /// Where a rejoining worker starts, once known.
     start: Option<u64>,
 }
 
 impl Attaching<'_> {
+    fn up(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.links.len()).filter(|&i| !self.down[i])
+    }
+
     fn done(&self) -> bool {
-        let n = self.links.len();
-        self.got >= n && (!self.book.rejoin || self.resumed >= n)
+        self.up()
+            .all(|i| self.got[i] && (!self.book.rejoin || self.resumed[i]))
+    }
+
+    fn all_keys(&self) -> bool {
+        self.up().all(|i| self.got[i])
+    }
+
+    /// Link `i` failed: with recovery its server is left for the reattachment (as if it had
+    /// been unreachable), unless no server is left; else the join fails.
+    fn failed(&mut self, i: usize, why: String) -> Result<()> {
+        let r = self.links[i].0;
+        let gone = Error::PeerGone {
+            role: "server",
+            rank: r as u32,
+            why: format!("failed while attaching to the servers: {why}"),
+        };
+        self.down[i] = true;
+        if !self.book.recovery || self.up().next().is_none() {
+            return Err(gone);
+        }
+        tracing::warn!(
+            "worker {}: server {r} failed while attaching ({why}); reattaching when it is back",
+            self.book.rank
+        );
+        Ok(())
     }
 
     /// A rejoining worker with every server's keys: it starts at the current clock, the
     /// furthest any server reports (so no shard sees it go back), and tells every server so.
     fn resume_all(&mut self) -> Result<()> {
-        let c = self.keys.values().map(|k| k.clock).max().unwrap_or(0);
+        let reached: Vec<usize> = self.up().map(|i| self.links[i].0).collect();
+        let c = self
+            .keys
+            .values()
+            .filter(|k| {
+                self.book
+                    .keymap
+                    .shards
+                    .iter()
+                    .any(|sp| sp.id == k.shard && reached.contains(&(sp.server as usize)))
+            })
+            .map(|k| k.clock)
+            .max()
+            .unwrap_or(0);
         self.start = Some(c);
-        for (r, l) in self.links {
+        for i in self.up().collect::<Vec<_>>() {
+            let (r, l) = &self.links[i];
             let shards = self
                 .book
                 .keymap
@@ -123,13 +169,16 @@ impl Attaching<'_> {
                     helps: 0,
                 })
                 .collect();
-            l.send(
+            let sent = l.send(
                 &Msg::Resume {
                     rejoin: true,
                     shards,
                 }
                 .encode(),
-            )?;
+            );
+            if let Err(e) = sent {
+                self.failed(i, e.to_string())?;
+            }
         }
         tracing::info!("worker {}: rejoining the job at clock {c}", self.book.rank);
         Ok(())
@@ -137,33 +186,36 @@ impl Attaching<'_> {
 
     /// A message from the server behind `self.links[i]`.
     fn on_message(&mut self, i: usize, data: &[u8]) -> Result<()> {
-        let (r, link) = &self.links[i];
+        let r = self.links[i].0;
         match Msg::decode(data)? {
             Msg::Challenge { nonce } if !self.attached[i] => {
-                link.send(
+                let sent = self.links[i].1.send(
                     &Msg::Attach {
                         rank: self.book.rank,
                         proof: auth::answer(self.token, Purpose::Attach, &nonce),
                     }
                     .encode(),
-                )?;
+                );
+                if let Err(e) = sent {
+                    return self.failed(i, e.to_string());
+                }
                 self.attached[i] = true;
                 tracing::debug!(
                     "worker {}: attached to server {r} over {}",
                     self.book.rank,
-                    link.medium()
+                    self.links[i].1.medium()
                 );
             }
             Msg::Keys { shards } => {
                 for k in shards {
                     self.keys.insert(k.shard, k);
                 }
-                self.got += 1;
+                self.got[i] = true;
             }
-            Msg::Resumed { .. } => self.resumed += 1,
+            Msg::Resumed { .. } => self.resumed[i] = true,
             Msg::Failed { reason, .. } => {
                 return Err(Error::Server {
-                    rank: *r as u32,
+                    rank: r as u32,
                     reason,
                 });
             }
@@ -175,55 +227,72 @@ impl Attaching<'_> {
 
 /// Attaches to the servers reached: each challenges its new link, the attach answers it, and
 /// the server sends its shards' keys (servers answer in any order). A worker rejoining a
-/// running job then tells every server where it starts, and waits for each to agree.
+/// running job then tells every server where it starts, and waits for each to agree. With
+/// recovery, a server that dies meanwhile is left out (see [`Attached::links`]).
 pub(super) fn attach(
     t: &Transport,
     cfg: &JobConfig,
     book: &Book,
-    links: &[(usize, Link)],
+    links: Vec<(usize, Link)>,
 ) -> Result<Attached> {
+    let n = links.len();
     let mut a = Attaching {
         book,
         token: &cfg.token,
         links,
-        attached: vec![false; links.len()],
+        attached: vec![false; n],
+        got: vec![false; n],
+        resumed: vec![false; n],
+        down: vec![false; n],
         keys: HashMap::new(),
-        got: 0,
-        resumed: 0,
         start: None,
     };
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     while !a.done() {
-        if book.rejoin && a.got == links.len() && a.start.is_none() {
+        if book.rejoin && a.start.is_none() && a.all_keys() {
             a.resume_all()?;
+            continue;
         }
         let left = time_left(deadline, "attaching to the servers", cfg.rendezvous_timeout)?;
         match t.cq().wait(Some(left)) {
             Ok(Completion::Message { link, data }) => {
-                if let Some(i) = links.iter().position(|(_, l)| l.id() == link) {
+                if let Some(i) = a.links.iter().position(|(_, l)| l.id() == link)
+                    && !a.down[i]
+                {
                     a.on_message(i, &data)?;
                 }
             }
             Ok(Completion::Closed { link, error }) => {
-                let (role, rank) = match links.iter().find(|(_, l)| l.id() == link) {
-                    Some((r, _)) => ("server", *r as u32),
-                    None => ("scheduler", 0),
-                };
-                return Err(Error::PeerGone {
-                    role,
-                    rank,
-                    why: format!(
-                        "closed while attaching to the servers: {}",
-                        closed_why(&error)
-                    ),
-                });
+                match a.links.iter().position(|(_, l)| l.id() == link) {
+                    Some(i) if !a.down[i] => a.failed(i, closed_why(&error))?,
+                    Some(_) => {}
+                    None => {
+                        return Err(Error::PeerGone {
+                            role: "scheduler",
+                            rank: 0,
+                            why: format!(
+                                "closed while attaching to the servers: {}",
+                                closed_why(&error)
+                            ),
+                        });
+                    }
+                }
             }
             _ => {}
+        }
+    }
+    let mut links = Vec::new();
+    for (i, (r, l)) in a.links.into_iter().enumerate() {
+        if a.down[i] {
+            l.close();
+        } else {
+            links.push((r, l));
         }
     }
     Ok(Attached {
         keys: a.keys,
         start: a.start.unwrap_or(0),
+        links,
     })
 }
 

@@ -347,10 +347,10 @@ impl Worker {
         })?;
         let (sched, book, _early) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
         let links = conn::connect_servers(&t, &book)?;
-        let attached = conn::attach(&t, cfg, &book, &links)?;
-        let reached: Vec<usize> = links.iter().map(|(r, _)| *r).collect();
+        let attached = conn::attach(&t, cfg, &book, links)?;
+        let reached: Vec<usize> = attached.links.iter().map(|(r, _)| *r).collect();
         let shards = ShardRemote::all(&book, &attached.keys, &reached, attached.start)?;
-        let servers = conn::server_slots(&book, links);
+        let servers = conn::server_slots(&book, attached.links);
         let recovery_wait = cfg
             .checkpoint
             .as_ref()
