@@ -87,8 +87,10 @@
 //! fixed subset of [`SimSpec::eval_examples`] test images spread evenly over the test split,
 //! and once more when the last push is applied; the time to accuracy is the first crossing of
 //! that curve. The final accuracy is on the whole test split. A run whose parameters are not
-//! finite, or that ends near chance (below 20 %) with a loss no lower than the initial
-//! model's, is reported as diverged ([`SimReport::diverged`]).
+//! finite, or that ends near chance (below 20 %) with a loss not clearly below the initial
+//! model's (above 90 % of it: a dead network that answers one class has a loss near ln 10,
+//! about the initial one) or after having been 20 points better, is reported as diverged
+//! ([`SimReport::diverged`]).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -913,10 +915,12 @@ impl<'a> Sim<'a> {
             (0.0, 0.0)
         };
         let first_loss = self.curve.first().map_or(f64::INFINITY, |e| e.loss);
+        let best = self.curve.iter().map(|e| e.accuracy).fold(0.0, f64::max);
         let diverged = spec.compute
             && (values.iter().any(|v| !v.is_finite())
                 || !final_loss.is_finite()
-                || (final_accuracy < 0.2 && final_loss >= first_loss));
+                || (final_accuracy < 0.2
+                    && (final_loss >= 0.9 * first_loss || best >= final_accuracy + 0.2)));
         let digest = values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
             (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
         });
