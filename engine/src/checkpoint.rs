@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"FALCONCK";
 /// Bumped whenever [`Checkpoint`] changes shape.
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
 const HEADER: usize = 8 + 4 + 8 + 32;
 
 /// Everything a server needs to resume its shards.
@@ -64,6 +64,8 @@ pub struct ShardState {
     pub next_apply: u64,
     /// Sync mode: gradients waiting for their clock's quorum, by clock, by worker.
     pub pending: Vec<(u64, Vec<Option<Vec<f32>>>)>,
+    /// Sync mode: transferred tasks' gradients waiting for their step, summed, by clock.
+    pub help_pending: Vec<(u64, Vec<f32>)>,
     /// Whether the shard was initialized by a worker.
     pub initialized: bool,
     /// The optimizer's state: first and second moments and steps taken.
@@ -307,6 +309,7 @@ mod tests {
                 sent_version: vec![8, 7],
                 next_apply: 4,
                 pending: vec![(4, vec![Some(vec![0.5, 0.5, 0.5]), None])],
+                help_pending: vec![(4, vec![0.25, 0.0, -1.0])],
                 initialized: true,
                 opt_m: vec![0.1, 0.2, 0.3],
                 opt_v: vec![],

@@ -229,10 +229,7 @@ impl Default for JobConfig {
 impl JobConfig {
     /// The update mode in force.
     pub fn update_mode(&self) -> UpdateMode {
-        self.mode.unwrap_or(match self.policy {
-            PolicySpec::Bsp | PolicySpec::SyncOpt { .. } => UpdateMode::Sync,
-            _ => UpdateMode::Async,
-        })
+        self.mode.unwrap_or(self.policy.update_mode())
     }
 
     /// The transport configuration of a node of this job (job id hashed in).

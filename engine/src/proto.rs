@@ -12,7 +12,7 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`; 6: server
 /// recovery and worker rejoin; 7: typed acknowledgements and refused pulls).
-const VERSION: u8 = 8;
+const VERSION: u8 = 9;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -457,37 +457,49 @@ pub enum AckOf {
 }
 
 /// What a push's slot holds after the floats: the version of the parameters the gradient was
-/// computed on and the push's sequence number (a retried push is not applied twice).
+/// computed on, the push's sequence number (a retried push is not applied twice) and, for
+/// transferred tasks, whose iteration they belong to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotTrailer {
     /// The version computed on (`None`: the one the server last sent this worker).
     pub computed_on: Option<u64>,
     /// The sequence number (1 for the first push of its kind; 0 for none).
     pub seq: u64,
+    /// A [`PushKind::Help`] push: the straggler and the iteration its tasks were taken from.
+    pub help_for: Option<(u32, u64)>,
 }
 
 impl SlotTrailer {
-    /// Its size on the wire: two little-endian u64 (`u64::MAX` stands for no version).
-    pub const BYTES: u64 = 16;
+    /// Its size on the wire: four little-endian u64 (`u64::MAX` stands for no version and no
+    /// straggler): version, sequence number, straggler, its iteration.
+    pub const BYTES: u64 = 32;
 
     /// The wire form.
-    pub fn to_bytes(self) -> [u8; 16] {
-        let mut b = [0u8; 16];
-        b[..8].copy_from_slice(&self.computed_on.unwrap_or(u64::MAX).to_le_bytes());
-        b[8..].copy_from_slice(&self.seq.to_le_bytes());
+    pub fn to_bytes(self) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        let (w, c) = self
+            .help_for
+            .map_or((u64::MAX, 0), |(w, c)| (u64::from(w), c));
+        for (i, v) in [self.computed_on.unwrap_or(u64::MAX), self.seq, w, c]
+            .into_iter()
+            .enumerate()
+        {
+            b[i * 8..(i + 1) * 8].copy_from_slice(&v.to_le_bytes());
+        }
         b
     }
 
-    /// Reads the wire form (any 16 bytes are a trailer).
-    pub fn from_bytes(b: [u8; 16]) -> SlotTrailer {
+    /// Reads the wire form (any 32 bytes are a trailer; a straggler beyond `u32` is none).
+    pub fn from_bytes(b: [u8; 32]) -> SlotTrailer {
         let word = |i: usize| {
             let mut w = [0u8; 8];
-            w.copy_from_slice(&b[i..i + 8]);
+            w.copy_from_slice(&b[i * 8..(i + 1) * 8]);
             u64::from_le_bytes(w)
         };
         SlotTrailer {
             computed_on: Some(word(0)).filter(|&v| v != u64::MAX),
-            seq: word(8),
+            seq: word(1),
+            help_for: u32::try_from(word(2)).ok().map(|w| (w, word(3))),
         }
     }
 }
@@ -643,10 +655,12 @@ mod tests {
             SlotTrailer {
                 computed_on: None,
                 seq: 0,
+                help_for: None,
             },
             SlotTrailer {
                 computed_on: Some(7),
                 seq: 9,
+                help_for: Some((3, 41)),
             },
         ] {
             assert_eq!(SlotTrailer::from_bytes(t.to_bytes()), t);

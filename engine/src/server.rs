@@ -759,7 +759,7 @@ impl Serving {
             return;
         };
         let slot = &s.slots[w as usize];
-        let mut trailer = [0u8; 16];
+        let mut trailer = [0u8; SlotTrailer::BYTES as usize];
         // Initial values travel as f32; gradients in the job's wire precision.
         let wire = match imm.kind {
             PushKind::Init => crate::precision::Wire::F32,
@@ -793,7 +793,11 @@ impl Serving {
                 return;
             }
         };
-        let SlotTrailer { computed_on, seq } = SlotTrailer::from_bytes(trailer);
+        let SlotTrailer {
+            computed_on,
+            seq,
+            help_for,
+        } = SlotTrailer::from_bytes(trailer);
         let input = match imm.kind {
             PushKind::Init => Input::Init {
                 conn: link,
@@ -821,6 +825,7 @@ impl Serving {
                 seq,
                 computed_on,
                 grad,
+                help_for,
             },
         };
         self.feed(i, input);

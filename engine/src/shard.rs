@@ -85,6 +85,9 @@ pub enum Input {
         computed_on: Option<u64>,
         /// The gradient.
         grad: Vec<f32>,
+        /// The straggler and iteration the tasks were taken from (under synchronous updates
+        /// the gradient joins that step when it has not been applied yet).
+        help_for: Option<(u32, u64)>,
     },
     /// A gradient of the worker's own iteration given as some ranges of the shard (a row
     /// push): the rest of the gradient is zero. Applied over those ranges alone in
@@ -473,6 +476,8 @@ pub struct ShardCore {
     /// holds a place lost (a restarted server's, or a rejoining worker's): it counts toward
     /// the quorum and adds nothing.
     pending: BTreeMap<u64, Vec<Option<Vec<f32>>>>,
+    /// Synchronous mode: transferred tasks' gradients waiting for their step, summed.
+    help_pending: BTreeMap<u64, Vec<f32>>,
     /// Bytes of the gradients in `pending`.
     pending_bytes: u64,
     /// The push clock of a gradient the policy counted for a later step (Sync-opt), by
@@ -526,6 +531,7 @@ impl ShardCore {
             policy,
             pushes: vec![0; n],
             pending: BTreeMap::new(),
+            help_pending: BTreeMap::new(),
             pending_bytes: 0,
             counted_for: HashMap::new(),
             next_apply: 0,
@@ -595,7 +601,6 @@ impl ShardCore {
         out: &mut dyn FnMut(Output),
     ) -> Result<()> {
         self.check(&input)?;
-        let help = matches!(input, Input::Help { .. });
         match input {
             Input::Init {
                 conn,
@@ -619,13 +624,6 @@ impl ShardCore {
                 seq,
                 computed_on,
                 grad,
-            }
-            | Input::Help {
-                conn,
-                worker,
-                seq,
-                computed_on,
-                grad,
             } => {
                 let a = Arrival {
                     conn,
@@ -635,11 +633,25 @@ impl ShardCore {
                     grad,
                     ranges: None,
                 };
-                if help {
-                    self.help(a, params, out)
-                } else {
-                    self.push(now, a, params, out)
-                }
+                self.push(now, a, params, out)
+            }
+            Input::Help {
+                conn,
+                worker,
+                seq,
+                computed_on,
+                grad,
+                help_for,
+            } => {
+                let a = Arrival {
+                    conn,
+                    worker,
+                    seq,
+                    computed_on,
+                    grad,
+                    ranges: None,
+                };
+                self.help(a, help_for, params, out)
             }
             Input::PushRows {
                 conn,
@@ -934,6 +946,7 @@ impl ShardCore {
     fn help<P: ShardParams + ?Sized>(
         &mut self,
         a: Arrival,
+        help_for: Option<(u32, u64)>,
         params: &mut P,
         out: &mut dyn FnMut(Output),
     ) {
@@ -944,11 +957,21 @@ impl ShardCore {
             return;
         }
         self.helps[wi] = seq;
-        if self.cfg.mode == UpdateMode::Sync {
-            tracing::warn!(
-                "worker {w} pushed transferred tasks to shard {} under synchronous updates; ignored",
-                self.cfg.id
-            );
+        if self.cfg.mode == UpdateMode::Sync
+            && let Some((_, step)) = help_for
+            && step >= self.next_apply
+        {
+            // Part of the straggler's iteration: it joins that step (summed with the
+            // straggler's own gradient when the step is applied).
+            let sum = self.help_pending.entry(step).or_insert_with(|| {
+                self.pending_bytes += self.cfg.len as u64 * 4;
+                vec![0.0; self.cfg.len]
+            });
+            for (s, g) in sum.iter_mut().zip(&a.grad) {
+                *s += g;
+            }
+            self.stats.peak_pending_bytes = self.stats.peak_pending_bytes.max(self.pending_bytes);
+            self.stats.per_worker[wi].help_pushes += 1;
             out(Output::Ack {
                 conn,
                 worker: w,
@@ -957,6 +980,8 @@ impl ShardCore {
             });
             return;
         }
+        // Under synchronous updates, a step already applied (the straggler's own push came
+        // first): applied alone, as under asynchronous updates, so nothing is lost.
         // Tasks taken from another worker, computed on this worker's values: applied like an
         // asynchronous gradient; the pusher's clock does not move and the policy sees no push
         // (the straggler's own push completes its iteration).
@@ -1025,15 +1050,21 @@ impl ShardCore {
             let bytes: u64 = grads.iter().flatten().map(|g| g.len() as u64 * 4).sum();
             self.pending_bytes -= bytes;
             let mut sum = vec![0f32; self.cfg.len];
-            aggregate(
-                &mut sum,
-                grads
-                    .iter()
-                    .flatten()
-                    .filter(|g| !g.is_empty())
-                    .map(Vec::as_slice),
-                self.cfg.aggregate,
-            );
+            let own = grads.iter().flatten().filter(|g| !g.is_empty());
+            let contributors = own.clone().count().max(1);
+            aggregate(&mut sum, own.map(Vec::as_slice), self.cfg.aggregate);
+            // Transferred tasks are part of their straggler's gradient: summed into it (a mean
+            // divides them by the contributors, as the straggler's own).
+            if let Some(help) = self.help_pending.remove(&step) {
+                self.pending_bytes -= help.len() as u64 * 4;
+                let k = match self.cfg.aggregate {
+                    Aggregate::Mean => 1.0 / contributors as f32,
+                    _ => 1.0,
+                };
+                for (s, h) in sum.iter_mut().zip(&help) {
+                    *s += k * h;
+                }
+            }
             // Each contributor's clock moves past its own push (the step, unless the policy
             // counted the gradient for a later step than its push).
             let pushed: Vec<Option<u64>> = (0..grads.len())
@@ -1201,6 +1232,11 @@ impl ShardCore {
             sent_version: self.sent_version.clone(),
             next_apply: self.next_apply,
             pending: self.pending.iter().map(|(c, g)| (*c, g.clone())).collect(),
+            help_pending: self
+                .help_pending
+                .iter()
+                .map(|(c, g)| (*c, g.clone()))
+                .collect(),
             initialized: self.initialized,
             opt_m: m.to_vec(),
             opt_v: v.to_vec(),
@@ -1240,6 +1276,7 @@ impl ShardCore {
                 .iter()
                 .flat_map(|(_, g)| g.iter().flatten())
                 .any(|g| !g.is_empty() && g.len() != self.cfg.len)
+            || st.help_pending.iter().any(|(_, g)| g.len() != self.cfg.len)
         {
             return Err(format!(
                 "shard {}: the saved state is not of {n} workers and {} floats",
@@ -1260,13 +1297,15 @@ impl ShardCore {
         self.sent_version.clone_from(&st.sent_version);
         self.next_apply = st.next_apply;
         self.pending = st.pending.iter().cloned().collect();
+        self.help_pending = st.help_pending.iter().cloned().collect();
         self.pending_bytes = self
             .pending
             .values()
             .flatten()
             .flatten()
             .map(|g| g.len() as u64 * 4)
-            .sum();
+            .sum::<u64>()
+            + self.help_pending.len() as u64 * self.cfg.len as u64 * 4;
         self.initialized = st.initialized;
         let mut ignored = Vec::new();
         for (w, &clock) in st.clocks.iter().enumerate() {

@@ -19,10 +19,7 @@ const LEN: usize = 37;
 
 fn core(policy: &str, workers: u32, opt: Optimizer, agg: Aggregate, cap: u64) -> ShardCore {
     let spec: PolicySpec = policy.parse().expect("a policy");
-    let mode = match spec {
-        PolicySpec::Bsp | PolicySpec::SyncOpt { .. } => UpdateMode::Sync,
-        _ => UpdateMode::Async,
-    };
+    let mode = spec.update_mode();
     let cfg = ShardConfig {
         id: 3,
         len: LEN,
@@ -115,12 +112,17 @@ fn drive(ops: &[Op], core: &mut ShardCore, params: &mut dyn ShardParams) -> Vec<
             }
             Op::Help { w, seed } => {
                 helps[w as usize] += 1;
+                // Tasks of the next worker's current iteration (or, every other time, of one
+                // long applied).
+                let s = (w + 1) % workers as u32;
+                let clock = if seed % 2 == 0 { core.pushes(s) } else { 0 };
                 Input::Help {
                     conn: u64::from(w) + 100,
                     worker: w,
                     seq: helps[w as usize],
                     computed_on: None,
                     grad: floats(seed),
+                    help_for: Some((s, clock)),
                 }
             }
             Op::Pull { w, ahead } => {
@@ -167,8 +169,9 @@ fn bits(p: &dyn ShardParams, workers: usize) -> (Vec<u32>, u64, Vec<u64>) {
     )
 }
 
-const POLICIES: [&str; 8] = [
+const POLICIES: [&str; 9] = [
     "bsp",
+    "epsp(0)",
     "asp",
     "ssp(2)",
     "dssp(1,3)",
@@ -468,4 +471,118 @@ fn a_rejoining_worker_whose_step_fell_without_it_goes_on() {
     };
     c.handle(0, pull, &mut p, &mut |o| out.push(o)).unwrap();
     assert_eq!(out, vec![Output::Answer { worker: 1, req: 8 }]);
+}
+
+fn help(
+    core: &mut ShardCore,
+    p: &mut VecParams,
+    w: u32,
+    seq: u64,
+    help_for: (u32, u64),
+    g: Vec<f32>,
+) -> Vec<Output> {
+    let mut out = Vec::new();
+    let input = Input::Help {
+        conn: 9,
+        worker: w,
+        seq,
+        computed_on: None,
+        grad: g,
+        help_for: Some(help_for),
+    };
+    core.handle(0, input, p, &mut |o| out.push(o)).unwrap();
+    out
+}
+
+/// Enforced EPSP (`epsp(0)`) aggregates its steps as BSP does, and transferred tasks join
+/// their straggler's step: the step applied is the mean of the workers' gradients with the
+/// helper's part summed into the straggler's. A transferred part whose step was already
+/// applied is applied alone (nothing is lost).
+#[test]
+fn under_enforced_epsp_transferred_tasks_join_their_straggler_s_step() {
+    assert_eq!(
+        "epsp(0)".parse::<PolicySpec>().unwrap().update_mode(),
+        UpdateMode::Sync
+    );
+    assert_eq!(
+        "epsp(2)".parse::<PolicySpec>().unwrap().update_mode(),
+        UpdateMode::Async
+    );
+    let (g0, g1, h) = (floats(1), floats(2), floats(3));
+    let mut c = core("epsp(0)", 2, optimizer(0), Aggregate::Mean, u64::MAX);
+    let mut p = VecParams::new(LEN, 2);
+    push(&mut c, &mut p, 0, 1, g0.clone());
+    // Worker 0 helps worker 1 with its iteration 0 before worker 1's own push.
+    let out = help(&mut c, &mut p, 0, 1, (1, 0), h.clone());
+    assert!(
+        out.iter().any(|o| matches!(
+            o,
+            Output::Ack {
+                of: AckOf::Help,
+                ..
+            }
+        )),
+        "{out:?}"
+    );
+    assert_eq!(p.version(), 0, "held for the step");
+    push(&mut c, &mut p, 1, 1, g1.clone());
+    assert_eq!(p.version(), 1, "one step");
+    let want: Vec<u32> = (0..LEN)
+        .map(|i| (-0.1 * ((g0[i] + g1[i]) * 0.5 + 0.5 * h[i])).to_bits())
+        .collect();
+    let got: Vec<u32> = p.values().iter().map(|v| v.to_bits()).collect();
+    assert_eq!(got, want);
+    // Late: worker 1's iteration 0 is applied already; the part is applied alone.
+    let before = p.values().to_vec();
+    help(&mut c, &mut p, 0, 2, (1, 0), h.clone());
+    assert_eq!(p.version(), 2);
+    for i in 0..LEN {
+        assert_eq!(p.values()[i].to_bits(), (before[i] - 0.1 * h[i]).to_bits());
+    }
+    // A checkpoint keeps a part waiting for its step.
+    help(&mut c, &mut p, 0, 3, (1, 1), h.clone());
+    let saved = c.state(&p);
+    assert_eq!(saved.help_pending, vec![(1, h.clone())]);
+    let mut d = core("epsp(0)", 2, optimizer(0), Aggregate::Mean, u64::MAX);
+    let mut q = VecParams::new(LEN, 2);
+    d.restore(&saved, &mut q).unwrap();
+    assert_eq!(d.state(&q), saved);
+}
+
+/// Under enforced EPSP the policy sees gradients as they arrive: a pioneer whose pull is
+/// parked is offered the tasks of the worker that has not pushed, not of one waiting in the
+/// same step.
+#[test]
+fn enforced_epsp_offers_the_worker_that_has_not_pushed() {
+    let mut c = core("epsp(0)", 3, optimizer(0), Aggregate::Mean, u64::MAX);
+    let mut p = VecParams::new(LEN, 3);
+    push(&mut c, &mut p, 0, 1, floats(1));
+    push(&mut c, &mut p, 1, 1, floats(2));
+    let mut out = Vec::new();
+    let pull = Input::Pull {
+        worker: 0,
+        clock: 1,
+        req: 5,
+    };
+    c.handle(10, pull, &mut p, &mut |o| out.push(o)).unwrap();
+    let offers: Vec<(u32, u32, u64)> = out
+        .iter()
+        .filter_map(|o| match *o {
+            Output::Offer {
+                helper,
+                straggler,
+                clock,
+            } => Some((helper, straggler, clock)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(offers, vec![(0, 2, 0)], "{out:?}");
+    // Worker 2's push completes the step and releases the pull.
+    let out = push(&mut c, &mut p, 2, 1, floats(3));
+    assert!(
+        out.iter()
+            .any(|o| matches!(o, Output::Answer { req: 5, .. })),
+        "{out:?}"
+    );
+    assert_eq!(p.version(), 1);
 }

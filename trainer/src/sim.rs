@@ -502,10 +502,7 @@ impl<'a> Sim<'a> {
             Some(r) => Box::new(ElasticBsp::new(spec.workers, r as usize)),
             None => spec.policy.build_for(spec.workers, 0),
         };
-        let mode = match spec.policy {
-            PolicySpec::Bsp | PolicySpec::SyncOpt { .. } => UpdateMode::Sync,
-            _ => UpdateMode::Async,
-        };
+        let mode = spec.policy.update_mode();
         // The servers' shard, over a vector (empty when only timing is simulated).
         let len = if spec.compute { model.num_params() } else { 0 };
         let shard_cfg = ShardConfig {

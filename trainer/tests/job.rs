@@ -81,9 +81,10 @@ fn every_task_is_processed_exactly_once_under_random_timings() {
     // host loaded to the point that nobody blocks, more rounds run (every one checked) until
     // one moves a task.
     let mut moved = 0;
-    let policies = ["epsp(3)", "epsp(2,fixed)", "flexrr(1)"];
-    for (round, policy) in policies.iter().cycle().enumerate().take(9) {
-        if round >= 3 && moved > 0 {
+    // epsp(0) is enforced EPSP: synchronous steps, the helpers' parts joining them.
+    let policies = ["epsp(0)", "epsp(3)", "epsp(2,fixed)", "flexrr(1)"];
+    for (round, policy) in policies.iter().cycle().enumerate().take(12) {
+        if round >= 4 && moved > 0 {
             break;
         }
         let seed = round as u64 + 1;

@@ -218,3 +218,27 @@ fn a_measured_trace_drives_the_simulator_like_its_ratio() {
     assert_ne!(a.virtual_secs.to_bits(), c.virtual_secs.to_bits());
     assert_eq!(c.tasks_computed.iter().sum::<u64>(), total_tasks(&other));
 }
+
+/// Enforced EPSP (`epsp(0)`) applies the same steps as BSP — aggregated, same values, same
+/// bits — and task transfer makes them come sooner.
+#[test]
+fn enforced_epsp_is_bsp_arithmetic_in_less_time() {
+    let d = data();
+    let with_model = |policy: &str| SimSpec {
+        compute: true,
+        eval_every: 5,
+        eval_examples: 200,
+        ..spec(policy, 4, 30)
+    };
+    let bsp = simulate(&with_model("bsp"), &d).unwrap();
+    let epsp = simulate(&with_model("epsp(0)"), &d).unwrap();
+    assert_eq!(epsp.digest, bsp.digest, "the same steps");
+    assert_eq!(epsp.updates, bsp.updates);
+    assert!(epsp.tasks_transferred > 0);
+    assert!(
+        epsp.virtual_secs < 0.8 * bsp.virtual_secs,
+        "transfer shortens the straggler's iterations: {} against {} virtual s",
+        epsp.virtual_secs,
+        bsp.virtual_secs
+    );
+}

@@ -108,6 +108,8 @@ pub struct Epsp {
     /// Per worker: the straggler iteration it was last offered while its pull is parked
     /// (cleared when the pull is released).
     helping: Vec<Option<(Worker, u64)>>,
+    /// The latest event's time.
+    now: Nanos,
 }
 
 impl Epsp {
@@ -123,6 +125,7 @@ impl Epsp {
             switches: 0,
             since_verdict: 0,
             helping: vec![None; workers as usize],
+            now: 0,
         }
     }
 
@@ -283,6 +286,13 @@ impl SyncPolicy for Epsp {
     }
 
     fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
+        self.now = self.now.max(match ev {
+            Event::Push { at, .. }
+            | Event::Pull { at, .. }
+            | Event::Leave { at, .. }
+            | Event::Join { at, .. }
+            | Event::Tick { at } => at,
+        });
         let before = match ev {
             Event::Push { worker, .. } => self.clocks.applied.get(worker as usize).copied(),
             _ => None,
@@ -350,5 +360,29 @@ impl SyncPolicy for Epsp {
 
     fn transfers(&self) -> u64 {
         self.transfers
+    }
+
+    /// Under synchronous updates (`epsp(0)`) EPSP sees each gradient when it arrives, not when
+    /// its step is applied: the projection times real iterations and the offers know who has
+    /// not pushed yet. Every gradient counts for its own clock (nothing is dropped or moved).
+    /// Asynchronous updates feed every push on arrival anyway.
+    fn judges_arrivals(&self) -> bool {
+        true
+    }
+
+    /// The gradients waiting in their steps arrived: they count (see
+    /// [`SyncPolicy::judges_arrivals`]).
+    fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)], out: &mut Vec<Action>) {
+        for a in &mut self.clocks.applied {
+            *a = (*a).max(steps);
+        }
+        for (step, workers) in pending {
+            for &w in workers {
+                if let Some(a) = self.clocks.applied.get_mut(w as usize) {
+                    *a = (*a).max(step + 1);
+                }
+            }
+        }
+        self.release_ready(self.now, out);
     }
 }

@@ -324,6 +324,19 @@ impl PolicySpec {
         }
     }
 
+    /// How the servers apply this policy's gradients: per step, aggregated, for the policies
+    /// whose every step holds every live worker's gradient of one clock (BSP, Sync-opt, and
+    /// EPSP with no slack: `epsp(0)`, BSP plus task transfer); one by one as they arrive for
+    /// the others.
+    pub fn update_mode(&self) -> crate::update::UpdateMode {
+        match self {
+            PolicySpec::Bsp | PolicySpec::SyncOpt { .. } | PolicySpec::Epsp { s_max: 0, .. } => {
+                crate::update::UpdateMode::Sync
+            }
+            _ => crate::update::UpdateMode::Async,
+        }
+    }
+
     /// True when workers wait at job-wide barriers planned by the scheduler (ElasticBSP).
     pub fn job_barriers(&self) -> Option<u32> {
         match *self {

@@ -24,6 +24,8 @@ pub(super) struct PushRecord {
     pub(super) own: Option<u64>,
     pub(super) kind: PushKind,
     pub(super) seq: u64,
+    /// Transferred tasks: the straggler and iteration they were taken from.
+    pub(super) help_for: Option<(u32, u64)>,
 }
 
 /// What a tracked request keeps so that it can be sent again on a new link.
@@ -85,6 +87,7 @@ impl Worker {
             own: None,
             kind,
             seq,
+            help_for: None,
         };
         self.write_record(s, rec, ack)
     }
@@ -274,6 +277,7 @@ impl Inner {
         let trailer = SlotTrailer {
             computed_on: Some(v).filter(|&v| v != u64::MAX),
             seq: rec.seq,
+            help_for: rec.help_for,
         };
         scratch.write_at(0, &trailer.to_bytes())?;
         link.write(

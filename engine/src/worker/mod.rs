@@ -632,6 +632,7 @@ impl Worker {
                 own: Some(bytes),
                 kind,
                 seq: clock + 1,
+                help_for: None,
             };
             let sig = self.write_record(s, rec, AckOf::Push { clock })?;
             self.pushed(s);

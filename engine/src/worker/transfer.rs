@@ -13,7 +13,6 @@ use super::tracker::{Reply, Request};
 use super::{Inner, Worker, lock};
 use crate::error::{Error, Result};
 use crate::proto::{AckOf, Msg, PushKind};
-use crate::update::UpdateMode;
 
 /// How a worker gives tasks away: called with (iteration, most tasks wanted), returns the
 /// range of task indices now the helper's (empty: none).
@@ -93,9 +92,9 @@ impl Worker {
     }
 
     /// Pushes the gradient of tasks taken from `straggler`'s iteration `clock` (task
-    /// transfer): applied by the servers like an asynchronous gradient, without moving this
-    /// worker's clock. Needs asynchronous updates (EPSP, FlexRR, SSP…): under a policy that
-    /// aggregates per clock (BSP, Sync-opt) it is refused.
+    /// transfer), without moving this worker's clock. Under asynchronous updates the servers
+    /// apply it at once; under synchronous ones (enforced EPSP) it joins the straggler's step
+    /// `clock` when that step has not been applied yet, and is applied alone otherwise.
     pub fn push_for(
         &self,
         tensor: &str,
@@ -104,21 +103,22 @@ impl Worker {
         clock: u64,
     ) -> Result<()> {
         self.check_running()?;
-        if self.inner.book.mode == UpdateMode::Sync {
-            return Err(Error::Config(
-                "transferred tasks need asynchronous updates; this job's policy (BSP or Sync-opt) aggregates per clock".into(),
-            ));
-        }
         if straggler >= self.workers() {
             return Err(Error::Config(format!("no worker {straggler}")));
         }
-        let _ = clock;
         let t = self.tensor(tensor)?;
         self.check_len(t, grad)?;
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
             let seq = s.helps.fetch_add(1, Ordering::AcqRel) + 1;
-            signals.push(self.write_slot(s, Some(grad), AckOf::Help, PushKind::Help, seq)?);
+            let rec = super::data::PushRecord {
+                grad: Some(grad.clone()),
+                own: None,
+                kind: PushKind::Help,
+                seq,
+                help_for: Some((straggler, clock)),
+            };
+            signals.push(self.write_record(s, rec, AckOf::Help)?);
         }
         lock(&self.inner.stats).help_pushes += signals.len() as u64;
         self.handle(signals, Some(self.inner.timeout)).wait()
