@@ -89,6 +89,81 @@ fn stragglers_writes_every_output_for_both_modes() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The fair comparison: every configuration at every learning rate of the grid and every
+/// seed, reported at its best learning rate, every run kept.
+#[test]
+fn fair_runs_the_grid_and_reports_each_policy_at_its_best_learning_rate() {
+    let out = tmp("fair");
+    let sample = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/fashion-mnist-sample");
+    let printed = falcon(&[
+        "experiment",
+        "fair",
+        "--quick",
+        "--quiet",
+        "--workers",
+        "4",
+        "--hetero",
+        "3:h=0.5",
+        "--policies",
+        "bsp,epsp(0),asp",
+        "--lr-grid",
+        "0.001,0.1",
+        "--seeds",
+        "2",
+        "--data",
+        sample.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        printed.contains("| configuration | mode | lr |"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("momentum(0.9) at lr 0.001, 0.1, 2 seed(s)"),
+        "{printed}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let rows = json.as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    for r in rows {
+        let grid = r["grid"].as_array().unwrap();
+        assert_eq!(grid.len(), 4, "2 learning rates × 2 seeds: {r}");
+        let lr = r["lr"].as_f64().unwrap();
+        assert!((lr - 0.001).abs() < 1e-9 || (lr - 0.1).abs() < 1e-9, "{lr}");
+        assert_eq!(r["times"].as_array().unwrap().len(), 2, "one per seed");
+        // The best learning rate is the one whose runs end highest when none reaches the
+        // target, or reaches it first.
+        let mean = |l: f64| {
+            grid.iter()
+                .filter(|g| (g["lr"].as_f64().unwrap() - l).abs() < 1e-9)
+                .map(|g| g["final_accuracy"].as_f64().unwrap())
+                .sum::<f64>()
+                / 2.0
+        };
+        let reached = |l: f64| {
+            grid.iter()
+                .filter(|g| (g["lr"].as_f64().unwrap() - l).abs() < 1e-9)
+                .filter(|g| !g["time_to_target"].is_null())
+                .count()
+        };
+        let other = if (lr - 0.1).abs() < 1e-9 { 0.001 } else { 0.1 };
+        if reached(lr) == 0 && reached(other) == 0 {
+            assert!(mean(lr) >= mean(other), "{r}");
+        }
+    }
+    // Enforced EPSP takes BSP's steps: the same final model at the same learning rate.
+    assert_eq!(rows[0]["lr"], rows[1]["lr"]);
+    assert_eq!(rows[0]["final_accuracy"], rows[1]["final_accuracy"]);
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    assert!(
+        csv.lines().next().unwrap().ends_with(",lr,diverged"),
+        "{csv}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn zipline_reports_beside_the_paper() {
     let out = tmp("zipline");

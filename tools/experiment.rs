@@ -10,12 +10,19 @@
 //! and writes, under `--out`: `results.csv` and `results.json` (every figure and every
 //! curve), `table.md` (the printed table), `accuracy.png`/`.svg` (test accuracy against time
 //! per configuration) and `time_to_target.png`/`.svg`.
+//!
+//! With `--lr-grid`, every configuration runs at every learning rate of the grid and is
+//! reported at its best one: the earliest median time to target over the `--seeds` seeds,
+//! then the highest mean final accuracy. Every run of the grid is kept in `results.json`
+//! (`grid`), the seeds' spread is in the table, and a run that diverged is marked.
+//! `falcon experiment fair` is the comparison of `docs/results/fair-comparison.md`.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use falcon_engine::update::Aggregate;
 use falcon_trainer::data::Dataset;
 use falcon_trainer::hetero::Hetero;
 use falcon_trainer::job::{JobReport, JobSpec, run_local};
@@ -52,6 +59,9 @@ enum Which {
     /// Falcon: EPSP against FlexRR, Sync-opt, ConSGD and DynSGD under one and two slowed
     /// workers; then completion time and its variance against thread count.
     Falcon(Knobs),
+    /// Every policy at its best learning rate, with momentum, over two seeds: 16 simulated
+    /// workers of which 4 at half speed, communication charged, the global model measured.
+    Fair(Knobs),
     /// ElasticBSP: ZipLine's decision cost against the paper's Table II.
     Zipline {
         /// Where the results go.
@@ -85,10 +95,24 @@ pub struct Knobs {
     /// Examples per worker per iteration (at least 4, the tasks of an iteration).
     #[arg(long, value_parser = crate::checks::at_least_one_usize)]
     batch: Option<usize>,
-    /// Server-side SGD learning rate (finite, > 0).
+    /// Server-side learning rate (finite, > 0).
     #[arg(long, value_parser = crate::checks::learning_rate,
           allow_negative_numbers = true)]
     lr: Option<f32>,
+    /// Learning rates to try, comma-separated: each configuration runs at every one and is
+    /// reported at its best (see `falcon experiment --help`); replaces --lr.
+    #[arg(long, value_delimiter = ',', value_parser = crate::checks::learning_rate)]
+    lr_grid: Vec<f32>,
+    /// Seeds per configuration and learning rate (--seed, --seed + 1, …): the median time to
+    /// target is reported, the spread beside it.
+    #[arg(long, value_parser = crate::checks::at_least_one_u32)]
+    seeds: Option<u32>,
+    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adagrad.
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// How a synchronous step's gradients combine: sum or mean.
+    #[arg(long, value_parser = ["sum", "mean"])]
+    aggregate: Option<String>,
     /// Model: mlp:784-256-10, mlp:784-10, cnn, …
     #[arg(long)]
     model: Option<String>,
@@ -108,7 +132,7 @@ pub struct Knobs {
     /// Where the results go (default: target/falcon-experiment/NAME).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// A short smoke run (few iterations).
+    /// A short smoke run: 20 iterations, and a target of at most 60 % unless --target says.
     #[arg(long)]
     quick: bool,
     /// No progress bar.
@@ -126,17 +150,22 @@ struct Setup {
     iters: u64,
     batch: usize,
     tasks: u32,
-    lr: f32,
     model: ModelSpec,
     target: f64,
     repeat: u32,
-    seed: u64,
     out: PathBuf,
     quiet: bool,
     /// Simulator: a full-speed iteration (virtual ms) and the one-way latency (virtual µs).
     base_ms: f64,
     latency_us: f64,
     eval_every: u64,
+    /// The learning rates tried (one: `lr`).
+    lrs: Vec<f32>,
+    /// The seeds of each configuration and learning rate.
+    seeds: Vec<u64>,
+    /// The optimizer's text (parsed at each learning rate) and the aggregate.
+    optimizer: String,
+    aggregate: Aggregate,
 }
 
 /// An experiment's defaults.
@@ -153,6 +182,35 @@ struct Defaults {
     target: f64,
     /// Runs of each real configuration.
     repeat: u32,
+    optimizer: &'static str,
+    aggregate: &'static str,
+    lr_grid: &'static [f32],
+    seeds: u32,
+    /// Evaluations every this many full-speed iterations (`None`: 40 over the run).
+    eval_every: Option<u64>,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults {
+            name: "experiment",
+            mode: "sim",
+            entries: "bsp",
+            workers: 4,
+            hetero: &[],
+            iters: 100,
+            batch: 16,
+            lr: 0.05,
+            model: "mlp:784-10",
+            target: 0.7,
+            repeat: 1,
+            optimizer: "sgd",
+            aggregate: "sum",
+            lr_grid: &[],
+            seeds: 1,
+            eval_every: None,
+        }
+    }
 }
 
 impl Knobs {
@@ -193,6 +251,25 @@ impl Knobs {
         crate::checks::tasks_fit(4, batch as u64)?;
         let iters = self.iters.unwrap_or(d.iters);
         let iters = if self.quick { iters.min(20) } else { iters }.max(1);
+        let lr = self.lr.unwrap_or(d.lr);
+        let lrs = if !self.lr_grid.is_empty() {
+            self.lr_grid.clone()
+        } else if self.lr.is_some() || d.lr_grid.is_empty() {
+            vec![lr]
+        } else {
+            d.lr_grid.to_vec()
+        };
+        let optimizer = self.optimizer.as_deref().unwrap_or(d.optimizer).to_string();
+        for &lr in &lrs {
+            falcon_engine::update::Optimizer::parse(&optimizer, lr)?;
+        }
+        let aggregate = match self.aggregate.as_deref().unwrap_or(d.aggregate) {
+            "mean" => Aggregate::Mean,
+            _ => Aggregate::Sum,
+        };
+        let seeds = (0..u64::from(self.seeds.unwrap_or(d.seeds).max(1)))
+            .map(|i| self.seed + i)
+            .collect();
         Ok(Setup {
             modes,
             entries,
@@ -201,11 +278,14 @@ impl Knobs {
             iters,
             batch,
             tasks: 4,
-            lr: self.lr.unwrap_or(d.lr),
             model: crate::checks::setting(self.model.as_deref().unwrap_or(d.model).parse())?,
-            target: self.target.unwrap_or(d.target),
+            // A quick run's 20 iterations reach no paper's target: at most 60 %.
+            target: self.target.unwrap_or(if self.quick {
+                d.target.min(0.6)
+            } else {
+                d.target
+            }),
             repeat: self.repeat.unwrap_or(d.repeat).max(1),
-            seed: self.seed,
             out: self
                 .out
                 .clone()
@@ -213,7 +293,11 @@ impl Knobs {
             quiet: self.quiet,
             base_ms: 10.0,
             latency_us: 50.0,
-            eval_every: (iters / 40).max(1),
+            eval_every: d.eval_every.unwrap_or((iters / 40).max(1)),
+            lrs,
+            seeds,
+            optimizer,
+            aggregate,
         })
     }
 }
@@ -238,8 +322,37 @@ struct Row {
     tasks_transferred: u64,
     /// Seconds until the last worker finished.
     secs: f64,
-    /// (seconds, test accuracy) of worker 0's snapshots.
+    /// (seconds, test accuracy): worker 0's snapshots in real mode, the servers' parameters
+    /// in the simulator.
     curve: Vec<(f64, f64)>,
+    /// The learning rate reported (the best of the grid).
+    lr: f32,
+    /// The run diverged (the servers' parameters not finite, or near chance with a loss not
+    /// clearly below the initial model's).
+    diverged: bool,
+    /// Every run of the grid: learning rate, seed, time to target, final accuracy, diverged.
+    grid: Vec<GridRun>,
+}
+
+/// One run of a configuration's learning-rate grid.
+#[derive(Clone, Debug, Serialize)]
+struct GridRun {
+    lr: f32,
+    seed: u64,
+    time_to_target: Option<f64>,
+    final_accuracy: f64,
+    diverged: bool,
+}
+
+/// A real run diverged: its last evaluation near chance with a loss not clearly below the
+/// first (the simulator's rule, [`SimReport::diverged`]).
+fn diverged_curve(r: &JobReport) -> bool {
+    let (Some(first), Some(last)) = (r.curve.first(), r.curve.last()) else {
+        return false;
+    };
+    !r.final_accuracy.is_finite()
+        || !last.loss.is_finite()
+        || (r.final_accuracy < 0.2 && last.loss >= 0.9 * first.loss)
 }
 
 impl Row {
@@ -259,6 +372,9 @@ impl Row {
             tasks_transferred: r.tasks_transferred,
             secs: r.secs,
             curve: r.curve.iter().map(|p| (p.secs, p.accuracy)).collect(),
+            lr: 0.0,
+            diverged: diverged_curve(r),
+            grid: Vec::new(),
         }
     }
 
@@ -277,8 +393,23 @@ impl Row {
             tasks_transferred: r.tasks_transferred,
             secs: r.virtual_secs,
             curve: r.curve.iter().map(|p| (p.secs, p.accuracy)).collect(),
+            lr: 0.0,
+            diverged: r.diverged,
+            grid: Vec::new(),
         }
     }
+}
+
+/// Seconds to target, never reached last.
+fn time_key(t: Option<f64>) -> f64 {
+    t.unwrap_or(f64::INFINITY)
+}
+
+/// The median of `times` (never reached counts as the latest).
+fn median_time(times: &[Option<f64>]) -> Option<f64> {
+    let mut t: Vec<Option<f64>> = times.to_vec();
+    t.sort_by(|a, b| time_key(*a).total_cmp(&time_key(*b)));
+    t.get(t.len() / 2).copied().flatten()
 }
 
 fn bar(quiet: bool, len: u64, prefix: String) -> ProgressBar {
@@ -297,80 +428,57 @@ fn bar(quiet: bool, len: u64, prefix: String) -> ProgressBar {
     bar
 }
 
-/// Runs every configuration of `s` in `mode` (on `data`).
+/// Runs every configuration of `s` in `mode` (on `data`): at every learning rate and seed
+/// (and, in real mode, `repeat` times each), reported at its best learning rate.
 fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> {
     let mut rows = Vec::new();
     for entry in &s.entries {
         let e: Entry = entry.parse()?;
-        let mut runs = Vec::new();
         let repeat = if mode == "sim" { 1 } else { s.repeat };
-        for round in 0..repeat {
-            let row = match mode {
-                "sim" => {
-                    let spec = SimSpec {
-                        workers: s.workers,
-                        iters: s.iters,
-                        policy: e.policy,
-                        scale: e.scale,
-                        model: s.model.clone(),
-                        batch: s.batch,
-                        lr: s.lr,
-                        seed: s.seed,
-                        base_ns: (s.base_ms * 1e6) as u64,
-                        latency_ns: (s.latency_us * 1e3) as u64,
-                        hetero: s.hetero.clone(),
-                        eval_every: s.eval_every,
-                        eval_examples: 1000,
-                        compute: true,
-                        target: s.target,
-                        tasks: s.tasks,
-                        ..SimSpec::default()
-                    };
-                    Row::from_sim(entry, &simulate(&spec, data)?)
+        // Per learning rate: its runs.
+        let mut per_lr: Vec<(f32, Vec<Row>)> = Vec::new();
+        for &lr in &s.lrs {
+            let optimizer = falcon_engine::update::Optimizer::parse(&s.optimizer, lr)?;
+            let mut runs = Vec::new();
+            for &seed in &s.seeds {
+                for round in 0..repeat {
+                    let seed = seed + u64::from(round) * 1000;
+                    let mut row = run_one(s, mode, data, entry, &e, lr, optimizer, seed)?;
+                    row.lr = lr;
+                    row.grid = vec![GridRun {
+                        lr,
+                        seed,
+                        time_to_target: row.time_to_target,
+                        final_accuracy: row.final_accuracy,
+                        diverged: row.diverged,
+                    }];
+                    runs.push(row);
                 }
-                _ => {
-                    let spec = JobSpec {
-                        workers: s.workers,
-                        servers: 2,
-                        policy: e.policy,
-                        model: s.model.clone(),
-                        train: TrainConfig {
-                            batch: s.batch,
-                            tasks: s.tasks,
-                            iters: s.iters,
-                            seed: s.seed + u64::from(round),
-                            eval_every: s.eval_every,
-                            eval_examples: 1000,
-                            transfer: true,
-                        },
-                        lr: s.lr,
-                        elastic: e.elastic,
-                        hetero: s.hetero.clone(),
-                        medium: Medium::Auto,
-                        target: s.target,
-                        scale: e.scale,
-                        ..JobSpec::default()
-                    };
-                    let total = u64::from(s.workers) * s.iters;
-                    let pb = bar(s.quiet, total, format!("{entry} ({mode})"));
-                    let r = run_local(&spec, data, |p| {
-                        pb.set_position(p.iterations);
-                        pb.set_message(format!("blocked {:.1} s", p.blocked_secs));
-                    })?;
-                    pb.finish_and_clear();
-                    // Let the previous job's threads wind down before the next starts.
-                    std::thread::sleep(Duration::from_millis(100));
-                    Row::from_job(entry, &r)
-                }
-            };
-            runs.push(row);
+            }
+            per_lr.push((lr, runs));
         }
-        let key = |r: &Row| r.time_to_target.unwrap_or(f64::INFINITY);
-        runs.sort_by(|a, b| key(a).total_cmp(&key(b)));
+        let grid: Vec<GridRun> = per_lr
+            .iter()
+            .flat_map(|(_, runs)| runs.iter().flat_map(|r| r.grid.clone()))
+            .collect();
+        // The best learning rate: earliest median time, then highest mean final accuracy.
+        let score = |runs: &[Row]| {
+            let times: Vec<Option<f64>> = runs.iter().map(|r| r.time_to_target).collect();
+            let mean = runs.iter().map(|r| r.final_accuracy).sum::<f64>() / runs.len() as f64;
+            (time_key(median_time(&times)), -mean)
+        };
+        let Some((_, mut runs)) = per_lr.into_iter().min_by(|a, b| {
+            let (x, y) = (score(&a.1), score(&b.1));
+            x.0.total_cmp(&y.0).then(x.1.total_cmp(&y.1))
+        }) else {
+            continue;
+        };
+        runs.sort_by(|a, b| time_key(a.time_to_target).total_cmp(&time_key(b.time_to_target)));
         let times = runs.iter().map(|r| r.time_to_target).collect();
         let n = runs.len();
         let mut median = runs.swap_remove(n / 2);
         median.times = times;
+        median.grid = grid;
         if rows.is_empty() {
             outln!("{}", table_header(s.target));
         }
@@ -380,6 +488,78 @@ fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> 
     Ok(rows)
 }
 
+/// One run of configuration `entry` (parsed: `e`) in `mode` at learning rate `lr` and `seed`.
+#[allow(clippy::too_many_arguments)]
+fn run_one(
+    s: &Setup,
+    mode: &'static str,
+    data: &Arc<Dataset>,
+    entry: &str,
+    e: &Entry,
+    lr: f32,
+    optimizer: falcon_engine::update::Optimizer,
+    seed: u64,
+) -> Res<Row> {
+    if mode == "sim" {
+        let spec = SimSpec {
+            workers: s.workers,
+            iters: s.iters,
+            policy: e.policy,
+            scale: e.scale,
+            model: s.model.clone(),
+            batch: s.batch,
+            lr,
+            optimizer: Some(optimizer),
+            aggregate: s.aggregate,
+            seed,
+            base_ns: (s.base_ms * 1e6) as u64,
+            latency_ns: (s.latency_us * 1e3) as u64,
+            hetero: s.hetero.clone(),
+            eval_every: s.eval_every,
+            eval_examples: 2000,
+            compute: true,
+            target: s.target,
+            tasks: s.tasks,
+            ..SimSpec::default()
+        };
+        return Ok(Row::from_sim(entry, &simulate(&spec, data)?));
+    }
+    let spec = JobSpec {
+        workers: s.workers,
+        servers: 2,
+        policy: e.policy,
+        model: s.model.clone(),
+        train: TrainConfig {
+            batch: s.batch,
+            tasks: s.tasks,
+            iters: s.iters,
+            seed,
+            eval_every: s.eval_every,
+            eval_examples: 1000,
+            transfer: true,
+        },
+        lr,
+        optimizer: Some(optimizer),
+        aggregate: s.aggregate,
+        elastic: e.elastic,
+        hetero: s.hetero.clone(),
+        medium: Medium::Auto,
+        target: s.target,
+        scale: e.scale,
+        ..JobSpec::default()
+    };
+    let total = u64::from(s.workers) * s.iters;
+    let pb = bar(s.quiet, total, format!("{entry} ({mode}, lr {lr})"));
+    let r = run_local(&spec, data, |p| {
+        pb.set_position(p.iterations);
+        pb.set_message(format!("blocked {:.1} s", p.blocked_secs));
+    })?;
+    pb.finish_and_clear();
+    // Let the previous job's threads wind down before the next starts.
+    std::thread::sleep(Duration::from_millis(100));
+    Ok(Row::from_job(entry, &r))
+}
+
 fn secs(t: Option<f64>) -> String {
     t.map_or("not reached".into(), |t| format!("{t:.2}"))
 }
@@ -387,7 +567,7 @@ fn secs(t: Option<f64>) -> String {
 /// The Markdown table's header for `target`.
 fn table_header(target: f64) -> String {
     format!(
-        "| configuration | mode | time to {:.0}% (s) | × first | final acc | it/s | blocked s | parked pulls | dropped | MB moved | tasks moved |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| configuration | mode | lr | time to {:.0}% (s) | runs' spread (s) | × first | final acc | it/s | blocked s | parked pulls | dropped | MB moved | tasks moved |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         100.0 * target
     )
 }
@@ -398,12 +578,28 @@ fn table_row(r: &Row, base: Option<f64>) -> String {
         (Some(x), Some(b)) if b > 0.0 => format!("{:.2}", x / b),
         _ => "–".into(),
     };
+    let reached: Vec<f64> = r.times.iter().flatten().copied().collect();
+    let spread = match (
+        reached.iter().copied().reduce(f64::min),
+        reached.iter().copied().reduce(f64::max),
+    ) {
+        _ if r.times.len() < 2 => "–".to_string(),
+        (Some(lo), Some(hi)) if reached.len() == r.times.len() => format!("{lo:.2}–{hi:.2}"),
+        (Some(lo), Some(hi)) => format!(
+            "{lo:.2}–{hi:.2}, {} of {} not reached",
+            r.times.len() - reached.len(),
+            r.times.len()
+        ),
+        _ => "none reached".to_string(),
+    };
     format!(
-        "| {} | {} | {} | {ratio} | {:.2}% | {:.1} | {:.2} | {} | {} | {:.1} | {} |",
+        "| {} | {} | {} | {} | {spread} | {ratio} | {:.2}%{} | {:.1} | {:.2} | {} | {} | {:.1} | {} |",
         r.config,
         r.mode,
+        r.lr,
         secs(r.time_to_target),
         100.0 * r.final_accuracy,
+        if r.diverged { " (diverged)" } else { "" },
         r.iterations_per_sec,
         r.blocked_secs,
         r.parked_pulls,
@@ -430,12 +626,12 @@ fn table(rows: &[Row], target: f64) -> String {
 fn write_outputs(dir: &Path, prefix: &str, title: &str, rows: &[Row], target: f64) -> Res<String> {
     std::fs::create_dir_all(dir)?;
     let mut csv = String::from(
-        "configuration,mode,time_to_target_s,final_accuracy,iterations_per_s,blocked_s,parked_pulls,dropped_gradients,bytes_moved,tasks_transferred,secs\n",
+        "configuration,mode,time_to_target_s,final_accuracy,iterations_per_s,blocked_s,parked_pulls,dropped_gradients,bytes_moved,tasks_transferred,secs,lr,diverged\n",
     );
     for r in rows {
         let _ = writeln!(
             csv,
-            "\"{}\",{},{},{:.5},{:.3},{:.4},{},{},{},{},{:.4}",
+            "\"{}\",{},{},{:.5},{:.3},{:.4},{},{},{},{},{:.4},{},{}",
             r.config.replace('"', "\"\""),
             r.mode,
             r.time_to_target
@@ -447,7 +643,9 @@ fn write_outputs(dir: &Path, prefix: &str, title: &str, rows: &[Row], target: f6
             r.dropped_gradients,
             r.bytes_moved,
             r.tasks_transferred,
-            r.secs
+            r.secs,
+            r.lr,
+            r.diverged
         );
     }
     std::fs::write(dir.join(format!("{prefix}results.csv")), csv)?;
@@ -498,12 +696,18 @@ fn run_setup(s: &Setup, title: &str, data: &Arc<Dataset>) -> Res<Vec<Row>> {
     let mut all = Vec::new();
     for &mode in &s.modes {
         outln!(
-            "\n{title} — {mode}: {} workers × {} iterations, {}, batch {}, lr {}, on {}; profile {}",
+            "\n{title} — {mode}: {} workers × {} iterations, {}, batch {}, {} at lr {}, {} seed(s), on {}; profile {}",
             s.workers,
             s.iters,
             s.model,
             s.batch,
-            s.lr,
+            s.optimizer,
+            s.lrs
+                .iter()
+                .map(|l| l.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            s.seeds.len(),
             data.source,
             profile(&s.hetero)
         );
@@ -557,6 +761,7 @@ pub fn experiment(a: ExperimentArgs) -> Res {
         Which::Dssp(k) => dssp(&k),
         Which::Fluentps(k) => fluentps(&k),
         Which::Falcon(k) => falcon(&k),
+        Which::Fair(k) => fair(&k),
         Which::Zipline { out, quick } => zipline(&out, quick),
     }
 }
@@ -565,6 +770,35 @@ const ALL_POLICIES: &str = "bsp,asp,ssp(3),ssp(6),ssp(15),dssp(3,15),epsp(0,fixe
      epsp(4),epsp(4,no-transfer),epsp(4)+static,fluentps(3,p=1),fluentps(3,p=0.5),\
      fluentps(3,p=0.1),fluentps(3,sigmoid),syncopt(1),asp+dynsgd,asp+consgd(0.5),flexrr(1),\
      elasticbsp(15)";
+
+/// The fair comparison (`docs/results/fair-comparison.md`): every policy at its best
+/// learning rate, momentum, the mean of a synchronous step, two seeds.
+fn fair(k: &Knobs) -> Res {
+    let s = k.resolve(Defaults {
+        name: "fair",
+        mode: "sim",
+        entries: "bsp,ssp(3),dssp(3,15),epsp,epsp(0),flexrr(1),asp",
+        workers: 16,
+        hetero: &["12-15:h=0.5"],
+        iters: 300,
+        batch: 16,
+        model: "mlp:784-64-10",
+        target: 0.8,
+        optimizer: "momentum(0.9)",
+        aggregate: "mean",
+        lr_grid: &[0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0],
+        seeds: 2,
+        eval_every: Some(2),
+        ..Defaults::default()
+    })?;
+    let data = Arc::new(Dataset::find(k.data.as_deref())?);
+    run_setup(
+        &s,
+        &format!("fair comparison ({}, {} seeds)", s.optimizer, s.seeds.len()),
+        &data,
+    )?;
+    Ok(())
+}
 
 fn stragglers(k: &Knobs) -> Res {
     let s = k.resolve(Defaults {
@@ -579,6 +813,7 @@ fn stragglers(k: &Knobs) -> Res {
         model: "mlp:784-256-10",
         target: 0.83,
         repeat: 3,
+        ..Defaults::default()
     })?;
     let data = Arc::new(Dataset::find(k.data.as_deref())?);
     run_setup(&s, "stragglers", &data)?;
@@ -598,6 +833,7 @@ fn dssp(k: &Knobs) -> Res {
         model: "mlp:784-256-10",
         target: 0.83,
         repeat: 3,
+        ..Defaults::default()
     })?;
     let data = Arc::new(Dataset::find(k.data.as_deref())?);
     let rows = run_setup(&s, "DSSP Table I analogue (2 workers, 2:1)", &data)?;
@@ -636,6 +872,7 @@ fn fluentps(k: &Knobs) -> Res {
         model: "mlp:784-10",
         target: 0.7,
         repeat: 1,
+        ..Defaults::default()
     })?;
     let mut s = s;
     if k.hetero.is_empty() {
@@ -688,6 +925,7 @@ fn falcon(k: &Knobs) -> Res {
             model: "mlp:784-256-10",
             target: 0.83,
             repeat: 3,
+            ..Defaults::default()
         })?;
         s.out = s.out.join(format!("{label}-slowed"));
         let rows = run_setup(

@@ -326,6 +326,8 @@ fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) 
             transfer: true,
         },
         lr: a.lr,
+        optimizer: None,
+        aggregate: falcon_engine::update::Aggregate::Sum,
         threads: a.threads,
         elastic: e.elastic,
         budget: 0,

@@ -47,6 +47,10 @@ pub struct JobSpec {
     /// Server-side SGD learning rate (gradients of a clock are summed under synchronous
     /// policies, applied one by one otherwise: the same step per gradient either way).
     pub lr: f32,
+    /// The servers' optimizer (`None`: SGD at [`JobSpec::lr`]).
+    pub optimizer: Option<Optimizer>,
+    /// How a synchronous step's gradients combine.
+    pub aggregate: Aggregate,
     /// Initial pool threads per worker.
     pub threads: usize,
     /// Let the parallelism manager change thread counts.
@@ -141,6 +145,8 @@ impl Default for JobSpec {
             device: Device::Cpu,
             train: TrainConfig::default(),
             lr: 0.05,
+            optimizer: None,
+            aggregate: Aggregate::Sum,
             threads: 1,
             elastic: true,
             budget: 0,
@@ -276,8 +282,8 @@ pub fn run_local(
         servers: spec.servers.max(1),
         workers: spec.workers.max(1),
         policy: spec.policy,
-        optimizer: Optimizer::Sgd { lr: spec.lr },
-        aggregate: Aggregate::Sum,
+        optimizer: spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr }),
+        aggregate: spec.aggregate,
         scale: spec.scale,
         ..JobConfig::default()
     };

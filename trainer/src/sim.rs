@@ -205,7 +205,7 @@ impl Default for SimSpec {
             latency_ns: 50_000,
             bandwidth: DEFAULT_BANDWIDTH,
             apply_ns_per_float: None,
-            servers: 1,
+            servers: 2,
             partition: Partition::Iid,
             hetero: Vec::new(),
             eval_every: 10,
