@@ -718,6 +718,11 @@ pub struct SimArgs {
     /// reshuffled across all workers).
     #[arg(long, default_value = "iid", value_parser = ["iid", "skewed", "shuffled"])]
     partition: String,
+    /// Cores of each worker's host: the parallelism manager plans each worker's threads, an
+    /// iteration of p threads taking 1/min(p, cores) of its one-thread time (0: one thread
+    /// each, no manager).
+    #[arg(long, default_value_t = 0)]
+    host_cores: usize,
     /// Heterogeneity RANKS:SPEC (RANKS: N, A-B or *; repeatable, or `;`-separated); default:
     /// the last worker at h=0.25.
     #[arg(long, env = "FALCON_HETERO", value_delimiter = ';')]
@@ -832,6 +837,7 @@ pub fn sim(a: SimArgs) -> Res {
             apply_ns_per_float: a.apply_ns,
             servers: a.servers,
             partition: checks::setting(a.partition.parse::<Partition>())?,
+            host_cores: (a.host_cores > 0).then_some(a.host_cores),
             hetero: hetero.clone(),
             eval_every: a.eval_every,
             eval_examples: a.eval_examples,

@@ -29,6 +29,16 @@
 //!
 //! ElasticBSP runs as its single job-wide state machine ([`ElasticBsp`]).
 //!
+//! # Elastic parallelism
+//!
+//! With [`SimSpec::host_cores`] set, each worker runs on a host of that many cores and the
+//! job's parallelism manager (the scheduler's own [`Manager`]) plans its thread count, as in a
+//! real job: every iteration end reports the iteration's compute time, threads and tasks;
+//! each iteration begins with the count the manager advises then. An iteration of `p` threads
+//! takes `1/min(p, cores)` of its one-thread time: linear up to the host's cores and no gain
+//! past them, the knee `falcon bench knee` measures (on 2 cores: 135 ms at 1 thread, 68 ms at
+//! 2, 66–67 ms from 3 on). The manager never plans past the knee, here the host's cores.
+//!
 //! # Communication
 //!
 //! Every message pays the one-way latency ([`SimSpec::latency_ns`]); the model's bytes (f32)
@@ -98,6 +108,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use falcon_engine::shard::{Input, Output, ShardConfig, ShardCore, ShardParams, VecParams};
+use falcon_engine::supervisor::{Manager, ManagerConfig};
 use falcon_engine::sync::{ElasticBsp, PolicySpec, SyncPolicy};
 use falcon_engine::update::{
     Aggregate, Constant, Optimizer, ScaleSpec, ShardOptimizer, UpdateMode,
@@ -148,6 +159,9 @@ pub struct SimSpec {
     pub servers: u32,
     /// How the training data is divided among the workers.
     pub partition: Partition,
+    /// Cores of each worker's host, for the parallelism manager (see the
+    /// [module documentation](self#elastic-parallelism); `None`: one thread each, no manager).
+    pub host_cores: Option<usize>,
     /// Heterogeneity of each worker (missing: none).
     pub hetero: Vec<Hetero>,
     /// Evaluate the servers' parameters every this many full-speed iterations of virtual time
@@ -207,6 +221,7 @@ impl Default for SimSpec {
             apply_ns_per_float: None,
             servers: 2,
             partition: Partition::Iid,
+            host_cores: None,
             hetero: Vec::new(),
             eval_every: 10,
             eval_examples: 500,
@@ -273,6 +288,10 @@ pub struct SimReport {
     pub server_busy_secs: f64,
     /// A digest of the final parameters (bit-for-bit reproducibility).
     pub digest: u64,
+    /// Per worker, the threads of its last iteration (1 without elastic parallelism).
+    pub threads: Vec<usize>,
+    /// How many times the parallelism manager re-planned.
+    pub plans: u64,
 }
 
 impl SimReport {
@@ -480,6 +499,9 @@ struct Sim<'a> {
     /// Pushes applied, and workers done.
     pushes: u64,
     finished: u32,
+    /// The parallelism manager, and each worker's threads now.
+    manager: Option<Manager>,
+    threads: Vec<usize>,
     scratch: Scratch,
     x: Vec<f32>,
     y: Vec<u8>,
@@ -556,6 +578,13 @@ impl<'a> Sim<'a> {
             busy: 0,
             pushes: 0,
             finished: 0,
+            manager: spec.host_cores.map(|cores| {
+                let mut cfg = ManagerConfig::one_host(spec.workers, cores, cores, spec.tasks);
+                // Each worker on its own host.
+                cfg.hosts = (0..spec.workers).collect();
+                Manager::new(cfg)
+            }),
+            threads: vec![1; n],
             scratch: Scratch::new(),
             x: Vec::new(),
             y: Vec::new(),
@@ -606,7 +635,11 @@ impl<'a> Sim<'a> {
             .map_or(std::time::Duration::ZERO, |h| {
                 h.delay(spec.seed ^ u64::from(w), c, d)
             });
-        u64::try_from(d.saturating_add(extra).as_nanos()).unwrap_or(u64::MAX)
+        let one = u64::try_from(d.saturating_add(extra).as_nanos()).unwrap_or(u64::MAX);
+        match spec.host_cores {
+            Some(cores) => one / self.threads[w as usize].clamp(1, cores.max(1)) as u64,
+            None => one,
+        }
     }
 
     /// Worker `w`'s pull for clock `c` reaches the shard at `t`.
@@ -737,6 +770,18 @@ impl<'a> Sim<'a> {
     /// [module documentation](self#communication)).
     fn sent(&mut self, w: u32, c: u64, g: u64, t: u64) {
         let spec = self.spec;
+        if let (Some(m), Some(run)) = (&self.manager, self.workers[w as usize].running)
+            && run.own > 0
+        {
+            // Its own tasks' compute time, as a worker reports its iteration.
+            let own = task_offset(run.took, run.own, spec.tasks);
+            m.report(
+                w,
+                self.threads[w as usize],
+                run.own,
+                std::time::Duration::from_nanos(own),
+            );
+        }
         let servers = u64::from(spec.servers.max(1));
         let arrive = t.saturating_add(spec.latency_ns);
         let begin = arrive.max(self.in_free);
@@ -794,6 +839,9 @@ impl<'a> Sim<'a> {
         self.workers[wi].seen = self.shard.version();
         if self.spec.compute {
             self.gradient(w, c)?;
+        }
+        if let Some(m) = &self.manager {
+            self.threads[wi] = m.threads(w);
         }
         let took = self.duration(w, c);
         let me = &mut self.workers[wi];
@@ -956,6 +1004,8 @@ impl<'a> Sim<'a> {
             updates: stats.updates,
             bytes_moved: 2 * u64::from(spec.workers) * spec.iters * p * 4,
             server_busy_secs: self.busy as f64 / 1e9,
+            threads: self.threads.clone(),
+            plans: self.manager.as_ref().map_or(0, Manager::plans),
             digest,
         })
     }

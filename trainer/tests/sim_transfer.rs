@@ -242,3 +242,31 @@ fn enforced_epsp_is_bsp_arithmetic_in_less_time() {
         bsp.virtual_secs
     );
 }
+
+/// The parallelism manager acts in virtual time: the persistent straggler, on a host of 4
+/// cores, is given threads and its iterations shorten; the pioneers keep one thread; the job
+/// ends sooner; the run stays reproducible.
+#[test]
+fn the_parallelism_manager_gives_the_straggler_threads_in_virtual_time() {
+    let d = data();
+    let off = spec("bsp", 4, 60);
+    let on = SimSpec {
+        host_cores: Some(4),
+        ..off.clone()
+    };
+    let (a, b) = (simulate(&off, &d).unwrap(), simulate(&on, &d).unwrap());
+    assert_eq!(a.threads, vec![1; 4]);
+    assert_eq!(a.plans, 0);
+    assert!(b.plans > 0);
+    assert!(b.threads[3] > 1, "the straggler's threads: {:?}", b.threads);
+    assert!(b.threads[..3].iter().all(|&t| t == 1), "{:?}", b.threads);
+    assert!(
+        b.virtual_secs < 0.7 * a.virtual_secs,
+        "{} against {} virtual s",
+        b.virtual_secs,
+        a.virtual_secs
+    );
+    let again = simulate(&on, &d).unwrap();
+    assert_eq!(again.virtual_secs.to_bits(), b.virtual_secs.to_bits());
+    assert_eq!(again.threads, b.threads);
+}
