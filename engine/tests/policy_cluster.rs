@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use falcon_engine::keys::TensorSpec;
 use falcon_engine::local::{LocalCluster, LocalReport};
+use falcon_engine::sync::PolicySpec;
+use falcon_engine::update::UpdateMode;
 use falcon_engine::{JobConfig, Offer, Worker, WorkerStats};
 
 const W: u32 = 3;
@@ -27,6 +29,10 @@ fn cfg(policy: &str) -> JobConfig {
 
 /// Worker 2 is a persistent straggler (40 ms per iteration, far above scheduling noise on a
 /// loaded machine); 0 and 1 do not sleep.
+fn mode_of(policy: &str) -> UpdateMode {
+    policy.parse::<PolicySpec>().unwrap().update_mode()
+}
+
 fn train(policy: &str) -> (Vec<(WorkerStats, Vec<Offer>)>, LocalReport, u64) {
     let tensors = vec![TensorSpec {
         name: "w".into(),
@@ -62,8 +68,14 @@ fn train(policy: &str) -> (Vec<(WorkerStats, Vec<Offer>)>, LocalReport, u64) {
 }
 
 /// Counters that must add up whatever the policy: bytes in per shard, bytes out (server
-/// answers plus one-sided reads) per pull, staleness samples per applied gradient.
-fn check_counters(per_worker: &[(WorkerStats, Vec<Offer>)], report: &LocalReport, shards: u64) {
+/// answers plus one-sided reads) per pull, staleness samples per asynchronously applied
+/// gradient (none under synchronous updates, whose steps are never stale).
+fn check_counters(
+    per_worker: &[(WorkerStats, Vec<Offer>)],
+    report: &LocalReport,
+    shards: u64,
+    mode: UpdateMode,
+) {
     let bytes_in: u64 = report
         .servers
         .iter()
@@ -96,10 +108,13 @@ fn check_counters(per_worker: &[(WorkerStats, Vec<Offer>)], report: &LocalReport
             .iter()
             .flat_map(|s| s.per_worker[w].staleness.values())
             .sum();
+        let want = match mode {
+            UpdateMode::Async => ITERS * shards,
+            UpdateMode::Sync => 0,
+        };
         assert_eq!(
-            staleness,
-            ITERS * shards,
-            "worker {w}: one sample per gradient"
+            staleness, want,
+            "worker {w}: one sample per asynchronously applied gradient"
         );
         let parked: u64 = report
             .servers
@@ -134,7 +149,7 @@ fn epsp_offers_the_straggler_s_tasks_to_the_blocked_pioneers() {
     // Enforced (a barrier per iteration) with transfer: a pioneer waits at every iteration
     // for the 15 ms straggler, and each parked pull brings an offer.
     let (per_worker, report, shards) = train("epsp(0,fixed)");
-    check_counters(&per_worker, &report, shards);
+    check_counters(&per_worker, &report, shards, mode_of("epsp(0,fixed)"));
     for (w, (stats, offers)) in per_worker.iter().enumerate() {
         assert_eq!(stats.offers, offers.len() as u64);
         check_offers(w, offers);
@@ -171,7 +186,7 @@ fn epsp_offers_the_straggler_s_tasks_to_the_blocked_pioneers() {
 fn epsp_without_transfer_and_ssp_make_no_offers() {
     for policy in ["epsp(4,no-transfer)", "ssp(1)"] {
         let (per_worker, report, shards) = train(policy);
-        check_counters(&per_worker, &report, shards);
+        check_counters(&per_worker, &report, shards, mode_of(policy));
         assert!(
             per_worker
                 .iter()
@@ -184,7 +199,7 @@ fn epsp_without_transfer_and_ssp_make_no_offers() {
 #[test]
 fn flexrr_offers_reach_helpers_ahead_of_the_straggler() {
     let (per_worker, report, shards) = train("flexrr(1)");
-    check_counters(&per_worker, &report, shards);
+    check_counters(&per_worker, &report, shards, mode_of("flexrr(1)"));
     for (w, (stats, offers)) in per_worker.iter().enumerate() {
         assert_eq!(stats.offers, offers.len() as u64);
         check_offers(w, offers);
@@ -200,7 +215,7 @@ fn flexrr_offers_reach_helpers_ahead_of_the_straggler() {
 #[test]
 fn dssp_grants_are_reported_per_worker() {
     let (per_worker, report, shards) = train("dssp(0,3)");
-    check_counters(&per_worker, &report, shards);
+    check_counters(&per_worker, &report, shards, mode_of("dssp(0,3)"));
     let grants: Vec<u64> = (0..W as usize)
         .map(|w| report.servers.iter().map(|s| s.per_worker[w].grants).sum())
         .collect();
@@ -222,8 +237,11 @@ fn transferred_tasks_are_processed_exactly_once() {
     use std::collections::HashSet;
     use std::sync::{Arc, Mutex};
     const M: u32 = 8;
+    // Enforced EPSP: synchronous steps, each the sum of its gradients (so the parameters
+    // count tasks), the helpers' parts joining their straggler's step.
     let mut c = cfg("epsp(0,fixed)");
     c.optimizer = falcon_engine::update::Optimizer::Sgd { lr: 1.0 };
+    c.aggregate = falcon_engine::update::Aggregate::Sum;
     let tensors = vec![TensorSpec {
         name: "w".into(),
         len: 10,
