@@ -483,7 +483,11 @@ fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> 
         if rows.is_empty() {
             outln!("{}", table_header(s.target));
         }
-        outln!("{}", table_row(&median, None));
+        // Each row as it finishes, its ratio to the first row's time (the table once).
+        let base = rows
+            .first()
+            .map_or(median.time_to_target, |r: &Row| r.time_to_target);
+        outln!("{}", table_row(&median, base));
         rows.push(median);
     }
     Ok(rows)
@@ -718,14 +722,14 @@ fn run_setup(s: &Setup, title: &str, data: &Arc<Dataset>) -> Res<Vec<Row>> {
         } else {
             String::new()
         };
-        let t = write_outputs(
+        // The table was printed row by row; the files get it whole.
+        write_outputs(
             &s.out,
             &prefix,
             &format!("{title} ({mode})"),
             &rows,
             s.target,
         )?;
-        outln!("\n{t}");
         all.extend(rows);
     }
     outln!("results: {}", s.out.display());
