@@ -27,6 +27,7 @@ mod cnn;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 mod mlp;
+mod resmlp;
 
 use std::fmt;
 use std::str::FromStr;
@@ -36,6 +37,7 @@ use serde::{Deserialize, Serialize};
 
 pub use cnn::Cnn;
 pub use mlp::Mlp;
+pub use resmlp::ResMlp;
 
 use crate::{Error, Result};
 
@@ -195,6 +197,17 @@ pub enum ModelSpec {
         /// Channels of the second convolution.
         c2: usize,
     },
+    /// A residual MLP (see [`ResMlp::new`]): `resmlp:784-64x4-10`.
+    ResMlp {
+        /// Input features.
+        input: usize,
+        /// Units of every hidden layer.
+        width: usize,
+        /// Residual blocks.
+        blocks: usize,
+        /// Classes.
+        classes: usize,
+    },
 }
 
 impl ModelSpec {
@@ -203,6 +216,12 @@ impl ModelSpec {
         Ok(match self {
             Self::Mlp { sizes } => Box::new(Mlp::new(sizes)?),
             Self::Cnn { c1, c2 } => Box::new(Cnn::new(*c1, *c2)?),
+            Self::ResMlp {
+                input,
+                width,
+                blocks,
+                classes,
+            } => Box::new(ResMlp::new(*input, *width, *blocks, *classes)?),
         })
     }
 }
@@ -221,6 +240,12 @@ impl fmt::Display for ModelSpec {
                 Ok(())
             }
             Self::Cnn { c1, c2 } => write!(f, "cnn:{c1}-{c2}"),
+            Self::ResMlp {
+                input,
+                width,
+                blocks,
+                classes,
+            } => write!(f, "resmlp:{input}-{width}x{blocks}-{classes}"),
         }
     }
 }
@@ -231,10 +256,29 @@ impl FromStr for ModelSpec {
     fn from_str(s: &str) -> Result<Self> {
         let bad = |why: &str| {
             Error::Config(format!(
-                "model `{s}`: {why} (expected e.g. mlp:784-256-10, cnn:8-16 or cnn)"
+                "model `{s}`: {why} (expected e.g. mlp:784-256-10, resmlp:784-64x4-10, cnn:8-16 or cnn)"
             ))
         };
         let (kind, dims) = s.split_once(':').unwrap_or((s, ""));
+        if kind.trim().eq_ignore_ascii_case("resmlp") {
+            let parts: Vec<&str> = dims.split('-').map(str::trim).collect();
+            let num = |t: &str| {
+                t.parse::<usize>()
+                    .map_err(|e| bad(&format!("bad width `{t}`: {e}")))
+            };
+            let [input, hidden, classes] = parts[..] else {
+                return Err(bad("a resmlp is INPUT-WIDTHxBLOCKS-CLASSES"));
+            };
+            let Some((width, blocks)) = hidden.split_once(['x', 'X']) else {
+                return Err(bad("a resmlp's hidden part is WIDTHxBLOCKS, e.g. 64x4"));
+            };
+            return Ok(Self::ResMlp {
+                input: num(input)?,
+                width: num(width)?,
+                blocks: num(blocks)?,
+                classes: num(classes)?,
+            });
+        }
         let dims: Vec<usize> = if dims.is_empty() {
             Vec::new()
         } else {

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use falcon_trainer::Error;
-use falcon_trainer::model::{Cnn, Mlp, Model, ModelSpec, Scratch};
+use falcon_trainer::model::{Cnn, Mlp, Model, ModelSpec, ResMlp, Scratch};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -257,6 +257,7 @@ fn check_chunking(model: &dyn Model) {
 fn batches_larger_than_a_chunk_are_split() {
     check_chunking(&Mlp::new(&[5, 4, 3]).unwrap());
     check_chunking(&Cnn::with_input(4, 4, 2, 2, 3).unwrap());
+    check_chunking(&ResMlp::new(5, 4, 2, 3).unwrap());
 }
 
 #[test]
@@ -420,8 +421,74 @@ fn bad_configurations_are_errors() {
     ));
 }
 
+/// Named tensors of a residual MLP, per the documented layout.
+fn resmlp_groups(d: usize, w: usize, blocks: usize, k: usize) -> Vec<(String, Range<usize>)> {
+    let mut lens = vec![("W0".to_string(), d * w), ("b0".to_string(), w)];
+    for j in 1..=blocks {
+        lens.push((format!("W{j}"), w * w));
+        lens.push((format!("b{j}"), w));
+    }
+    lens.push(("Wo".into(), w * k));
+    lens.push(("bo".into(), k));
+    let mut o = 0;
+    lens.into_iter()
+        .map(|(name, len)| {
+            o += len;
+            (name, o - len..o)
+        })
+        .collect()
+}
+
+#[test]
+fn resmlp_matches_finite_differences() {
+    let model = ResMlp::new(12, 8, 3, 5).unwrap();
+    assert_eq!(model.num_params(), 12 * 8 + 8 + 3 * (8 * 8 + 8) + 8 * 5 + 5);
+    grad_check(&model, &as_refs(&resmlp_groups(12, 8, 3, 5)), 20, 4);
+}
+
+/// With no block, a residual MLP is an MLP of one hidden layer: the same layout, the same
+/// initial values, the same losses and gradients bit for bit.
+#[test]
+fn resmlp_without_blocks_is_an_mlp() {
+    let (r, m) = (
+        ResMlp::new(20, 16, 0, 7).unwrap(),
+        Mlp::new(&[20, 16, 7]).unwrap(),
+    );
+    assert_eq!(r.num_params(), m.num_params());
+    let p = m.init_vec(3);
+    assert_eq!(r.init_vec(3), p);
+    let (x, y) = random_batch(&m, 9, 4);
+    let (mut gr, mut gm) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+    let lr = r.grad(&p, &x, &y, &mut gr, &mut Scratch::new()).unwrap();
+    let lm = m.grad(&p, &x, &y, &mut gm, &mut Scratch::new()).unwrap();
+    assert_eq!(lr.0.to_bits(), lm.0.to_bits());
+    assert_eq!(lr.1, lm.1);
+    assert_eq!(gr, gm);
+}
+
 #[test]
 fn specs_parse_print_and_build() {
+    let res: ModelSpec = "resmlp:784-64x4-10".parse().unwrap();
+    assert_eq!(
+        res,
+        ModelSpec::ResMlp {
+            input: 784,
+            width: 64,
+            blocks: 4,
+            classes: 10
+        }
+    );
+    assert_eq!(res.to_string(), "resmlp:784-64x4-10");
+    assert_eq!(res.build().unwrap().num_params(), 67_530);
+    for bad in [
+        "resmlp:784-64-10",
+        "resmlp:784-64x-10",
+        "resmlp:0-64x4-10",
+        "resmlp",
+    ] {
+        let e = bad.parse::<ModelSpec>().and_then(|m| m.build().map(|_| ()));
+        assert!(e.is_err(), "{bad}");
+    }
     let mlp: ModelSpec = "mlp:784-512-256-10".parse().unwrap();
     assert_eq!(
         mlp,

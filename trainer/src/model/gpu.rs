@@ -223,6 +223,9 @@ impl GpuModel {
         match model {
             super::ModelSpec::Mlp { sizes } => Self::mlp(Mlp::new(sizes)?, device),
             super::ModelSpec::Cnn { c1, c2 } => Self::cnn(Cnn::new(*c1, *c2)?, device),
+            super::ModelSpec::ResMlp { .. } => Err(crate::Error::Config(format!(
+                "{model} runs on the CPU only (--device cpu); the device path has mlp and cnn"
+            ))),
         }
     }
 
