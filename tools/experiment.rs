@@ -114,7 +114,7 @@ pub struct Knobs {
     /// How a synchronous step's gradients combine: sum or mean.
     #[arg(long, value_parser = ["sum", "mean"])]
     aggregate: Option<String>,
-    /// Model: mlp:784-256-10, mlp:784-10, cnn, …
+    /// Model: mlp:784-256-10, mlp:784-10, resmlp:784-64x4-10, cnn, …
     #[arg(long)]
     model: Option<String>,
     /// Target test accuracy of the time-to-accuracy column, a fraction in (0, 1].

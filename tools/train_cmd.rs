@@ -43,7 +43,7 @@ pub struct TrainArgs {
     /// `bsp,ssp(3),epsp,epsp(4,no-transfer),epsp+static,asp+dynsgd`.
     #[arg(long)]
     compare: Option<String>,
-    /// Model: mlp:784-256-10, mlp:784-512-256-10, cnn, cnn:C1-C2.
+    /// Model: mlp:784-256-10, mlp:784-512-256-10, resmlp:784-64x4-10 (residual, CPU), cnn, cnn:C1-C2.
     #[arg(long, default_value = "mlp:784-256-10", env = "FALCON_MODEL")]
     model: String,
     /// Where the models compute: cpu, cuda (fails without a usable device) or auto (the
@@ -675,7 +675,7 @@ pub struct SimArgs {
     /// Policies to compare, comma-separated at the top level (each as for `train`).
     #[arg(long, default_value = "bsp,ssp(3),dssp(3,15),epsp,asp")]
     policies: String,
-    /// Model: small ones keep large runs fast (mlp:784-10 is logistic regression).
+    /// Model: small ones keep large runs fast (mlp:784-10 is logistic regression; resmlp:784-64x4-10 is a deeper residual one).
     #[arg(long, default_value = "mlp:784-10", env = "FALCON_MODEL")]
     model: String,
     /// Examples per worker per iteration.
