@@ -445,6 +445,18 @@ struct Arrival {
 }
 
 impl Arrival {
+    /// A whole-shard gradient.
+    fn whole(conn: u64, worker: u32, seq: u64, computed_on: Option<u64>, grad: Vec<f32>) -> Self {
+        Arrival {
+            conn,
+            worker,
+            seq,
+            computed_on,
+            grad,
+            ranges: None,
+        }
+    }
+
     /// The whole gradient of a shard of `len` floats (repeated ranges summed in order).
     fn dense(self, len: usize) -> Vec<f32> {
         let Some(ranges) = self.ranges else {
@@ -625,14 +637,7 @@ impl ShardCore {
                 computed_on,
                 grad,
             } => {
-                let a = Arrival {
-                    conn,
-                    worker,
-                    seq,
-                    computed_on,
-                    grad,
-                    ranges: None,
-                };
+                let a = Arrival::whole(conn, worker, seq, computed_on, grad);
                 self.push(now, a, params, out)
             }
             Input::Help {
@@ -643,14 +648,7 @@ impl ShardCore {
                 grad,
                 help_for,
             } => {
-                let a = Arrival {
-                    conn,
-                    worker,
-                    seq,
-                    computed_on,
-                    grad,
-                    ranges: None,
-                };
+                let a = Arrival::whole(conn, worker, seq, computed_on, grad);
                 self.help(a, help_for, params, out)
             }
             Input::PushRows {

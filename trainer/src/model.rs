@@ -328,6 +328,21 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     }
 }
 
+/// The checks of every pass before it computes: the batch, and the gradient's length.
+fn check_pass(
+    model: &dyn Model,
+    params: &[f32],
+    x: &[f32],
+    y: &[u8],
+    grad: Option<&[f32]>,
+) -> Result<()> {
+    check_batch(model, params, x, y)?;
+    if let Some(g) = grad {
+        check_len("grad", model.num_params(), g.len())?;
+    }
+    Ok(())
+}
+
 /// Checks everything a forward pass reads: parameters, inputs and labels.
 fn check_batch(model: &dyn Model, params: &[f32], x: &[f32], y: &[u8]) -> Result<()> {
     check_len("params", model.num_params(), params.len())?;

@@ -5,7 +5,7 @@
 //! innermost), so an im2col row is a few contiguous copies.
 
 use super::{
-    Model, Scratch, add_column_sums, broadcast_rows, check_batch, check_len, checked_product,
+    Model, Scratch, add_column_sums, broadcast_rows, check_len, check_pass, checked_product,
     chunk_for, fill_uniform, gemm, he_limit, mat, mat_mut, relu, relu_backward,
     softmax_cross_entropy, xavier_limit,
 };
@@ -172,10 +172,7 @@ impl Cnn {
         mut grad: Option<&mut [f32]>,
         scratch: &mut Scratch,
     ) -> Result<(f32, usize)> {
-        check_batch(self, params, x, y)?;
-        if let Some(g) = grad.as_deref() {
-            check_len("grad", self.num_params(), g.len())?;
-        }
+        check_pass(self, params, x, y, grad.as_deref())?;
         if y.is_empty() {
             return Ok((0.0, 0));
         }

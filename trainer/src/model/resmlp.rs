@@ -4,7 +4,7 @@
 //! staleness costs.
 
 use super::{
-    Model, Scratch, add_column_sums, broadcast_rows, check_batch, check_len, checked_product,
+    Model, Scratch, add_column_sums, broadcast_rows, check_len, check_pass, checked_product,
     chunk_for, fill_uniform, gemm, he_limit, mat, mat_mut, relu, relu_backward,
     softmax_cross_entropy, xavier_limit,
 };
@@ -244,10 +244,7 @@ impl Model for ResMlp {
         mut grad: Option<&mut [f32]>,
         scratch: &mut Scratch,
     ) -> Result<(f32, usize)> {
-        check_batch(self, params, x, y)?;
-        if let Some(g) = grad.as_deref() {
-            check_len("grad", self.num_params, g.len())?;
-        }
+        check_pass(self, params, x, y, grad.as_deref())?;
         if y.is_empty() {
             return Ok((0.0, 0));
         }
