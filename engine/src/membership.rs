@@ -384,6 +384,8 @@ pub struct Membership {
     fallen: u64,
     /// ElasticBSP: the workers at their barrier, rank → (clock, interval_ns).
     arrivals: BTreeMap<u32, (u64, u64)>,
+    /// Steals relayed and not answered yet: straggler → (helper, clock) of each.
+    steals: BTreeMap<u32, Vec<(u32, u64)>>,
     report: SchedulerReport,
     ended: bool,
 }
@@ -405,6 +407,7 @@ impl Membership {
             barriers: BTreeMap::new(),
             fallen: 0,
             arrivals: BTreeMap::new(),
+            steals: BTreeMap::new(),
             report,
             ended: false,
         }
@@ -547,6 +550,9 @@ impl Membership {
             }
             Msg::Done if worker => {
                 self.done.insert(rank);
+                // It has no task left to give: the steals relayed to it are answered now, or
+                // a helper whose steal crossed its last push would wait for ever.
+                self.answer_steals(rank, out);
             }
             // A server could not write its checkpoint: counted, and the job ends if it is set
             // to stop on that.
@@ -605,6 +611,10 @@ impl Membership {
         let open =
             straggler != helper && self.live.contains(&to) && !self.done.contains(&straggler);
         let (to, msg) = if open {
+            self.steals
+                .entry(straggler)
+                .or_default()
+                .push((helper, clock));
             let msg = Msg::Steal {
                 straggler,
                 helper,
@@ -635,6 +645,11 @@ impl Membership {
         (start, end): (u32, u32),
         out: &mut Vec<Action>,
     ) {
+        if let Some(open) = self.steals.get_mut(&straggler)
+            && let Some(i) = open.iter().position(|&s| s == (helper, clock))
+        {
+            open.remove(i);
+        }
         let to = (Role::Worker, helper);
         if self.live.contains(&to) {
             self.report.tasks_transferred += u64::from(end.saturating_sub(start));
@@ -646,6 +661,24 @@ impl Membership {
                 end,
             };
             out.push(Action::Send { to, msg });
+        }
+    }
+
+    /// Answers "none" to every steal relayed to `straggler` and not answered: it finished or
+    /// died, so it will not answer.
+    fn answer_steals(&mut self, straggler: u32, out: &mut Vec<Action>) {
+        for (helper, clock) in self.steals.remove(&straggler).unwrap_or_default() {
+            let to = (Role::Worker, helper);
+            if self.live.contains(&to) {
+                let msg = Msg::Tasks {
+                    straggler,
+                    helper,
+                    clock,
+                    start: 0,
+                    end: 0,
+                };
+                out.push(Action::Send { to, msg });
+            }
         }
     }
 
@@ -686,6 +719,7 @@ impl Membership {
         self.report.dead.push(node);
         self.broadcast(Msg::Dead { role, rank }, out);
         if role != Role::Server {
+            self.answer_steals(rank, out);
             return;
         }
         let Some(recovery) = self.s.recovery else {

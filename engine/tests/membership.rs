@@ -314,6 +314,21 @@ impl Sim {
                 assert_eq!(node.0, S);
                 assert!(!self.live.contains(&(W, *worker)));
             }
+            // A straggler that died cannot answer the steals relayed to it: "none" on its
+            // behalf, to a live helper.
+            (
+                Msg::Tasks {
+                    straggler,
+                    helper,
+                    start: 0,
+                    end: 0,
+                    ..
+                },
+                _,
+            ) if !self.live.contains(&(W, *straggler)) => {
+                assert_eq!(to, (W, *helper));
+                assert!(self.live.contains(&to));
+            }
             // A steal goes to a straggler that can give tasks, else is answered "none".
             (
                 Msg::Steal {
@@ -1079,6 +1094,58 @@ fn steals_are_relayed_or_answered_with_none() {
     let out = run(&mut m, msg((W, 0), steal(1)), t);
     assert_eq!(out, none(1));
     assert_eq!(m.report().steals, 4);
+}
+
+/// A steal relayed to a worker that then finishes or dies is answered "none" on its behalf
+/// (it will not answer, and the helper would wait for it until its timeout); one it answered
+/// is not answered again.
+#[test]
+fn steals_a_straggler_cannot_answer_any_more_are_answered_none() {
+    let (mut m, t) = started(settings(1, 4));
+    let steal = |straggler, clock| Msg::Steal {
+        straggler,
+        helper: 99,
+        clock,
+        want: 2,
+    };
+    let none = |straggler, helper, clock| Action::Send {
+        to: (W, helper),
+        msg: Msg::Tasks {
+            straggler,
+            helper,
+            clock,
+            start: 0,
+            end: 0,
+        },
+    };
+    // Worker 0 asks worker 1 twice; worker 1 answers the first, then finishes.
+    run(&mut m, msg((W, 0), steal(1, 5)), t);
+    run(&mut m, msg((W, 0), steal(1, 6)), t);
+    let answer = Msg::Tasks {
+        straggler: 99,
+        helper: 0,
+        clock: 5,
+        start: 2,
+        end: 4,
+    };
+    assert_eq!(run(&mut m, msg((W, 1), answer), t).len(), 1);
+    assert_eq!(run(&mut m, msg((W, 1), Msg::Done), t), vec![none(1, 0, 6)]);
+    // Worker 3 asks worker 2, which dies: "none" comes with the news.
+    run(&mut m, msg((W, 3), steal(2, 7)), t);
+    let out = run(&mut m, Event::Closed { node: (W, 2) }, t);
+    assert!(out.contains(&none(2, 3, 7)), "{out:?}");
+    // Nothing is left to answer.
+    assert!(
+        !run(&mut m, msg((W, 1), Msg::Done), t)
+            .iter()
+            .any(|a| matches!(
+                a,
+                Action::Send {
+                    msg: Msg::Tasks { .. },
+                    ..
+                }
+            ))
+    );
 }
 
 #[test]
