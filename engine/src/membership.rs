@@ -390,6 +390,17 @@ pub struct Membership {
     ended: bool,
 }
 
+/// `straggler`'s answer "no task" to `helper`'s steal of its iteration `clock`.
+fn no_tasks(straggler: u32, helper: u32, clock: u64) -> Msg {
+    Msg::Tasks {
+        straggler,
+        helper,
+        clock,
+        start: 0,
+        end: 0,
+    }
+}
+
 impl Membership {
     /// The membership of a job that starts `now` with every server and worker alive;
     /// `report` is what rendezvous recorded.
@@ -623,14 +634,7 @@ impl Membership {
             };
             (to, msg)
         } else {
-            let msg = Msg::Tasks {
-                straggler,
-                helper,
-                clock,
-                start: 0,
-                end: 0,
-            };
-            ((Role::Worker, helper), msg)
+            ((Role::Worker, helper), no_tasks(straggler, helper, clock))
         };
         self.report.steals += 1;
         out.push(Action::Send { to, msg });
@@ -670,13 +674,7 @@ impl Membership {
         for (helper, clock) in self.steals.remove(&straggler).unwrap_or_default() {
             let to = (Role::Worker, helper);
             if self.live.contains(&to) {
-                let msg = Msg::Tasks {
-                    straggler,
-                    helper,
-                    clock,
-                    start: 0,
-                    end: 0,
-                };
+                let msg = no_tasks(straggler, helper, clock);
                 out.push(Action::Send { to, msg });
             }
         }

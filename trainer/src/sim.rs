@@ -489,9 +489,9 @@ struct Sim<'a> {
     epoch_orders: Vec<(u64, Vec<usize>)>,
     /// The evaluation subset of the test split.
     eval_set: Split,
-    /// Model bytes (f32) and floats.
+    /// Model bytes (f32), and the servers' apply cost of one push's share, virtual ns.
     bytes: u64,
-    floats: u64,
+    apply_ns: u64,
     /// When the servers' receiving and sending sides are free, and their busy time.
     in_free: u64,
     out_free: u64,
@@ -535,8 +535,8 @@ impl<'a> Sim<'a> {
             aggregate: spec.aggregate,
             max_pending_bytes: u64::MAX,
         };
-        let opt = spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr });
-        let opt = ShardOptimizer::new(opt, Arc::new(Constant), len);
+        let opt_spec = spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr });
+        let opt = ShardOptimizer::new(opt_spec, Arc::new(Constant), len);
         let n = spec.workers as usize;
         let share = data.train.len() / n;
         let shares = if spec.partition == Partition::Shuffled || !spec.compute {
@@ -572,7 +572,12 @@ impl<'a> Sim<'a> {
                 data.test.spread_subset(1)
             },
             bytes: floats * 4,
-            floats,
+            apply_ns: {
+                let per_float = spec
+                    .apply_ns_per_float
+                    .unwrap_or_else(|| apply_cost(&opt_spec));
+                (per_float * floats.div_ceil(u64::from(spec.servers.max(1))) as f64) as u64
+            },
             in_free: 0,
             out_free: 0,
             busy: 0,
@@ -785,11 +790,7 @@ impl<'a> Sim<'a> {
         let servers = u64::from(spec.servers.max(1));
         let arrive = t.saturating_add(spec.latency_ns);
         let begin = arrive.max(self.in_free);
-        let per_float = spec.apply_ns_per_float.unwrap_or_else(|| {
-            apply_cost(&spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr }))
-        });
-        let side = self.wire(self.bytes.div_ceil(servers))
-            + (per_float * self.floats.div_ceil(servers) as f64) as u64;
+        let side = self.wire(self.bytes.div_ceil(servers)) + self.apply_ns;
         self.in_free = begin + side;
         self.busy += side;
         let done = (begin + side).max(arrive.saturating_add(self.wire(self.bytes)));
