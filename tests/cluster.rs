@@ -426,3 +426,99 @@ fn a_killed_worker_leaves_the_job_and_the_others_finish() {
         "the scheduler says who left and why: {log}"
     );
 }
+
+#[test]
+fn falcon_train_runs_the_servers_optimizer_it_is_given() {
+    // Same job, same seed, at a small rate: momentum 0.9 moves about ten times as far per
+    // step once it has built up, so after 40 iterations its loss is clearly the lower.
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
+    let run = |optimizer: &str| -> (String, f64) {
+        let out = std::env::temp_dir().join(format!(
+            "falcon-optimizer-{}-{}",
+            optimizer.replace(['(', ')', '.'], "_"),
+            std::process::id()
+        ));
+        let o = Command::new(env!("CARGO_BIN_EXE_falcon"))
+            .args(["train", "--quiet", "--uniform", "--policy", "bsp"])
+            .args(["--workers", "2", "--servers", "1", "--iters", "40"])
+            .args([
+                "--lr",
+                "0.005",
+                "--aggregate",
+                "mean",
+                "--optimizer",
+                optimizer,
+            ])
+            .args(["--data", sample, "--medium", "tcp", "--out"])
+            .arg(&out)
+            .output()
+            .expect("run falcon train");
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let json = std::fs::read_to_string(out.join("bsp.json")).expect("the JSON report");
+        let field = |name: &str| -> String {
+            let at = json.find(&format!("\"{name}\": ")).expect(name) + name.len() + 4;
+            json[at..]
+                .split([',', '\n'])
+                .next()
+                .unwrap()
+                .trim_matches('"')
+                .to_string()
+        };
+        assert_eq!(field("optimizer"), optimizer, "{json}");
+        assert_eq!(field("aggregate"), "Mean", "{json}");
+        assert!(
+            stdout.contains(&format!("{optimizer} at lr 0.005 (mean of a step)")),
+            "{stdout}"
+        );
+        let _ = std::fs::remove_dir_all(&out);
+        (stdout, field("final_loss").parse().unwrap())
+    };
+    let (_, sgd) = run("sgd");
+    let (out, momentum) = run("momentum(0.9)");
+    assert!(
+        momentum < 0.9 * sgd,
+        "momentum's loss {momentum:.3} is not clearly below SGD's {sgd:.3}:\n{out}"
+    );
+}
+
+#[test]
+fn a_servers_learning_rate_decays_in_steps_when_asked() {
+    // The counting workload: every gradient is −1 at rate 1/8, so the values add up the
+    // rates applied. 20 updates, halved after 10: 10 × 0.125 + 10 × 0.0625.
+    let p = port();
+    let extra = [
+        ("DMLC_NUM_WORKER", "1"),
+        ("FALCON_WORKLOAD", "count"),
+        ("FALCON_FLOATS", "64"),
+        ("FALCON_LR_DECAY", "10:0.5"),
+    ];
+    let children: Vec<Child> = ["scheduler", "server", "worker"]
+        .into_iter()
+        .map(|r| role(r, p, 20, &extra))
+        .collect();
+    let mut outs = Vec::new();
+    for mut c in children {
+        let status = wait_for(&mut c, Duration::from_secs(60)).expect("the job ends");
+        let out = c.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(status.success(), "{text}");
+        outs.push(text);
+    }
+    let line = outs[1]
+        .lines()
+        .find(|l| l.contains("first parameter"))
+        .unwrap_or_else(|| panic!("{}", outs[1]));
+    let first: f64 = line
+        .split("first parameter ")
+        .nth(1)
+        .and_then(|t| t.split(',').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!((first - 1.875).abs() < 1e-5, "{line}");
+}

@@ -101,6 +101,23 @@ fn a_learning_rate_must_be_finite_and_positive() {
 }
 
 #[test]
+fn an_optimizer_must_be_one_the_servers_have() {
+    const SAYS: &str = "the optimizers: sgd, momentum(MU), adam";
+    for sub in ["train", "sim"] {
+        let e = refused(&[sub, "--optimizer", "nesterov"], &[], SAYS);
+        assert!(e.contains("optimizer nesterov: unknown optimizer"), "{e}");
+        let e = refused(&[sub, "--optimizer", "momentum(2)"], &[], SAYS);
+        assert!(e.contains("0 ≤ MU < 1"), "{e}");
+    }
+    refused(&["train"], &[("FALCON_OPTIMIZER", "adam(1)")], SAYS);
+    refused(
+        &["train", "--aggregate", "median"],
+        &[],
+        "possible values: sum, mean",
+    );
+}
+
+#[test]
 fn a_configuration_files_values_are_checked_too() {
     let dir = out_dir("config");
     std::fs::create_dir_all(&dir).unwrap();
@@ -447,4 +464,20 @@ fn role_refuses_a_launch_it_cannot_use_naming_the_variable() {
         e.contains("DMLC_PS_ROOT_PORT=70000: not a port (a whole number from 0 to 65535)"),
         "{e}"
     );
+}
+
+#[test]
+fn a_learning_rate_decay_is_checked() {
+    for bad in ["10", "0:0.5", "10:0", "10:1.5", "x:0.5", "10:nan"] {
+        let e = refused(
+            &["role"],
+            &[
+                ("FALCON_ROLE", "server"),
+                ("FALCON_SCHEDULER", "host=remote;tcp=127.0.0.1:9"),
+                ("FALCON_LR_DECAY", bad),
+            ],
+            "expected EVERY:GAMMA",
+        );
+        assert!(e.contains(&format!("FALCON_LR_DECAY={bad}")), "{e}");
+    }
 }

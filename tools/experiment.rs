@@ -782,7 +782,7 @@ fn fair(k: &Knobs) -> Res {
     let s = k.resolve(Defaults {
         name: "fair",
         mode: "sim",
-        entries: "bsp,ssp(3),dssp(3,15),epsp,epsp(0),flexrr(1),asp",
+        entries: "bsp,ssp(3),dssp(3,15),epsp(0),epsp(4),flexrr(1),asp",
         workers: 16,
         hetero: &["12-15:h=0.5"],
         iters: 300,

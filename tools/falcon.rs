@@ -211,6 +211,9 @@ Read by falcon role itself:
                                 FALCON_SEED, FALCON_DEVICE: cpu, cuda or auto, the
                                 default; cuda needs a build with feature cuda)
   FALCON_HETERO                 workers' heterogeneity, RANKS:SPEC;... (checked by every role)
+  FALCON_LR_DECAY               a server's step decay of the learning rate, EVERY:GAMMA: × GAMMA
+                                (0 < GAMMA ≤ 1) every EVERY updates of a shard, as PyTorch's
+                                StepLR (default: none; the count survives a restart)
   FALCON_ITERS, FALCON_FLOATS   iterations (default 100) and model size (default 1048576)
   FALCON_FAULT_DROP_MS, FALCON_FAULT_DROP_EVERY  fault injection: a worker drops one of its
                                 server links every N ms, or every N iterations
@@ -381,6 +384,27 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
     Ok((cfg, role, rank))
 }
 
+/// `FALCON_LR_DECAY=EVERY:GAMMA`: the servers' learning rate × GAMMA every EVERY updates of
+/// a shard (unset: constant).
+fn lr_decay_from_env()
+-> Result<std::sync::Arc<dyn falcon_engine::update::LrSchedule>, checks::Invalid> {
+    use falcon_engine::update::{Constant, StepDecay};
+    checks::env_value(&["FALCON_LR_DECAY"], None, |v| {
+        let bad = "expected EVERY:GAMMA, EVERY a whole number of updates ≥ 1 and 0 < GAMMA ≤ 1, e.g. 1000:0.1";
+        let (every, gamma) = v.split_once(':').ok_or(bad)?;
+        let every: u64 = every.trim().parse().map_err(|_| bad)?;
+        let gamma: f32 = gamma.trim().parse().map_err(|_| bad)?;
+        if every == 0 || !(gamma > 0.0 && gamma <= 1.0) {
+            return Err(bad);
+        }
+        Ok(Some(StepDecay { every, gamma }))
+    })
+    .map(|d| match d {
+        Some(d) => std::sync::Arc::new(d) as std::sync::Arc<dyn falcon_engine::update::LrSchedule>,
+        None => std::sync::Arc::new(Constant),
+    })
+}
+
 fn role() -> Res {
     // Started by `falcon local`: die with it.
     hygiene::die_with_parent()?;
@@ -428,7 +452,11 @@ fn role() -> Res {
             }
         }
         Role::Server => {
-            let server = Server::join(cfg, rank, Default::default())?;
+            let hooks = falcon_engine::ServerHooks {
+                schedule: lr_decay_from_env()?,
+                ..Default::default()
+            };
+            let server = Server::join(cfg, rank, hooks)?;
             logs::label(format!("server {}", server.rank()));
             let report = server.run()?;
             outln!(
@@ -888,6 +916,7 @@ mod tests {
         "FALCON_WORKLOAD",
         "FALCON_ROWS",
         "FALCON_HETERO",
+        "FALCON_LR_DECAY",
         "FALCON_ITERS",
         "FALCON_FLOATS",
         "FALCON_MODEL",

@@ -73,6 +73,13 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
           allow_negative_numbers = true)]
     lr: f32,
+    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adagrad or
+    /// adagrad(EPS), at --lr.
+    #[arg(long, default_value = "sgd", env = "FALCON_OPTIMIZER")]
+    optimizer: String,
+    /// How a synchronous step's gradients combine: sum or mean.
+    #[arg(long, default_value = "sum", value_parser = ["sum", "mean"])]
+    aggregate: String,
     /// Initial pool threads per worker (at least 1).
     #[arg(long, default_value_t = 1, env = "FALCON_THREADS",
           value_parser = checks::at_least_one_usize)]
@@ -199,6 +206,8 @@ struct Plan {
     hetero: Vec<Hetero>,
     timeouts: Timeouts,
     fault: Option<Fault>,
+    optimizer: falcon_engine::update::Optimizer,
+    aggregate: falcon_engine::update::Aggregate,
 }
 
 /// Checks everything that can be checked before the data is read and a cluster started.
@@ -258,6 +267,8 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
         a.medium,
     )?;
     let fault = fault_from_env(a.workers)?;
+    let optimizer = checks::setting(falcon_engine::update::Optimizer::parse(&a.optimizer, a.lr))?;
+    let aggregate = aggregate_of(&a.aggregate);
     Ok(Plan {
         entries,
         model,
@@ -266,7 +277,17 @@ fn plan(a: &TrainArgs) -> Res<Plan> {
         hetero,
         timeouts,
         fault,
+        optimizer,
+        aggregate,
     })
+}
+
+/// `--aggregate`'s value (clap admits only `sum` and `mean`).
+fn aggregate_of(text: &str) -> falcon_engine::update::Aggregate {
+    match text {
+        "mean" => falcon_engine::update::Aggregate::Mean,
+        _ => falcon_engine::update::Aggregate::Sum,
+    }
 }
 
 /// The variable of the fault injection of tests: `RANK:error@MS` or `RANK:panic@MS` makes
@@ -326,8 +347,8 @@ fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) 
             transfer: true,
         },
         lr: a.lr,
-        optimizer: None,
-        aggregate: falcon_engine::update::Aggregate::Sum,
+        optimizer: Some(plan.optimizer),
+        aggregate: plan.aggregate,
         threads: a.threads,
         elastic: e.elastic,
         budget: 0,
@@ -379,11 +400,17 @@ fn run_one(
 
 fn print_report(r: &JobReport, entry: &str) {
     outln!(
-        "{entry}: {} on {} — {} workers, {} servers, {:.2} s, final accuracy {:.2}% (loss {:.3}), time to {:.0}%: {}",
+        "{entry}: {} on {} — {} workers, {} servers, {} at lr {} ({} of a step), {:.2} s, final accuracy {:.2}% (loss {:.3}), time to {:.0}%: {}",
         r.model,
         r.data,
         r.workers,
         r.servers,
+        r.optimizer,
+        r.lr,
+        match r.aggregate {
+            falcon_engine::update::Aggregate::Mean => "mean",
+            falcon_engine::update::Aggregate::Sum => "sum",
+        },
         r.secs,
         100.0 * r.final_accuracy,
         r.final_loss,
@@ -799,6 +826,8 @@ pub fn sim(a: SimArgs) -> Res {
         hetero[n - 1] = Hetero::parse("h=0.25")?;
     }
     checks::setting(falcon_trainer::hetero::assign_onto(&mut hetero, &a.hetero))?;
+    let optimizer = checks::setting(falcon_engine::update::Optimizer::parse(&a.optimizer, a.lr))?;
+    let aggregate = aggregate_of(&a.aggregate);
     let data = Dataset::find(a.data.as_deref())?;
     std::fs::create_dir_all(&a.out)?;
     outln!(
@@ -813,11 +842,6 @@ pub fn sim(a: SimArgs) -> Res {
         "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers / tasks moved | wall s | of which gradients s |\n|---|---|---|---|---|---|---|---|---|---|---|",
         100.0 * a.target
     );
-    let optimizer = falcon_engine::update::Optimizer::parse(&a.optimizer, a.lr)?;
-    let aggregate = match a.aggregate.as_str() {
-        "mean" => falcon_engine::update::Aggregate::Mean,
-        _ => falcon_engine::update::Aggregate::Sum,
-    };
     let mut series = Vec::new();
     for (p, entry) in entries {
         let spec = SimSpec {

@@ -82,6 +82,21 @@ impl Optimizer {
     }
 }
 
+/// As the settings spell it, without the rate: `sgd`, `momentum(0.9)`,
+/// `adam(0.9,0.999,0.00000001)`, `adagrad(0.0000000001)`.
+impl std::fmt::Display for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Optimizer::Sgd { .. } => write!(f, "sgd"),
+            Optimizer::Momentum { mu, .. } => write!(f, "momentum({mu})"),
+            Optimizer::Adam {
+                beta1, beta2, eps, ..
+            } => write!(f, "adam({beta1},{beta2},{eps})"),
+            Optimizer::Adagrad { eps, .. } => write!(f, "adagrad({eps})"),
+        }
+    }
+}
+
 impl Optimizer {
     /// The same optimizer at rate `lr`.
     pub fn with_lr(self, lr: f32) -> Optimizer {

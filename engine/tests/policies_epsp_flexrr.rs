@@ -397,7 +397,7 @@ fn flexrr_helps_the_slow_worker_of_its_group_only() {
 #[test]
 fn specs_parse_build_and_name_themselves() {
     let cases = [
-        ("epsp", "epsp(4)"),
+        ("epsp", "epsp(0)"),
         ("epsp(2)", "epsp(2)"),
         ("epsp(0,fixed)", "epsp(0,fixed)"),
         ("epsp(3, no-transfer)", "epsp(3,no-transfer)"),

@@ -168,6 +168,12 @@ pub struct JobReport {
     pub policy: String,
     /// The model.
     pub model: String,
+    /// The servers' optimizer, as the settings spell it (`sgd`, `momentum(0.9)`, …).
+    pub optimizer: String,
+    /// Its learning rate.
+    pub lr: f32,
+    /// How a synchronous step's gradients combine.
+    pub aggregate: Aggregate,
     /// Where the data came from.
     pub data: String,
     /// Workers and servers.
@@ -289,6 +295,7 @@ pub fn run_local(
     };
     spec.timeouts.apply(&mut cfg);
     cfg.transport.medium = spec.medium;
+    let optimizer = cfg.optimizer;
     // The scheduler's supervisor: each worker of the embedded cluster stands for one machine
     // of `budget` threads (on a real cluster each worker has its own host).
     cfg.supervisor = SupervisorSettings {
@@ -507,6 +514,9 @@ pub fn run_local(
     Ok(JobReport {
         policy: spec.policy.build(spec.workers).name(),
         model: model.name(),
+        optimizer: optimizer.to_string(),
+        lr: optimizer.lr(),
+        aggregate: spec.aggregate,
         data: data.source.clone(),
         workers: spec.workers,
         servers: spec.servers,

@@ -84,7 +84,7 @@ pub struct EpspConfig {
 impl Default for EpspConfig {
     fn default() -> Self {
         EpspConfig {
-            s_max: 4,
+            s_max: 0,
             adaptive: true,
             transfer: true,
             projection: ProjectionConfig::default(),

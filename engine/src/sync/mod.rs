@@ -529,7 +529,7 @@ fn parse_policy(l: &str) -> Result<PolicySpec, String> {
             Ok(PolicySpec::ElasticBsp { r: r as u32 })
         }
         "epsp" => {
-            let (mut s_max, mut adaptive, mut transfer) = (4u64, true, true);
+            let (mut s_max, mut adaptive, mut transfer) = (0u64, true, true);
             for (i, arg) in a.iter().enumerate() {
                 match *arg {
                     "fixed" => adaptive = false,
@@ -754,7 +754,7 @@ mod parse_tests {
                 "{text} shown as {shown}"
             );
         }
-        assert_eq!("epsp".parse::<PolicySpec>().unwrap().to_string(), "epsp(4)");
+        assert_eq!("epsp".parse::<PolicySpec>().unwrap().to_string(), "epsp(0)");
     }
 
     #[test]
