@@ -505,7 +505,13 @@ impl Serving {
 
     fn on_scheduler(&mut self, data: &[u8]) -> Result<Flow> {
         match Msg::decode(data) {
-            Ok(Msg::Shutdown) => return Ok(Flow::Stop),
+            Ok(Msg::Shutdown) => {
+                // Transferred tasks late for the last step are applied, not dropped.
+                for i in 0..self.shards.len() {
+                    self.feed(i, Input::End);
+                }
+                return Ok(Flow::Stop);
+            }
             Ok(Msg::Evicted { reason }) => {
                 return Err(Error::Fenced {
                     rank: self.book.rank,

@@ -497,7 +497,7 @@ fn help(
 /// Enforced EPSP (`epsp(0)`) aggregates its steps as BSP does, and transferred tasks join
 /// their straggler's step: the step applied is the mean of the workers' gradients with the
 /// helper's part summed into the straggler's. A transferred part whose step was already
-/// applied is applied alone (nothing is lost).
+/// applied joins the next step; one late for the last step is applied when the job ends.
 #[test]
 fn under_enforced_epsp_transferred_tasks_join_their_straggler_s_step() {
     assert_eq!(
@@ -532,21 +532,47 @@ fn under_enforced_epsp_transferred_tasks_join_their_straggler_s_step() {
         .collect();
     let got: Vec<u32> = p.values().iter().map(|v| v.to_bits()).collect();
     assert_eq!(got, want);
-    // Late: worker 1's iteration 0 is applied already; the part is applied alone.
-    let before = p.values().to_vec();
+    // Late: worker 1's iteration 0 is applied already; the part joins the next step (never
+    // an optimizer step of its own).
     help(&mut c, &mut p, 0, 2, (1, 0), h.clone());
-    assert_eq!(p.version(), 2);
-    for i in 0..LEN {
-        assert_eq!(p.values()[i].to_bits(), (before[i] - 0.1 * h[i]).to_bits());
-    }
-    // A checkpoint keeps a part waiting for its step.
+    assert_eq!(p.version(), 1, "no step of its own");
+    assert_eq!(c.stats().late_helps, 1);
+    assert_eq!(c.state(&p).help_pending, vec![(1, h.clone())]);
+    // A checkpoint keeps a part waiting for its step (here, the late part and one more for
+    // step 1, summed).
     help(&mut c, &mut p, 0, 3, (1, 1), h.clone());
     let saved = c.state(&p);
-    assert_eq!(saved.help_pending, vec![(1, h.clone())]);
+    let twice: Vec<f32> = h.iter().map(|x| x + x).collect();
+    assert_eq!(saved.help_pending, vec![(1, twice.clone())]);
     let mut d = core("epsp(0)", 2, optimizer(0), Aggregate::Mean, u64::MAX);
     let mut q = VecParams::new(LEN, 2);
     d.restore(&saved, &mut q).unwrap();
     assert_eq!(d.state(&q), saved);
+    // Step 1: both workers' own gradients, the parts summed into it.
+    let before = p.values().to_vec();
+    push(&mut c, &mut p, 0, 2, g0.clone());
+    push(&mut c, &mut p, 1, 2, g1.clone());
+    assert_eq!(p.version(), 2);
+    for i in 0..LEN {
+        let step = (g0[i] + g1[i]) * 0.5 + 0.5 * twice[i];
+        assert_eq!(p.values()[i].to_bits(), (before[i] - 0.1 * step).to_bits());
+    }
+    // Late for the last step: held until the job ends, then applied (nothing lost).
+    help(&mut c, &mut p, 0, 4, (1, 1), h.clone());
+    assert_eq!(p.version(), 2);
+    let before = p.values().to_vec();
+    c.handle(0, Input::End, &mut p, &mut |_| {}).unwrap();
+    assert_eq!(p.version(), 3);
+    for i in 0..LEN {
+        assert_eq!(
+            p.values()[i].to_bits(),
+            (before[i] - 0.1 * (0.5 * h[i])).to_bits()
+        );
+    }
+    assert!(c.state(&p).help_pending.is_empty());
+    // Nothing waiting: the end changes nothing.
+    c.handle(0, Input::End, &mut p, &mut |_| {}).unwrap();
+    assert_eq!(p.version(), 3);
 }
 
 /// Under enforced EPSP the policy sees gradients as they arrive: a pioneer whose pull is

@@ -951,6 +951,9 @@ impl<'a> Sim<'a> {
                 self.waiting.len()
             )));
         }
+        // The job ends, as the servers' does: transferred tasks late for the last step are
+        // applied.
+        self.feed(self.end, Input::End)?;
         if spec.compute {
             self.record(self.end)?;
         }

@@ -94,7 +94,8 @@ impl Worker {
     /// Pushes the gradient of tasks taken from `straggler`'s iteration `clock` (task
     /// transfer), without moving this worker's clock. Under asynchronous updates the servers
     /// apply it at once; under synchronous ones (enforced EPSP) it joins the straggler's step
-    /// `clock` when that step has not been applied yet, and is applied alone otherwise.
+    /// `clock` when that step has not been applied yet, and the next step otherwise (one
+    /// late for the last step is applied when the job ends).
     pub fn push_for(
         &self,
         tensor: &str,
