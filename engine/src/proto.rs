@@ -417,9 +417,14 @@ impl Msg {
 impl Msg {
     /// Encodes the message.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = vec![MAGIC[0], MAGIC[1], VERSION];
+        // Sized first, then written once into a buffer of that size: a message carrying a
+        // large byte string (row ranges, row values) is copied once, not regrown and copied
+        // again as it is built.
+        let size = postcard::experimental::serialized_size(self).unwrap_or(0);
+        let mut out = Vec::with_capacity(3 + size);
+        out.extend_from_slice(&[MAGIC[0], MAGIC[1], VERSION]);
         // Encoding plain data into a Vec cannot fail.
-        out.extend(postcard::to_stdvec(self).expect("encodable"));
+        postcard::to_io(self, &mut out).expect("encodable");
         out
     }
 
