@@ -43,7 +43,7 @@ const SPECS: [&str; 12] = [
     "fluentps(3,p=0.5)",
     "fluentps(3,sigmoid)",
     "syncopt(1)",
-    "epsp",
+    "epsp(4)",
     "epsp(4,no-transfer)",
     "flexrr",
     "elasticbsp(15)",
