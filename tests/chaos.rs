@@ -11,7 +11,7 @@ mod common;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use common::{Job, line_with, number_after, succeeds};
+use common::{Job, first_parameter, line_with, number_after, succeeds};
 
 const SERVERS: u32 = 2;
 const WORKERS: u32 = 4;
@@ -111,12 +111,7 @@ fn check_exactly_once(servers: &[String]) -> u64 {
     let mut applied_total = 0;
     for out in servers {
         for line in out.lines().filter(|l| l.contains("first parameter")) {
-            let first: f64 = line
-                .split("first parameter ")
-                .nth(1)
-                .and_then(|t| t.split(',').next())
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("{line}"));
+            let first = first_parameter(line);
             let seqs = number_after(line, "sequence numbers").unwrap();
             let skipped = number_after(line, "applied +").unwrap();
             let applied = (first / 0.125).round() as u64;

@@ -1,5 +1,7 @@
 //! Multi-process clusters: every role a real process of the `falcon` binary.
 
+mod common;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -514,11 +516,6 @@ fn a_servers_learning_rate_decays_in_steps_when_asked() {
         .lines()
         .find(|l| l.contains("first parameter"))
         .unwrap_or_else(|| panic!("{}", outs[1]));
-    let first: f64 = line
-        .split("first parameter ")
-        .nth(1)
-        .and_then(|t| t.split(',').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{line}"));
+    let first = common::first_parameter(line);
     assert!((first - 1.875).abs() < 1e-5, "{line}");
 }

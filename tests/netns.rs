@@ -30,7 +30,7 @@ mod netns;
 
 use std::time::{Duration, Instant};
 
-use common::{Job, number_after};
+use common::{Job, first_parameter, number_after};
 use netns::{Cluster, Net, say, serial, skip};
 
 /// The hosts, or `None` after saying why not.
@@ -67,12 +67,7 @@ fn accounts(server: &str) -> Vec<Account> {
         .lines()
         .filter(|l| l.contains(" first parameter "))
         .map(|l| {
-            let first: f64 = l
-                .split("first parameter ")
-                .nth(1)
-                .and_then(|t| t.split(',').next())
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("{l}"));
+            let first = first_parameter(l);
             Account {
                 line: l.to_string(),
                 counted: first / 0.125,

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{FALCON, Job, number_after};
+use common::{FALCON, Job, first_parameter, number_after};
 
 const SERVERS: u32 = 2;
 const WORKERS: u32 = 4;
@@ -374,12 +374,7 @@ impl Live {
         let mut shards = 0;
         for Ended { out, .. } in &servers {
             for line in out.lines().filter(|l| l.contains("first parameter")) {
-                let first: f64 = line
-                    .split("first parameter ")
-                    .nth(1)
-                    .and_then(|t| t.split(',').next())
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or_else(|| panic!("{line}"));
+                let first = first_parameter(line);
                 let seqs = number_after(line, "sequence numbers").unwrap();
                 let skipped = number_after(line, "applied +").unwrap();
                 // Constant gradients of −1 at step 1/8: the values count the gradients applied.

@@ -136,3 +136,13 @@ pub fn kill_after_checkpoint(child: &mut Child, ckpt: &std::path::Path) {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// The value after `first parameter ` in a server's shard line (`server R: shard S first
+/// parameter X, …`).
+pub fn first_parameter(line: &str) -> f64 {
+    line.split("first parameter ")
+        .nth(1)
+        .and_then(|t| t.split(',').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no first parameter in: {line}"))
+}
