@@ -264,3 +264,60 @@ fn a_config_file_is_overridden_by_environment_and_flags() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn falcon_bench_policies_measures_every_policy_beside_its_references() {
+    let dir = tmp("bench-policies");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_falcon"))
+        .args(["bench", "policies", "--quick"])
+        .current_dir(&dir)
+        .output()
+        .expect("falcon runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every policy has a row of three worker counts, priced against an atomic.
+    for policy in [
+        "bsp",
+        "asp",
+        "ssp(3)",
+        "dssp(2,8)",
+        "syncopt(1)",
+        "epsp(4)",
+        "flexrr",
+        "elasticbsp(15)",
+        "elasticbsp-sim(15)",
+    ] {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| {policy} |")))
+            .unwrap_or_else(|| panic!("no row for {policy}:\n{text}"));
+        assert_eq!(row.matches('|').count(), 10, "{row}");
+    }
+    assert!(
+        text.contains("×atomic") && text.contains("ZipLine"),
+        "{text}"
+    );
+    // ZipLine beside the paper's six configurations.
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("| 10 |")
+                || l.starts_with("| 100 |")
+                || l.starts_with("| 1000 |"))
+            .count(),
+        6,
+        "{text}"
+    );
+    let md = std::fs::read_to_string(dir.join("target/falcon-bench/policies.md")).unwrap();
+    assert!(
+        text.contains(md.trim()),
+        "the file holds the printed tables"
+    );
+    let json = std::fs::read_to_string(dir.join("target/falcon-bench/policies.json")).unwrap();
+    assert_eq!(json.matches("\"ns_per_push\"").count(), 13 * 3, "{json}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -64,8 +64,11 @@ enum Command_ {
     Role,
     /// Benchmarks, each figure beside its physical reference.
     Bench {
-        /// What to benchmark.
-        #[arg(value_parser = ["transport", "engine", "knee"], default_value = "transport")]
+        /// What to benchmark: transport (each medium beside memcpy and a plain socket),
+        /// engine (push and pull through the servers), knee (threads against task time) or
+        /// policies (each policy's decision cost per push beside an atomic and a cache miss,
+        /// and ZipLine beside the ElasticBSP paper; about 15 s on 2 cores, --quick 2 s).
+        #[arg(value_parser = ["transport", "engine", "knee", "policies"], default_value = "transport")]
         what: String,
         /// A short smoke run instead of a full measurement.
         #[arg(long)]
@@ -229,6 +232,24 @@ fn bench(what: &str, quick: bool) -> Res {
     }
     if what == "knee" {
         return knee(quick);
+    }
+    if what == "policies" {
+        use falcon_bench::policies;
+        let effort = if quick {
+            policies::QUICK
+        } else {
+            policies::FULL
+        };
+        let (summary, _) = policies::measure(effort);
+        outln!("{}", policies::markdown(&summary));
+        let dir = std::path::Path::new("target/falcon-bench");
+        policies::write(&summary, dir)?;
+        outln!(
+            "written: {} and {}",
+            dir.join("policies.md").display(),
+            dir.join("policies.json").display()
+        );
+        return Ok(());
     }
     if what == "engine" {
         let rows = falcon_bench::engine::summary(quick)?;

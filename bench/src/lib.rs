@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 pub mod engine;
 pub mod plot;
+pub mod policies;
 pub mod reference;
 pub mod stats;
 pub mod transport;
