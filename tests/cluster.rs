@@ -519,3 +519,64 @@ fn a_servers_learning_rate_decays_in_steps_when_asked() {
     let first = common::first_parameter(line);
     assert!((first - 1.875).abs() < 1e-5, "{line}");
 }
+
+#[test]
+fn falcon_train_saves_the_trained_model_for_numpy() {
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
+    let base = std::env::temp_dir().join(format!("falcon-save-{}", std::process::id()));
+    let (out, saved) = (base.join("out"), base.join("models"));
+    let o = Command::new(env!("CARGO_BIN_EXE_falcon"))
+        .args(["train", "--quiet", "--uniform", "--policy", "bsp"])
+        .args(["--workers", "2", "--servers", "2", "--iters", "20"])
+        .args(["--data", sample, "--medium", "tcp", "--out"])
+        .arg(&out)
+        .arg("--save")
+        .arg(&saved)
+        .output()
+        .expect("run falcon train");
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(stdout.contains("model saved: "), "{stdout}");
+    // NumPy's format 1.0: magic, version, header length, a header dict, float32 data.
+    let npy = std::fs::read(saved.join("bsp.npy")).expect("the saved model");
+    assert_eq!(&npy[..8], b"\x93NUMPY\x01\x00");
+    let hlen = u16::from_le_bytes([npy[8], npy[9]]) as usize;
+    assert_eq!((10 + hlen) % 64, 0, "the data starts 64-byte aligned");
+    let header = std::str::from_utf8(&npy[10..10 + hlen]).unwrap();
+    let spec = std::fs::read_to_string(saved.join("bsp.model")).unwrap();
+    let spec: falcon_trainer::model::ModelSpec = spec.trim().parse().unwrap();
+    let model = spec.build().unwrap();
+    let n = model.num_params();
+    assert!(
+        header.starts_with("{'descr': '<f4', 'fortran_order': False, 'shape': (")
+            && header.contains(&format!("({n},)"))
+            && header.ends_with('\n'),
+        "{header:?}"
+    );
+    let values: Vec<f32> = npy[10 + hlen..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(values.len(), n);
+    // They are the trained model: evaluated here, the report's final accuracy to the bit.
+    let data = falcon_trainer::data::Dataset::load(std::path::Path::new(sample)).unwrap();
+    let (acc, _) = falcon_trainer::train::evaluate(&*model, &values, &data.test, 0).unwrap();
+    let json = std::fs::read_to_string(out.join("bsp.json")).unwrap();
+    let at = json.find("\"final_accuracy\": ").unwrap() + "\"final_accuracy\": ".len();
+    let reported: f64 = json[at..]
+        .split([',', '\n'])
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        acc, reported,
+        "the saved values are the ones the report evaluated"
+    );
+    assert!(acc > 0.5, "trained: {acc}");
+    let _ = std::fs::remove_dir_all(&base);
+}

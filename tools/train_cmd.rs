@@ -108,6 +108,11 @@ pub struct TrainArgs {
     /// Where the JSON report and the PNG plot go.
     #[arg(long, default_value = "target/falcon-train")]
     out: PathBuf,
+    /// Also write each configuration's trained model to DIR/<configuration>.npy: the final
+    /// parameters, flat in the model's layout, float32 (NumPy's `numpy.load` reads it), with
+    /// the model's spelling beside it in DIR/<configuration>.model.
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
     /// Shuffling and initialization seed.
     #[arg(long, default_value_t = 1, env = "FALCON_SEED")]
     seed: u64,
@@ -456,6 +461,45 @@ fn compress(v: &[usize]) -> String {
     out.join(" ")
 }
 
+/// Writes `r`'s final parameters to `dir/base.npy` (NumPy format 1.0: a little-endian
+/// float32 vector) and the model's spelling to `dir/base.model`.
+fn save_model(dir: &std::path::Path, base: &str, r: &JobReport) -> Res {
+    std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
+    let npy = dir.join(format!("{base}.npy"));
+    std::fs::write(&npy, npy_f32(&r.final_values))
+        .map_err(|e| format!("--save: writing {}: {e}", npy.display()))?;
+    let spec = dir.join(format!("{base}.model"));
+    std::fs::write(&spec, format!("{}\n", r.model))
+        .map_err(|e| format!("--save: writing {}: {e}", spec.display()))?;
+    outln!(
+        "model saved: {} ({} floats, {})",
+        npy.display(),
+        r.final_values.len(),
+        r.model
+    );
+    Ok(())
+}
+
+/// `values` as a NumPy `.npy` file (format 1.0): magic, version, a header dict padded with
+/// spaces to a multiple of 64 bytes ending in a newline, then the data.
+pub(crate) fn npy_f32(values: &[f32]) -> Vec<u8> {
+    let dict = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}",
+        values.len()
+    );
+    let unpadded = 6 + 2 + 2 + dict.len() + 1;
+    let pad = (64 - unpadded % 64) % 64;
+    let header = format!("{dict}{}\n", " ".repeat(pad));
+    let mut out = Vec::with_capacity(10 + header.len() + 4 * values.len());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
 fn file_name(entry: &str) -> String {
     entry
         .chars()
@@ -472,6 +516,10 @@ pub fn train(a: TrainArgs) -> Res {
     let data = Arc::new(Dataset::find(a.data.as_deref())?);
     let entries: Vec<String> = plan.entries.iter().map(|(t, _)| t.clone()).collect();
     std::fs::create_dir_all(&a.out)?;
+    if let Some(dir) = &a.save {
+        // Before training: a directory that cannot be made fails now, not after the run.
+        std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
+    }
     let mut reports = Vec::new();
     let mut runs: Vec<(String, Entry, Vec<JobReport>)> = plan
         .entries
@@ -489,6 +537,14 @@ pub fn train(a: TrainArgs) -> Res {
                 format!("{}.json", file_name(entry))
             };
             std::fs::write(a.out.join(name), r.json())?;
+            if let Some(dir) = &a.save {
+                let base = if a.repeat > 1 {
+                    format!("{}-run{}", file_name(entry), round + 1)
+                } else {
+                    file_name(entry)
+                };
+                save_model(dir, &base, &r)?;
+            }
             done.push(r);
             // Let the previous job's threads wind down before the next starts.
             std::thread::sleep(Duration::from_millis(100));

@@ -212,6 +212,10 @@ pub struct JobReport {
     pub tasks_transferred: u64,
     /// Times the parallelism manager re-planned.
     pub parallelism_plans: u64,
+    /// The final parameters, flat in the model's layout (not in the JSON report; `falcon
+    /// train --save` writes them).
+    #[serde(skip)]
+    pub final_values: Vec<f32>,
     /// The supervisor's last class of each worker (pioneer, transient, persistent, unknown).
     pub classes: Vec<String>,
 }
@@ -549,6 +553,7 @@ pub fn run_local(
         tasks_transferred: report.scheduler.tasks_transferred,
         parallelism_plans: report.scheduler.parallelism_plans,
         classes: report.scheduler.classes.clone(),
+        final_values: params,
     })
 }
 
