@@ -429,56 +429,73 @@ fn a_killed_worker_leaves_the_job_and_the_others_finish() {
     );
 }
 
+/// Runs `falcon train` (BSP, uniform workers, the bundled sample, tcp) with `args`, writing
+/// its report under `out`; returns its stdout and the report's JSON text.
+fn train_bsp(args: &[&str], out: &std::path::Path) -> (String, String) {
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
+    let o = Command::new(FALCON)
+        .args(["train", "--quiet", "--uniform", "--policy", "bsp"])
+        .args(args)
+        .args(["--data", sample, "--medium", "tcp", "--out"])
+        .arg(out)
+        .output()
+        .expect("run falcon train");
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let json = std::fs::read_to_string(out.join("bsp.json")).expect("the JSON report");
+    (stdout, json)
+}
+
+/// A top-level field of a JSON report, as text (quotes trimmed).
+fn report_field(json: &str, name: &str) -> String {
+    let at = json.find(&format!("\"{name}\": ")).expect(name) + name.len() + 4;
+    json[at..]
+        .split([',', '\n'])
+        .next()
+        .unwrap()
+        .trim_matches('"')
+        .to_string()
+}
+
 #[test]
 fn falcon_train_runs_the_servers_optimizer_it_is_given() {
     // Same job, same seed, at a small rate: momentum 0.9 moves about ten times as far per
     // step once it has built up, so after 40 iterations its loss is clearly the lower.
-    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
     let run = |optimizer: &str| -> (String, f64) {
         let out = std::env::temp_dir().join(format!(
             "falcon-optimizer-{}-{}",
             optimizer.replace(['(', ')', '.'], "_"),
             std::process::id()
         ));
-        let o = Command::new(env!("CARGO_BIN_EXE_falcon"))
-            .args(["train", "--quiet", "--uniform", "--policy", "bsp"])
-            .args(["--workers", "2", "--servers", "1", "--iters", "40"])
-            .args([
+        let (stdout, json) = train_bsp(
+            &[
+                "--workers",
+                "2",
+                "--servers",
+                "1",
+                "--iters",
+                "40",
                 "--lr",
                 "0.005",
                 "--aggregate",
                 "mean",
                 "--optimizer",
                 optimizer,
-            ])
-            .args(["--data", sample, "--medium", "tcp", "--out"])
-            .arg(&out)
-            .output()
-            .expect("run falcon train");
-        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(
-            o.status.success(),
-            "{stdout}\n{}",
-            String::from_utf8_lossy(&o.stderr)
+            ],
+            &out,
         );
-        let json = std::fs::read_to_string(out.join("bsp.json")).expect("the JSON report");
-        let field = |name: &str| -> String {
-            let at = json.find(&format!("\"{name}\": ")).expect(name) + name.len() + 4;
-            json[at..]
-                .split([',', '\n'])
-                .next()
-                .unwrap()
-                .trim_matches('"')
-                .to_string()
-        };
-        assert_eq!(field("optimizer"), optimizer, "{json}");
-        assert_eq!(field("aggregate"), "Mean", "{json}");
+        assert_eq!(report_field(&json, "optimizer"), optimizer, "{json}");
+        assert_eq!(report_field(&json, "aggregate"), "Mean", "{json}");
         assert!(
             stdout.contains(&format!("{optimizer} at lr 0.005 (mean of a step)")),
             "{stdout}"
         );
         let _ = std::fs::remove_dir_all(&out);
-        (stdout, field("final_loss").parse().unwrap())
+        (stdout, report_field(&json, "final_loss").parse().unwrap())
     };
     let (_, sgd) = run("sgd");
     let (out, momentum) = run("momentum(0.9)");
@@ -525,20 +542,19 @@ fn falcon_train_saves_the_trained_model_for_numpy() {
     let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
     let base = std::env::temp_dir().join(format!("falcon-save-{}", std::process::id()));
     let (out, saved) = (base.join("out"), base.join("models"));
-    let o = Command::new(env!("CARGO_BIN_EXE_falcon"))
-        .args(["train", "--quiet", "--uniform", "--policy", "bsp"])
-        .args(["--workers", "2", "--servers", "2", "--iters", "20"])
-        .args(["--data", sample, "--medium", "tcp", "--out"])
-        .arg(&out)
-        .arg("--save")
-        .arg(&saved)
-        .output()
-        .expect("run falcon train");
-    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(
-        o.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&o.stderr)
+    let saved_arg = saved.to_str().unwrap();
+    let (stdout, json) = train_bsp(
+        &[
+            "--workers",
+            "2",
+            "--servers",
+            "2",
+            "--iters",
+            "20",
+            "--save",
+            saved_arg,
+        ],
+        &out,
     );
     assert!(stdout.contains("model saved: "), "{stdout}");
     // NumPy's format 1.0: magic, version, header length, a header dict, float32 data.
@@ -565,14 +581,7 @@ fn falcon_train_saves_the_trained_model_for_numpy() {
     // They are the trained model: evaluated here, the report's final accuracy to the bit.
     let data = falcon_trainer::data::Dataset::load(std::path::Path::new(sample)).unwrap();
     let (acc, _) = falcon_trainer::train::evaluate(&*model, &values, &data.test, 0).unwrap();
-    let json = std::fs::read_to_string(out.join("bsp.json")).unwrap();
-    let at = json.find("\"final_accuracy\": ").unwrap() + "\"final_accuracy\": ".len();
-    let reported: f64 = json[at..]
-        .split([',', '\n'])
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let reported: f64 = report_field(&json, "final_accuracy").parse().unwrap();
     assert_eq!(
         acc, reported,
         "the saved values are the ones the report evaluated"
