@@ -531,18 +531,14 @@ pub fn train(a: TrainArgs) -> Res {
         for (entry, e, done) in runs.iter_mut() {
             let r = run_one(&a, &plan, (entry, e), &data)?;
             print_report(&r, entry);
-            let name = if a.repeat > 1 {
-                format!("{}-run{}.json", file_name(entry), round + 1)
+            // Each run's files share one base name (per round when repeated).
+            let base = if a.repeat > 1 {
+                format!("{}-run{}", file_name(entry), round + 1)
             } else {
-                format!("{}.json", file_name(entry))
+                file_name(entry)
             };
-            std::fs::write(a.out.join(name), r.json())?;
+            std::fs::write(a.out.join(format!("{base}.json")), r.json())?;
             if let Some(dir) = &a.save {
-                let base = if a.repeat > 1 {
-                    format!("{}-run{}", file_name(entry), round + 1)
-                } else {
-                    file_name(entry)
-                };
                 save_model(dir, &base, &r)?;
             }
             done.push(r);

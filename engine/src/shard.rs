@@ -1047,6 +1047,19 @@ impl ShardCore {
         d
     }
 
+    /// Adds a step's transferred-task sum `help`, taken out of `help_pending`, into `sum`:
+    /// divided by the step's `contributors` under a mean, as their own gradients are.
+    fn add_help(&mut self, sum: &mut [f32], help: &[f32], contributors: usize) {
+        self.pending_bytes -= help.len() as u64 * 4;
+        let k = match self.cfg.aggregate {
+            Aggregate::Mean => 1.0 / contributors as f32,
+            _ => 1.0,
+        };
+        for (s, h) in sum.iter_mut().zip(help) {
+            *s += k * h;
+        }
+    }
+
     /// The job ended: what waits in `help_pending` is applied as one step (a mean over the
     /// live workers, as a step's own gradients would be).
     fn end<P: ShardParams + ?Sized>(&mut self, params: &mut P) {
@@ -1054,16 +1067,9 @@ impl ShardCore {
             return;
         }
         let live = self.left.iter().filter(|l| !**l).count().max(1);
-        let k = match self.cfg.aggregate {
-            Aggregate::Mean => 1.0 / live as f32,
-            _ => 1.0,
-        };
         let mut sum = vec![0f32; self.cfg.len];
         for (_, help) in std::mem::take(&mut self.help_pending) {
-            self.pending_bytes -= help.len() as u64 * 4;
-            for (s, h) in sum.iter_mut().zip(&help) {
-                *s += k * h;
-            }
+            self.add_help(&mut sum, &help, live);
         }
         let opt = &mut self.opt;
         params.write(&mut |s| {
@@ -1094,14 +1100,7 @@ impl ShardCore {
             // Transferred tasks are part of their straggler's gradient: summed into it (a mean
             // divides them by the contributors, as the straggler's own).
             if let Some(help) = self.help_pending.remove(&step) {
-                self.pending_bytes -= help.len() as u64 * 4;
-                let k = match self.cfg.aggregate {
-                    Aggregate::Mean => 1.0 / contributors as f32,
-                    _ => 1.0,
-                };
-                for (s, h) in sum.iter_mut().zip(&help) {
-                    *s += k * h;
-                }
+                self.add_help(&mut sum, &help, contributors);
             }
             // Each contributor's clock moves past its own push (the step, unless the policy
             // counted the gradient for a later step than its push).
