@@ -83,7 +83,8 @@ python_package() {
 
 python_tests() {
     python_package || return 1
-    target/pyenv/bin/python -m pytest -q -p no:cacheprovider python/tests
+    # -rs: every skipped test says why (the CUDA tensor tests skip without a GPU).
+    target/pyenv/bin/python -m pytest -q -rs -p no:cacheprovider python/tests
 }
 
 # Reads cargo's JSON messages on stdin; prints the executables of the named test/bench targets.
@@ -208,6 +209,18 @@ cuda_no_gpu() {
     env LD_LIBRARY_PATH="$libcuda:$nvrtc" \
         cargo test -p falcon-engine --features cuda --test cuda without_a_device -- --nocapture 2>&1 |
         grep -E "^(test result|cuda:)" || return 1
+    # The Python package (built with its cuda feature by the Python stage): a CUDA tensor
+    # with no libcuda, then with a driver and no device, is a falcon.CudaError and loses
+    # nothing.
+    if [ -x target/pyenv/bin/python ]; then
+        echo "::: Python, CUDA tensors without a GPU: no libcuda, then no device"
+        target/pyenv/bin/python -m pytest -q -p no:cacheprovider python/tests/test_cuda.py \
+            -k without_cuda | tail -1 || return 1
+        env LD_LIBRARY_PATH="$libcuda" target/pyenv/bin/python -m pytest -q -p no:cacheprovider \
+            python/tests/test_cuda.py -k without_cuda | tail -1 || return 1
+    else
+        echo "SKIPPED: Python CUDA tensors without a GPU: the Python stage built no package"
+    fi
     echo "::: cuda device tests skipped on this host (no GPU):"
     grep "^SKIPPED" "$log" | cut -d: -f2 | sort | uniq -c
     return 0

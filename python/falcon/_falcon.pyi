@@ -31,6 +31,9 @@ class TimeoutError(Error):
 class TransportError(Error):
     """A transport failure: a link, a socket, a malformed message."""
 
+class CudaError(Error):
+    """CUDA unusable for a device tensor: no driver library, no device, a failed driver call."""
+
 class Handle:
     """A push or pull in flight."""
 
@@ -67,11 +70,13 @@ class Worker:
     def clock_of(self, tensor: str) -> int: ...
     def init_tensor(self, tensor: str, values: Any) -> None: ...
     def push(self, tensor: str, grad: Any, clock: int) -> None:
-        """Pushes a float32 buffer (numpy array, CPU tensor's .numpy()) for `clock`, the
-        tensor's next clock."""
+        """Pushes a float32 buffer (numpy array, CPU tensor) or a CUDA tensor (through
+        DLPack: one DMA copy, no host copy of the caller's) for `clock`, the tensor's next
+        clock."""
     def push_async(self, tensor: str, grad: Any, clock: int) -> Handle: ...
     def pull(self, tensor: str, out: Any, clock: int) -> None:
-        """Pulls into a writable float32 buffer the values the policy lets `clock` see."""
+        """Pulls into a writable float32 buffer, or a CUDA tensor, the values the policy lets
+        `clock` see."""
     def pull_async(self, tensor: str, out: Any, clock: int) -> Handle: ...
     def push_rows(self, tensor: str, rows: Any, grads: Any, clock: int, dim: int | None = None) -> None:
         """Pushes the gradients of some rows (row ids, float32 rows); only they travel."""

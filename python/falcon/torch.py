@@ -199,10 +199,9 @@ def _worker_for(named: Sequence[tuple[str, torch.Tensor]], worker) -> "_f.Worker
 def _check_param(name: str, p: torch.Tensor) -> None:
     if p.dtype != torch.float32:
         raise _f.LengthError(f"parameter {name!r} is {p.dtype}: falcon moves float32 tensors")
-    if p.device.type != "cpu":
+    if p.device.type not in ("cpu", "cuda"):
         raise _f.ConfigError(
-            f"parameter {name!r} is on {p.device}: this build moves CPU tensors (copy the "
-            f"model to the CPU, or train on the CPU)"
+            f"parameter {name!r} is on {p.device}: falcon moves CPU and CUDA tensors"
         )
     if not p.is_contiguous():
         raise _f.LengthError(f"parameter {name!r} is not contiguous")
@@ -224,9 +223,11 @@ def _named(params) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU float32 tensor's memory (no copy)."""
-    return t.detach().numpy()
+def _view(t: torch.Tensor):
+    """What a pull writes in place: a CPU float32 tensor's numpy view (no copy), or a CUDA
+    tensor itself (moved through DLPack, one DMA copy)."""
+    t = t.detach()
+    return t if t.is_cuda else t.numpy()
 
 
 def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
@@ -425,7 +426,7 @@ class _Distributed:
         g = g.detach()
         if g.dtype != torch.float32 or not g.is_contiguous():
             g = g.to(torch.float32).contiguous()
-        return g.numpy()
+        return g if g.is_cuda else g.numpy()
 
     def _falcon_ready(self, p):
         name = self._falcon_name.get(id(p))

@@ -7,8 +7,10 @@
 //! the GIL and waits in slices of at most [`SLICE`], checking for signals between them, so a
 //! Ctrl-C interrupts it and other Python threads run meanwhile.
 //!
-//! The only `unsafe` here is the byte view of a Python buffer (two blocks in
-//! [`worker`]), each with its `// SAFETY:` reasoning.
+//! The only `unsafe` here is at the boundary with Python's memory: the byte view of a
+//! Python buffer (two blocks in [`worker`]) and, with feature `cuda`, the reading of a
+//! DLPack capsule and the two copies between its device memory and a page-locked region
+//! (`device`), each with its `// SAFETY:` reasoning.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -18,6 +20,8 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
+#[cfg(feature = "cuda")]
+mod device;
 mod roles;
 mod tasks;
 mod worker;
@@ -72,6 +76,12 @@ create_exception!(
     TimeoutError,
     Error,
     "An operation past its deadline."
+);
+create_exception!(
+    falcon,
+    CudaError,
+    Error,
+    "CUDA unusable for a device tensor: no driver library, no device, a failed driver call."
 );
 create_exception!(
     falcon,
@@ -159,6 +169,7 @@ fn _falcon(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerError", py.get_type::<PeerError>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
     m.add("TransportError", py.get_type::<TransportError>())?;
+    m.add("CudaError", py.get_type::<CudaError>())?;
     m.add_function(wrap_pyfunction!(launch_variables, m)?)?;
     m.add_function(wrap_pyfunction!(launch_role, m)?)?;
     m.add_class::<worker::Worker>()?;

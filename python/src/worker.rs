@@ -4,6 +4,10 @@
 //! there; a pull lands in a registered region and is copied into the caller's buffer when
 //! it completes. Regions are kept per tensor and reused, so steady-state pushes and pulls
 //! allocate nothing.
+//!
+//! A CUDA tensor (anything DLPack places on a CUDA device) takes the same path with a DMA
+//! for the copy (feature `cuda`, `crate::device`): its regions are kept page-locked for its
+//! device.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,29 +25,77 @@ use crate::{ConfigError, Error, LengthError, SLICE, TensorError, engine_err, tra
 /// Regions kept per tensor for reuse (more in flight at once are made and dropped).
 const KEPT_REGIONS: usize = 4;
 
-/// Registered regions waiting for reuse, per tensor.
-#[derive(Default)]
-struct Regions(Mutex<HashMap<String, Vec<Region>>>);
+/// Where a kept region's copies come from and go to: host memory, or a CUDA device.
+const HOST: i32 = -1;
 
-impl Regions {
-    fn take(&self, w: &falcon_engine::Worker, tensor: &str) -> PyResult<Region> {
-        let kept = self
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(tensor)
-            .and_then(Vec::pop);
-        match kept {
-            Some(r) => Ok(r),
-            None => w.buffer(tensor).map_err(engine_err),
+/// A registered region of a tensor: filled from host buffers, or page-locked for a CUDA
+/// device's DMA.
+enum Kept {
+    Host(Region),
+    #[cfg(feature = "cuda")]
+    Device(i32, falcon_transport::cuda::PinnedRegion),
+}
+
+impl Kept {
+    fn region(&self) -> &Region {
+        match self {
+            Kept::Host(r) => r,
+            #[cfg(feature = "cuda")]
+            Kept::Device(_, p) => p.region(),
         }
     }
 
-    fn give(&self, tensor: &str, r: Region) {
+    fn place(&self) -> i32 {
+        match self {
+            Kept::Host(_) => HOST,
+            #[cfg(feature = "cuda")]
+            Kept::Device(d, _) => *d,
+        }
+    }
+}
+
+/// Registered regions waiting for reuse, per tensor and place.
+#[derive(Default)]
+struct Regions(Mutex<HashMap<(String, i32), Vec<Kept>>>);
+
+impl Regions {
+    fn kept(&self, tensor: &str, place: i32) -> Option<Kept> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&(tensor.to_string(), place))
+            .and_then(Vec::pop)
+    }
+
+    fn take(&self, w: &falcon_engine::Worker, tensor: &str) -> PyResult<Kept> {
+        match self.kept(tensor, HOST) {
+            Some(k) => Ok(k),
+            None => Ok(Kept::Host(w.buffer(tensor).map_err(engine_err)?)),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn take_device(
+        &self,
+        w: &falcon_engine::Worker,
+        tensor: &str,
+        device: i32,
+        stream: &Arc<falcon_transport::cuda::cudarc::driver::CudaStream>,
+    ) -> PyResult<Kept> {
+        match self.kept(tensor, device) {
+            Some(k) => Ok(k),
+            None => {
+                let r = w.buffer(tensor).map_err(engine_err)?;
+                Ok(Kept::Device(device, crate::device::pin(stream, r)?))
+            }
+        }
+    }
+
+    fn give(&self, tensor: &str, k: Kept) {
         let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let v = m.entry(tensor.to_string()).or_default();
+        let v = m.entry((tensor.to_string(), k.place())).or_default();
         if v.len() < KEPT_REGIONS {
-            v.push(r);
+            v.push(k);
         }
     }
 }
@@ -58,6 +110,48 @@ pub struct Worker {
     /// Names in declaration order.
     names: Vec<String>,
     regions: Arc<Regions>,
+    /// Each CUDA device's copy stream, opened on first use.
+    #[cfg(feature = "cuda")]
+    devices: Arc<crate::device::Devices>,
+}
+
+/// The CUDA device of `obj` when it is a DLPack producer whose memory is on one (`None`
+/// for host memory, and for objects that are not DLPack producers).
+fn cuda_device(obj: &Bound<'_, PyAny>, tensor: &str) -> PyResult<Option<i32>> {
+    /// DLPack's device types: `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, `kDLCUDAManaged`.
+    const CPU: i32 = 1;
+    const CUDA: i32 = 2;
+    const CUDA_HOST: i32 = 3;
+    const CUDA_MANAGED: i32 = 13;
+    if !obj.hasattr("__dlpack_device__")? {
+        return Ok(None);
+    }
+    let (ty, id): (i32, i32) = obj
+        .call_method0("__dlpack_device__")?
+        .extract()
+        .map_err(|_| {
+            LengthError::new_err(format!(
+                "tensor {tensor:?}: __dlpack_device__ did not return (device type, id)"
+            ))
+        })?;
+    match ty {
+        CPU | CUDA_HOST => Ok(None),
+        CUDA | CUDA_MANAGED if id >= 0 => {
+            if cfg!(feature = "cuda") {
+                Ok(Some(id))
+            } else {
+                Err(ConfigError::new_err(format!(
+                    "tensor {tensor:?}: the buffer is on CUDA device {id}; this build of falcon \
+                     moves host memory (build the package with its `cuda` feature, or .cpu() \
+                     first)"
+                )))
+            }
+        }
+        _ => Err(ConfigError::new_err(format!(
+            "tensor {tensor:?}: the buffer is on DLPack device type {ty} (id {id}); falcon \
+             moves host memory and CUDA device memory"
+        ))),
+    }
 }
 
 /// Waits for `h` in slices, releasing the GIL, checking for Ctrl-C between slices.
@@ -232,12 +326,65 @@ impl Worker {
         region.read_at(0, bytes).map_err(transport_err)
     }
 
-    /// A registered region of `tensor` holding a copy of `values` (checked as its buffer).
-    fn staged(&self, tensor: &str, values: &Bound<'_, PyAny>) -> PyResult<Region> {
+    /// A registered region of `tensor` holding a copy of `values` (checked as its buffer):
+    /// host memory copied, CUDA memory copied by DMA into a page-locked region.
+    fn staged(&self, tensor: &str, values: &Bound<'_, PyAny>) -> PyResult<Kept> {
+        if let Some(device) = cuda_device(values, tensor)? {
+            return self.staged_device(tensor, values, device);
+        }
         let buf = self.buffer_of(values, tensor, false)?;
-        let region = self.regions.take(&self.w, tensor)?;
-        Self::fill(&region, &buf)?;
-        Ok(region)
+        let kept = self.regions.take(&self.w, tensor)?;
+        if let Err(e) = Self::fill(kept.region(), &buf) {
+            self.regions.give(tensor, kept);
+            return Err(e);
+        }
+        Ok(kept)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn staged_device(
+        &self,
+        tensor: &str,
+        values: &Bound<'_, PyAny>,
+        device: i32,
+    ) -> PyResult<Kept> {
+        let len = self.len_of(tensor)?;
+        let stream = self.devices.stream(device)?;
+        let exported = crate::device::export(values, &stream, device, tensor, len)?;
+        let kept = self.regions.take_device(&self.w, tensor, device, &stream)?;
+        let copied = match &kept {
+            Kept::Device(_, p) => crate::device::copy_in(p, &exported),
+            Kept::Host(_) => Ok(()),
+        };
+        if let Err(e) = copied {
+            self.regions.give(tensor, kept);
+            return Err(e);
+        }
+        Ok(kept)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn staged_device(&self, _: &str, _: &Bound<'_, PyAny>, _: i32) -> PyResult<Kept> {
+        unreachable!("cuda_device() finds no device without the cuda feature")
+    }
+
+    /// A kept region for a pull into `out`, and what completing it does.
+    fn pull_target(&self, tensor: &str, out: &Bound<'_, PyAny>) -> PyResult<(Kept, Done)> {
+        #[cfg(feature = "cuda")]
+        if let Some(device) = cuda_device(out, tensor)? {
+            let len = self.len_of(tensor)?;
+            let stream = self.devices.stream(device)?;
+            // Checked now (type, length, layout) and held, as a host buffer is, until the
+            // pull completes and writes it.
+            let exported = crate::device::export(out, &stream, device, tensor, len)?;
+            let kept = self.regions.take_device(&self.w, tensor, device, &stream)?;
+            return Ok((kept, Done::PullDevice(exported)));
+        }
+        #[cfg(not(feature = "cuda"))]
+        cuda_device(out, tensor)?;
+        let buf = self.buffer_of(out, tensor, true)?;
+        let kept = self.regions.take(&self.w, tensor)?;
+        Ok((kept, Done::Pull(buf)))
     }
 
     /// Sends a copy of `values` with `send` (a blocking engine call, run without the GIL),
@@ -252,10 +399,10 @@ impl Worker {
         + Send
         + 'static,
     ) -> PyResult<()> {
-        let region = self.staged(tensor, values)?;
-        let (w, t, r) = (self.w.clone(), tensor.to_string(), region.clone());
+        let kept = self.staged(tensor, values)?;
+        let (w, t, r) = (self.w.clone(), tensor.to_string(), kept.region().clone());
         let out = blocking(py, what, move || send(&w, &t, &r).map_err(engine_err));
-        self.regions.give(tensor, region);
+        self.regions.give(tensor, kept);
         out
     }
 
@@ -266,20 +413,20 @@ impl Worker {
         grad: &Bound<'_, PyAny>,
         clock: u64,
     ) -> PyResult<Handle> {
-        let region = self.staged(tensor, grad)?;
+        let kept = self.staged(tensor, grad)?;
         // Starting may wait (a previous push of the shard still in flight, the servers'
         // memory cap): without the GIL, so other Python threads go on.
-        let started = py.detach(|| self.w.push_async(tensor, &region, clock));
+        let started = py.detach(|| self.w.push_async(tensor, kept.region(), clock));
         match started {
             Ok(h) => Ok(Handle::new(
                 h,
                 Done::Push,
                 tensor,
-                region,
+                kept,
                 self.regions.clone(),
             )),
             Err(e) => {
-                self.regions.give(tensor, region);
+                self.regions.give(tensor, kept);
                 Err(engine_err(e))
             }
         }
@@ -292,21 +439,14 @@ impl Worker {
         out: &Bound<'_, PyAny>,
         clock: u64,
     ) -> PyResult<Handle> {
-        let buf = self.buffer_of(out, tensor, true)?;
-        let region = self.regions.take(&self.w, tensor)?;
+        let (kept, done) = self.pull_target(tensor, out)?;
         // Starting may wait (ElasticBSP's barrier waits for the scheduler's plan): without
         // the GIL, so the other workers' threads in this process reach theirs.
-        let started = py.detach(|| self.w.pull_async(tensor, &region, clock));
+        let started = py.detach(|| self.w.pull_async(tensor, kept.region(), clock));
         match started {
-            Ok(h) => Ok(Handle::new(
-                h,
-                Done::Pull(buf),
-                tensor,
-                region,
-                self.regions.clone(),
-            )),
+            Ok(h) => Ok(Handle::new(h, done, tensor, kept, self.regions.clone())),
             Err(e) => {
-                self.regions.give(tensor, region);
+                self.regions.give(tensor, kept);
                 Err(engine_err(e))
             }
         }
@@ -366,6 +506,8 @@ impl Worker {
             lens,
             names,
             regions: Arc::default(),
+            #[cfg(feature = "cuda")]
+            devices: Arc::default(),
         })
     }
 
@@ -712,6 +854,9 @@ enum Done {
     Push,
     /// Copy the region into this buffer.
     Pull(PyBuffer<f32>),
+    /// Copy the (page-locked) region into this exported CUDA tensor.
+    #[cfg(feature = "cuda")]
+    PullDevice(crate::device::Exported),
 }
 
 /// A push or pull in flight: `wait()` returns when it is done (raising its error, if any);
@@ -721,7 +866,7 @@ pub struct Handle {
     /// `None` once waited for.
     op: Option<(falcon_engine::Handle, Done)>,
     tensor: String,
-    region: Option<Region>,
+    region: Option<Kept>,
     regions: Arc<Regions>,
     started: Instant,
 }
@@ -731,7 +876,7 @@ impl Handle {
         h: falcon_engine::Handle,
         done: Done,
         tensor: &str,
-        region: Region,
+        region: Kept,
         regions: Arc<Regions>,
     ) -> Handle {
         Handle {
@@ -760,7 +905,9 @@ impl Handle {
         }
         let region = self.region.take();
         let copied = match (&done, &region) {
-            (Done::Pull(buf), Some(r)) => Worker::drain(r, buf),
+            (Done::Pull(buf), Some(k)) => Worker::drain(k.region(), buf),
+            #[cfg(feature = "cuda")]
+            (Done::PullDevice(e), Some(Kept::Device(_, p))) => crate::device::copy_out(p, e),
             _ => Ok(()),
         };
         if let Done::Pull(buf) = done {

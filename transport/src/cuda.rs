@@ -7,8 +7,9 @@
 //! names what is missing instead.
 //!
 //! This is the one place of falcon that holds CUDA's `unsafe` calls (kernel launches, sgemm,
-//! the NVRTC calls that produce a cubin, and in `staged.rs` the page-locking of a
-//! [`DeviceRegion`]'s staging region and its copies to and from the device); the crates above it compute on the device through
+//! the NVRTC calls that produce a cubin, in `pinned.rs` the page-locking of a staging
+//! region and the copies between it and device memory a caller owns, and in `staged.rs` a
+//! [`DeviceRegion`]'s copies to and from its device memory); the crates above it compute on the device through
 //! the checked, safe functions of this module and the safe parts of cudarc re-exported as
 //! [`cudarc`]. It knows nothing of models: kernels come in as CUDA C++ source with a
 //! declared signature ([`Signature`]) that every launch is checked against.
@@ -24,7 +25,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{Ptx, result as nvrtc_result, sys as nvrtc_sys};
 
+mod pinned;
 mod staged;
+pub use pinned::PinnedRegion;
 pub use staged::{DeviceRegion, Staged};
 
 /// What can go wrong with CUDA.

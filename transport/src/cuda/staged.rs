@@ -77,28 +77,7 @@ impl DeviceRegion {
             .map_err(|e| CudaError::Call(format!("the staging region: {e}")))?;
         // Device allocations of 0 bytes are refused: an empty region keeps one float.
         let dev = stream.alloc_zeros::<f32>(len.max(1)).map_err(driver)?;
-        let pinned = if bytes == 0 {
-            Ok(())
-        } else {
-            stream.context().bind_to_thread().map_err(driver)?;
-            // SAFETY: the pointer and length are the staging region's own mapping, live for
-            // as long as `staging` (held by `self`, unregistered in `Drop` before it goes);
-            // registering only page-locks the pages and maps them for the device.
-            unsafe {
-                sys::cuMemHostRegister_v2(
-                    staging.as_ptr().cast(),
-                    bytes,
-                    sys::CU_MEMHOSTREGISTER_PORTABLE,
-                )
-            }
-            .result()
-            .map_err(|e| super::driver_message(&e))
-        };
-        if let Err(why) = &pinned {
-            tracing::warn!(
-                "cuda: the staging region is not page-locked ({why}); copies go through the driver's bounce buffer"
-            );
-        }
+        let pinned = super::pinned::pin(stream, &staging)?;
         Ok(Self {
             dev,
             staging,
@@ -258,10 +237,8 @@ impl Drop for DeviceRegion {
     fn drop(&mut self) {
         // Copies in flight read or write both sides: let them land first.
         let _ = self.stream.synchronize();
-        if self.pinned.is_ok() && self.len > 0 && self.stream.context().bind_to_thread().is_ok() {
-            // SAFETY: the pointer is the one registered in `on_stream`, still mapped (the
-            // region is a field, dropped after this), and no copy uses it any more.
-            let _ = unsafe { sys::cuMemHostUnregister(self.staging.as_ptr().cast()) };
+        if self.pinned.is_ok() {
+            super::pinned::unpin(&self.stream, &self.staging);
         }
     }
 }
