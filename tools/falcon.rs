@@ -801,7 +801,9 @@ fn cuda_report() {
                     cuda_version: info.cuda_version,
                     device_gpu_direct_rdma: d.gpu_direct_rdma,
                     device_dma_buf: d.dma_buf,
-                    verbs_dma_buf: None,
+                    // Any RDMA device that registers dma-bufs will do; not probed (tried)
+                    // without RDMA in the build or on the machine.
+                    verbs_dma_buf: rdma_dmabuf().map(|v| v.iter().any(|(_, yes)| *yes)),
                     peer_memory: peer,
                 });
                 let tries: Vec<&str> = plan.tries.iter().map(|p| p.name()).collect();
@@ -882,12 +884,33 @@ fn rdma_report() {
         }
         Err(e) => outln!("  rdma               built in; unavailable: {e}"),
     }
+    if let Some(found) = rdma_dmabuf() {
+        for (dev, yes) in found {
+            outln!(
+                "    {dev}: dma-buf registration (ibv_reg_dmabuf_mr, probed as NCCL probes it) {}",
+                if yes { "supported" } else { "not supported" }
+            );
+        }
+    }
     if let Some(limit) = falcon_transport::memlock_limit() {
         outln!(
             "    memlock limit {} KiB: RDMA registers every region it moves; raise it if regions are larger (`ulimit -l unlimited`)",
             limit / 1024
         );
     }
+}
+
+/// Each RDMA device's answer to the dma-buf probe; `None` without RDMA.
+#[cfg(feature = "rdma")]
+fn rdma_dmabuf() -> Option<Vec<(String, bool)>> {
+    falcon_transport::rdma_dmabuf_support()
+        .ok()
+        .filter(|v| !v.is_empty())
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_dmabuf() -> Option<Vec<(String, bool)>> {
+    None
 }
 
 #[cfg(not(feature = "rdma"))]

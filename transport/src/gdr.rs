@@ -10,7 +10,8 @@
 //! ([`GdrPlan::after`]).
 //!
 //! falcon's rdma medium registers host regions only, so today it always takes the staging
-//! path; `falcon doctor` prints the plan a device would get.
+//! path; `falcon doctor` prints the plan a device would get, with the verbs' answer to the
+//! dma-buf probe (`rdma_dmabuf_support`, feature `rdma`) in it.
 
 /// What was found on this machine for one device.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -56,7 +56,9 @@ pub use transport::{AdmissionCounts, Transport, TransportConfig};
 
 /// RDMA device discovery, for diagnostics (`falcon doctor`).
 #[cfg(feature = "rdma")]
-pub use rdma::{PortInfo, memlock_limit, ports as rdma_ports};
+pub use rdma::{
+    PortInfo, dmabuf_support as rdma_dmabuf_support, memlock_limit, ports as rdma_ports,
+};
 
 /// True when this build includes the rdma medium.
 pub const RDMA_BUILT: bool = cfg!(feature = "rdma");

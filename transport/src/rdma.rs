@@ -203,6 +203,68 @@ pub fn ports() -> Result<Vec<PortInfo>> {
     Ok(out)
 }
 
+// libibverbs exports `ibv_reg_dmabuf_mr` since rdma-core 34 (symbol version IBVERBS_1.12);
+// rdma-sys 0.3 does not bind it.
+unsafe extern "C" {
+    fn ibv_reg_dmabuf_mr(
+        pd: *mut ibv_pd,
+        offset: u64,
+        length: usize,
+        iova: u64,
+        fd: i32,
+        access: i32,
+    ) -> *mut ibv_mr;
+}
+
+/// Whether a device's verbs stack registers dma-bufs, asked as NCCL asks: register fd -1
+/// with no length. `EOPNOTSUPP` or `EPROTONOSUPPORT` mean the provider or the kernel has no
+/// dma-buf registration; any other failure (`EBADF` for the bad fd) means the call reached a
+/// provider that has it.
+fn probe_dmabuf(pd: *mut ibv_pd) -> bool {
+    // SAFETY: a valid protection domain; fd -1 and length 0 make the call fail before it
+    // touches memory (the provider checks the fd); a registration that somehow succeeded is
+    // released at once.
+    let mr = unsafe { ibv_reg_dmabuf_mr(pd, 0, 0, 0, -1, 0) };
+    if !mr.is_null() {
+        // SAFETY: registered just above, deregistered once.
+        unsafe { ibv_dereg_mr(mr) };
+        return true;
+    }
+    let errno = std::io::Error::last_os_error().raw_os_error();
+    !(errno == Some(rustix::io::Errno::OPNOTSUPP.raw_os_error())
+        || errno == Some(rustix::io::Errno::PROTONOSUPPORT.raw_os_error()))
+}
+
+/// Whether each RDMA device registers dma-bufs (the first step of GPUDirect RDMA without the
+/// peer-memory module), by NCCL's probe: `(device, supported)` for every device; an error
+/// when there is no RDMA at all.
+pub fn dmabuf_support() -> Result<Vec<(String, bool)>> {
+    let list = DeviceList::get()?;
+    let mut out = Vec::new();
+    for (dev, name) in list.devices() {
+        // SAFETY: `dev` is valid while the list lives.
+        let ctx = unsafe { ibv_open_device(dev) };
+        if ctx.is_null() {
+            return Err(errno_error("open RDMA device"));
+        }
+        // SAFETY: a valid context; the result is checked.
+        let pd = unsafe { ibv_alloc_pd(ctx) };
+        if pd.is_null() {
+            let e = errno_error("allocate an RDMA protection domain");
+            // SAFETY: opened above, closed once on this path.
+            unsafe { ibv_close_device(ctx) };
+            return Err(e);
+        }
+        out.push((name, probe_dmabuf(pd)));
+        // SAFETY: created above, released once, in reverse order.
+        unsafe {
+            ibv_dealloc_pd(pd);
+            ibv_close_device(ctx);
+        }
+    }
+    Ok(out)
+}
+
 /// A registered memory region, deregistered on drop.
 struct Mr(*mut ibv_mr);
 // SAFETY: an MR handle may be used and deregistered from any thread.

@@ -661,6 +661,38 @@ conformance!(tcp, Medium::Tcp);
 #[cfg(feature = "rdma")]
 conformance!(rdma, Medium::Rdma);
 
+/// NCCL's dma-buf probe (`ibv_reg_dmabuf_mr` with fd -1) answers per device; soft-RoCE has
+/// no dma-buf registration (rxe implements no `reg_user_mr_dmabuf`), so the GPUDirect plan
+/// leaves dma-buf out there for peer memory or staging.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_dma_buf_probe_answers_per_device() {
+    let Ok(dev) = std::env::var("RDMA_TEST_DEVICE") else {
+        eprintln!(
+            "SKIPPED (rdma): the dma-buf probe runs in the soft-RoCE guest (tools/rxe-vm.sh)"
+        );
+        return;
+    };
+    let found = falcon_transport::rdma_dmabuf_support().expect("the probe runs where RDMA is");
+    let (_, supported) = found
+        .iter()
+        .find(|(name, _)| *name == dev)
+        .unwrap_or_else(|| panic!("{dev} is not among the probed devices {found:?}"));
+    assert!(
+        !supported,
+        "soft-RoCE ({dev}) answered the dma-buf probe as supported"
+    );
+    let plan = falcon_transport::gdr::gdr_plan(&falcon_transport::gdr::GdrProbe {
+        enabled: true,
+        cuda_version: (12, 8),
+        device_gpu_direct_rdma: true,
+        device_dma_buf: true,
+        verbs_dma_buf: Some(*supported),
+        peer_memory: false,
+    });
+    assert_eq!(plan.tries, vec![falcon_transport::gdr::GdrPath::Staging]);
+}
+
 #[allow(dead_code)]
 fn _assert_send_sync() {
     fn is<T: Send + Sync>() {}
