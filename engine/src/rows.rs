@@ -59,23 +59,30 @@ pub fn for_shard(
     values: &[f32],
 ) -> ShardRows {
     let end = shard_off + shard_len;
-    let mut entries: Vec<(u32, u32, usize)> = Vec::new();
-    let mut floats = 0u64;
-    for (i, &r) in rows.iter().enumerate() {
-        let (a, b) = (r * dim, r * dim + dim);
-        let (lo, hi) = (a.max(shard_off), b.min(end));
-        if lo >= hi {
-            continue;
-        }
-        let src = i * dim as usize + (lo - a) as usize;
-        entries.push(((lo - shard_off) as u32, (hi - lo) as u32, src));
-        floats += hi - lo;
+    // The part of row `r` in this shard: (first float of the tensor, floats).
+    let part = |r: u64| {
+        let a = r * dim;
+        let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
+        (lo, hi.saturating_sub(lo))
+    };
+    // First pass: the payload's size (entries and floats), so it is written once, in place.
+    let (mut count, mut floats) = (0u64, 0u64);
+    for &r in rows {
+        let (_, n) = part(r);
+        count += u64::from(n > 0);
+        floats += n;
     }
-    let bytes = 4 + 8 * entries.len() as u64 + 4 * floats;
+    let bytes = 4 + 8 * count + 4 * floats;
     if bytes > 4 * shard_len {
         let mut dense = vec![0f32; shard_len as usize];
-        for &(off, n, src) in &entries {
-            for (d, v) in dense[off as usize..][..n as usize]
+        for (i, &r) in rows.iter().enumerate() {
+            let (lo, n) = part(r);
+            if n == 0 {
+                continue;
+            }
+            let src = i * dim as usize + (lo - r * dim) as usize;
+            let dst = (lo - shard_off) as usize;
+            for (d, v) in dense[dst..][..n as usize]
                 .iter_mut()
                 .zip(&values[src..src + n as usize])
             {
@@ -84,15 +91,25 @@ pub fn for_shard(
         }
         return ShardRows::Dense(dense);
     }
-    let mut out = Vec::with_capacity(bytes as usize);
-    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
-    for &(off, n, _) in &entries {
-        out.extend_from_slice(&off.to_le_bytes());
-        out.extend_from_slice(&n.to_le_bytes());
-    }
-    for &(_, n, src) in &entries {
-        for v in &values[src..src + n as usize] {
-            out.extend_from_slice(&v.to_le_bytes());
+    let mut out = vec![0u8; bytes as usize];
+    let (head, rest) = out.split_at_mut(4);
+    head.copy_from_slice(&(count as u32).to_le_bytes());
+    let (index, vals) = rest.split_at_mut(8 * count as usize);
+    let mut entries = index.chunks_exact_mut(8);
+    let mut slots = vals.chunks_exact_mut(4);
+    for (i, &r) in rows.iter().enumerate() {
+        let (lo, n) = part(r);
+        if n == 0 {
+            continue;
+        }
+        if let Some(e) = entries.next() {
+            e[..4].copy_from_slice(&((lo - shard_off) as u32).to_le_bytes());
+            e[4..].copy_from_slice(&(n as u32).to_le_bytes());
+        }
+        let src = i * dim as usize + (lo - r * dim) as usize;
+        // The values first: `zip` stops on them before it takes a slot too many.
+        for (v, slot) in values[src..src + n as usize].iter().zip(&mut slots) {
+            slot.copy_from_slice(&v.to_le_bytes());
         }
     }
     ShardRows::Sparse(out)

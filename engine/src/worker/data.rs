@@ -39,12 +39,9 @@ pub(super) enum Resend {
         out: Region,
         clock: u64,
     },
-    /// A pull of some ranges of shard `shard` (an index into `Inner::shards`).
-    PullRows {
-        shard: usize,
-        ranges: Vec<(u32, u32)>,
-        clock: u64,
-    },
+    /// A pull of some ranges of shard `shard` (an index into `Inner::shards`): its encoded
+    /// message, which is the same on any link.
+    PullRows { shard: usize, msg: Arc<Vec<u8>> },
     /// Nothing: the scheduler answers it, and a scheduler link is never replaced.
     Nothing,
 }
@@ -365,24 +362,6 @@ impl Inner {
         link.send(&msg.encode())
     }
 
-    /// Asks for some ranges of shard `s` (answered with [`Msg::Rows`]).
-    pub(super) fn send_pull_rows(
-        &self,
-        link: &Link,
-        s: &ShardRemote,
-        req: u32,
-        ranges: &[(u32, u32)],
-        clock: u64,
-    ) -> std::result::Result<(), falcon_transport::Error> {
-        let msg = Msg::PullRows {
-            shard: s.spec.id,
-            clock,
-            req,
-            ranges: crate::proto::ranges_to_bytes(ranges),
-        };
-        link.send(&msg.encode())
-    }
-
     /// Sends again, on server `r`'s current link, the pushes and pulls that went out on an
     /// older link (the server applies a push's sequence number once).
     pub(super) fn resync(&self, r: usize) {
@@ -397,14 +376,7 @@ impl Inner {
                 (Resend::Pull { shard, out, clock }, Request::Pull(id)) => {
                     self.send_pull(&link, &self.shards[*shard], id, out, *clock)
                 }
-                (
-                    Resend::PullRows {
-                        shard,
-                        ranges,
-                        clock,
-                    },
-                    Request::Pull(id),
-                ) => self.send_pull_rows(&link, &self.shards[*shard], id, ranges, *clock),
+                (Resend::PullRows { msg, .. }, Request::Pull(_)) => link.send(msg),
                 _ => continue,
             };
             if sent.is_ok() {

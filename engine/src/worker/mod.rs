@@ -144,14 +144,13 @@ impl Handle {
     }
 }
 
-/// This worker's side of one shard.
 /// Per server, the bytes of one push or pull above which each server's part goes on its
 /// own thread (see `Worker::per_server`): below it, a thread costs more than the overlap
 /// gains.
 const FAN_OUT_BYTES: u64 = 256 << 10;
 
-/// Ranges of a shard a row pull asks for: (first float from the shard's start, floats).
-type RowRanges = Vec<(u32, u32)>;
+/// Where each range of a row pull lands in the caller's buffer: (first float, floats).
+type RowDest = Vec<(usize, u32)>;
 
 /// Called with each shard a pull read on the lock-free path (the device path copies it on).
 type ShardHook<'a> = dyn FnMut(&ShardRemote) -> Result<()> + 'a;
@@ -659,22 +658,35 @@ impl Worker {
         crate::rows::check(&spec.name, spec.len, dim, rows, out.len())?;
         self.check_pull_clock(t, tensor, clock)?;
         self.pass_gate(clock)?;
-        // Per shard: the ranges it sends and where each lands in `out`.
-        let mut asks: Vec<(&ShardRemote, RowRanges, Vec<usize>)> = Vec::new();
+        // Per shard: the ranges it asks for (as the message carries them) and, for each,
+        // where it lands in `out` and its floats.
+        let mut asks: Vec<(&ShardRemote, Vec<u8>, RowDest)> = Vec::new();
         for s in self.shards_of(t) {
             let (lo, hi) = (s.spec.offset, s.spec.offset + s.spec.len);
-            let (mut ranges, mut dest) = (Vec::new(), Vec::new());
+            let part = |r: u64| {
+                let a = r * dim;
+                let (x, y) = (a.max(lo), (a + dim).min(hi));
+                (a, x, y.saturating_sub(x))
+            };
+            let count = rows.iter().filter(|&&r| part(r).2 > 0).count();
+            if count == 0 {
+                continue;
+            }
+            let mut ranges = vec![0u8; 8 * count];
+            let mut dest = Vec::with_capacity(count);
+            let mut entries = ranges.chunks_exact_mut(8);
             for (i, &r) in rows.iter().enumerate() {
-                let (a, b) = (r * dim, r * dim + dim);
-                let (x, y) = (a.max(lo), b.min(hi));
-                if x < y {
-                    ranges.push(((x - lo) as u32, (y - x) as u32));
-                    dest.push(i * dim as usize + (x - a) as usize);
+                let (a, x, n) = part(r);
+                if n == 0 {
+                    continue;
                 }
+                if let Some(e) = entries.next() {
+                    e[..4].copy_from_slice(&((x - lo) as u32).to_le_bytes());
+                    e[4..].copy_from_slice(&(n as u32).to_le_bytes());
+                }
+                dest.push((i * dim as usize + (x - a) as usize, n as u32));
             }
-            if !ranges.is_empty() {
-                asks.push((s, ranges, dest));
-            }
+            asks.push((s, ranges, dest));
         }
         let mut waiting = Vec::with_capacity(asks.len());
         let mut first_err = None;
@@ -689,21 +701,30 @@ impl Worker {
             };
             let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
             let req = tracker::Request::Pull(id);
+            // Encoded once: the same bytes go out again on a new link if this one drops.
+            let msg = Arc::new(
+                Msg::PullRows {
+                    shard: s.spec.id,
+                    clock,
+                    req: id,
+                    ranges,
+                }
+                .encode(),
+            );
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
-                ranges: ranges.clone(),
-                clock,
+                msg: msg.clone(),
             };
             let sig = self.track(s, &link, req, what);
             lock(&self.inner.stats).slow_pulls += 1;
-            let sent = self.inner.send_pull_rows(&link, s, id, &ranges, clock);
+            let sent = link.send(&msg);
             if let Err(e) = self.sent_or_deferred(sent, s.server, req, "pull rows from") {
                 first_err = Some(e);
                 break;
             }
-            waiting.push((id, sig, ranges, dest));
+            waiting.push((id, sig, dest));
         }
-        for (id, sig, ranges, dest) in waiting {
+        for (id, sig, dest) in waiting {
             let got = sig.wait(None).map(drop);
             let values = lock(&self.inner.row_answers).remove(&id);
             if let Err(e) = got {
@@ -711,13 +732,20 @@ impl Worker {
                 continue;
             }
             let Some(values) = values else { continue };
+            let want: u64 = dest.iter().map(|&(_, n)| u64::from(n)).sum();
+            if values.len() as u64 != 4 * want {
+                first_err.get_or_insert(Error::Malformed(format!(
+                    "row pull {id}: {} bytes of values for {want} floats asked",
+                    values.len()
+                )));
+                continue;
+            }
             let mut at = values.chunks_exact(4);
-            for ((_, n), d) in ranges.iter().zip(dest) {
-                for o in &mut out[d..d + *n as usize] {
-                    let b = at.next().ok_or_else(|| {
-                        Error::Malformed(format!("row pull {id}: fewer values than asked"))
-                    })?;
-                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            for (d, n) in dest {
+                for (o, b) in out[d..d + n as usize].iter_mut().zip(&mut at) {
+                    let mut f = [0u8; 4];
+                    f.copy_from_slice(b);
+                    *o = f32::from_le_bytes(f);
                 }
             }
         }
