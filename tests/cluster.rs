@@ -589,3 +589,110 @@ fn falcon_train_saves_the_trained_model_for_numpy() {
     assert!(acc > 0.5, "trained: {acc}");
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// `GET /metrics` from `addr`; `None` while nothing listens there.
+fn scrape(addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: falcon\r\n\r\n")
+        .ok()?;
+    let mut out = String::new();
+    c.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// The value of the sample `series` (name and labels) in a scrape.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn the_scheduler_serves_the_jobs_metrics_while_it_runs() {
+    let (p, addr) = (port(), format!("127.0.0.1:{}", port()));
+    let extra = [
+        ("FALCON_METRICS_ADDR", addr.as_str()),
+        ("FALCON_HEARTBEAT_MS", "100"),
+        ("FALCON_POLICY", "ssp(2)"),
+    ];
+    let mut procs = vec![
+        role("scheduler", p, 1_000_000, &extra),
+        role("server", p, 1_000_000, &extra),
+        role("worker", p, 1_000_000, &extra),
+        role("worker", p, 1_000_000, &extra),
+    ];
+    let iterations = |t: &str, w: u32| {
+        sample(
+            t,
+            &format!("falcon_worker_iterations_total{{worker=\"{w}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    let start = Instant::now();
+    let mut first = None;
+    let mut last = String::new();
+    while start.elapsed() < Duration::from_secs(60) {
+        if let Some(t) = scrape(&addr) {
+            let moving = iterations(&t, 0) > 5.0
+                && iterations(&t, 1) > 5.0
+                && sample(&t, "falcon_server_bytes_in_total{server=\"0\"}").unwrap_or(0.0) > 0.0
+                && sample(&t, "falcon_server_gradients_total{server=\"0\"}").unwrap_or(0.0) > 0.0;
+            last = t;
+            if moving {
+                first = Some(last.clone());
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let Some(first) = first else {
+        for c in &mut procs {
+            let _ = c.kill();
+        }
+        panic!("no scrape showed the job moving within 60 s; the last:\n{last}");
+    };
+    assert!(first.starts_with("HTTP/1.1 200 OK"), "{first}");
+    for series in [
+        "falcon_up{role=\"worker\",rank=\"0\"} 1",
+        "falcon_up{role=\"server\",rank=\"0\"} 1",
+        "# TYPE falcon_worker_blocked_seconds counter",
+        "# TYPE falcon_server_parked_pulls gauge",
+        "# EOF",
+    ] {
+        assert!(
+            first.lines().any(|l| l == series),
+            "{series:?} missing:\n{first}"
+        );
+    }
+    // Counters only grow while the job runs.
+    std::thread::sleep(Duration::from_millis(500));
+    let later = scrape(&addr).expect("still served");
+    assert!(
+        iterations(&later, 0) > iterations(&first, 0),
+        "{first}\n---\n{later}"
+    );
+    // One worker dies (whichever rank the scheduler gave it): the endpoint says so once the
+    // scheduler has seen it go, and the other is still up.
+    procs[3].kill().unwrap();
+    let start = Instant::now();
+    let gone = loop {
+        let t = scrape(&addr).expect("still served");
+        let up = |w: u32| sample(&t, &format!("falcon_up{{role=\"worker\",rank=\"{w}\"}}"));
+        if let (Some(a), Some(b)) = (up(0), up(1))
+            && a + b == 1.0
+        {
+            break true;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    for c in &mut procs {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert!(gone, "worker 1 killed, still up in the metrics");
+}

@@ -189,6 +189,9 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_WIRE                   gradients and pulled values on the wire: f32 (default, exact),
                                 bf16 or f16 (half the bytes; the servers keep f32 weights;
                                 the scheduler's setting holds for the job)
+  FALCON_METRICS_ADDR           the scheduler serves the job's metrics for Prometheus at
+                                http://IP:PORT/metrics (per worker and per server counters,
+                                sent with the heartbeats; default: not served)
   FALCON_MEDIUM                 auto, shm, tcp, rdma (default auto)
   FALCON_HEARTBEAT_MS           heartbeat interval, at least 10 (default 1000)
   FALCON_SUSPICION_MS           a role silent this long is declared dead; 0: never
@@ -908,7 +911,7 @@ fn rdma_dmabuf() -> Option<Vec<(String, bool)>> {
         .filter(|v| !v.is_empty())
 }
 
-#[cfg(not(feature = "rdma"))]
+#[cfg(all(not(feature = "rdma"), feature = "cuda"))]
 fn rdma_dmabuf() -> Option<Vec<(String, bool)>> {
     None
 }

@@ -125,6 +125,10 @@ pub struct TrainArgs {
     /// Write per-iteration metrics of every worker as JSON lines to `OUT/<run>.jsonl`.
     #[arg(long)]
     metrics: bool,
+    /// Serve the job's metrics for Prometheus at http://ADDR/metrics while it runs (per
+    /// worker and per server counters; e.g. 127.0.0.1:9464).
+    #[arg(long, value_name = "IP:PORT", env = "FALCON_METRICS_ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
     #[command(flatten)]
     timeouts: TimeoutArgs,
 }
@@ -366,6 +370,7 @@ fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) 
         scale: e.scale,
         timeouts: plan.timeouts,
         fault: plan.fault,
+        metrics_addr: a.metrics_addr,
     }
 }
 

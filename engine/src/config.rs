@@ -78,6 +78,10 @@ pub struct JobConfig {
     pub fan_out: FanOut,
     /// The precision of gradients and pulled values on the wire (the scheduler's decides).
     pub wire: crate::precision::Wire,
+    /// Where the scheduler serves its metrics for Prometheus (`http://ADDR/metrics`; see
+    /// [`crate::metrics`]); `None`: nowhere. Workers and servers send their counters to the
+    /// scheduler with their heartbeats either way.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// How a worker issues the per-server parts of one push or pull.
@@ -222,6 +226,7 @@ impl Default for JobConfig {
             max_pending_bytes: 256 << 20,
             fan_out: FanOut::Auto,
             wire: crate::precision::Wire::F32,
+            metrics_addr: None,
         }
     }
 }

@@ -9,13 +9,14 @@ use falcon_transport::Link;
 use crate::error::{Error, Result};
 use crate::proto::Msg;
 
-/// Starts the thread: every `every`, a heartbeat on `sched`, while `alive()` holds and the link
-/// is open.
+/// Starts the thread: every `every`, a heartbeat on `sched`, then what `extra()` gives (a
+/// worker's counters for the metrics), while `alive()` holds and the link is open.
 pub(crate) fn start(
     name: &str,
     sched: Link,
     every: Duration,
     alive: impl Fn() -> bool + Send + 'static,
+    extra: impl Fn() -> Option<Msg> + Send + 'static,
 ) -> Result<()> {
     let beat = Msg::Heartbeat.encode();
     std::thread::Builder::new()
@@ -33,6 +34,9 @@ pub(crate) fn start(
                 }
                 if std::time::Instant::now() >= next {
                     let _ = sched.send(&beat);
+                    if let Some(m) = extra() {
+                        let _ = sched.send(&m.encode());
+                    }
                     next = std::time::Instant::now() + every;
                 }
             }

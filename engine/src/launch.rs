@@ -39,6 +39,7 @@
 //! - the job: `FALCON_JOB`, `FALCON_TOKEN`, `FALCON_POLICY`, `FALCON_LR`, `FALCON_OPTIMIZER`,
 //!   `FALCON_AGGREGATE`, `FALCON_SCALE`,
 //!   `FALCON_MAX_SHARD_BYTES`, `FALCON_FAN_OUT`, `FALCON_WIRE`, `FALCON_MEDIUM`;
+//! - the scheduler's metrics endpoint: `FALCON_METRICS_ADDR` (`IP:PORT`);
 //! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
 //!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`;
@@ -111,6 +112,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_MAX_SHARD_BYTES",
     "FALCON_FAN_OUT",
     "FALCON_WIRE",
+    "FALCON_METRICS_ADDR",
     "FALCON_MEDIUM",
     "FALCON_HEARTBEAT_MS",
     "FALCON_SUSPICION_MS",
@@ -593,6 +595,12 @@ fn job_config<F: Fn(&str) -> Option<String>>(
         scale: env.value(&["FALCON_SCALE"], ScaleSpec::Unscaled, str::parse)?,
         fan_out: env.value(&["FALCON_FAN_OUT"], FanOut::Auto, str::parse)?,
         wire: env.value(&["FALCON_WIRE"], crate::precision::Wire::F32, str::parse)?,
+        metrics_addr: env.value(&["FALCON_METRICS_ADDR"], None, |s| {
+            s.trim()
+                .parse::<std::net::SocketAddr>()
+                .map(Some)
+                .map_err(|_| "not an address to serve metrics on: IP:PORT, e.g. 0.0.0.0:9464")
+        })?,
         ..JobConfig::default()
     };
     checks::policy_fits(
@@ -823,6 +831,7 @@ mod tests {
             ("FALCON_MAX_SHARD_BYTES", "4096"),
             ("FALCON_FAN_OUT", " Off"),
             ("FALCON_WIRE", "bf16"),
+            ("FALCON_METRICS_ADDR", "127.0.0.1:9464"),
             ("FALCON_MEDIUM", "tcp"),
             ("FALCON_HEARTBEAT_MS", "100"),
             ("FALCON_SUSPICION_MS", "0"),
@@ -847,6 +856,7 @@ mod tests {
         assert_eq!(c.max_shard_bytes, 4096);
         assert_eq!(c.fan_out, FanOut::Off);
         assert_eq!(c.wire, crate::precision::Wire::Bf16);
+        assert_eq!(c.metrics_addr, Some("127.0.0.1:9464".parse().unwrap()));
         assert_eq!(c.transport.medium, Medium::Tcp);
         assert_eq!(c.heartbeat, Duration::from_millis(100));
         assert_eq!(c.suspicion, None);
@@ -1060,6 +1070,11 @@ mod tests {
         assert_eq!(
             with(&[("FALCON_WIRE", "int8")]),
             "FALCON_WIRE=int8: not a wire precision: f32, bf16 or f16"
+        );
+        assert_eq!(
+            with(&[("FALCON_METRICS_ADDR", "localhost")]),
+            "FALCON_METRICS_ADDR=localhost: not an address to serve metrics on: IP:PORT, e.g. \
+             0.0.0.0:9464"
         );
         assert_eq!(
             with(&[("FALCON_FAN_OUT", "maybe")]),

@@ -33,6 +33,7 @@ pub mod shard;
 pub mod local;
 #[cfg(not(loom))]
 pub mod membership;
+pub mod metrics;
 #[cfg(not(loom))]
 pub mod scheduler;
 #[cfg(not(loom))]

@@ -553,6 +553,8 @@ impl Membership {
             Msg::Heartbeat => {
                 tracing::trace!(target: LOG, "scheduler: heartbeat from {} {rank}", role.name())
             }
+            // The metrics board's, which the driver keeps.
+            Msg::Metrics(_) if role != Role::Scheduler => {}
             Msg::Barrier { seq } if worker => {
                 self.barriers.entry(seq).or_default().insert(rank);
             }

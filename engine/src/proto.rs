@@ -11,8 +11,8 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`; 6: server
-/// recovery and worker rejoin; 7: typed acknowledgements and refused pulls).
-const VERSION: u8 = 9;
+/// recovery and worker rejoin; 7: typed acknowledgements and refused pulls; 10: metrics).
+const VERSION: u8 = 10;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -145,6 +145,9 @@ pub enum Msg {
     Book(Book),
     /// node → scheduler: alive.
     Heartbeat,
+    /// worker or server → scheduler, with each heartbeat: its counters, for the metrics
+    /// endpoint.
+    Metrics(crate::metrics::NodeMetrics),
     /// worker → scheduler: arrived at barrier `seq`.
     Barrier {
         /// Barrier number.
@@ -384,6 +387,7 @@ impl Msg {
             Msg::Refused { .. } => "refused",
             Msg::Book(..) => "book",
             Msg::Heartbeat => "heartbeat",
+            Msg::Metrics(_) => "metrics",
             Msg::Barrier { .. } => "barrier",
             Msg::BarrierDone { .. } => "barrier done",
             Msg::Dead { .. } => "dead",

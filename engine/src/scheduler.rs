@@ -9,6 +9,7 @@
 //! and worker agrees on the barriers (per-shard planning disagreed and could deadlock).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use falcon_transport::{Completion, Link, LinkId, Transport};
@@ -18,11 +19,17 @@ use crate::config::JobConfig;
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, TensorSpec};
 use crate::membership::{Action, Ending, Event, Membership, Node, Rendezvous, Settings};
+use crate::metrics::{Board, Exporter};
 use crate::proto::{Book, Msg, Role};
 use crate::supervisor::{Manager, ManagerConfig};
 use crate::sync::projection::Class;
 
 pub use crate::membership::{SchedulerReport, SuperstepPlan, plan_superstep};
+
+/// The board, whoever panicked while holding it.
+fn lock(b: &Mutex<Board>) -> MutexGuard<'_, Board> {
+    b.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// The job's nodes: (role, rank) → link.
 type Nodes = BTreeMap<Node, Link>;
@@ -311,6 +318,12 @@ impl Scheduler {
         let m = Membership::new(Settings::of(&self.cfg), report, Instant::now());
         let tick = m.tick_every(self.cfg.heartbeat);
         let supervisor = supervisor_for(&self.cfg);
+        let board = Arc::new(Mutex::new(Board::new(self.cfg.workers, self.cfg.servers)));
+        // Stops serving scrapes when the job is over (dropped on return).
+        let _exporter = match self.cfg.metrics_addr {
+            Some(addr) => Some(Exporter::start(addr, board.clone())?),
+            None => None,
+        };
         let mut d = Driver {
             cfg: &self.cfg,
             t: &self.t,
@@ -323,6 +336,7 @@ impl Scheduler {
             supervisor,
             m,
             out: Vec::new(),
+            board,
         };
         let mut next = d.feed(Event::Tick);
         let ending = loop {
@@ -365,6 +379,8 @@ struct Driver<'a> {
     advised: Vec<usize>,
     m: Membership,
     out: Vec<Action>,
+    /// What the metrics endpoint shows.
+    board: Arc<Mutex<Board>>,
 }
 
 impl Driver<'_> {
@@ -405,6 +421,9 @@ impl Driver<'_> {
                 None
             }
         };
+        if let Some(m) = &msg {
+            lock(&self.board).on_message(node.0, node.1, m);
+        }
         if let Some(Msg::IterationDone {
             threads,
             tasks,
@@ -432,6 +451,7 @@ impl Driver<'_> {
                     threads: new as u32,
                 };
                 let _ = l.send(&m.encode());
+                lock(&self.board).threads(w as u32, new as u64);
             }
             *old = new;
         }
@@ -515,7 +535,16 @@ impl Driver<'_> {
     /// Hands `ev` to the membership now and carries out its actions; the ending, if it ended
     /// the job.
     fn feed(&mut self, ev: Event) -> Option<Ending> {
+        let membership = !matches!(ev, Event::Message { .. });
         self.m.on_event(ev, Instant::now(), &mut self.out);
+        if membership {
+            // Who is live, for the metrics: after a tick (where silence becomes death), a
+            // closed link or a join, not after every message.
+            let mut b = lock(&self.board);
+            for &node in self.nodes.keys() {
+                b.set_live(node.0, node.1, self.m.is_live(node));
+            }
+        }
         let mut ending = None;
         for a in self.out.drain(..) {
             match a {

@@ -227,10 +227,13 @@ impl Server {
             s.sched.clone(),
             s.cfg.heartbeat,
             move || serving.load(std::sync::atomic::Ordering::Acquire),
+            // The serving loop sends its own counters (`metrics_when_due`).
+            || None,
         )?;
         let mut early = early.into_iter();
         loop {
             s.checkpoint_when_due();
+            s.metrics_when_due();
             s.accept_and_expire();
             let c = match early.next() {
                 Some(c) => c,
@@ -273,6 +276,8 @@ struct Serving {
     link_of: HashMap<u32, LinkId>,
     /// Pulls waiting for their shard's policy, by (worker << 32 | request id).
     parked: HashMap<u64, ParkedPull>,
+    /// When the counters go to the scheduler's metrics next.
+    next_metrics: Instant,
     /// Per helper, the last task-transfer offer sent to it (each shard's policy may make the
     /// same offer: the worker hears it once).
     offered: HashMap<u32, (u32, u64)>,
@@ -345,6 +350,7 @@ impl Serving {
             worker_of: HashMap::new(),
             link_of: HashMap::new(),
             parked: HashMap::new(),
+            next_metrics: Instant::now(),
             offered: HashMap::new(),
             transfers_offered: vec![0; workers],
             dead: HashSet::new(),
@@ -941,6 +947,33 @@ impl Serving {
         if let Some(l) = self.link_of.get(&helper).and_then(|id| self.links.get(id)) {
             let _ = l.send(&Msg::Offer { straggler, clock }.encode());
         }
+    }
+
+    /// Every heartbeat interval: this server's counters to the scheduler's metrics.
+    fn metrics_when_due(&mut self) {
+        let now = Instant::now();
+        if now < self.next_metrics {
+            return;
+        }
+        self.next_metrics = now + self.cfg.heartbeat;
+        let mut m = crate::metrics::NodeMetrics {
+            parked_pulls: self.parked.len() as u64,
+            ..Default::default()
+        };
+        for s in &self.shards {
+            let st = s.core.stats();
+            let policy = s.core.policy();
+            m.pushes += st.gradients;
+            m.pulls += st.answered_pulls;
+            m.bytes_in += st.bytes_in;
+            m.bytes_out += st.bytes_out;
+            m.updates += st.updates;
+            m.staleness_sum += st.staleness_sum;
+            m.staleness_max = m.staleness_max.max(st.staleness_max);
+            m.delayed_pulls += policy.delayed_total();
+            m.dropped_gradients += policy.dropped();
+        }
+        let _ = self.sched.send(&Msg::Metrics(m).encode());
     }
 
     /// What this incarnation did.

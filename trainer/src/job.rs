@@ -72,6 +72,8 @@ pub struct JobSpec {
     pub timeouts: Timeouts,
     /// A failure to inject into one worker (tests of how a job ends when a role fails).
     pub fault: Option<Fault>,
+    /// Where the scheduler serves the job's metrics for Prometheus (`http://ADDR/metrics`).
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// A failure injected into one worker's thread, `after` it starts: an error it returns, or a
@@ -157,6 +159,7 @@ impl Default for JobSpec {
             scale: ScaleSpec::Unscaled,
             timeouts: Timeouts::default(),
             fault: None,
+            metrics_addr: None,
         }
     }
 }
@@ -295,6 +298,7 @@ pub fn run_local(
         optimizer: spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr }),
         aggregate: spec.aggregate,
         scale: spec.scale,
+        metrics_addr: spec.metrics_addr,
         ..JobConfig::default()
     };
     spec.timeouts.apply(&mut cfg);

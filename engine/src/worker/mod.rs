@@ -454,20 +454,7 @@ impl Worker {
     /// The worker's clock: the iteration it is on, i.e. the fewest gradients pushed to any
     /// tensor it has pushed at all (tensors it never pushes do not hold it back).
     pub fn clock(&self) -> u64 {
-        let mut per_tensor: HashMap<u32, u64> = HashMap::new();
-        for s in &self.inner.shards {
-            let n = u64::from(s.pushes.load(Ordering::Acquire));
-            per_tensor
-                .entry(s.spec.tensor)
-                .and_modify(|m| *m = (*m).min(n))
-                .or_insert(n);
-        }
-        per_tensor
-            .values()
-            .copied()
-            .filter(|&n| n > 0)
-            .min()
-            .unwrap_or(0)
+        self.inner.clock()
     }
 
     /// Gradients pushed to `tensor` so far (its next push's clock).
@@ -1089,6 +1076,40 @@ impl Worker {
 }
 
 impl Inner {
+    /// See [`Worker::clock`].
+    fn clock(&self) -> u64 {
+        let mut per_tensor: HashMap<u32, u64> = HashMap::new();
+        for s in &self.shards {
+            let n = u64::from(s.pushes.load(Ordering::Acquire));
+            per_tensor
+                .entry(s.spec.tensor)
+                .and_modify(|m| *m = (*m).min(n))
+                .or_insert(n);
+        }
+        per_tensor
+            .values()
+            .copied()
+            .filter(|&n| n > 0)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The counters the heartbeat sends to the scheduler's metrics.
+    fn metrics(&self) -> crate::metrics::NodeMetrics {
+        let st = lock(&self.stats).clone();
+        crate::metrics::NodeMetrics {
+            iterations: self.clock(),
+            pushes: st.pushes,
+            pulls: st.fast_pulls + st.slow_pulls,
+            blocked_nanos: (st.pull_wait + st.barrier_wait).as_nanos() as u64,
+            staleness_sum: st.staleness_sum,
+            staleness_count: st.staleness_acks,
+            staleness_max: st.staleness_max,
+            bytes_out: st.fast_pull_bytes,
+            ..Default::default()
+        }
+    }
+
     /// Starts the progress thread and the heartbeat to the scheduler; both end once the
     /// worker is dropped or finished.
     fn start_threads(inner: &Arc<Inner>, heartbeat: Duration) -> Result<()> {
@@ -1097,7 +1118,7 @@ impl Inner {
             .name(format!("falcon-worker-{}", inner.book.rank))
             .spawn(move || progress::progress(weak, heartbeat))
             .map_err(|e| Error::Config(format!("spawn worker progress thread: {e}")))?;
-        let weak = Arc::downgrade(inner);
+        let (weak, counters) = (Arc::downgrade(inner), Arc::downgrade(inner));
         crate::heartbeat::start(
             &format!("falcon-worker-{}-heartbeat", inner.book.rank),
             inner.sched.clone(),
@@ -1106,6 +1127,7 @@ impl Inner {
                 weak.upgrade()
                     .is_some_and(|w| !w.stop.load(Ordering::Acquire))
             },
+            move || counters.upgrade().map(|w| Msg::Metrics(w.metrics())),
         )
     }
 

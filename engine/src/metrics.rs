@@ -1,0 +1,525 @@
+//! The job's metrics for dashboards: a Prometheus (OpenMetrics text) endpoint on the
+//! scheduler, `http://ADDR/metrics` where `FALCON_METRICS_ADDR` (or `--metrics-addr`) says.
+//!
+//! Workers and servers send their counters to the scheduler with their heartbeats
+//! ([`Msg::Metrics`]); the scheduler adds what it sees itself (iterations the trainers
+//! report, the tasks it relays between stragglers and helpers, the threads it advises). The
+//! [`Board`] is plain state, fed by the scheduler's driver and read by [`Board::render`];
+//! [`Exporter`] is the thin HTTP driver, a thread that answers scrapes from the board and
+//! nothing else (a request it does not understand gets 404 or 400, a slow one is cut off).
+//!
+//! The encoding is the prometheus-client crate's, the Prometheus project's own Rust client:
+//! exposition format details (escaping, `_total` suffixes, `# EOF`) are its business.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::proto::{Msg, Role};
+
+/// A worker's or a server's counters since it started (totals, so a lost message loses
+/// nothing), as it sends them to the scheduler.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeMetrics {
+    /// Worker: iterations completed (its clock: every tensor pushed this many times).
+    pub iterations: u64,
+    /// Worker: shard pushes; server: gradients received.
+    pub pushes: u64,
+    /// Worker: shard pulls (one-sided reads and server answers); server: pulls answered.
+    pub pulls: u64,
+    /// Worker: time blocked on pulls the policy parked and at barriers; server: unused.
+    pub blocked_nanos: u64,
+    /// Staleness of acknowledged pushes (worker) or applied gradients (server): sum, count,
+    /// largest.
+    pub staleness_sum: u64,
+    /// Pushes counted in `staleness_sum`.
+    pub staleness_count: u64,
+    /// The largest staleness.
+    pub staleness_max: u64,
+    /// Server: gradient bytes received.
+    pub bytes_in: u64,
+    /// Server: parameter bytes written to answer pulls (worker: bytes read one-sided).
+    pub bytes_out: u64,
+    /// Server: updates applied to parameters.
+    pub updates: u64,
+    /// Server: pulls parked now, waiting for the policy.
+    pub parked_pulls: u64,
+    /// Server: pulls that waited for the policy, in all.
+    pub delayed_pulls: u64,
+    /// Server: gradients the policy dropped.
+    pub dropped_gradients: u64,
+}
+
+/// What the scheduler knows of one worker.
+#[derive(Clone, Debug, Default)]
+struct WorkerRow {
+    sent: NodeMetrics,
+    /// Iterations the trainer reported, their compute time and the threads of the last.
+    reported: u64,
+    compute_nanos: u64,
+    threads: u64,
+    /// Tasks transferred away from it, and to it.
+    tasks_given: u64,
+    tasks_helped: u64,
+}
+
+/// The scheduler's view of the job's metrics.
+#[derive(Clone, Debug, Default)]
+pub struct Board {
+    workers: BTreeMap<u32, WorkerRow>,
+    servers: BTreeMap<u32, NodeMetrics>,
+    live: BTreeMap<(Role, u32), bool>,
+}
+
+impl Board {
+    /// An empty board for a job of `workers` workers and `servers` servers (every node
+    /// appears, with zeros, before it reports).
+    pub fn new(workers: u32, servers: u32) -> Board {
+        let mut b = Board::default();
+        for w in 0..workers {
+            b.workers.insert(w, WorkerRow::default());
+            b.live.insert((Role::Worker, w), true);
+        }
+        for s in 0..servers {
+            b.servers.insert(s, NodeMetrics::default());
+            b.live.insert((Role::Server, s), true);
+        }
+        b
+    }
+
+    /// A message from node `(role, rank)` of the job.
+    pub fn on_message(&mut self, role: Role, rank: u32, msg: &Msg) {
+        match (role, msg) {
+            (Role::Worker, Msg::Metrics(m)) => {
+                self.workers.entry(rank).or_default().sent = m.clone()
+            }
+            (Role::Server, Msg::Metrics(m)) => {
+                self.servers.insert(rank, m.clone());
+            }
+            (Role::Worker, Msg::IterationDone { threads, nanos, .. }) => {
+                let w = self.workers.entry(rank).or_default();
+                w.reported += 1;
+                w.compute_nanos += nanos;
+                w.threads = u64::from(*threads);
+            }
+            (
+                Role::Worker,
+                Msg::Tasks {
+                    straggler,
+                    helper,
+                    start,
+                    end,
+                    ..
+                },
+            ) => {
+                let n = u64::from(end.saturating_sub(*start));
+                self.workers.entry(*straggler).or_default().tasks_given += n;
+                self.workers.entry(*helper).or_default().tasks_helped += n;
+            }
+            _ => {}
+        }
+    }
+
+    /// The scheduler advised worker `rank` to run `threads` threads.
+    pub fn threads(&mut self, rank: u32, threads: u64) {
+        self.workers.entry(rank).or_default().threads = threads;
+    }
+
+    /// Whether node `(role, rank)` is a live member of the job.
+    pub fn set_live(&mut self, role: Role, rank: u32, live: bool) {
+        self.live.insert((role, rank), live);
+    }
+
+    /// The metrics in the OpenMetrics text format.
+    pub fn render(&self) -> String {
+        let mut r = Registry::default();
+        let label = |k: &str, v: u32| vec![(k.to_string(), v.to_string())];
+        let counter = |r: &mut Registry, name: &str, help: &str| {
+            let f = Family::<Vec<(String, String)>, Counter>::default();
+            r.register(name, help, f.clone());
+            f
+        };
+        let seconds = |r: &mut Registry, name: &str, help: &str| {
+            let f = Family::<Vec<(String, String)>, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+            r.register(name, help, f.clone());
+            f
+        };
+        let gauge = |r: &mut Registry, name: &str, help: &str| {
+            let f = Family::<Vec<(String, String)>, Gauge>::default();
+            r.register(name, help, f.clone());
+            f
+        };
+        let ratio = |r: &mut Registry, name: &str, help: &str| {
+            let f =
+                Family::<Vec<(String, String)>, Gauge<f64, std::sync::atomic::AtomicU64>>::default(
+                );
+            r.register(name, help, f.clone());
+            f
+        };
+        let up = gauge(
+            &mut r,
+            "falcon_up",
+            "1 for a live member of the job, 0 for one declared dead",
+        );
+        let w_iter = counter(
+            &mut r,
+            "falcon_worker_iterations",
+            "Iterations a worker completed (every tensor pushed)",
+        );
+        let w_reported = counter(
+            &mut r,
+            "falcon_worker_reported_iterations",
+            "Iterations a worker's trainer reported with their compute time",
+        );
+        let w_compute = seconds(
+            &mut r,
+            "falcon_worker_compute_seconds",
+            "Compute time of the reported iterations",
+        );
+        let w_blocked = seconds(
+            &mut r,
+            "falcon_worker_blocked_seconds",
+            "Time a worker waited on pulls the policy held and at barriers",
+        );
+        let w_stale = ratio(
+            &mut r,
+            "falcon_worker_staleness_mean",
+            "Mean staleness of a worker's acknowledged pushes (updates in between)",
+        );
+        let w_stale_max = gauge(
+            &mut r,
+            "falcon_worker_staleness_max",
+            "Largest staleness of a worker's acknowledged pushes",
+        );
+        let w_given = counter(
+            &mut r,
+            "falcon_worker_tasks_given",
+            "Tasks transferred away from a worker (a straggler) to helpers",
+        );
+        let w_helped = counter(
+            &mut r,
+            "falcon_worker_tasks_helped",
+            "Tasks of other workers a worker computed",
+        );
+        let w_threads = gauge(
+            &mut r,
+            "falcon_worker_threads",
+            "Threads a worker computes with (last reported or advised)",
+        );
+        let w_pushes = counter(&mut r, "falcon_worker_pushes", "Shard pushes of a worker");
+        let w_pulls = counter(&mut r, "falcon_worker_pulls", "Shard pulls of a worker");
+        let s_in = counter(
+            &mut r,
+            "falcon_server_bytes_in",
+            "Gradient bytes a server received",
+        );
+        let s_out = counter(
+            &mut r,
+            "falcon_server_bytes_out",
+            "Parameter bytes a server wrote to answer pulls",
+        );
+        let s_grads = counter(
+            &mut r,
+            "falcon_server_gradients",
+            "Gradients a server applied or aggregated",
+        );
+        let s_updates = counter(
+            &mut r,
+            "falcon_server_updates",
+            "Updates a server applied to its parameters",
+        );
+        let s_parked = gauge(
+            &mut r,
+            "falcon_server_parked_pulls",
+            "Pulls waiting at a server for the policy now",
+        );
+        let s_delayed = counter(
+            &mut r,
+            "falcon_server_delayed_pulls",
+            "Pulls that waited at a server for the policy",
+        );
+        let s_dropped = counter(
+            &mut r,
+            "falcon_server_dropped_gradients",
+            "Gradients a server's policy dropped",
+        );
+        for (&rank, w) in &self.workers {
+            let l = label("worker", rank);
+            let m = &w.sent;
+            w_iter.get_or_create(&l).inc_by(m.iterations);
+            w_reported.get_or_create(&l).inc_by(w.reported);
+            w_compute
+                .get_or_create(&l)
+                .inc_by(w.compute_nanos as f64 / 1e9);
+            w_blocked
+                .get_or_create(&l)
+                .inc_by(m.blocked_nanos as f64 / 1e9);
+            let mean = if m.staleness_count > 0 {
+                m.staleness_sum as f64 / m.staleness_count as f64
+            } else {
+                0.0
+            };
+            w_stale.get_or_create(&l).set(mean);
+            w_stale_max.get_or_create(&l).set(m.staleness_max as i64);
+            w_given.get_or_create(&l).inc_by(w.tasks_given);
+            w_helped.get_or_create(&l).inc_by(w.tasks_helped);
+            w_threads.get_or_create(&l).set(w.threads as i64);
+            w_pushes.get_or_create(&l).inc_by(m.pushes);
+            w_pulls.get_or_create(&l).inc_by(m.pulls);
+        }
+        for (&rank, m) in &self.servers {
+            let l = label("server", rank);
+            s_in.get_or_create(&l).inc_by(m.bytes_in);
+            s_out.get_or_create(&l).inc_by(m.bytes_out);
+            s_grads.get_or_create(&l).inc_by(m.pushes);
+            s_updates.get_or_create(&l).inc_by(m.updates);
+            s_parked.get_or_create(&l).set(m.parked_pulls as i64);
+            s_delayed.get_or_create(&l).inc_by(m.delayed_pulls);
+            s_dropped.get_or_create(&l).inc_by(m.dropped_gradients);
+        }
+        for (&(role, rank), &live) in &self.live {
+            up.get_or_create(&vec![
+                ("role".to_string(), role.name().to_string()),
+                ("rank".to_string(), rank.to_string()),
+            ])
+            .set(i64::from(live));
+        }
+        let mut out = String::new();
+        // Encoding into a String cannot fail.
+        let _ = encode(&mut out, &r);
+        out
+    }
+}
+
+/// The longest a scrape may take to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// The most bytes of a request's head read.
+const REQUEST_HEAD: usize = 8192;
+
+/// The metrics endpoint: a thread answering `GET /metrics` from a [`Board`]; it stops when
+/// dropped.
+pub struct Exporter {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Exporter {
+    /// Binds `addr` (port 0: any free port) and starts answering scrapes from `board`.
+    pub fn start(addr: SocketAddr, board: Arc<Mutex<Board>>) -> Result<Exporter> {
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            Error::Config(format!("the metrics endpoint cannot listen on {addr}: {e}"))
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Config(format!("the metrics endpoint on {addr}: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::Config(format!("the metrics endpoint on {addr}: {e}")))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let halt = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("falcon-metrics".into())
+            .spawn(move || {
+                while !halt.load(Ordering::Acquire) {
+                    match listener.accept() {
+                        Ok((conn, _)) => answer(conn, &board),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(e) => {
+                            tracing::warn!("metrics endpoint: {e}");
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                }
+            })
+            .map_err(|e| {
+                Error::Config(format!("cannot start the metrics endpoint's thread: {e}"))
+            })?;
+        tracing::info!("scheduler: metrics at http://{addr}/metrics");
+        Ok(Exporter {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Exporter {
+    /// Stops answering and closes the port (the next job may bind it at once).
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Answers one connection: the board's metrics for `GET /metrics`, 404 for another path,
+/// 400 for anything that is not a GET request read within the timeout.
+fn answer(mut conn: TcpStream, board: &Mutex<Board>) {
+    let _ = conn.set_nonblocking(false);
+    let _ = conn.set_read_timeout(Some(REQUEST_TIMEOUT));
+    let _ = conn.set_write_timeout(Some(REQUEST_TIMEOUT));
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < REQUEST_HEAD {
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut words = line.split_whitespace();
+    let (status, kind, body) = match (words.next(), words.next()) {
+        (Some("GET"), Some(path)) if path == "/metrics" || path.starts_with("/metrics?") => {
+            let text = board.lock().unwrap_or_else(|p| p.into_inner()).render();
+            (
+                "200 OK",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                text,
+            )
+        }
+        (Some("GET"), Some(_)) => (
+            "404 Not Found",
+            "text/plain; charset=utf-8",
+            "falcon's scheduler serves /metrics only\n".to_string(),
+        ),
+        _ => (
+            "400 Bad Request",
+            "text/plain; charset=utf-8",
+            "not an HTTP GET request\n".to_string(),
+        ),
+    };
+    let reply = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = conn.write_all(reply.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scrape(addr: SocketAddr, request: &str) -> String {
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn the_board_renders_what_the_nodes_and_the_scheduler_saw() {
+        let mut b = Board::new(2, 1);
+        let m = NodeMetrics {
+            iterations: 7,
+            pushes: 14,
+            blocked_nanos: 1_500_000_000,
+            staleness_sum: 6,
+            staleness_count: 4,
+            staleness_max: 3,
+            ..Default::default()
+        };
+        b.on_message(Role::Worker, 1, &Msg::Metrics(m));
+        b.on_message(
+            Role::Worker,
+            1,
+            &Msg::IterationDone {
+                threads: 3,
+                tasks: 8,
+                nanos: 250_000_000,
+            },
+        );
+        b.on_message(
+            Role::Worker,
+            0,
+            &Msg::Tasks {
+                straggler: 0,
+                helper: 1,
+                clock: 4,
+                start: 2,
+                end: 7,
+            },
+        );
+        let s = NodeMetrics {
+            bytes_in: 4096,
+            pushes: 9,
+            parked_pulls: 2,
+            dropped_gradients: 1,
+            ..Default::default()
+        };
+        b.on_message(Role::Server, 0, &Msg::Metrics(s));
+        b.set_live(Role::Worker, 0, false);
+        let text = b.render();
+        for line in [
+            "# TYPE falcon_worker_iterations counter",
+            "falcon_worker_iterations_total{worker=\"1\"} 7",
+            "falcon_worker_iterations_total{worker=\"0\"} 0",
+            "falcon_worker_blocked_seconds_total{worker=\"1\"} 1.5",
+            "falcon_worker_compute_seconds_total{worker=\"1\"} 0.25",
+            "falcon_worker_staleness_mean{worker=\"1\"} 1.5",
+            "falcon_worker_staleness_max{worker=\"1\"} 3",
+            "falcon_worker_threads{worker=\"1\"} 3",
+            "falcon_worker_tasks_given_total{worker=\"0\"} 5",
+            "falcon_worker_tasks_helped_total{worker=\"1\"} 5",
+            "falcon_server_bytes_in_total{server=\"0\"} 4096",
+            "falcon_server_gradients_total{server=\"0\"} 9",
+            "falcon_server_parked_pulls{server=\"0\"} 2",
+            "falcon_server_dropped_gradients_total{server=\"0\"} 1",
+            "falcon_up{role=\"worker\",rank=\"0\"} 0",
+            "falcon_up{role=\"server\",rank=\"0\"} 1",
+            "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing from:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_endpoint_answers_scrapes_and_refuses_the_rest() {
+        let board = Arc::new(Mutex::new(Board::new(1, 1)));
+        let e = Exporter::start("127.0.0.1:0".parse().unwrap(), board.clone()).unwrap();
+        let ok = scrape(e.addr(), "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("application/openmetrics-text"));
+        assert!(ok.contains("falcon_worker_iterations_total{worker=\"0\"} 0"));
+        assert!(ok.trim_end().ends_with("# EOF"));
+        let missing = scrape(e.addr(), "GET /other HTTP/1.1\r\n\r\n");
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        let bad = scrape(e.addr(), "\x00\x01garbage\r\n\r\n");
+        assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
+        // A scrape that never sends its request is cut off, and the next one is answered.
+        let silent = TcpStream::connect(e.addr()).unwrap();
+        let ok = scrape(e.addr(), "GET /metrics HTTP/1.0\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"));
+        drop(silent);
+        // Taken by another process: a clear error.
+        let err = Exporter::start(e.addr(), board).err().unwrap().to_string();
+        assert!(
+            err.contains("the metrics endpoint cannot listen on"),
+            "{err}"
+        );
+    }
+}
