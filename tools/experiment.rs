@@ -682,12 +682,17 @@ fn write_outputs(dir: &Path, prefix: &str, title: &str, rows: &[Row], target: f6
         .map(|r| (r.config.clone(), r.time_to_target.unwrap_or(f64::NAN)))
         .collect();
     for ext in ["png", "svg"] {
-        falcon_bench::plot::line_chart(
+        crate::plot::line_chart(
             &dir.join(format!("{prefix}accuracy.{ext}")),
-            &format!("{title}: test accuracy (%) against time ({unit})"),
-            &series,
+            &crate::plot::Lines {
+                title: &format!("{title}: test accuracy against time"),
+                x_label: &format!("time ({unit})"),
+                y_label: "test accuracy (%)",
+                series: &series,
+                target: Some((100.0 * target, format!("target {:.0} %", 100.0 * target))),
+            },
         )?;
-        falcon_bench::plot::bar_chart(
+        crate::plot::bar_chart(
             &dir.join(format!("{prefix}time_to_target.{ext}")),
             &format!("{title}: time to {:.0}% ({unit})", 100.0 * target),
             &bars,
@@ -1026,7 +1031,7 @@ fn zipline(out: &Path, quick: bool) -> Res {
         })
         .collect();
     for ext in ["png", "svg"] {
-        falcon_bench::plot::bar_chart(
+        crate::plot::bar_chart(
             &out.join(format!("cost.{ext}")),
             "ZipLine decision cost, log10(us): ours against the paper's Table II",
             &bars,

@@ -14,6 +14,7 @@ mod config;
 mod experiment;
 mod local_cmd;
 mod logs;
+mod plot;
 mod train_cmd;
 
 use std::process::ExitCode;
@@ -353,10 +354,15 @@ pub(crate) fn knee_run(quick: bool, dir: &std::path::Path) -> Res {
         ),
     ];
     for ext in ["png", "svg"] {
-        falcon_bench::plot::line_chart(
+        crate::plot::line_chart(
             &dir.join(format!("knee.{ext}")),
-            "task completion time (ms) and variance (ms^2) against threads",
-            &series,
+            &crate::plot::Lines {
+                title: "task completion time and its variance against threads",
+                x_label: "threads",
+                y_label: "ms (variance: ms^2)",
+                series: &series,
+                target: None,
+            },
         )?;
     }
     std::fs::write(dir.join("knee.md"), table)?;

@@ -587,7 +587,19 @@ pub fn train(a: TrainArgs) -> Res {
     } else {
         "compare.png".into()
     });
-    falcon_bench::plot::line_chart(&png, "test accuracy (%) against time (s)", &series)?;
+    crate::plot::line_chart(
+        &png,
+        &crate::plot::Lines {
+            title: "falcon train: test accuracy against time",
+            x_label: "time (s)",
+            y_label: "test accuracy (%)",
+            series: &series,
+            target: Some((
+                100.0 * a.target,
+                format!("target {:.0} %", 100.0 * a.target),
+            )),
+        },
+    )?;
     outln!(
         "report: {} (JSON per run), plot: {}",
         a.out.display(),
@@ -956,7 +968,19 @@ pub fn sim(a: SimArgs) -> Res {
         ));
     }
     let png = a.out.join("accuracy.png");
-    falcon_bench::plot::line_chart(&png, "test accuracy (%) against virtual time (s)", &series)?;
+    crate::plot::line_chart(
+        &png,
+        &crate::plot::Lines {
+            title: "falcon sim: test accuracy against virtual time",
+            x_label: "virtual time (s)",
+            y_label: "test accuracy (%)",
+            series: &series,
+            target: Some((
+                100.0 * a.target,
+                format!("target {:.0} %", 100.0 * a.target),
+            )),
+        },
+    )?;
     outln!(
         "\nreports: {} (JSON per policy), plot: {}",
         a.out.display(),

@@ -8,7 +8,6 @@
 
 #![forbid(unsafe_code)]
 pub mod engine;
-pub mod plot;
 pub mod policies;
 pub mod reference;
 pub mod stats;
