@@ -274,7 +274,11 @@ fn draw_lines<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, c: &Lines<'_>) 
             ))
             .map_err(err)?
             .label(label.clone())
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 8, y)], BLACK.stroke_width(2)));
+            .legend(|(x, y)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new(vec![(0, 0), (7, 0)], BLACK.stroke_width(2))
+                    + PathElement::new(vec![(12, 0), (20, 0)], BLACK.stroke_width(2))
+            });
     }
     for (i, (name, pts)) in series.iter().enumerate() {
         let colour = PALETTE[i % PALETTE.len()];
