@@ -696,3 +696,63 @@ fn the_scheduler_serves_the_jobs_metrics_while_it_runs() {
     }
     assert!(gone, "worker 1 killed, still up in the metrics");
 }
+
+#[test]
+fn falcon_role_reads_its_variables_from_the_config_files_role_section() {
+    // The file gives every role the iteration count and the model's size; the environment
+    // still wins where it says something (the job and the ranks come from it).
+    let dir = std::env::temp_dir().join(format!("falcon-role-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("job.toml");
+    std::fs::write(
+        &file,
+        "[role]\niters = 7\nfalcon_floats = 1000\npolicy = \"ssp(1)\"\n",
+    )
+    .unwrap();
+    let p = port();
+    let start = |r: &str| {
+        let mut c = Command::new(FALCON);
+        c.arg("--config")
+            .arg(&file)
+            .arg("role")
+            .env("DMLC_ROLE", r)
+            .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+            .env("DMLC_PS_ROOT_PORT", p.to_string())
+            .env("DMLC_NUM_SERVER", "1")
+            .env("DMLC_NUM_WORKER", "1")
+            .env("DMLC_NODE_HOST", "127.0.0.1")
+            .env("FALCON_JOB", format!("cfgjob-{p}"))
+            .env_remove("FALCON_ITERS")
+            .env_remove("FALCON_FLOATS")
+            .env_remove("FALCON_POLICY")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let procs = vec![start("scheduler"), start("server"), start("worker")];
+    let mut outs = Vec::new();
+    for mut c in procs {
+        let status = wait_for(&mut c, Duration::from_secs(60)).expect("finishes");
+        let out = c.wait_with_output().unwrap();
+        assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        outs.push(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let worker = &outs[2];
+    assert!(worker.contains("worker 0: 7 iterations in"), "{worker}");
+    // 1000 floats, from the file: 4000 bytes on the one server.
+    assert!(outs[0].contains("bytes per server [4000]"), "{}", outs[0]);
+    // A bad key is refused before anything starts, naming the file and line.
+    let bad = std::env::temp_dir().join(format!("falcon-role-bad-{}.toml", std::process::id()));
+    std::fs::write(&bad, "[role]\niters = 7\nitres = 8\n").unwrap();
+    let o = Command::new(FALCON)
+        .arg("--config")
+        .arg(&bad)
+        .arg("role")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&bad);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(":3: unknown key `itres` in [role]"), "{err}");
+}

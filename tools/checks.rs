@@ -92,14 +92,36 @@ pub fn jitter(s: &str) -> Result<f64, BadValue> {
 
 /// The value of the first of `names` that is set (and not empty), read with `parse`; none
 /// set: `default`. A value `parse` refuses is an [`Invalid::Env`] naming the variable.
+/// The `[role]` section of the configuration file, as variables (see [`var`]).
+static FILE_VARS: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+
+/// Makes the configuration file's `[role]` settings visible to [`var`] (once, at start).
+pub fn set_file_vars(vars: Vec<(String, String)>) {
+    let _ = FILE_VARS.set(vars);
+}
+
+/// A variable of `falcon role`: the environment's value (unless empty), else the
+/// configuration file's `[role]` setting for it.
+pub fn var(name: &str) -> Option<String> {
+    std::env::var_os(name)
+        .map(|v| v.to_string_lossy().into_owned())
+        .filter(|v| !v.is_empty())
+        .or_else(|| {
+            FILE_VARS
+                .get()?
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        })
+}
+
 pub fn env_value<T, E: std::fmt::Display>(
     names: &[&'static str],
     default: T,
     parse: impl Fn(&str) -> Result<T, E>,
 ) -> Result<T, Invalid> {
     for &var in names {
-        if let Some(v) = std::env::var_os(var).filter(|v| !v.is_empty()) {
-            let value = v.to_string_lossy().into_owned();
+        if let Some(value) = self::var(var) {
             return parse(&value).map_err(|e| Invalid::Env {
                 var,
                 value,

@@ -10,9 +10,10 @@
 //! reads its section, whose keys may be those of any of them (each applies to the ones that
 //! have it), then its subsection (`[experiment.dssp]`), whose keys win.
 //!
-//! [`expand`] turns the settings into flags inserted right after the subcommand's name, so
-//! that clap parses them like typed flags: every check, value parser and default of the
-//! command applies to them unchanged.
+//! [`apply`] turns each setting into the default value of its argument in clap's command,
+//! so clap's own precedence (typed flag, then environment variable, then default) is the
+//! documented one, and every check and value parser of the command applies to file values
+//! as to typed ones. Nothing here reads the command line but the `--config` flag itself.
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -118,41 +119,36 @@ pub enum ConfigError {
     },
 }
 
-/// Applies the configuration file to `argv` (program name first, as from
-/// `std::env::args_os()`): removes `--config PATH`, reads the file (that path, else the one
-/// `env` gives for `FALCON_CONFIG`), and inserts the settings of the subcommand that `argv`
-/// runs as flags right after the subcommand's name. The result is for `cmd`'s parser.
+/// Applies the configuration file to `cmd` for `argv` (program name first, as from
+/// `std::env::args_os()`): removes `--config PATH` from `argv`, reads the file (that path,
+/// else the one `env` gives for `FALCON_CONFIG`), checks every section, and makes each
+/// setting the default value of its argument in `cmd`. Parse the returned argv with the
+/// returned command.
 ///
-/// `cmd` is the whole command (e.g. `<Cli as clap::CommandFactory>::command()`); it tells
-/// the subcommands, their long flags, which take values and which repeat, and their `env`
-/// names. `env` reads the environment: a setting whose flag has an environment variable that
-/// `env` reports set is left out, so that the variable wins.
+/// Nothing is read when `argv` names no subcommand (`falcon --help`).
 ///
-/// A flag that the user typed after the subcommand's name drops the file's setting for it,
-/// so the result never repeats a flag from the file (and a repeatable flag typed by the user
-/// replaces the file's list instead of adding to it). Building the command with
-/// `args_override_self(true)` is still advisable, so that a flag typed twice takes its last
-/// value.
-///
-/// Nothing is read when `argv` names no subcommand (`falcon --help`); a subcommand without a
-/// section gets nothing, and the sections of other subcommands are not looked into.
-pub fn expand(
-    cmd: &Command,
+/// `falcon role` has no flags: its section, `[role]`, sets the variables it reads (the
+/// names in `role_vars`; a key is a variable's name, or its name after `FALCON_` in any case:
+/// `policy` is `FALCON_POLICY`), returned as (variable, value) pairs for the role to read
+/// where the environment has nothing.
+pub fn apply(
+    cmd: Command,
     argv: Vec<OsString>,
     env: impl Fn(&str) -> Option<String>,
-) -> Result<Vec<OsString>, ConfigError> {
-    let (mut argv, flag_path) = take_config_flag(argv)?;
+    role_vars: &[&str],
+) -> Result<Applied, ConfigError> {
+    let (argv, flag_path) = take_config_flag(argv)?;
     let path = match flag_path {
         Some(p) => p,
         None => match env(ENV_VAR) {
             Some(p) if !p.is_empty() => PathBuf::from(p),
-            _ => return Ok(argv),
+            _ => return Ok((cmd, argv, Vec::new())),
         },
     };
-    let chain = subcommands(cmd, &argv);
-    let Some(first) = chain.first() else {
-        return Ok(argv);
-    };
+    let mut operands = argv.iter().skip(1).take_while(|a| *a != "--");
+    if operands.all(|a| a.to_string_lossy().starts_with('-')) {
+        return Ok((cmd, argv, Vec::new()));
+    }
     let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
         path: path.clone(),
         source,
@@ -165,29 +161,36 @@ pub fn expand(
         path: &path,
         text: &text,
     };
-    let Some(section) = file.section(cmd, doc.get_ref(), first.cmd.get_name())? else {
-        return Ok(argv);
-    };
-    let settings = file.settings(&chain, section)?;
-    // The deepest level first, so that the shallower ones' positions stay valid.
-    for (j, level) in chain.iter().enumerate().rev() {
-        let end = chain.get(j + 1).map_or(argv.len(), |next| next.at);
-        let (typed, _) = scan(level.cmd, &argv[level.at + 1..end]);
-        let mut flags = Vec::new();
-        for s in settings.iter().filter(|s| s.level == j) {
-            let overridden = typed.iter().any(|id| id == s.key.arg.get_id())
-                || s.key
-                    .arg
-                    .get_env()
-                    .and_then(OsStr::to_str)
-                    .is_some_and(|name| env(name).is_some());
-            if !overridden {
-                flags.extend(file.flags(s)?);
-            }
+    let mut defaults = Vec::new();
+    let mut vars = Vec::new();
+    for (sub, table) in file.sections(&cmd, doc.get_ref())? {
+        let name = sub.get_name().to_owned();
+        if name == "role" {
+            vars = file.variables(table, role_vars)?;
+            continue;
         }
-        argv.splice(level.at + 1..level.at + 1, flags);
+        file.collect(sub, vec![name.clone()], table, &name, &mut defaults)?;
     }
-    Ok(argv)
+    let mut cmd = cmd;
+    // In the order found: a subsection's settings come after its section's, and win.
+    for d in defaults {
+        cmd = with_default(cmd, &d.path, &d.arg, d.values);
+    }
+    Ok((cmd, argv, vars))
+}
+
+/// What [`apply`] gives: the command with the file's defaults, the argv to parse with it,
+/// and the `[role]` section's variables.
+pub type Applied = (Command, Vec<OsString>, Vec<(String, String)>);
+
+/// `cmd` with the argument `arg` of its subcommand at `path` defaulting to `values`.
+fn with_default(cmd: Command, path: &[String], arg: &str, values: Vec<String>) -> Command {
+    match path.split_first() {
+        Some((first, rest)) => {
+            cmd.mut_subcommand(first, |sub| with_default(sub, rest, arg, values))
+        }
+        None => cmd.mut_arg(arg, |a| a.default_values(values)),
+    }
 }
 
 /// Text for clap's `after_long_help`: the file's format and the precedence of the sources.
@@ -196,8 +199,10 @@ pub fn help_footer() -> &'static str {
 Configuration file:
   --config PATH (or FALCON_CONFIG=PATH) reads settings from a TOML file. Each subcommand
   reads the section named after it: [train], [local], [sim], [experiment] (whose keys apply
-  to every experiment that has them; [experiment.NAME] is for one experiment and wins).
-  Other sections are not used. The keys are the subcommand's long flag names without the
+  to every experiment that has them; [experiment.NAME] is for one experiment and wins),
+  [role] (its variables: see `falcon role --help`).
+  Every section is checked whichever subcommand runs, and each setting becomes the
+  default of its flag. The keys are the subcommand's long flag names without the
   dashes (snake_case works too). Precedence, highest first: a flag on the command line,
   the option's environment variable, the file, the built-in default.
   Values: strings, numbers and booleans; `key = true` passes a switch (false leaves it
@@ -275,90 +280,6 @@ fn strip_config_eq(arg: &OsStr) -> Option<OsString> {
     }
 }
 
-/// One subcommand on the command line: its position in argv and its command.
-struct Level<'c> {
-    at: usize,
-    cmd: &'c Command,
-}
-
-/// The subcommands that `argv` runs, outermost first: `train`, or `experiment` then `dssp`.
-fn subcommands<'c>(cmd: &'c Command, argv: &[OsString]) -> Vec<Level<'c>> {
-    let mut chain = Vec::new();
-    let (mut cur, mut from) = (cmd, 1);
-    while from <= argv.len() {
-        let (_, Some(i)) = scan(cur, &argv[from..]) else {
-            break;
-        };
-        let at = from + i;
-        let Some(sub) = cur.find_subcommand(&argv[at]) else {
-            break;
-        };
-        chain.push(Level { at, cmd: sub });
-        (cur, from) = (sub, at + 1);
-    }
-    chain
-}
-
-/// Reads `args` (up to `--`) as `cmd`'s arguments: the ids of the arguments given, and the
-/// index of the first operand (an argument that is neither a flag nor a flag's value, like a
-/// subcommand's name or a positional argument).
-fn scan(cmd: &Command, args: &[OsString]) -> (Vec<String>, Option<usize>) {
-    let mut typed = Vec::new();
-    let looks_like_flag = |a: &OsString| a.to_string_lossy().starts_with('-');
-    // Whether an option without an inline value takes the next argument as its value (clap
-    // takes one that does not look like a flag, unless the option allows hyphens).
-    let takes_next = |a: &Arg, next: Option<&OsString>| {
-        a.get_action().takes_values()
-            && next.is_some_and(|n| !looks_like_flag(n) || a.is_allow_hyphen_values_set())
-    };
-    let (mut i, mut operand) = (0, None);
-    while i < args.len() {
-        let raw = &args[i];
-        i += 1;
-        let arg = raw.to_string_lossy();
-        if arg == "--" {
-            break;
-        }
-        if let Some(long) = arg.strip_prefix("--") {
-            let (name, inline) = match long.split_once('=') {
-                Some((name, _)) => (name, true),
-                None => (long, false),
-            };
-            if let Some(a) = cmd
-                .get_arguments()
-                .find(|a| long_names(a).any(|l| l == name))
-            {
-                typed.push(a.get_id().to_string());
-                if !inline && takes_next(a, args.get(i)) {
-                    i += 1;
-                }
-            }
-        } else if let Some(shorts) = arg.strip_prefix('-').filter(|s| !s.is_empty()) {
-            // A cluster of short flags (`-qv`), the last of which may take a value (`-n5`,
-            // `-n 5`).
-            let mut chars = shorts.chars().peekable();
-            while let Some(c) = chars.next() {
-                let Some(a) = cmd.get_arguments().find(|a| {
-                    a.get_short() == Some(c)
-                        || a.get_all_short_aliases().is_some_and(|s| s.contains(&c))
-                }) else {
-                    break;
-                };
-                typed.push(a.get_id().to_string());
-                if a.get_action().takes_values() {
-                    if chars.peek().is_none() && takes_next(a, args.get(i)) {
-                        i += 1;
-                    }
-                    break;
-                }
-            }
-        } else if operand.is_none() {
-            operand = Some(i - 1);
-        }
-    }
-    (typed, operand)
-}
-
 /// The long name and long aliases of an argument.
 fn long_names(arg: &Arg) -> impl Iterator<Item = &str> {
     arg.get_long()
@@ -389,19 +310,11 @@ fn subtree(cmd: &Command) -> Vec<&Command> {
     all
 }
 
-/// A key of a section, resolved to its argument.
-struct Key<'c> {
-    name: String,
-    line: usize,
-    arg: &'c Arg,
-}
-
-/// One setting of the file: the level of the subcommand chain whose argument it sets.
-struct Setting<'c, 'd, 'i> {
-    level: usize,
-    section: String,
-    key: Key<'c>,
-    value: &'d Spanned<DeValue<'i>>,
+/// One setting of the file: the argument of the subcommand at `path` it gives a default.
+struct Default_ {
+    path: Vec<String>,
+    arg: String,
+    values: Vec<String>,
 }
 
 /// The file being applied, for its errors.
@@ -421,15 +334,14 @@ impl File<'_> {
             + 1
     }
 
-    /// Checks the document's shape (only sections, each named after a subcommand) and
-    /// returns the section `name`, if any.
-    fn section<'d, 'i>(
+    /// Checks the document's shape (only sections, each named after a subcommand, each
+    /// once) and returns each section with its subcommand, in the file's order.
+    fn sections<'c, 'd, 'i>(
         &self,
-        cmd: &Command,
+        cmd: &'c Command,
         doc: &'d DeTable<'i>,
-        name: &str,
-    ) -> Result<Option<&'d DeTable<'i>>, ConfigError> {
-        let mut found = None;
+    ) -> Result<Vec<(&'c Command, &'d DeTable<'i>)>, ConfigError> {
+        let mut found: Vec<(&'c Command, &'d DeTable<'i>)> = Vec::new();
         for (key, value) in in_file_order(doc) {
             let section = key.get_ref().replace('_', "-");
             let line = self.line(key.span());
@@ -448,7 +360,7 @@ impl File<'_> {
                     path: self.path.to_owned(),
                     line,
                     key: key.get_ref().to_string(),
-                    example: name.to_owned(),
+                    example: "train".to_owned(),
                 });
             };
             let Some(sub) = cmd.find_subcommand(&section) else {
@@ -462,84 +374,85 @@ impl File<'_> {
                         .collect(),
                 });
             };
-            if sub.get_name() == name {
-                if found.is_some() {
-                    return Err(ConfigError::DuplicateKey {
-                        path: self.path.to_owned(),
-                        line,
-                        section: "the top level".to_owned(),
-                        key: format!("[{section}]"),
-                    });
-                }
-                found = Some(table);
+            if found.iter().any(|(c, _)| c.get_name() == sub.get_name()) {
+                return Err(ConfigError::DuplicateKey {
+                    path: self.path.to_owned(),
+                    line,
+                    section: "the top level".to_owned(),
+                    key: format!("[{section}]"),
+                });
             }
+            found.push((sub, table));
         }
         Ok(found)
     }
 
-    /// The settings for the subcommands of `chain` from `section` (the first one's) and its
-    /// subsections along the chain, a deeper one's settings replacing the shallower ones'.
-    fn settings<'c, 'd, 'i>(
+    /// The settings of `table`, the section `section` of `cmd` (at `path`): each key gives
+    /// a default to the argument of that name of `cmd` and of every subcommand below it that
+    /// has one; then its subsections, whose settings come after (and so win) for their
+    /// subcommand.
+    fn collect<'d, 'i>(
         &self,
-        chain: &[Level<'c>],
-        section: &'d DeTable<'i>,
-    ) -> Result<Vec<Setting<'c, 'd, 'i>>, ConfigError> {
-        let mut settings: Vec<Setting<'c, 'd, 'i>> = Vec::new();
-        let mut table = Some(section);
-        let mut section = chain[0].cmd.get_name().to_owned();
-        for (k, level) in chain.iter().enumerate() {
-            let Some(t) = table.take() else { break };
-            let next = chain.get(k + 1).map(|l| l.cmd.get_name());
-            let mut seen: Vec<&str> = Vec::new();
-            for (key, value) in in_file_order(t) {
-                let name = key.get_ref().replace('_', "-");
-                let line = self.line(key.span());
-                if let DeValue::Table(sub_table) = value.get_ref()
-                    && let Some(sub) = level.cmd.find_subcommand(&name)
-                {
-                    if Some(sub.get_name()) == next {
-                        table = Some(sub_table);
-                    }
-                    continue;
+        cmd: &Command,
+        path: Vec<String>,
+        table: &'d DeTable<'i>,
+        section: &str,
+        out: &mut Vec<Default_>,
+    ) -> Result<(), ConfigError> {
+        let mut seen: Vec<&str> = Vec::new();
+        let mut subsections = Vec::new();
+        for (key, value) in in_file_order(table) {
+            let name = key.get_ref().replace('_', "-");
+            let line = self.line(key.span());
+            if let DeValue::Table(sub_table) = value.get_ref()
+                && let Some(sub) = cmd.find_subcommand(&name)
+            {
+                subsections.push((sub, sub_table));
+                continue;
+            }
+            // Every command of the subtree with an argument of that name, with its path.
+            let mut targets: Vec<(Vec<String>, &Arg)> = Vec::new();
+            let mut stack = vec![(path.clone(), cmd)];
+            while let Some((p, c)) = stack.pop() {
+                if let Some(a) = settable(c).find(|a| long_names(a).any(|l| l == name)) {
+                    targets.push((p.clone(), a));
                 }
-                // A key of any subcommand below this one, applied to the deepest one on the
-                // command line that has it, if any.
-                let Some(arg) = subtree(level.cmd)
-                    .into_iter()
-                    .flat_map(settable)
-                    .find(|a| long_names(a).any(|l| l == name))
-                else {
-                    return Err(self.unknown_key(level.cmd, &section, key.get_ref(), line));
-                };
-                let canonical = arg.get_long().unwrap_or_default();
-                if seen.contains(&canonical) {
-                    return Err(ConfigError::DuplicateKey {
-                        path: self.path.to_owned(),
-                        line,
-                        section: section.clone(),
-                        key: name,
+                for sub in c.get_subcommands() {
+                    let mut q = p.clone();
+                    q.push(sub.get_name().to_owned());
+                    stack.push((q, sub));
+                }
+            }
+            let Some((_, first)) = targets.first() else {
+                return Err(self.unknown_key(cmd, section, key.get_ref(), line));
+            };
+            let canonical = first.get_long().unwrap_or_default();
+            if seen.contains(&canonical) {
+                return Err(ConfigError::DuplicateKey {
+                    path: self.path.to_owned(),
+                    line,
+                    section: section.to_owned(),
+                    key: name,
+                });
+            }
+            seen.push(canonical);
+            for (p, arg) in targets {
+                if let Some(values) = self.values(section, &name, line, arg, value.get_ref())? {
+                    out.push(Default_ {
+                        path: p,
+                        arg: arg.get_id().to_string(),
+                        values,
                     });
                 }
-                seen.push(canonical);
-                let target = (k..chain.len()).rev().find_map(|j| {
-                    settable(chain[j].cmd)
-                        .find(|a| long_names(a).any(|l| l == name))
-                        .map(|a| (j, a))
-                });
-                let Some((j, arg)) = target else { continue };
-                settings.retain(|s| !(s.level == j && s.key.arg.get_id() == arg.get_id()));
-                settings.push(Setting {
-                    level: j,
-                    section: section.clone(),
-                    key: Key { name, line, arg },
-                    value,
-                });
-            }
-            if let Some(next) = next {
-                section = format!("{section}.{next}");
             }
         }
-        Ok(settings)
+        for (sub, t) in subsections {
+            let mut p = path.clone();
+            p.push(sub.get_name().to_owned());
+            let label = format!("{section}.{}", sub.get_name());
+            self.collect(sub, p, t, &label, out)?;
+        }
+        Ok(())
     }
 
     fn unknown_key(&self, cmd: &Command, section: &str, key: &str, line: usize) -> ConfigError {
@@ -566,30 +479,95 @@ impl File<'_> {
         }
     }
 
-    /// The flags that make a setting.
-    fn flags(&self, s: &Setting<'_, '_, '_>) -> Result<Vec<OsString>, ConfigError> {
+    /// The `[role]` section as variables of `falcon role` (any of `names`).
+    fn variables(
+        &self,
+        table: &DeTable<'_>,
+        names: &[&str],
+    ) -> Result<Vec<(String, String)>, ConfigError> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for (key, value) in in_file_order(table) {
+            let line = self.line(key.span());
+            let upper = key.get_ref().to_ascii_uppercase().replace('-', "_");
+            let var = [upper.clone(), format!("FALCON_{upper}")]
+                .into_iter()
+                .find(|v| names.contains(&v.as_str()));
+            let Some(var) = var else {
+                return Err(ConfigError::UnknownKey {
+                    path: self.path.to_owned(),
+                    line,
+                    section: "role".to_owned(),
+                    key: key.get_ref().to_string(),
+                    valid: names.iter().map(|n| (*n).to_owned()).collect(),
+                    subsections: Box::new([]),
+                });
+            };
+            if out.iter().any(|(v, _)| *v == var) {
+                return Err(ConfigError::DuplicateKey {
+                    path: self.path.to_owned(),
+                    line,
+                    section: "role".to_owned(),
+                    key: key.get_ref().to_string(),
+                });
+            }
+            let bad = || ConfigError::BadValue {
+                path: self.path.to_owned(),
+                line,
+                section: "role".to_owned(),
+                key: key.get_ref().to_string(),
+                reason: "expects a string, a number, a boolean or an array of them".to_owned(),
+            };
+            let text = match value.get_ref() {
+                DeValue::Array(items) => items
+                    .iter()
+                    .map(|v| scalar(v.get_ref()))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(bad)?
+                    // FALCON_HETERO's entries are separated by `;`, lists by `,`.
+                    .join(if var == "FALCON_HETERO" { ";" } else { "," }),
+                v => scalar(v).ok_or_else(bad)?,
+            };
+            out.push((var, text));
+        }
+        Ok(out)
+    }
+
+    /// The default values a setting gives `arg` (`None`: leave its default, for a switch
+    /// set to false).
+    fn values(
+        &self,
+        section: &str,
+        key: &str,
+        line: usize,
+        arg: &Arg,
+        value: &DeValue<'_>,
+    ) -> Result<Option<Vec<String>>, ConfigError> {
         let bad = |reason: &str| ConfigError::BadValue {
             path: self.path.to_owned(),
-            line: s.key.line,
-            section: s.section.clone(),
-            key: s.key.name.clone(),
+            line,
+            section: section.to_owned(),
+            key: key.to_owned(),
             reason: reason.to_owned(),
         };
-        let long = s.key.arg.get_long().unwrap_or(&s.key.name);
-        let with = |v: &str| OsString::from(format!("--{long}={v}"));
-        let action = s.key.arg.get_action();
+        let action = arg.get_action();
         if !action.takes_values() {
-            // A switch: SetTrue, SetFalse (whose flag is named for what it turns off) or Count.
-            let times = match s.value.get_ref() {
-                DeValue::Boolean(b) => usize::from(*b),
+            // A switch: SetTrue, SetFalse (whose flag is named for what it turns off) or Count;
+            // `true` (or a count) means the switch as if typed.
+            let times: u64 = match value {
+                DeValue::Boolean(b) => u64::from(*b),
                 v @ DeValue::Integer(_) if matches!(action, ArgAction::Count) => scalar(v)
                     .and_then(|n| n.parse().ok())
                     .ok_or_else(|| bad("expects true, false or a count"))?,
                 _ => return Err(bad("is a switch: expects true or false")),
             };
-            return Ok(vec![OsString::from(format!("--{long}")); times]);
+            return Ok(match (action, times) {
+                (_, 0) => None,
+                (ArgAction::Count, n) => Some(vec![n.to_string()]),
+                (ArgAction::SetFalse, _) => Some(vec!["false".into()]),
+                _ => Some(vec!["true".into()]),
+            });
         }
-        match s.value.get_ref() {
+        match value {
             DeValue::Array(items) => {
                 let values = items
                     .iter()
@@ -597,16 +575,16 @@ impl File<'_> {
                     .collect::<Option<Vec<_>>>()
                     .ok_or_else(|| bad("an array may hold only strings, numbers and booleans"))?;
                 if matches!(action, ArgAction::Append) {
-                    Ok(values.iter().map(|v| with(v)).collect())
+                    Ok(Some(values))
                 } else {
-                    Ok(vec![with(&values.join(","))])
+                    Ok(Some(vec![values.join(",")]))
                 }
             }
             v => {
                 let v = scalar(v).ok_or_else(|| {
                     bad("expects a string, a number, a boolean or an array of them")
                 })?;
-                Ok(vec![with(&v)])
+                Ok(Some(vec![v]))
             }
         }
     }
@@ -663,6 +641,8 @@ mod tests {
             quick: bool,
         },
         Doctor,
+        /// Configured by variables alone, like `falcon role`.
+        Role,
     }
 
     /// A subcommand with subcommands, like `falcon experiment`.
@@ -765,24 +745,50 @@ mod tests {
         argv.iter().map(OsString::from).collect()
     }
 
-    /// Expands `argv` with a fake environment.
-    fn expand_with(argv: &[&str], env: &[(&str, &str)]) -> Result<Vec<String>, ConfigError> {
+    /// The command with the file applied, and the argv to parse with it.
+    struct Applied {
+        cmd: Command,
+        argv: Vec<String>,
+    }
+
+    /// Applies the file to `argv` with a fake environment (for `FALCON_CONFIG`; clap reads
+    /// the options' own variables from the real one).
+    fn expand_with(argv: &[&str], env: &[(&str, &str)]) -> Result<Applied, ConfigError> {
         let env: Vec<(String, String)> = env
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        let out = expand(&Cli::command(), os(argv), |name| {
-            env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
-        })?;
-        Ok(out.into_iter().map(|a| a.into_string().unwrap()).collect())
+        let (cmd, out, _) = apply(
+            Cli::command(),
+            os(argv),
+            |name| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()),
+            &[],
+        )?;
+        Ok(Applied {
+            cmd,
+            argv: out.into_iter().map(|a| a.into_string().unwrap()).collect(),
+        })
     }
 
-    fn parse(argv: &[String]) -> Sub {
-        Cli::try_parse_from(argv).unwrap().command
+    /// `argv` parsed by the command without a file.
+    fn plain(argv: &[&str]) -> Applied {
+        Applied {
+            cmd: Cli::command(),
+            argv: argv.iter().map(|a| (*a).to_owned()).collect(),
+        }
     }
 
-    fn train(argv: &[String]) -> TrainArgs {
-        match parse(argv) {
+    fn try_parse(a: &Applied) -> Result<Sub, clap::Error> {
+        let m = a.cmd.clone().try_get_matches_from(&a.argv)?;
+        Ok(Cli::from_arg_matches(&m)?.command)
+    }
+
+    fn parse(a: &Applied) -> Sub {
+        try_parse(a).unwrap()
+    }
+
+    fn train(a: &Applied) -> TrainArgs {
+        match parse(a) {
             Sub::Train(a) => a,
             other => panic!("not train: {other:?}"),
         }
@@ -802,22 +808,10 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     #[test]
     fn file_values_are_applied() {
         let f = TempFile::new("applied", TRAIN);
-        let argv = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
-        assert_eq!(
-            argv,
-            [
-                "falcon",
-                "train",
-                "--workers=8",
-                "--policy=ssp(3)",
-                "--lr=-0.5",
-                "--eval-every=16",
-                "--quiet",
-                "--hetero=3:h=0.25",
-                "--hetero=2:gauss(5,2)",
-            ]
-        );
-        let a = train(&argv);
+        let a = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
+        // The command line is left as typed, `--config` taken out.
+        assert_eq!(a.argv, ["falcon", "train"]);
+        let a = train(&a);
         assert_eq!(a.workers, 8);
         assert_eq!(a.policy, "ssp(3)");
         assert_eq!(a.lr, Some(-0.5));
@@ -832,7 +826,7 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     #[test]
     fn flags_override_the_file() {
         let f = TempFile::new("flags", TRAIN);
-        let argv = expand_with(
+        let a = expand_with(
             &[
                 "falcon",
                 "train",
@@ -849,19 +843,12 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
             &[],
         )
         .unwrap();
-        // The file's settings for typed flags are dropped, not just overridden.
-        assert!(
-            !argv.iter().any(|a| a.starts_with("--workers=")),
-            "{argv:?}"
-        );
-        assert!(!argv.iter().any(|a| a.starts_with("--hetero=")), "{argv:?}");
-        assert_eq!(argv.iter().filter(|a| *a == "--quiet").count(), 1);
-        let a = train(&argv);
+        let a = train(&a);
         assert_eq!(a.workers, 2);
         assert_eq!(a.lr, Some(0.25));
         // A repeatable flag typed by the user replaces the file's list, not adds to it.
         assert_eq!(a.hetero, ["0:none"]);
-        assert!(a.metrics);
+        assert!(a.quiet && a.metrics);
         // The rest of the file still applies.
         assert_eq!(a.policy, "ssp(3)");
         assert_eq!(a.eval_every, 16);
@@ -870,7 +857,7 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     #[test]
     fn flags_override_the_file_without_args_override_self() {
         let f = TempFile::new("no-override", TRAIN);
-        let argv = expand_with(
+        let mut a = expand_with(
             &[
                 "falcon",
                 "train",
@@ -882,11 +869,8 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
             &[],
         )
         .unwrap();
-        let cmd = Cli::command().args_override_self(false);
-        let matches = cmd.try_get_matches_from(&argv).unwrap();
-        let Sub::Train(a) = Cli::from_arg_matches(&matches).unwrap().command else {
-            panic!("not train");
-        };
+        a.cmd = a.cmd.args_override_self(false);
+        let a = train(&a);
         assert_eq!(a.workers, 3);
         assert!(a.quiet);
     }
@@ -894,27 +878,27 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     #[test]
     fn flags_after_a_positional_argument_override_the_file() {
         let f = TempFile::new("positional", "[bench]\nquick = true\n");
-        let argv = expand_with(
-            &["falcon", "--config", f.path(), "bench", "knee", "--quick"],
-            &[],
-        )
-        .unwrap();
-        assert_eq!(argv, ["falcon", "bench", "knee", "--quick"]);
-        let argv = expand_with(&["falcon", "--config", f.path(), "bench", "knee"], &[]).unwrap();
+        let a = expand_with(&["falcon", "--config", f.path(), "bench", "knee"], &[]).unwrap();
         assert_eq!(
-            parse(&argv),
+            parse(&a),
             Sub::Bench {
                 what: "knee".into(),
                 quick: true
             }
         );
+        let a = expand_with(
+            &["falcon", "--config", f.path(), "bench", "knee", "--quick"],
+            &[],
+        )
+        .unwrap();
+        assert!(matches!(parse(&a), Sub::Bench { quick: true, .. }));
     }
 
     #[test]
     fn args_override_self_takes_the_last_value() {
         // What the caller's `args_override_self(true)` gives: the last of a repeated flag,
         // for every kind but the repeatable one, which appends.
-        let argv: Vec<String> = [
+        let a = train(&plain(&[
             "falcon",
             "train",
             "--workers=8",
@@ -925,51 +909,44 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
             "--quiet",
             "--hetero=a",
             "--hetero=b",
-        ]
-        .map(String::from)
-        .into();
-        let a = train(&argv);
+        ]));
         assert_eq!((a.workers, a.lr, a.quiet), (2, Some(2.0), true));
         assert_eq!(a.hetero, ["a", "b"]);
     }
 
     #[test]
     fn environment_overrides_the_file() {
-        let f = TempFile::new("env", "[train]\nseed = 5\nworkers = 6\n");
-        let argv = expand_with(
-            &["falcon", "--config", f.path(), "train"],
-            &[("FALCON_TEST_SEED", "7")],
-        )
-        .unwrap();
-        assert_eq!(argv, ["falcon", "train", "--workers=6"]);
-        // Without the variable, the file applies.
-        let argv = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
-        assert_eq!(train(&argv).seed, 5);
+        // CARGO_PKG_NAME is set by `cargo test` in the real environment, which clap reads:
+        // it beats the file; FALCON_TEST_SEED is not set, so the file gives the seed.
+        let f = TempFile::new(
+            "env-real",
+            "[train]\ncrate-name = \"from-file\"\nseed = 5\n",
+        );
+        let a = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
+        let expected = std::env::var("CARGO_PKG_NAME").unwrap_or_else(|_| "from-file".into());
+        let t = train(&a);
+        assert_eq!(t.crate_name, expected);
+        assert_eq!(t.seed, 5);
+        // A flag beats both.
+        let mut typed = a;
+        typed.argv.push("--crate-name=typed".into());
+        assert_eq!(train(&typed).crate_name, "typed");
     }
 
     #[test]
-    fn environment_overrides_the_file_end_to_end() {
-        // CARGO_PKG_NAME is set by `cargo test` in the real environment, which clap reads.
-        let f = TempFile::new("env-real", "[train]\ncrate-name = \"from-file\"\n");
-        let out = expand(
-            &Cli::command(),
-            os(&["falcon", "--config", f.path(), "train"]),
-            |k| std::env::var(k).ok(),
-        )
-        .unwrap();
-        let argv: Vec<String> = out.into_iter().map(|a| a.into_string().unwrap()).collect();
-        let expected = std::env::var("CARGO_PKG_NAME").unwrap_or_else(|_| "from-file".into());
-        assert_eq!(train(&argv).crate_name, expected);
-        // A flag beats both.
-        let mut typed = argv.clone();
-        typed.push("--crate-name=typed".into());
-        assert_eq!(train(&typed).crate_name, "typed");
+    fn a_bad_value_from_the_file_is_refused_by_the_commands_own_parser() {
+        let f = TempFile::new("bad-number", "[train]\nworkers = \"many\"\n");
+        let a = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
+        let e = try_parse(&a).unwrap_err().to_string();
+        assert!(e.contains("invalid value 'many' for '--workers"), "{e}");
     }
 
     #[test]
     fn unknown_key_lists_the_valid_keys() {
         let f = TempFile::new("unknown", "[train]\nworkers = 2\nwokers = 3\n");
-        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[])
+            .err()
+            .unwrap();
         let ConfigError::UnknownKey {
             line,
             ref section,
@@ -1007,10 +984,17 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
         );
     }
 
+    fn refused(argv: &[&str], env: &[(&str, &str)]) -> ConfigError {
+        match expand_with(argv, env) {
+            Ok(a) => panic!("applied: {:?}", a.argv),
+            Err(e) => e,
+        }
+    }
+
     #[test]
     fn top_level_key_is_an_error() {
         let f = TempFile::new("top", "workers = 2\n\n[train]\nquiet = true\n");
-        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
         assert!(
             matches!(e, ConfigError::TopLevelKey { line: 1, .. }),
             "{e:?}"
@@ -1024,7 +1008,7 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     #[test]
     fn unknown_section_and_array_of_tables_are_errors() {
         let f = TempFile::new("section", "[trian]\nworkers = 2\n");
-        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
         let msg = e.to_string();
         assert!(
             matches!(e, ConfigError::UnknownSection { line: 1, .. }),
@@ -1032,11 +1016,11 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
         );
         assert!(msg.contains("unknown section [trian]"), "{msg}");
         assert!(
-            msg.contains("train, sim, experiment, bench, doctor"),
+            msg.contains("train, sim, experiment, bench, doctor, role"),
             "{msg}"
         );
         let f = TempFile::new("aot", "[[train]]\nworkers = 2\n");
-        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
         assert!(matches!(e, ConfigError::NotATable { .. }), "{e:?}");
     }
 
@@ -1044,7 +1028,7 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     fn missing_file_is_an_error_naming_it() {
         let path = std::env::temp_dir().join("falcon-config-test-no-such-file.toml");
         let path = path.to_str().unwrap();
-        let e = expand_with(&["falcon", "train", "--config", path], &[]).unwrap_err();
+        let e = refused(&["falcon", "train", "--config", path], &[]);
         assert!(matches!(e, ConfigError::Read { .. }), "{e:?}");
         assert!(e.to_string().contains(path), "{e}");
     }
@@ -1052,21 +1036,21 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     #[test]
     fn syntax_error_names_the_file_and_line() {
         let f = TempFile::new("syntax", "[train]\nworkers = = 2\n");
-        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
         assert!(matches!(e, ConfigError::Syntax { .. }), "{e:?}");
         let msg = e.to_string();
         assert!(msg.contains(f.path()), "{msg}");
         assert!(msg.contains("line 2"), "{msg}");
         // A key given twice is the parser's error too.
         let f = TempFile::new("dup", "[train]\nworkers = 1\nworkers = 2\n");
-        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
         assert!(matches!(e, ConfigError::Syntax { .. }), "{e:?}");
     }
 
     #[test]
     fn snake_and_kebab_spellings_of_one_key_are_an_error() {
         let f = TempFile::new("dup2", "[train]\neval_every = 1\neval-every = 2\n");
-        let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
         assert!(
             matches!(e, ConfigError::DuplicateKey { line: 3, .. }),
             "{e:?}"
@@ -1078,25 +1062,26 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     fn config_equals_form() {
         let f = TempFile::new("eq", "[train]\nworkers = 9\n");
         let flag = format!("--config={}", f.path());
-        let argv = expand_with(&["falcon", "train", &flag, "--quiet"], &[]).unwrap();
-        assert_eq!(argv, ["falcon", "train", "--workers=9", "--quiet"]);
+        let a = expand_with(&["falcon", "train", &flag, "--quiet"], &[]).unwrap();
+        assert_eq!(a.argv, ["falcon", "train", "--quiet"]);
+        assert_eq!(train(&a).workers, 9);
     }
 
     #[test]
     fn falcon_config_names_the_file_and_the_flag_beats_it() {
         let env_file = TempFile::new("envfile", "[train]\nworkers = 5\n");
         let flag_file = TempFile::new("flagfile", "[train]\nworkers = 6\n");
-        let argv = expand_with(&["falcon", "train"], &[(ENV_VAR, env_file.path())]).unwrap();
-        assert_eq!(train(&argv).workers, 5);
-        let argv = expand_with(
+        let a = expand_with(&["falcon", "train"], &[(ENV_VAR, env_file.path())]).unwrap();
+        assert_eq!(train(&a).workers, 5);
+        let a = expand_with(
             &["falcon", "train", "--config", flag_file.path()],
             &[(ENV_VAR, env_file.path())],
         )
         .unwrap();
-        assert_eq!(train(&argv).workers, 6);
+        assert_eq!(train(&a).workers, 6);
         // An empty FALCON_CONFIG is no file.
-        let argv = expand_with(&["falcon", "train"], &[(ENV_VAR, "")]).unwrap();
-        assert_eq!(argv, ["falcon", "train"]);
+        let a = expand_with(&["falcon", "train"], &[(ENV_VAR, "")]).unwrap();
+        assert_eq!(train(&a).workers, 4);
     }
 
     #[test]
@@ -1106,7 +1091,7 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
             &["falcon", "--config", "--workers", "2", "train"],
             &["falcon", "train", "--config="],
         ] {
-            let e = expand_with(argv, &[]).unwrap_err();
+            let e = refused(argv, &[]);
             assert!(matches!(e, ConfigError::MissingValue), "{argv:?}: {e:?}");
         }
     }
@@ -1117,25 +1102,14 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
             "bool",
             "[train]\nquiet = false\nmetrics = true\npolicy = [\"bsp\", \"epsp\"]\nhetero = \"1:h=0.5\"\n",
         );
-        let argv = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
-        assert_eq!(
-            argv,
-            [
-                "falcon",
-                "train",
-                "--metrics",
-                "--policy=bsp,epsp",
-                "--hetero=1:h=0.5"
-            ]
-        );
-        let a = train(&argv);
+        let a = train(&expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap());
         assert!(!a.quiet && a.metrics);
         assert_eq!(a.policy, "bsp,epsp");
         assert_eq!(a.hetero, ["1:h=0.5"]);
         // An empty list for a repeatable flag sets nothing.
         let f = TempFile::new("empty", "[train]\nhetero = []\n");
-        let argv = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
-        assert_eq!(argv, ["falcon", "train"]);
+        let a = train(&expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap());
+        assert!(a.hetero.is_empty());
         // A switch takes only a boolean; values take no tables or nested arrays.
         for (name, text) in [
             ("bad-switch", "[train]\nquiet = \"yes\"\n"),
@@ -1143,7 +1117,7 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
             ("bad-nested", "[train]\nhetero = [[\"a\"]]\n"),
         ] {
             let f = TempFile::new(name, text);
-            let e = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap_err();
+            let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
             assert!(
                 matches!(e, ConfigError::BadValue { line: 2, .. }),
                 "{name}: {e:?}"
@@ -1152,43 +1126,94 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
     }
 
     #[test]
-    fn sections_of_other_subcommands_are_not_used() {
-        let f = TempFile::new(
-            "other",
-            "[sim]\nworkers = 99\nnot-a-sim-key = 1\n\n[train]\nworkers = 3\n",
-        );
-        let argv = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
-        assert_eq!(argv, ["falcon", "train", "--workers=3"]);
-        // A subcommand with no section gets nothing.
-        let argv = expand_with(&["falcon", "--config", f.path(), "doctor"], &[]).unwrap();
-        assert_eq!(argv, ["falcon", "doctor"]);
-        // Its own section is checked when it runs.
-        let e = expand_with(&["falcon", "--config", f.path(), "sim"], &[]).unwrap_err();
-        assert!(
-            matches!(e, ConfigError::UnknownKey { line: 3, .. }),
-            "{e:?}"
-        );
+    fn every_section_is_checked_and_each_applies_to_its_subcommand() {
         let f = TempFile::new("sim", "[sim]\nworkers = 99\n[train]\nworkers = 3\n");
-        let argv = expand_with(&["falcon", "--config", f.path(), "sim"], &[]).unwrap();
+        let a = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
+        assert_eq!(train(&a).workers, 3);
+        let a = expand_with(&["falcon", "--config", f.path(), "sim"], &[]).unwrap();
         assert_eq!(
-            parse(&argv),
+            parse(&a),
             Sub::Sim(SimArgs {
                 workers: 99,
                 policies: "bsp,epsp".into()
             })
         );
+        // A subcommand with no section gets nothing.
+        let a = expand_with(&["falcon", "--config", f.path(), "doctor"], &[]).unwrap();
+        assert_eq!(parse(&a), Sub::Doctor);
+        // A mistake in another subcommand's section is found whichever runs.
+        let f = TempFile::new(
+            "other",
+            "[sim]\nworkers = 99\nnot-a-sim-key = 1\n\n[train]\nworkers = 3\n",
+        );
+        let e = refused(&["falcon", "--config", f.path(), "train"], &[]);
+        assert!(
+            matches!(e, ConfigError::UnknownKey { line: 3, .. }),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn the_role_section_sets_the_roles_variables() {
+        let vars = [
+            "FALCON_POLICY",
+            "FALCON_HETERO",
+            "DMLC_NUM_WORKER",
+            "FALCON_LR",
+        ];
+        let role = |text: &str| {
+            let f = TempFile::new("role", text);
+            apply(
+                Cli::command(),
+                os(&["falcon", "--config", f.path(), "role"]),
+                |_| None,
+                &vars,
+            )
+            .map(|(_, argv, vars)| (argv, vars))
+        };
+        let (argv, got) = role(
+            "[role]\npolicy = \"ssp(3)\"\nDMLC_NUM_WORKER = 4\nhetero = [\"0:h=0.5\", \"1:none\"]\nLr = 0.1\n",
+        )
+        .unwrap();
+        assert_eq!(argv, os(&["falcon", "role"]));
+        let got: Vec<(&str, &str)> = got.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(
+            got,
+            [
+                ("FALCON_POLICY", "ssp(3)"),
+                ("DMLC_NUM_WORKER", "4"),
+                ("FALCON_HETERO", "0:h=0.5;1:none"),
+                ("FALCON_LR", "0.1"),
+            ]
+        );
+        let e = role("[role]\npolicy = \"bsp\"\nRUST_LOG = \"debug\"\n").unwrap_err();
+        assert!(
+            matches!(e, ConfigError::UnknownKey { line: 3, .. }),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().contains("FALCON_POLICY, FALCON_HETERO"),
+            "{e}"
+        );
+        let e = role("[role]\npolicy = \"bsp\"\nFALCON_POLICY = \"asp\"\n").unwrap_err();
+        assert!(
+            matches!(e, ConfigError::DuplicateKey { line: 3, .. }),
+            "{e:?}"
+        );
+        let e = role("[role]\npolicy = { a = 1 }\n").unwrap_err();
+        assert!(matches!(e, ConfigError::BadValue { line: 2, .. }), "{e:?}");
     }
 
     #[test]
     fn nothing_is_read_without_a_subcommand_or_after_double_dash() {
         let missing = "/nonexistent/falcon.toml";
-        let argv = expand_with(&["falcon", "--config", missing], &[]).unwrap();
-        assert_eq!(argv, ["falcon"]);
-        let argv = expand_with(&["falcon", "--help"], &[(ENV_VAR, missing)]).unwrap();
-        assert_eq!(argv, ["falcon", "--help"]);
+        let a = expand_with(&["falcon", "--config", missing], &[]).unwrap();
+        assert_eq!(a.argv, ["falcon"]);
+        let a = expand_with(&["falcon", "--help"], &[(ENV_VAR, missing)]).unwrap();
+        assert_eq!(a.argv, ["falcon", "--help"]);
         // After `--`, `--config` is an operand, left alone.
-        let argv = expand_with(&["falcon", "--", "--config", "x"], &[]).unwrap();
-        assert_eq!(argv, ["falcon", "--", "--config", "x"]);
+        let a = expand_with(&["falcon", "--", "--config", "x"], &[]).unwrap();
+        assert_eq!(a.argv, ["falcon", "--", "--config", "x"]);
     }
 
     #[test]
@@ -1201,25 +1226,20 @@ hetero = ["3:h=0.25", "2:gauss(5,2)"]
             .map(|l| format!("{}\n", l.trim()))
             .collect();
         let f = TempFile::new("footer", &example);
-        let argv = expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap();
-        let a = train(&argv);
+        let a = train(&expand_with(&["falcon", "--config", f.path(), "train"], &[]).unwrap());
         assert_eq!(
             (a.workers, a.policy.as_str(), a.quiet),
             (4, "dssp(3,15)", true)
         );
         assert_eq!(a.hetero.len(), 2);
-        let argv = expand_with(&["falcon", "--config", f.path(), "sim"], &[]).unwrap();
-        assert!(matches!(
-            parse(&argv),
-            Sub::Sim(SimArgs { workers: 16, .. })
-        ));
-        let argv =
-            expand_with(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]).unwrap();
+        let a = expand_with(&["falcon", "--config", f.path(), "sim"], &[]).unwrap();
+        assert!(matches!(parse(&a), Sub::Sim(SimArgs { workers: 16, .. })));
+        let a = expand_with(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]).unwrap();
         let Sub::Experiment(ExperimentArgs {
             which: Which::Dssp(k),
-        }) = parse(&argv)
+        }) = parse(&a)
         else {
-            panic!("{argv:?}");
+            panic!("{:?}", a.argv);
         };
         assert_eq!((k.mode.as_deref(), k.workers), (Some("sim"), Some(2)));
     }
@@ -1239,8 +1259,8 @@ out = "dssp-out"
 out = "zip-out"
 "#;
 
-    fn experiment(argv: &[String]) -> Which {
-        match parse(argv) {
+    fn experiment(a: &Applied) -> Which {
+        match parse(a) {
             Sub::Experiment(e) => e.which,
             other => panic!("not experiment: {other:?}"),
         }
@@ -1249,23 +1269,9 @@ out = "zip-out"
     #[test]
     fn nested_subcommands_read_their_section_then_their_subsection() {
         let f = TempFile::new("nested", EXPERIMENT);
-        let argv =
-            expand_with(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]).unwrap();
-        assert_eq!(
-            argv,
-            [
-                "falcon",
-                "experiment",
-                "dssp",
-                "--mode=sim",
-                "--hetero=0:h=0.5",
-                "--quick",
-                "--workers=5",
-                "--out=dssp-out",
-            ]
-        );
+        let a = expand_with(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]).unwrap();
         // The section's keys apply to each experiment that has them; its subsection wins.
-        let Which::Dssp(k) = experiment(&argv) else {
+        let Which::Dssp(k) = experiment(&a) else {
             panic!()
         };
         assert_eq!(
@@ -1279,7 +1285,7 @@ out = "zip-out"
             }
         );
         // Another experiment: the section, not dssp's subsection; a typed flag still wins.
-        let argv = expand_with(
+        let a = expand_with(
             &[
                 "falcon",
                 "experiment",
@@ -1292,36 +1298,33 @@ out = "zip-out"
             &[],
         )
         .unwrap();
-        let Which::Fluentps(k) = experiment(&argv) else {
+        let Which::Fluentps(k) = experiment(&a) else {
             panic!()
         };
         assert_eq!((k.workers, k.out, k.quick), (Some(7), None, true));
+        assert_eq!(k.mode.as_deref(), Some("sim"));
         // One without most of the keys: those are left out.
-        let argv = expand_with(
+        let a = expand_with(
             &["falcon", "--config", f.path(), "experiment", "zipline"],
             &[],
         )
         .unwrap();
         assert_eq!(
-            argv,
-            [
-                "falcon",
-                "experiment",
-                "zipline",
-                "--quick",
-                "--out=zip-out"
-            ]
+            experiment(&a),
+            Which::Zipline {
+                out: Some("zip-out".into()),
+                quick: true
+            }
         );
-        // No experiment named: nothing to set (clap then asks for one).
-        let argv = expand_with(&["falcon", "--config", f.path(), "experiment"], &[]).unwrap();
-        assert_eq!(argv, ["falcon", "experiment"]);
+        // No experiment named: clap asks for one.
+        let a = expand_with(&["falcon", "--config", f.path(), "experiment"], &[]).unwrap();
+        assert!(try_parse(&a).is_err());
     }
 
     #[test]
     fn nested_sections_check_their_keys() {
         let f = TempFile::new("nested-bad", "[experiment]\nmode = \"sim\"\nwokers = 1\n");
-        let e =
-            expand_with(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]);
         let msg = e.to_string();
         assert!(
             matches!(e, ConfigError::UnknownKey { line: 3, .. }),
@@ -1337,11 +1340,10 @@ out = "zip-out"
         );
         // A subsection's keys are those of its experiment.
         let f = TempFile::new("nested-bad2", "[experiment.zipline]\nmode = \"sim\"\n");
-        let e = expand_with(
+        let e = refused(
             &["falcon", "--config", f.path(), "experiment", "zipline"],
             &[],
-        )
-        .unwrap_err();
+        );
         assert!(
             e.to_string().contains(
                 "unknown key `mode` in [experiment.zipline]; the keys of [experiment.zipline] \
@@ -1351,8 +1353,7 @@ out = "zip-out"
         );
         // A subsection named after no experiment.
         let f = TempFile::new("nested-bad3", "[experiment.dsp]\nworkers = 1\n");
-        let e =
-            expand_with(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]).unwrap_err();
+        let e = refused(&["falcon", "--config", f.path(), "experiment", "dssp"], &[]);
         assert!(matches!(e, ConfigError::UnknownKey { .. }), "{e:?}");
         assert!(
             e.to_string().contains("unknown key `dsp` in [experiment]"),

@@ -20,7 +20,7 @@ mod train_cmd;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand};
+use clap::{FromArgMatches, Parser, Subcommand};
 use falcon_engine::keys::TensorSpec;
 use falcon_engine::launch::Launch;
 use falcon_engine::proto::Role;
@@ -87,19 +87,26 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     logs::init();
-    let argv = match config::expand(
-        &<Cli as clap::CommandFactory>::command(),
+    let (cmd, argv) = match config::apply(
+        <Cli as clap::CommandFactory>::command(),
         std::env::args_os().collect(),
         |name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()),
+        &role_variables(),
     ) {
-        Ok(argv) => argv,
+        Ok((cmd, argv, role_vars)) => {
+            checks::set_file_vars(role_vars);
+            (cmd, argv)
+        }
         Err(e) => {
             hygiene::error_line(&e);
             // clap's exit code for usage errors.
             return ExitCode::from(2);
         }
     };
-    let cli = Cli::parse_from(argv);
+    let cli = match Cli::from_arg_matches(&cmd.get_matches_from(argv)) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let r = match cli.command {
         Command_::Train(a) => train_cmd::train(a),
         Command_::Local(a) => local_cmd::local(a),
@@ -175,7 +182,8 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_ADVERTISE              the address it advertises, IP:PORT (behind NAT)
   FALCON_JOB, FALCON_TOKEN      job id (default falcon) and its secret token
   FALCON_POLICY                 synchronization policy (default bsp)
-  FALCON_LR                     learning rate, finite and > 0 (default 0.5; 0.05 for train);
+  FALCON_LR                     learning rate, finite and > 0 (default 0.5, for the synthetic
+                                workload's mean of unit gradients; train's models: 0.05);
                                 asynchronous policies apply each gradient with lr / workers
   FALCON_OPTIMIZER              the servers' optimizer: sgd (default), momentum(MU), adam,
                                 adam(B1,B2,EPS), adagrad or adagrad(EPS)
@@ -228,6 +236,12 @@ Read by falcon role itself:
   FALCON_ANNOUNCE               the scheduler prints its address on stdout
   FALCON_PARENT_PID             die with that process (set by `falcon local`)
   RUST_LOG                      log filter (default warn)
+
+Configuration file: `falcon --config FILE role` (or FALCON_CONFIG=FILE) reads the [role]
+section, whose keys are these variables, by their name or their name after FALCON_ in any
+case (`policy = \"ssp(3)\"` is FALCON_POLICY, `DMLC_NUM_WORKER = 4` itself); the
+environment wins over the file. Not from the file: the role itself, RUST_LOG and the RDMA
+device (read below falcon's own code).
 ";
 
 fn bench(what: &str, quick: bool) -> Res {
@@ -370,11 +384,56 @@ pub(crate) fn knee_run(quick: bool, dir: &std::path::Path) -> Res {
     Ok(())
 }
 
+/// The variables `falcon role` reads besides the launch contract's (all in [`ROLE_HELP`]).
+pub(crate) const ROLE_OWN_VARIABLES: &[&str] = &[
+    "FALCON_WORKLOAD",
+    "FALCON_ROWS",
+    "FALCON_HETERO",
+    "FALCON_LR_DECAY",
+    "FALCON_ITERS",
+    "FALCON_FLOATS",
+    "FALCON_MODEL",
+    "FALCON_DEVICE",
+    "FALCON_DATA",
+    "FALCON_BATCH",
+    "FALCON_TASKS",
+    "FALCON_THREADS",
+    "FALCON_SEED",
+    "FALCON_FAULT_DROP_MS",
+    "FALCON_FAULT_DROP_EVERY",
+    "FALCON_RDMA_DEVICE",
+    "FALCON_RDMA_GID_INDEX",
+    "FALCON_ANNOUNCE",
+    "FALCON_PARENT_PID",
+    "RUST_LOG",
+];
+
+/// The variables a `[role]` section of the configuration file may set: the launch contract's
+/// and the workloads', but those read below falcon's own code (`RUST_LOG`, the transport's
+/// RDMA device) and `falcon local`'s internal ones.
+fn role_variables() -> Vec<&'static str> {
+    falcon_engine::launch::VARIABLES
+        .iter()
+        .chain(ROLE_OWN_VARIABLES)
+        .copied()
+        .filter(|v| {
+            !matches!(
+                *v,
+                "RUST_LOG"
+                    | "FALCON_RDMA_DEVICE"
+                    | "FALCON_RDMA_GID_INDEX"
+                    | "FALCON_ANNOUNCE"
+                    | "FALCON_PARENT_PID"
+                    | "FALCON_ROLE"
+                    | "DMLC_ROLE"
+            )
+        })
+        .collect()
+}
+
 /// Reads a variable by its falcon name or one of its aliases (ps-lite's DMLC_* names).
 pub(crate) fn env(names: &[&str]) -> Option<String> {
-    names
-        .iter()
-        .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
+    names.iter().find_map(|n| checks::var(n))
 }
 
 /// The job configuration from the environment: the engine's launch contract
@@ -386,7 +445,7 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         role,
         rank,
         ..
-    } = Launch::from_env()?;
+    } = Launch::from_vars(checks::var)?;
     // The heterogeneity's ranks must be workers of the job (checked by every role).
     let hetero = env(&["FALCON_HETERO"]).unwrap_or_default();
     falcon_trainer::hetero::assign(cfg.workers, &falcon_trainer::hetero::split_entries(&hetero))
@@ -964,30 +1023,6 @@ mod tests {
         assert_eq!(super::busy_warning(Some("garbage".into()), 2), None);
     }
 
-    /// The variables `falcon role` reads besides the launch contract's (all in [`ROLE_HELP`]).
-    const ROLE_OWN_VARIABLES: &[&str] = &[
-        "FALCON_WORKLOAD",
-        "FALCON_ROWS",
-        "FALCON_HETERO",
-        "FALCON_LR_DECAY",
-        "FALCON_ITERS",
-        "FALCON_FLOATS",
-        "FALCON_MODEL",
-        "FALCON_DEVICE",
-        "FALCON_DATA",
-        "FALCON_BATCH",
-        "FALCON_TASKS",
-        "FALCON_THREADS",
-        "FALCON_SEED",
-        "FALCON_FAULT_DROP_MS",
-        "FALCON_FAULT_DROP_EVERY",
-        "FALCON_RDMA_DEVICE",
-        "FALCON_RDMA_GID_INDEX",
-        "FALCON_ANNOUNCE",
-        "FALCON_PARENT_PID",
-        "RUST_LOG",
-    ];
-
     /// Whether `name` appears in `text` as a whole name (`RANK`, not inside `FALCON_RANK`).
     fn names(text: &str, name: &str) -> bool {
         let part = |c: char| c.is_ascii_alphanumeric() || c == '_';
@@ -999,7 +1034,7 @@ mod tests {
     fn role_help_lists_every_variable_role_reads() {
         for var in falcon_engine::launch::VARIABLES
             .iter()
-            .chain(ROLE_OWN_VARIABLES)
+            .chain(super::ROLE_OWN_VARIABLES)
         {
             assert!(names(ROLE_HELP, var), "falcon role --help misses {var}");
         }

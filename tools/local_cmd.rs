@@ -28,7 +28,8 @@ pub struct LocalArgs {
     #[arg(long, default_value_t = 1, env = "FALCON_NUM_SERVER",
           value_parser = checks::at_least_one_u32)]
     servers: u32,
-    /// Worker processes.
+    /// Worker processes (2 by default, with 1 server: one process per core of a small host;
+    /// `train` runs 4 worker threads in one process).
     #[arg(long, default_value_t = 2, env = "FALCON_NUM_WORKER",
           value_parser = checks::at_least_one_u32)]
     workers: u32,

@@ -25,7 +25,9 @@ use crate::checks::{self, Invalid, Layout, TimeoutArgs};
 /// Options of `falcon train`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct TrainArgs {
-    /// Worker threads (each a falcon worker with its own pool).
+    /// Worker threads (each a falcon worker with its own pool). Defaults differ by
+    /// subcommand: 4 here (one straggler among four shows what the policies do), 2 for
+    /// `local` (processes on one small host), 16 for `sim` (virtual workers are cheap).
     #[arg(long, default_value_t = 4, env = "FALCON_NUM_WORKER",
           value_parser = checks::at_least_one_u32)]
     workers: u32,
@@ -69,7 +71,9 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 4, env = "FALCON_TASKS",
           value_parser = checks::at_least_one_u32)]
     tasks: u32,
-    /// Server-side SGD learning rate (finite, > 0).
+    /// Server-side SGD learning rate (finite, > 0). 0.05 for the models here, whose
+    /// synchronous steps sum their tasks' gradients; `falcon role`'s default, 0.5, is for
+    /// its synthetic workload (a mean of unit-scale gradients).
     #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
           allow_negative_numbers = true)]
     lr: f32,
@@ -760,7 +764,7 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
 /// Options of `falcon sim`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct SimArgs {
-    /// Simulated workers.
+    /// Simulated workers (16 by default: virtual workers are cheap; `train` runs 4 real ones).
     #[arg(long, default_value_t = 16, env = "FALCON_NUM_WORKER",
           value_parser = checks::at_least_one_u32)]
     workers: u32,
@@ -778,7 +782,9 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 16, env = "FALCON_BATCH",
           value_parser = checks::at_least_one_usize)]
     batch: usize,
-    /// Server-side SGD learning rate (finite, > 0).
+    /// Server-side SGD learning rate (finite, > 0). 0.05 for the models here, whose
+    /// synchronous steps sum their tasks' gradients; `falcon role`'s default, 0.5, is for
+    /// its synthetic workload (a mean of unit-scale gradients).
     #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
           allow_negative_numbers = true)]
     lr: f32,
