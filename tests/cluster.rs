@@ -756,3 +756,141 @@ fn falcon_role_reads_its_variables_from_the_config_files_role_section() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains(":3: unknown key `itres` in [role]"), "{err}");
 }
+
+#[test]
+fn a_stopped_train_run_resumes_from_its_checkpoints_and_refuses_another_jobs() {
+    let root = std::env::temp_dir().join(format!("falcon-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (save, out) = (root.join("save"), root.join("out"));
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
+    let train = |extra: &[&str]| {
+        let mut c = Command::new(FALCON);
+        c.args([
+            "train",
+            "--quiet",
+            "--uniform",
+            "--policy",
+            "bsp",
+            "--iters",
+            "1500",
+        ])
+        .args([
+            "--model",
+            "mlp:784-10",
+            "--batch",
+            "16",
+            "--tasks",
+            "2",
+            "--medium",
+            "tcp",
+        ])
+        .args(["--data", sample, "--out"])
+        .arg(&out)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        c
+    };
+    // A run stopped hard once its servers have checkpointed.
+    let mut first = train(&["--save", save.to_str().unwrap()]).spawn().unwrap();
+    common::kill_after_checkpoint(&mut first, &save.join("checkpoints/bsp/server-1.ckpt"));
+    // Goes on where the checkpoints are, to the end, and saves the model.
+    let o = train(&["--resume", save.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let at: u64 = common::number_after(
+        &stdout,
+        "resumed from the servers' checkpoints at iteration ",
+    )
+    .unwrap_or_else(|| panic!("no resume line:\n{stdout}"));
+    assert!(0 < at && at < 1500, "resumed at {at}");
+    let json = std::fs::read_to_string(out.join("bsp.json")).unwrap();
+    assert_eq!(report_field(&json, "resumed_at"), at.to_string());
+    let accuracy: f64 = report_field(&json, "final_accuracy").parse().unwrap();
+    assert!(accuracy > 0.6, "final accuracy {accuracy}");
+    let npy = std::fs::metadata(save.join("bsp.npy"))
+        .expect("the saved model")
+        .len();
+    assert_eq!(npy, 128 + 4 * (784 * 10 + 10));
+    // Another configuration's checkpoints are refused before anything starts.
+    let o = train(&["--resume", save.to_str().unwrap(), "--workers", "3"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("is a checkpoint of another job"),
+        "{stderr}"
+    );
+    // Nothing to resume from: a clear usage error.
+    let o = train(&["--resume", root.join("none").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no checkpoints there"));
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_stopped_role_job_resumes_from_its_checkpoints() {
+    let dir = std::env::temp_dir().join(format!("falcon-role-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // The same job both times (its name, not the port, is what checkpoints belong to).
+    let job = format!("resumed-{}", std::process::id());
+    let ckpt = [
+        ("FALCON_CHECKPOINT_DIR", dir.to_str().unwrap()),
+        ("FALCON_CHECKPOINT_MS", "200"),
+        ("FALCON_POLICY", "bsp"),
+        ("FALCON_JOB", job.as_str()),
+        ("FALCON_FLOATS", "1000"),
+    ];
+    let iters = 20_000;
+    // Every process of the job stopped hard once the server has checkpointed.
+    let p = port();
+    let mut first = vec![
+        role("scheduler", p, iters, &ckpt),
+        role("worker", p, iters, &ckpt),
+        role("worker", p, iters, &ckpt),
+    ];
+    let mut server = role("server", p, iters, &ckpt);
+    common::kill_after_checkpoint(&mut server, &dir.join("server-0.ckpt"));
+    for c in &mut first {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    // Started again with FALCON_RESUME: the workers go on from the checkpoint's clock.
+    let mut resumed = ckpt.to_vec();
+    resumed.push(("FALCON_RESUME", "1"));
+    let p = port();
+    let procs = vec![
+        role("scheduler", p, iters, &resumed),
+        role("server", p, iters, &resumed),
+        role("worker", p, iters, &resumed),
+        role("worker", p, iters, &resumed),
+    ];
+    let mut outs = Vec::new();
+    for mut c in procs {
+        let status = wait_for(&mut c, Duration::from_secs(120)).expect("finishes");
+        let out = c.wait_with_output().unwrap();
+        assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        outs.push(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    for w in &outs[2..] {
+        let summary = common::line_with(w, "iterations in");
+        let ran = common::number_after(summary, ": ").unwrap_or(iters);
+        assert!(
+            0 < ran && ran < iters,
+            "a resumed worker runs the rest only: {w}"
+        );
+        // The synthetic job still converges to the targets' mean (1.5).
+        assert!(w.contains("w[0] = 1.5000"), "{w}");
+    }
+}

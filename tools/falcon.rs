@@ -216,6 +216,9 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_RECOVERY_TIMEOUT_MS    how long the job waits for a dead server to restart from its
                                 checkpoint (default 60000)
   FALCON_CHECKPOINT_ON_FAILURE  a failed checkpoint write: warn (default) or stop the job
+  FALCON_RESUME                 1: a job stopped and started again goes on from the
+                                checkpoints in FALCON_CHECKPOINT_DIR (every role set alike;
+                                a checkpoint of another FALCON_JOB is refused)
 
 Read by falcon role itself:
   FALCON_WORKLOAD               a worker's work: synthetic (default), count (every gradient

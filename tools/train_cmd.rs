@@ -114,9 +114,18 @@ pub struct TrainArgs {
     out: PathBuf,
     /// Also write each configuration's trained model to DIR/<configuration>.npy: the final
     /// parameters, flat in the model's layout, float32 (NumPy's `numpy.load` reads it), with
-    /// the model's spelling beside it in DIR/<configuration>.model.
+    /// the model's spelling beside it in DIR/<configuration>.model. While it trains, the
+    /// servers checkpoint every second into DIR/checkpoints/<configuration>/, so that a
+    /// stopped run can go on with --resume DIR.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
+    /// Go on with a run of the same configuration that --save DIR wrote and that stopped
+    /// (killed, Ctrl-C): the servers start from its checkpoints and the workers at the
+    /// iteration they hold, up to --iters; then the model is saved to DIR. Checkpoints of
+    /// another configuration (model, policy, workers, servers, optimizer, seed, batch) are
+    /// refused.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
     /// Shuffling and initialization seed.
     #[arg(long, default_value_t = 1, env = "FALCON_SEED")]
     seed: u64,
@@ -338,7 +347,21 @@ fn fault_from_env(workers: u32) -> Result<Option<Fault>, Invalid> {
     }))
 }
 
-fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) -> JobSpec {
+/// Where `--save` or `--resume` keeps the checkpoints of the run named `base`.
+fn checkpoints(a: &TrainArgs, base: &str) -> Option<PathBuf> {
+    a.resume
+        .as_ref()
+        .or(a.save.as_ref())
+        .map(|d| d.join("checkpoints").join(base))
+}
+
+fn spec_for(
+    a: &TrainArgs,
+    plan: &Plan,
+    (entry, base): (&str, &str),
+    e: &Entry,
+    data: &Dataset,
+) -> JobSpec {
     let share = data.train.len() / a.workers as usize;
     let per_epoch = (share / a.batch.max(1)).max(1) as f64;
     let iters = a
@@ -375,16 +398,18 @@ fn spec_for(a: &TrainArgs, plan: &Plan, entry: &str, e: &Entry, data: &Dataset) 
         timeouts: plan.timeouts,
         fault: plan.fault,
         metrics_addr: a.metrics_addr,
+        checkpoint: checkpoints(a, base),
+        resume: a.resume.is_some(),
     }
 }
 
 fn run_one(
     a: &TrainArgs,
     plan: &Plan,
-    (entry, e): (&str, &Entry),
+    (entry, base, e): (&str, &str, &Entry),
     data: &Arc<Dataset>,
 ) -> Res<JobReport> {
-    let spec = spec_for(a, plan, entry, e, data);
+    let spec = spec_for(a, plan, (entry, base), e, data);
     let total = u64::from(spec.workers) * spec.train.iters;
     let bar = if a.quiet {
         ProgressBar::hidden()
@@ -413,6 +438,9 @@ fn run_one(
 }
 
 fn print_report(r: &JobReport, entry: &str) {
+    if let Some(at) = r.resumed_at {
+        outln!("{entry}: resumed from the servers' checkpoints at iteration {at}");
+    }
     outln!(
         "{entry}: {} on {} — {} workers, {} servers, {} at lr {} ({} of a step), {:.2} s, final accuracy {:.2}% (loss {:.3}), time to {:.0}%: {}",
         r.model,
@@ -525,7 +553,28 @@ pub fn train(a: TrainArgs) -> Res {
     let data = Arc::new(Dataset::find(a.data.as_deref())?);
     let entries: Vec<String> = plan.entries.iter().map(|(t, _)| t.clone()).collect();
     std::fs::create_dir_all(&a.out)?;
-    if let Some(dir) = &a.save {
+    if let (Some(s), Some(r)) = (&a.save, &a.resume)
+        && s != r
+    {
+        return Err(checks::Invalid::Setting(format!(
+            "--save {} and --resume {}: a resumed run saves where it resumes from; give one",
+            s.display(),
+            r.display()
+        ))
+        .into());
+    }
+    if let Some(dir) = &a.resume
+        && !dir.join("checkpoints").is_dir()
+    {
+        return Err(checks::Invalid::Setting(format!(
+            "--resume {}: no checkpoints there (a run with --save {} writes them)",
+            dir.display(),
+            dir.display()
+        ))
+        .into());
+    }
+    let save = a.resume.as_ref().or(a.save.as_ref());
+    if let Some(dir) = save {
         // Before training: a directory that cannot be made fails now, not after the run.
         std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
     }
@@ -538,16 +587,16 @@ pub fn train(a: TrainArgs) -> Res {
     // Rounds: every configuration once per round, so a slow period of the machine hits all.
     for round in 0..a.repeat.max(1) {
         for (entry, e, done) in runs.iter_mut() {
-            let r = run_one(&a, &plan, (entry, e), &data)?;
-            print_report(&r, entry);
             // Each run's files share one base name (per round when repeated).
             let base = if a.repeat > 1 {
                 format!("{}-run{}", file_name(entry), round + 1)
             } else {
                 file_name(entry)
             };
+            let r = run_one(&a, &plan, (entry, &base, e), &data)?;
+            print_report(&r, entry);
             std::fs::write(a.out.join(format!("{base}.json")), r.json())?;
-            if let Some(dir) = &a.save {
+            if let Some(dir) = save {
                 save_model(dir, &base, &r)?;
             }
             done.push(r);

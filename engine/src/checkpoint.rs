@@ -235,6 +235,39 @@ pub fn load(dir: &Path, rank: u32, job: u64, workers: u32) -> Result<Option<Chec
     Ok(Some(c))
 }
 
+/// Server `rank`'s checkpoint in `dir` for a resumed job: it must exist and be of this job
+/// (its name: the configuration that wrote it) and of a job of `workers` workers, any run.
+pub fn load_to_resume(dir: &Path, rank: u32, job: u64, workers: u32) -> Result<Checkpoint> {
+    let p = path(dir, rank);
+    let bytes = match std::fs::read(&p) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::Checkpoint(format!(
+                "nothing to resume: {} holds no checkpoint of server {rank} ({} is missing)",
+                dir.display(),
+                p.display()
+            )));
+        }
+        Err(e) => return Err(corrupt(&p, e)),
+    };
+    let c = decode(&bytes, &p)?;
+    if c.job != job {
+        return Err(Error::Checkpoint(format!(
+            "{} is a checkpoint of another job: resume with the job (and settings) that wrote it",
+            p.display()
+        )));
+    }
+    if c.rank != rank || c.workers != workers {
+        return Err(Error::Checkpoint(format!(
+            "{} was written by server {} of a job of {} workers; this is server {rank} of {workers}",
+            p.display(),
+            c.rank,
+            c.workers
+        )));
+    }
+    Ok(c)
+}
+
 /// The scheduler's side of server `rank`'s `failures`-th failed checkpoint write: recorded in
 /// `seen` (per server: its rank, failed writes, the last failure), logged when a server first
 /// fails or fails otherwise than before (the server logs the rest, rate-limited), and under

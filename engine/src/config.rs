@@ -125,6 +125,10 @@ pub struct CheckpointSettings {
     /// What a failed checkpoint write does: every failure is reported to the scheduler, and
     /// the scheduler's setting decides (a server's only words its log line).
     pub on_failure: OnCheckpointFailure,
+    /// Start from the checkpoints in `dir` of an earlier run of this job (a job stopped and
+    /// started again): each server restores its shards and every worker goes on at the clock
+    /// they hold. A checkpoint of another job is refused.
+    pub resume: bool,
 }
 
 /// What the job does when a server cannot write its checkpoint (a full disk, a directory
@@ -171,6 +175,7 @@ impl CheckpointSettings {
             every: Duration::from_secs(1),
             recovery_timeout: Duration::from_secs(60),
             on_failure: OnCheckpointFailure::Warn,
+            resume: false,
         }
     }
 }

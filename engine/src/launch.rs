@@ -44,7 +44,8 @@
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
 //!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`;
 //! - server checkpoints: `FALCON_CHECKPOINT_DIR`, `FALCON_CHECKPOINT_MS`,
-//!   `FALCON_RECOVERY_TIMEOUT_MS`, `FALCON_CHECKPOINT_ON_FAILURE`.
+//!   `FALCON_RECOVERY_TIMEOUT_MS`, `FALCON_CHECKPOINT_ON_FAILURE`, and `FALCON_RESUME` (start
+//!   from them: a job stopped and started again).
 //!
 //! A variable set to the empty string counts as unset; of a variable and its aliases, the
 //! first set one counts. Every value is checked before anything starts: a refusal is a
@@ -125,6 +126,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_CHECKPOINT_MS",
     "FALCON_RECOVERY_TIMEOUT_MS",
     "FALCON_CHECKPOINT_ON_FAILURE",
+    "FALCON_RESUME",
 ];
 
 /// A process's part in a job, read from its environment.
@@ -632,6 +634,23 @@ fn checkpoints<F: Fn(&str) -> Option<String>>(
                 .map_err(|_| "not an action on a failed checkpoint write: warn or stop")
         },
     )?;
+    let mut resume = false;
+    if let Some(set) = env.get(&["FALCON_RESUME"]) {
+        resume = match set.value.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => true,
+            "0" | "false" | "no" | "off" => false,
+            _ => {
+                return Err(
+                    set.refused("not a yes or no: 1 (resume from FALCON_CHECKPOINT_DIR) or 0")
+                );
+            }
+        };
+        if resume && env.get(&["FALCON_CHECKPOINT_DIR"]).is_none() {
+            return Err(
+                set.refused("there is nothing to resume from: set FALCON_CHECKPOINT_DIR too")
+            );
+        }
+    }
     if let Some(dir) = env.get(&["FALCON_CHECKPOINT_DIR"]) {
         let c = CheckpointSettings::new(dir.value);
         cfg.checkpoint = Some(CheckpointSettings {
@@ -642,6 +661,7 @@ fn checkpoints<F: Fn(&str) -> Option<String>>(
                 checks::timeout_ms,
             )?,
             on_failure,
+            resume,
             ..c
         });
     }
@@ -842,6 +862,7 @@ mod tests {
             ("FALCON_MAX_HANDSHAKES_PER_SOURCE", "3"),
             ("FALCON_CHECKPOINT_DIR", "/tmp/ckpt"),
             ("FALCON_CHECKPOINT_MS", "100"),
+            ("FALCON_RESUME", "yes"),
             ("FALCON_RECOVERY_TIMEOUT_MS", "2000"),
             ("FALCON_CHECKPOINT_ON_FAILURE", "stop"),
             ("FALCON_BIND", "127.0.0.1:5555"),
@@ -872,6 +893,7 @@ mod tests {
                 every: Duration::from_millis(100),
                 recovery_timeout: Duration::from_millis(2000),
                 on_failure: OnCheckpointFailure::Stop,
+                resume: true,
             })
         );
         assert_eq!(c.transport.bind, Some("127.0.0.1:5555".parse().unwrap()));
@@ -1070,6 +1092,17 @@ mod tests {
         assert_eq!(
             with(&[("FALCON_WIRE", "int8")]),
             "FALCON_WIRE=int8: not a wire precision: f32, bf16 or f16"
+        );
+        assert_eq!(
+            with(&[("FALCON_RESUME", "1")]),
+            "FALCON_RESUME=1: there is nothing to resume from: set FALCON_CHECKPOINT_DIR too"
+        );
+        assert_eq!(
+            with(&[
+                ("FALCON_RESUME", "maybe"),
+                ("FALCON_CHECKPOINT_DIR", "/tmp/c")
+            ]),
+            "FALCON_RESUME=maybe: not a yes or no: 1 (resume from FALCON_CHECKPOINT_DIR) or 0"
         );
         assert_eq!(
             with(&[("FALCON_METRICS_ADDR", "localhost")]),

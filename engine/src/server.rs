@@ -362,14 +362,17 @@ impl Serving {
             lost_updates: 0,
             job,
         };
-        if s.book.rejoin {
-            s.restore_checkpoint()?;
+        let resume = s.cfg.checkpoint.as_ref().is_some_and(|c| c.resume);
+        if s.book.rejoin || resume {
+            s.restore_checkpoint(s.book.rejoin)?;
         }
         Ok(s)
     }
 
-    /// A server admitted into a running job restarts from its checkpoint of this run.
-    fn restore_checkpoint(&mut self) -> Result<()> {
+    /// A server admitted into a running job restarts from its checkpoint of this run
+    /// (`this_run`); a server of a resumed job starts from its checkpoint of an earlier run
+    /// of the same job.
+    fn restore_checkpoint(&mut self, this_run: bool) -> Result<()> {
         let (rank, workers) = (self.book.rank, self.book.workers);
         let Some(c) = self
             .cfg
@@ -381,14 +384,18 @@ impl Serving {
                 "admitted into a running job as a restarted server, but no checkpoint directory is configured".into(),
             ));
         };
-        let saved = crate::checkpoint::load(&c.dir, rank, self.job, workers)?
-            .filter(|k| k.instance == self.book.instance)
-            .ok_or_else(|| {
-                Error::Checkpoint(format!(
-                    "server {rank} restarted into a running job, but {} holds no checkpoint of this run",
-                    c.dir.display()
-                ))
-            })?;
+        let saved = if this_run {
+            crate::checkpoint::load(&c.dir, rank, self.job, workers)?
+                .filter(|k| k.instance == self.book.instance)
+                .ok_or_else(|| {
+                    Error::Checkpoint(format!(
+                        "server {rank} restarted into a running job, but {} holds no checkpoint of this run",
+                        c.dir.display()
+                    ))
+                })?
+        } else {
+            crate::checkpoint::load_to_resume(&c.dir, rank, self.job, workers)?
+        };
         let bad = |why: String| Error::Checkpoint(format!("does not fit this server: {why}"));
         if saved.shards.len() != self.shards.len() {
             return Err(bad(format!(
@@ -401,11 +408,19 @@ impl Serving {
             s.core.restore(st, &mut s.params).map_err(bad)?;
         }
         self.restored_from = Some(saved.number);
-        tracing::warn!(
-            "server {rank}: restarted from checkpoint {} ({} shards)",
-            saved.number,
-            saved.shards.len()
-        );
+        if this_run {
+            tracing::warn!(
+                "server {rank}: restarted from checkpoint {} ({} shards)",
+                saved.number,
+                saved.shards.len()
+            );
+        } else {
+            tracing::info!(
+                "server {rank}: resumed from checkpoint {} ({} shards)",
+                saved.number,
+                saved.shards.len()
+            );
+        }
         Ok(())
     }
 

@@ -74,6 +74,11 @@ pub struct JobSpec {
     pub fault: Option<Fault>,
     /// Where the scheduler serves the job's metrics for Prometheus (`http://ADDR/metrics`).
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The servers checkpoint into this directory (every second); the job is then named
+    /// after its configuration, so that a later run of the same configuration may resume.
+    pub checkpoint: Option<std::path::PathBuf>,
+    /// Start from the checkpoints in `checkpoint` of an earlier run of this configuration.
+    pub resume: bool,
 }
 
 /// A failure injected into one worker's thread, `after` it starts: an error it returns, or a
@@ -160,6 +165,8 @@ impl Default for JobSpec {
             timeouts: Timeouts::default(),
             fault: None,
             metrics_addr: None,
+            checkpoint: None,
+            resume: false,
         }
     }
 }
@@ -221,6 +228,9 @@ pub struct JobReport {
     pub final_values: Vec<f32>,
     /// The supervisor's last class of each worker (pioneer, transient, persistent, unknown).
     pub classes: Vec<String>,
+    /// The iteration a resumed job went on from (its servers' checkpoints).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resumed_at: Option<u64>,
 }
 
 impl JobReport {
@@ -289,8 +299,28 @@ pub fn run_local(
             data.train.features()
         )));
     }
+    // A checkpointed job is named after what its checkpoints hold and how it trains, so that
+    // only a run of the same configuration resumes from them.
+    let job = match &spec.checkpoint {
+        Some(_) => format!(
+            "train:{}:{}:{}w{}s:{}:{}:seed{}:batch{}x{}",
+            model.name(),
+            spec.policy,
+            spec.workers,
+            spec.servers,
+            spec.optimizer.unwrap_or(Optimizer::Sgd { lr: spec.lr }),
+            match spec.aggregate {
+                Aggregate::Mean => "mean",
+                Aggregate::Sum => "sum",
+            },
+            spec.train.seed,
+            spec.train.tasks,
+            spec.train.batch,
+        ),
+        None => format!("train-{}", fastrand::u64(..)),
+    };
     let mut cfg = JobConfig {
-        job: format!("train-{}", fastrand::u64(..)),
+        job,
         token: format!("{:016x}", fastrand::u64(..)),
         servers: spec.servers.max(1),
         workers: spec.workers.max(1),
@@ -303,6 +333,13 @@ pub fn run_local(
     };
     spec.timeouts.apply(&mut cfg);
     cfg.transport.medium = spec.medium;
+    if let Some(dir) = &spec.checkpoint {
+        std::fs::create_dir_all(dir)?;
+        cfg.checkpoint = Some(falcon_engine::config::CheckpointSettings {
+            resume: spec.resume,
+            ..falcon_engine::config::CheckpointSettings::new(dir)
+        });
+    }
     let optimizer = cfg.optimizer;
     // The scheduler's supervisor: each worker of the embedded cluster stands for one machine
     // of `budget` threads (on a real cluster each worker has its own host).
@@ -322,9 +359,23 @@ pub fn run_local(
         )))),
         None => None,
     };
+    if let Some(c) = cfg.checkpoint.as_ref().filter(|c| c.resume) {
+        // Refused before anything starts: checkpoints missing, of another configuration, or
+        // damaged (each server checks again when it restores).
+        for rank in 0..cfg.servers {
+            falcon_engine::checkpoint::load_to_resume(
+                &c.dir,
+                rank,
+                falcon_engine::config::job_hash(&cfg.job),
+                cfg.workers,
+            )?;
+        }
+    }
     let cluster = LocalCluster::start(cfg, tensors)?;
-    // Initial values from worker 0, before anyone pulls.
+    // Initial values from worker 0, before anyone pulls (a resumed job's servers keep the
+    // values they restored: the first initialization of a shard wins).
     let w0 = &cluster.workers[0];
+    let resumed_at = spec.resume.then(|| w0.clock());
     let init = w0.buffer(TENSOR)?;
     init.write_at(0, f32_bytes(&model.init_vec(spec.train.seed)))?;
     w0.init(TENSOR, &init)?;
@@ -557,6 +608,7 @@ pub fn run_local(
         tasks_transferred: report.scheduler.tasks_transferred,
         parallelism_plans: report.scheduler.parallelism_plans,
         classes: report.scheduler.classes.clone(),
+        resumed_at,
         final_values: params,
     })
 }

@@ -344,7 +344,12 @@ impl Worker {
             shm: false,
             ..cfg.transport_config()
         })?;
-        let (sched, book, _early) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
+        let (sched, mut book, _early) = rendezvous(&t, cfg, Role::Worker, rank, tensors)?;
+        // A resumed job: every worker goes on at the clock the servers' checkpoints hold, as
+        // a worker rejoining a running job does.
+        if cfg.checkpoint.as_ref().is_some_and(|c| c.resume) {
+            book.rejoin = true;
+        }
         let links = conn::connect_servers(&t, &book)?;
         let attached = conn::attach(&t, cfg, &book, links)?;
         let reached: Vec<usize> = attached.links.iter().map(|(r, _)| *r).collect();
@@ -1064,8 +1069,11 @@ impl Worker {
         if self.inner.stop.load(Ordering::Acquire) {
             return Ok(());
         }
-        self.inner.sched.send(&Msg::Done.encode())?;
+        // Stopped before the scheduler hears of it: the servers close their links once every
+        // worker is done, and a finished worker's progress thread must not take that for a
+        // failure to recover from.
         self.inner.stop.store(true, Ordering::Release);
+        self.inner.sched.send(&Msg::Done.encode())?;
         // Nobody will route completions any more: fail whatever still waits.
         self.inner
             .fail_all(Role::Worker, self.rank(), "this worker has finished");

@@ -131,6 +131,10 @@ impl Inner {
     /// A link closed: a server's (reconnect, or without recovery fail everything), one
     /// already replaced, or the scheduler's.
     fn on_closed(&self, link: LinkId, error: &Option<falcon_transport::Error>) {
+        if self.stop.load(Ordering::Acquire) {
+            // Finished: the job's end closes the links.
+            return;
+        }
         match self.server_of(link) {
             Some(r) if self.book.recovery => {
                 tracing::warn!(
