@@ -684,13 +684,12 @@ fn write_outputs(dir: &Path, prefix: &str, title: &str, rows: &[Row], target: f6
     for ext in ["png", "svg"] {
         crate::plot::line_chart(
             &dir.join(format!("{prefix}accuracy.{ext}")),
-            &crate::plot::Lines {
-                title: &format!("{title}: test accuracy against time"),
-                x_label: &format!("time ({unit})"),
-                y_label: "test accuracy (%)",
-                series: &series,
-                target: Some((100.0 * target, format!("target {:.0} %", 100.0 * target))),
-            },
+            &crate::plot::Lines::accuracy(
+                &format!("{title}: test accuracy against time"),
+                &format!("time ({unit})"),
+                &series,
+                target,
+            ),
         )?;
         crate::plot::bar_chart(
             &dir.join(format!("{prefix}time_to_target.{ext}")),

@@ -60,6 +60,24 @@ pub struct Lines<'a> {
     pub target: Option<(f64, String)>,
 }
 
+impl<'a> Lines<'a> {
+    /// Test accuracy in % against `x_label`, with the target (a fraction) drawn.
+    pub fn accuracy(
+        title: &'a str,
+        x_label: &'a str,
+        series: &'a [(String, Vec<(f64, f64)>)],
+        target: f64,
+    ) -> Lines<'a> {
+        Lines {
+            title,
+            x_label,
+            y_label: "test accuracy (%)",
+            series,
+            target: Some((100.0 * target, format!("target {:.0} %", 100.0 * target))),
+        }
+    }
+}
+
 /// Writes a line chart to `path` (SVG or PNG by its extension).
 pub fn line_chart(path: &Path, chart: &Lines<'_>) -> io::Result<()> {
     write(path, chart)

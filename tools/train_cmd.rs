@@ -642,16 +642,12 @@ pub fn train(a: TrainArgs) -> Res {
     });
     crate::plot::line_chart(
         &png,
-        &crate::plot::Lines {
-            title: "falcon train: test accuracy against time",
-            x_label: "time (s)",
-            y_label: "test accuracy (%)",
-            series: &series,
-            target: Some((
-                100.0 * a.target,
-                format!("target {:.0} %", 100.0 * a.target),
-            )),
-        },
+        &crate::plot::Lines::accuracy(
+            "falcon train: test accuracy against time",
+            "time (s)",
+            &series,
+            a.target,
+        ),
     )?;
     outln!(
         "report: {} (JSON per run), plot: {}",
@@ -1025,16 +1021,12 @@ pub fn sim(a: SimArgs) -> Res {
     let png = a.out.join("accuracy.png");
     crate::plot::line_chart(
         &png,
-        &crate::plot::Lines {
-            title: "falcon sim: test accuracy against virtual time",
-            x_label: "virtual time (s)",
-            y_label: "test accuracy (%)",
-            series: &series,
-            target: Some((
-                100.0 * a.target,
-                format!("target {:.0} %", 100.0 * a.target),
-            )),
-        },
+        &crate::plot::Lines::accuracy(
+            "falcon sim: test accuracy against virtual time",
+            "virtual time (s)",
+            &series,
+            a.target,
+        ),
     )?;
     outln!(
         "\nreports: {} (JSON per policy), plot: {}",

@@ -971,6 +971,11 @@ impl Serving {
             return;
         }
         self.next_metrics = now + self.cfg.heartbeat;
+        let _ = self.sched.send(&Msg::Metrics(self.counters()).encode());
+    }
+
+    /// This server's totals over its shards (what the metrics and the report share).
+    fn counters(&self) -> crate::metrics::NodeMetrics {
         let mut m = crate::metrics::NodeMetrics {
             parked_pulls: self.parked.len() as u64,
             ..Default::default()
@@ -988,17 +993,25 @@ impl Serving {
             m.delayed_pulls += policy.delayed_total();
             m.dropped_gradients += policy.dropped();
         }
-        let _ = self.sched.send(&Msg::Metrics(m).encode());
+        m
     }
 
     /// What this incarnation did.
     fn finish(self) -> ServerReport {
         let workers = self.book.workers as usize;
+        let totals = self.counters();
         let mut report = ServerReport {
             rank: self.book.rank,
             per_worker: vec![WorkerCounters::default(); workers],
             restored_from: self.restored_from,
             lost_updates: self.lost_updates,
+            gradients: totals.pushes,
+            updates: totals.updates,
+            answered_pulls: totals.pulls,
+            staleness_sum: totals.staleness_sum,
+            staleness_max: totals.staleness_max,
+            delayed_pulls: totals.delayed_pulls,
+            dropped_gradients: totals.dropped_gradients,
             ..Default::default()
         };
         for (w, c) in report.per_worker.iter_mut().enumerate() {
@@ -1007,16 +1020,9 @@ impl Serving {
         for s in &self.shards {
             let st = s.core.stats();
             let policy = s.core.policy();
-            report.gradients += st.gradients;
-            report.updates += st.updates;
-            report.answered_pulls += st.answered_pulls;
             report.duplicate_pushes += st.duplicate_pushes;
             report.peak_pending_bytes = report.peak_pending_bytes.max(st.peak_pending_bytes);
             report.held_acks += st.held_acks;
-            report.staleness_sum += st.staleness_sum;
-            report.staleness_max = report.staleness_max.max(st.staleness_max);
-            report.delayed_pulls += policy.delayed_total();
-            report.dropped_gradients += policy.dropped();
             for (w, c) in report.per_worker.iter_mut().enumerate() {
                 let mine = &st.per_worker[w];
                 c.parked_pulls += mine.parked_pulls;

@@ -87,3 +87,15 @@ def fit_lines(out: str) -> dict:
         if line.startswith("FIT "):
             return json.loads(line[4:])
     raise AssertionError(f"no FIT line in:\n{out}")
+
+
+@pytest.fixture
+def bsp1():
+    """A one-worker BSP job on threads of this process, joined as `w` (4 floats)."""
+    import falcon
+
+    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)
+    w = falcon.init({"w": 4}, env=c.env)
+    yield w
+    falcon.finish()
+    c.finish()

@@ -20,16 +20,6 @@ needs_gpu = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def bsp1():
-    """A one-worker BSP job on threads of this process, joined as `w` (4 floats)."""
-    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)
-    w = falcon.init({"w": 4}, env=c.env)
-    yield w
-    falcon.finish()
-    c.finish()
-
-
 class ClaimsDevice:
     """A DLPack producer whose memory claims to be on device type `kind` (2: CUDA), and
     whose export is not a capsule."""

@@ -13,16 +13,6 @@ import falcon
 from conftest import free_port
 
 
-@pytest.fixture
-def bsp1():
-    """A one-worker BSP job on threads of this process, joined as `w` (4 floats)."""
-    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)
-    w = falcon.init({"w": 4}, env=c.env)
-    yield w
-    falcon.finish()
-    c.finish()
-
-
 def test_push_pull_values_are_exact_under_bsp(bsp1):
     w = bsp1
     v = np.full(4, 7.0, np.float32)

@@ -146,8 +146,8 @@ impl Drop for DeviceList {
     }
 }
 
-/// Lists every device and port (for `falcon doctor`).
-pub fn ports() -> Result<Vec<PortInfo>> {
+/// Runs `f` on each device of the system, opened (and closed after), with its name.
+fn each_device<T>(mut f: impl FnMut(*mut ibv_context, &str) -> Result<T>) -> Result<Vec<T>> {
     let list = DeviceList::get()?;
     let mut out = Vec::new();
     for (dev, name) in list.devices() {
@@ -156,6 +156,18 @@ pub fn ports() -> Result<Vec<PortInfo>> {
         if ctx.is_null() {
             return Err(errno_error("open RDMA device"));
         }
+        let r = f(ctx, &name);
+        // SAFETY: opened above, closed once, after `f` is done with it.
+        unsafe { ibv_close_device(ctx) };
+        out.push(r?);
+    }
+    Ok(out)
+}
+
+/// Lists every device and port (for `falcon doctor`).
+pub fn ports() -> Result<Vec<PortInfo>> {
+    let per_device = each_device(|ctx, name| {
+        let mut out = Vec::new();
         // SAFETY: `ibv_device_attr` is plain C data: all zeroes is a valid value.
         let mut da: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: valid context and out-pointer.
@@ -184,7 +196,7 @@ pub fn ports() -> Result<Vec<PortInfo>> {
                 }
             }
             out.push(PortInfo {
-                device: name.clone(),
+                device: name.to_string(),
                 port,
                 state: port_state(pa.state).into(),
                 link_layer: if pa.link_layer == LINK_LAYER_ETHERNET {
@@ -197,10 +209,9 @@ pub fn ports() -> Result<Vec<PortInfo>> {
                 gids,
             });
         }
-        // SAFETY: opened above, closed once.
-        unsafe { ibv_close_device(ctx) };
-    }
-    Ok(out)
+        Ok(out)
+    })?;
+    Ok(per_device.into_iter().flatten().collect())
 }
 
 // libibverbs exports `ibv_reg_dmabuf_mr` since rdma-core 34 (symbol version IBVERBS_1.12);
@@ -239,30 +250,17 @@ fn probe_dmabuf(pd: *mut ibv_pd) -> bool {
 /// peer-memory module), by NCCL's probe: `(device, supported)` for every device; an error
 /// when there is no RDMA at all.
 pub fn dmabuf_support() -> Result<Vec<(String, bool)>> {
-    let list = DeviceList::get()?;
-    let mut out = Vec::new();
-    for (dev, name) in list.devices() {
-        // SAFETY: `dev` is valid while the list lives.
-        let ctx = unsafe { ibv_open_device(dev) };
-        if ctx.is_null() {
-            return Err(errno_error("open RDMA device"));
-        }
+    each_device(|ctx, name| {
         // SAFETY: a valid context; the result is checked.
         let pd = unsafe { ibv_alloc_pd(ctx) };
         if pd.is_null() {
-            let e = errno_error("allocate an RDMA protection domain");
-            // SAFETY: opened above, closed once on this path.
-            unsafe { ibv_close_device(ctx) };
-            return Err(e);
+            return Err(errno_error("allocate an RDMA protection domain"));
         }
-        out.push((name, probe_dmabuf(pd)));
-        // SAFETY: created above, released once, in reverse order.
-        unsafe {
-            ibv_dealloc_pd(pd);
-            ibv_close_device(ctx);
-        }
-    }
-    Ok(out)
+        let supported = probe_dmabuf(pd);
+        // SAFETY: allocated above, released once.
+        unsafe { ibv_dealloc_pd(pd) };
+        Ok((name.to_string(), supported))
+    })
 }
 
 /// A registered memory region, deregistered on drop.
