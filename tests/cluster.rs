@@ -700,13 +700,14 @@ fn the_scheduler_serves_the_jobs_metrics_while_it_runs() {
 #[test]
 fn falcon_role_reads_its_variables_from_the_config_files_role_section() {
     // The file gives every role the iteration count and the model's size; the environment
-    // still wins where it says something (the job and the ranks come from it).
+    // still wins where it says something, whichever name it uses: DMLC_NUM_WORKER=1 below
+    // beats the file's `num_worker = 3` (which would have the job wait for two more workers).
     let dir = std::env::temp_dir().join(format!("falcon-role-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("job.toml");
     std::fs::write(
         &file,
-        "[role]\niters = 7\nfalcon_floats = 1000\npolicy = \"ssp(1)\"\n",
+        "[role]\niters = 7\nfalcon_floats = 1000\npolicy = \"ssp(1)\"\nnum_worker = 3\n",
     )
     .unwrap();
     let p = port();

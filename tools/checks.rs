@@ -90,8 +90,6 @@ pub fn jitter(s: &str) -> Result<f64, BadValue> {
     }
 }
 
-/// The value of the first of `names` that is set (and not empty), read with `parse`; none
-/// set: `default`. A value `parse` refuses is an [`Invalid::Env`] naming the variable.
 /// The `[role]` section of the configuration file, as variables (see [`var`]).
 static FILE_VARS: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
 
@@ -100,21 +98,70 @@ pub fn set_file_vars(vars: Vec<(String, String)>) {
     let _ = FILE_VARS.set(vars);
 }
 
-/// A variable of `falcon role`: the environment's value (unless empty), else the
-/// configuration file's `[role]` setting for it.
-pub fn var(name: &str) -> Option<String> {
+/// Variables that say the same thing (a variable and its aliases, and what launchers set in
+/// their place): one set in the environment keeps the file's value for any of them out.
+const SAME: &[&[&str]] = &[
+    &["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"],
+    &[
+        "FALCON_NUM_WORKER",
+        "DMLC_NUM_WORKER",
+        "WORLD_SIZE",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+    ],
+    &[
+        "FALCON_SCHEDULER",
+        "FALCON_SCHEDULER_URI",
+        "DMLC_PS_ROOT_URI",
+        "MASTER_ADDR",
+        "SLURM_NODELIST",
+        "SLURM_JOB_NODELIST",
+    ],
+    &[
+        "FALCON_SCHEDULER",
+        "FALCON_SCHEDULER_PORT",
+        "DMLC_PS_ROOT_PORT",
+        "MASTER_PORT",
+    ],
+    &["FALCON_NODE_HOST", "DMLC_NODE_HOST"],
+    &[
+        "FALCON_RANK",
+        "RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+    ],
+];
+
+fn env_var(name: &str) -> Option<String> {
     std::env::var_os(name)
         .map(|v| v.to_string_lossy().into_owned())
         .filter(|v| !v.is_empty())
-        .or_else(|| {
-            FILE_VARS
-                .get()?
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        })
 }
 
+/// A variable of `falcon role`: the environment's value (unless empty), else the
+/// configuration file's `[role]` setting for it, unless the environment sets another name
+/// for the same thing (the environment wins over the file whatever name it uses).
+pub fn var(name: &str) -> Option<String> {
+    if let Some(v) = env_var(name) {
+        return Some(v);
+    }
+    let said_otherwise = SAME
+        .iter()
+        .filter(|group| group.contains(&name))
+        .flat_map(|group| group.iter())
+        .any(|other| env_var(other).is_some());
+    if said_otherwise {
+        return None;
+    }
+    FILE_VARS
+        .get()?
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
+}
+
+/// The value of the first of `names` that is set (and not empty), read with `parse`; none
+/// set: `default`. A value `parse` refuses is an [`Invalid::Env`] naming the variable.
 pub fn env_value<T, E: std::fmt::Display>(
     names: &[&'static str],
     default: T,

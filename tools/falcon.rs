@@ -87,16 +87,13 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     logs::init();
-    let (cmd, argv) = match config::apply(
+    let (cmd, argv, role_vars) = match config::apply(
         <Cli as clap::CommandFactory>::command(),
         std::env::args_os().collect(),
         |name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()),
         &role_variables(),
     ) {
-        Ok((cmd, argv, role_vars)) => {
-            checks::set_file_vars(role_vars);
-            (cmd, argv)
-        }
+        Ok(applied) => applied,
         Err(e) => {
             hygiene::error_line(&e);
             // clap's exit code for usage errors.
@@ -112,7 +109,12 @@ fn main() -> ExitCode {
         Command_::Local(a) => local_cmd::local(a),
         Command_::Sim(a) => train_cmd::sim(a),
         Command_::Experiment(a) => experiment::experiment(a),
-        Command_::Role => role(),
+        Command_::Role => {
+            // The [role] section is the role's alone (`falcon local`'s own roles get the
+            // settings it passes them).
+            checks::set_file_vars(role_vars);
+            role()
+        }
         Command_::Bench { what, quick } => bench(&what, quick),
         Command_::Doctor => doctor(),
     };

@@ -399,7 +399,9 @@ fn spec_for(
         fault: plan.fault,
         metrics_addr: a.metrics_addr,
         checkpoint: checkpoints(a, base),
-        resume: a.resume.is_some(),
+        // A configuration of a --compare that never started has nothing to resume: it
+        // starts afresh (and says so).
+        resume: a.resume.is_some() && checkpoints(a, base).is_some_and(|d| d.is_dir()),
     }
 }
 
@@ -593,6 +595,11 @@ pub fn train(a: TrainArgs) -> Res {
             } else {
                 file_name(entry)
             };
+            if a.resume.is_some() && checkpoints(&a, &base).is_some_and(|d| !d.is_dir()) {
+                outln!(
+                    "{entry}: no checkpoints of this configuration to resume; starting it afresh"
+                );
+            }
             let r = run_one(&a, &plan, (entry, &base, e), &data)?;
             print_report(&r, entry);
             std::fs::write(a.out.join(format!("{base}.json")), r.json())?;

@@ -109,23 +109,23 @@ impl Board {
             }
             (Role::Worker, Msg::IterationDone { threads, nanos, .. }) => {
                 let w = self.workers.entry(rank).or_default();
-                w.reported += 1;
-                w.compute_nanos += nanos;
+                w.reported = w.reported.saturating_add(1);
+                w.compute_nanos = w.compute_nanos.saturating_add(*nanos);
                 w.threads = u64::from(*threads);
             }
+            // The straggler's answer to a steal: the sender gave tasks to a worker of the job
+            // (as the scheduler relays it; a rank outside the job is not one).
             (
                 Role::Worker,
                 Msg::Tasks {
-                    straggler,
-                    helper,
-                    start,
-                    end,
-                    ..
+                    helper, start, end, ..
                 },
-            ) => {
+            ) if self.workers.contains_key(helper) && *helper != rank => {
                 let n = u64::from(end.saturating_sub(*start));
-                self.workers.entry(*straggler).or_default().tasks_given += n;
-                self.workers.entry(*helper).or_default().tasks_helped += n;
+                let given = &mut self.workers.entry(rank).or_default().tasks_given;
+                *given = given.saturating_add(n);
+                let helped = &mut self.workers.entry(*helper).or_default().tasks_helped;
+                *helped = helped.saturating_add(n);
             }
             _ => {}
         }
@@ -375,17 +375,27 @@ impl Drop for Exporter {
 /// Answers one connection: the board's metrics for `GET /metrics`, 404 for another path,
 /// 400 for anything that is not a GET request read within the timeout.
 fn answer(mut conn: TcpStream, board: &Mutex<Board>) {
+    // One deadline for the whole exchange: a client trickling bytes gets no more time.
+    let deadline = std::time::Instant::now() + REQUEST_TIMEOUT;
+    let left = || {
+        deadline
+            .saturating_duration_since(std::time::Instant::now())
+            .max(Duration::from_millis(1))
+    };
     let _ = conn.set_nonblocking(false);
-    let _ = conn.set_read_timeout(Some(REQUEST_TIMEOUT));
-    let _ = conn.set_write_timeout(Some(REQUEST_TIMEOUT));
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < REQUEST_HEAD {
+    while !head.windows(4).any(|w| w == b"\r\n\r\n")
+        && head.len() < REQUEST_HEAD
+        && std::time::Instant::now() < deadline
+    {
+        let _ = conn.set_read_timeout(Some(left()));
         match conn.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => head.extend_from_slice(&buf[..n]),
         }
     }
+    let _ = conn.set_write_timeout(Some(left()));
     let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = String::from_utf8_lossy(line);
     let mut words = line.split_whitespace();
@@ -510,11 +520,23 @@ mod tests {
         assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
         let bad = scrape(e.addr(), "\x00\x01garbage\r\n\r\n");
         assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
-        // A scrape that never sends its request is cut off, and the next one is answered.
-        let silent = TcpStream::connect(e.addr()).unwrap();
+        // A client that trickles its request a byte at a time is cut off at the deadline,
+        // and the next scrape is answered.
+        let mut slow = TcpStream::connect(e.addr()).unwrap();
+        let trickle = std::thread::spawn(move || {
+            for b in b"GET /metrics HTTP/1.1\r\n" {
+                if slow.write_all(&[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let t = std::time::Instant::now();
         let ok = scrape(e.addr(), "GET /metrics HTTP/1.0\r\n\r\n");
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"));
-        drop(silent);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        let _ = trickle.join();
         // Taken by another process: a clear error.
         let err = Exporter::start(e.addr(), board).err().unwrap().to_string();
         assert!(

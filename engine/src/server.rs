@@ -385,8 +385,10 @@ impl Serving {
             ));
         };
         let saved = if this_run {
+            // A resumed run's server that dies before its first checkpoint of this run
+            // restarts from the earlier run's, as the run itself started.
             crate::checkpoint::load(&c.dir, rank, self.job, workers)?
-                .filter(|k| k.instance == self.book.instance)
+                .filter(|k| k.instance == self.book.instance || c.resume)
                 .ok_or_else(|| {
                     Error::Checkpoint(format!(
                         "server {rank} restarted into a running job, but {} holds no checkpoint of this run",

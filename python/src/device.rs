@@ -87,7 +87,25 @@ pub(crate) fn export(
     };
     let kw = PyDict::new(py);
     kw.set_item("stream", stream.cu_stream() as usize)?;
-    let capsule = obj.call_method("__dlpack__", (), Some(&kw))?;
+    // PyTorch orders the consumer's stream after its *current device's* current stream: make
+    // the tensor's device the current one for the export (other producers order by the
+    // tensor's own device).
+    let torch_device = match obj.get_type().module() {
+        Ok(m) if m.to_string_lossy().starts_with("torch") => Some(
+            py.import("torch.cuda")?
+                .getattr("device")?
+                .call1((device,))?,
+        ),
+        _ => None,
+    };
+    if let Some(d) = &torch_device {
+        d.call_method0("__enter__")?;
+    }
+    let exported = obj.call_method("__dlpack__", (), Some(&kw));
+    if let Some(d) = &torch_device {
+        d.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+    }
+    let capsule = exported?;
     let capsule = capsule.cast_into::<PyCapsule>().map_err(|_| {
         LengthError::new_err(format!(
             "tensor {tensor:?}: __dlpack__ did not return a capsule"
@@ -118,11 +136,19 @@ pub(crate) fn export(
         )));
     }
     let ndim = usize::try_from(t.ndim).unwrap_or(0);
+    let malformed = || {
+        LengthError::new_err(format!(
+            "tensor {tensor:?}: __dlpack__ described its memory inconsistently"
+        ))
+    };
+    if ndim > 0 && t.shape.is_null() {
+        return Err(malformed());
+    }
     let (shape, strides): (&[i64], Option<&[i64]>) = if ndim == 0 {
         (&[], None)
     } else {
-        // SAFETY: DLPack: `shape` (and `strides` when not null) point to `ndim` int64 values,
-        // owned by the managed tensor, alive with the capsule.
+        // SAFETY: DLPack: `shape` (checked not null above) and `strides` when not null point
+        // to `ndim` int64 values, owned by the managed tensor, alive with the capsule.
         unsafe {
             (
                 std::slice::from_raw_parts(t.shape, ndim),
@@ -130,7 +156,10 @@ pub(crate) fn export(
             )
         }
     };
-    let count: i64 = shape.iter().product();
+    let count = shape
+        .iter()
+        .try_fold(1i64, |c, &n| c.checked_mul(n))
+        .ok_or_else(malformed)?;
     if let Some(strides) = strides {
         // Row-major contiguous: each dimension's stride is the product of those after it
         // (a dimension of size 1 may carry any stride).
@@ -141,7 +170,7 @@ pub(crate) fn export(
                     "tensor {tensor:?}: the buffer must be contiguous (tensor.contiguous())"
                 )));
             }
-            want *= n;
+            want = want.saturating_mul(n);
         }
     }
     if count < 0 || count as u64 != len {
@@ -150,7 +179,9 @@ pub(crate) fn export(
         )));
     }
     Ok(Exported {
-        ptr: t.data as u64 + t.byte_offset,
+        ptr: (t.data as u64)
+            .checked_add(t.byte_offset)
+            .ok_or_else(malformed)?,
         bytes: len as usize * 4,
         _capsule: capsule.unbind(),
     })

@@ -353,7 +353,8 @@ impl Worker {
         let exported = crate::device::export(values, &stream, device, tensor, len)?;
         let kept = self.regions.take_device(&self.w, tensor, device, &stream)?;
         let copied = match &kept {
-            Kept::Device(_, p) => crate::device::copy_in(p, &exported),
+            // The DMA waits for the producer's work: without the GIL, so other threads go on.
+            Kept::Device(_, p) => values.py().detach(|| crate::device::copy_in(p, &exported)),
             Kept::Host(_) => Ok(()),
         };
         if let Err(e) = copied {
@@ -364,8 +365,12 @@ impl Worker {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn staged_device(&self, _: &str, _: &Bound<'_, PyAny>, _: i32) -> PyResult<Kept> {
-        unreachable!("cuda_device() finds no device without the cuda feature")
+    fn staged_device(&self, tensor: &str, _: &Bound<'_, PyAny>, device: i32) -> PyResult<Kept> {
+        // Not reached: `cuda_device` refuses device memory in a build without the feature.
+        Err(ConfigError::new_err(format!(
+            "tensor {tensor:?}: the buffer is on CUDA device {device}; this build of falcon \
+             moves host memory"
+        )))
     }
 
     /// A kept region for a pull into `out`, and what completing it does.
@@ -907,7 +912,9 @@ impl Handle {
         let copied = match (&done, &region) {
             (Done::Pull(buf), Some(k)) => Worker::drain(k.region(), buf),
             #[cfg(feature = "cuda")]
-            (Done::PullDevice(e), Some(Kept::Device(_, p))) => crate::device::copy_out(p, e),
+            (Done::PullDevice(e), Some(Kept::Device(_, p))) => {
+                py.detach(|| crate::device::copy_out(p, e))
+            }
             _ => Ok(()),
         };
         if let Done::Pull(buf) = done {

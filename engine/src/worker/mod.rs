@@ -1069,16 +1069,23 @@ impl Worker {
         if self.inner.stop.load(Ordering::Acquire) {
             return Ok(());
         }
+        // The last counters for the metrics (the heartbeat ends with the stop below).
+        let _ = self
+            .inner
+            .sched
+            .send(&Msg::Metrics(self.inner.metrics()).encode());
         // Stopped before the scheduler hears of it: the servers close their links once every
         // worker is done, and a finished worker's progress thread must not take that for a
         // failure to recover from.
         self.inner.stop.store(true, Ordering::Release);
-        self.inner.sched.send(&Msg::Done.encode())?;
-        // Nobody will route completions any more: fail whatever still waits.
+        let said = self.inner.sched.send(&Msg::Done.encode());
+        // Nobody will route completions any more: fail whatever still waits, whether or not
+        // the scheduler heard.
         self.inner
             .fail_all(Role::Worker, self.rank(), "this worker has finished");
         self.inner.close_servers();
         self.inner.sched.close();
+        said?;
         Ok(())
     }
 }

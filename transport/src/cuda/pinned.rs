@@ -61,6 +61,22 @@ pub(super) fn unpin(stream: &Arc<CudaStream>, region: &Region) {
     }
 }
 
+/// The device allocation (base, size) holding `ptr` in the current context.
+fn range_of(ptr: u64) -> Result<(u64, usize)> {
+    let (mut base, mut size) = (0u64, 0usize);
+    // SAFETY: the call only reads the driver's allocation table and writes the two out
+    // parameters, which are live locals.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .map_err(|e| {
+            CudaError::Call(format!(
+                "address {ptr:#x} is not device memory of this context ({})",
+                driver_message(&e)
+            ))
+        })?;
+    Ok((base, size))
+}
+
 /// A region whose mapping is page-locked for the device of a stream, for copies to and from
 /// device memory the caller owns. Unregistered when dropped.
 #[derive(Debug)]
@@ -110,24 +126,18 @@ impl PinnedRegion {
             }
         }
         self.stream.context().bind_to_thread().map_err(driver)?;
-        let (mut base, mut size) = (0u64, 0usize);
-        // SAFETY: the call only reads the driver's allocation table and writes the two out
-        // parameters, which are live locals.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-            .result()
-            .map_err(|e| {
-                CudaError::Call(format!(
-                    "address {ptr:#x} is not device memory of this context ({})",
-                    driver_message(&e)
-                ))
-            })?;
-        if ptr
-            .checked_add(bytes as u64)
-            .is_none_or(|end| end > base + size as u64)
-        {
+        let (base, size) = range_of(ptr)?;
+        let end = ptr.checked_add(bytes as u64).ok_or_else(|| {
+            CudaError::Call(format!(
+                "{bytes} bytes at {ptr:#x} overflow the address space"
+            ))
+        })?;
+        // Within one allocation; or, where an allocator maps one virtual range in pieces
+        // (PyTorch's expandable segments), its last byte inside device memory too.
+        if end > base.saturating_add(size as u64) && range_of(end - 1).is_err() {
             return Err(CudaError::Call(format!(
-                "{bytes} bytes at {ptr:#x} run past the end of their device allocation \
-                 ({size} bytes at {base:#x})"
+                "{bytes} bytes at {ptr:#x} run past the end of their device memory ({size} \
+                 bytes at {base:#x})"
             )));
         }
         Ok(())
