@@ -1,11 +1,11 @@
-//! The CLI's TOML configuration (`tools/config.rs` `expand`): the file's settings turned into
-//! flags for clap. `tools/config.rs` is a module of the `falcon` binary, not of a library, so
+//! The CLI's TOML configuration (`tools/config.rs` `apply`): the file's settings turned into
+//! clap defaults (and a `[role]` section into variables). `tools/config.rs` is a module of the `falcon` binary, not of a library, so
 //! it is included here by path and applied to a command with the kinds of arguments of the
 //! real one (values with defaults and environment variables, switches, counts, negated
 //! switches, repeatable values, positionals, a subcommand with subcommands).
 //!
 //! The first byte picks the command line, the rest is the file (any bytes: not UTF-8 is an
-//! error too). Whatever `expand` returns must then parse with clap without panicking.
+//! error too). Whatever `apply` returns must then parse with clap without panicking.
 #![no_main]
 
 use std::ffi::OsString;
@@ -46,6 +46,8 @@ enum Sub {
         quick: bool,
     },
     Doctor,
+    /// Configured by variables alone: its section is a list of them.
+    Role,
 }
 
 #[derive(Subcommand, Debug)]
@@ -122,6 +124,7 @@ const LINES: &[&[&str]] = &[
     &["experiment", "zipline"],
     &["bench", "rdma"],
     &["doctor"],
+    &["role"],
     &[],
     &["train", "--", "--config", "x"],
 ];
@@ -139,17 +142,23 @@ fuzz_target!(|data: &[u8]| {
             .map(OsString::from),
     );
     let cmd = COMMAND.with(Clone::clone);
-    // FALCON_SEED is "set": the file's seed must give way to it.
-    let env = |name: &str| (name == "FALCON_SEED").then(|| "5".to_owned());
-    let Ok(expanded) = config::expand(&cmd, argv, env) else {
+    let env = |_: &str| None;
+    let Ok((cmd, argv, vars)) =
+        config::apply(cmd, argv, env, &["FALCON_POLICY", "DMLC_NUM_WORKER"])
+    else {
         return;
     };
     assert!(
-        !expanded
+        !argv
             .iter()
             .take_while(|a| *a != "--")
             .any(|a| a == "--config"),
-        "--config is consumed: {expanded:?}"
+        "--config is consumed: {argv:?}"
     );
-    let _ = cmd.try_get_matches_from(expanded);
+    assert!(
+        vars.iter()
+            .all(|(k, _)| k == "FALCON_POLICY" || k == "DMLC_NUM_WORKER"),
+        "only the role's variables: {vars:?}"
+    );
+    let _ = cmd.try_get_matches_from(argv);
 });
