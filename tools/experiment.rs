@@ -980,36 +980,14 @@ fn falcon(k: &Knobs) -> Res {
 }
 
 fn zipline(out: &Path, quick: bool) -> Res {
-    use falcon_bench::reference::RandomReads;
-    use falcon_bench::stats::median;
     // The physical reference: one dependent random read in 64 MiB (a cache miss).
-    let mut misses = RandomReads::new(64 << 20);
     let n = if quick { 100_000 } else { 1_000_000 };
-    misses.run(n);
-    let mut miss: Vec<f64> = (0..5)
-        .map(|_| misses.run(n).as_nanos() as f64 / n as f64)
-        .collect();
-    let miss_ns = median(&mut miss);
+    let miss_ns = falcon_bench::reference::miss_ns(64 << 20, n, 5);
     let rows = falcon_bench::zipline::measure(
         if quick { 3 } else { 11 },
         Duration::from_millis(if quick { 2 } else { 20 }),
     );
-    let mut t = String::from(
-        "| N | R | ours µs | ns per point | × cache miss per point | paper µs (24-core Xeon) | paper / ours |\n|---:|---:|---:|---:|---:|---:|---:|\n",
-    );
-    for z in &rows {
-        let _ = writeln!(
-            t,
-            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0}× |",
-            z.n,
-            z.r,
-            z.us,
-            z.ns_per_point,
-            z.ns_per_point / miss_ns,
-            z.paper_us,
-            z.speedup
-        );
-    }
+    let t = falcon_bench::zipline::table(&rows, miss_ns);
     outln!("ZipLine decision cost (one thread; a cache miss costs {miss_ns:.1} ns here)\n\n{t}");
     std::fs::create_dir_all(out)?;
     std::fs::write(

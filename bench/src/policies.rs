@@ -23,7 +23,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 
-use crate::reference::{self, RandomReads};
+use crate::reference;
 use crate::stats::median;
 use crate::zipline;
 use falcon_engine::sync::{Action, ElasticBsp, Event, Nanos, PolicySpec, SyncPolicy, Worker};
@@ -510,24 +510,7 @@ pub fn markdown(s: &Summary) -> String {
         "\nZipLine (`falcon_engine::sync::zipline::zipline`, one thread) against the ElasticBSP \
          paper's Table II (24-core Xeon); goal: ≥ 10× faster.\n"
     );
-    let _ = writeln!(
-        t,
-        "| N | R | ours µs | ns/point | ×miss per point | paper µs | speedup (paper/ours) |"
-    );
-    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|");
-    for z in &s.zipline {
-        let _ = writeln!(
-            t,
-            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0}× |",
-            z.n,
-            z.r,
-            z.us,
-            z.ns_per_point,
-            z.ns_per_point / s.miss_ns,
-            z.paper_us,
-            z.speedup
-        );
-    }
+    t.push_str(&zipline::table(&s.zipline, s.miss_ns));
     t
 }
 
@@ -537,7 +520,6 @@ pub fn markdown(s: &Summary) -> String {
 pub fn measure(effort: Effort) -> (Summary, Vec<Trace>) {
     let quick = effort.reps == QUICK.reps;
     // The physical references.
-    let mut misses = RandomReads::new(MISS_BYTES);
     let mut atomic: Vec<f64> = (0..11)
         .map(|_| {
             ns_per(
@@ -547,12 +529,7 @@ pub fn measure(effort: Effort) -> (Summary, Vec<Trace>) {
         })
         .collect();
     let atomic_ns = median(&mut atomic);
-    misses.run(effort.misses);
-    let mut miss: Vec<f64> = (0..effort.reps.max(3))
-        .map(|_| ns_per(misses.run(effort.misses), effort.misses))
-        .collect();
-    let miss_ns = median(&mut miss);
-    drop(misses);
+    let miss_ns = reference::miss_ns(MISS_BYTES, effort.misses, effort.reps.max(3));
 
     // Decision cost per push.
     let mut policies = Vec::new();

@@ -255,6 +255,18 @@ impl RandomReads {
     }
 }
 
+/// A cache miss's cost in ns: `reads` dependent random reads in `bytes`, once to warm up,
+/// then the median per read over `reps` runs.
+pub fn miss_ns(bytes: usize, reads: usize, reps: usize) -> f64 {
+    let mut misses = RandomReads::new(bytes);
+    misses.run(reads);
+    let mut per: Vec<f64> = (0..reps.max(1))
+        .map(|_| misses.run(reads).as_nanos() as f64 / reads.max(1) as f64)
+        .collect();
+    crate::stats::median(&mut per)
+}
+
+#[cfg(test)]
 #[cfg(test)]
 mod tests {
     use super::*;

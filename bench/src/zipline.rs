@@ -42,6 +42,29 @@ pub struct Row {
     pub speedup: f64,
 }
 
+/// The measured points beside the paper's as a Markdown table, the cost per candidate point
+/// also in cache misses of `miss_ns`.
+pub fn table(rows: &[Row], miss_ns: f64) -> String {
+    use std::fmt::Write;
+    let mut t = String::from(
+        "| N | R | ours µs | ns per point | × cache miss per point | paper µs (24-core Xeon) | paper / ours |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for z in rows {
+        let _ = writeln!(
+            t,
+            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0}× |",
+            z.n,
+            z.r,
+            z.us,
+            z.ns_per_point,
+            z.ns_per_point / miss_ns,
+            z.paper_us,
+            z.speedup
+        );
+    }
+    t
+}
+
 /// The candidate ends of `n` workers, `r` each (deterministic).
 pub fn candidates(n: usize, r: usize) -> Vec<Vec<Nanos>> {
     let mut x = 0xD1B5_4A32_D192_ED03 ^ (n * r) as u64;

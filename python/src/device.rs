@@ -20,11 +20,9 @@ use falcon_transport::cuda::{CudaError as DeviceError, Gpu, PinnedRegion};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
 
+use crate::worker::{CUDA, CUDA_MANAGED};
 use crate::{CudaError, LengthError};
 
-/// DLPack's device types that this path moves (`kDLCUDA`, `kDLCUDAManaged`).
-const CUDA: i32 = 2;
-const CUDA_MANAGED: i32 = 13;
 /// `kDLFloat`.
 const FLOAT: u8 = 2;
 

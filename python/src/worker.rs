@@ -115,14 +115,15 @@ pub struct Worker {
     devices: Arc<crate::device::Devices>,
 }
 
+/// DLPack's device types: `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, `kDLCUDAManaged`.
+const CPU: i32 = 1;
+pub(crate) const CUDA: i32 = 2;
+const CUDA_HOST: i32 = 3;
+pub(crate) const CUDA_MANAGED: i32 = 13;
+
 /// The CUDA device of `obj` when it is a DLPack producer whose memory is on one (`None`
 /// for host memory, and for objects that are not DLPack producers).
 fn cuda_device(obj: &Bound<'_, PyAny>, tensor: &str) -> PyResult<Option<i32>> {
-    /// DLPack's device types: `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, `kDLCUDAManaged`.
-    const CPU: i32 = 1;
-    const CUDA: i32 = 2;
-    const CUDA_HOST: i32 = 3;
-    const CUDA_MANAGED: i32 = 13;
     if !obj.hasattr("__dlpack_device__")? {
         return Ok(None);
     }
