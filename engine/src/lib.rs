@@ -8,6 +8,10 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+// Values travel as their little-endian bytes, written and read as the host's own.
+#[cfg(not(target_endian = "little"))]
+compile_error!("falcon's wire format is little-endian; this target is big-endian");
+
 mod error;
 pub mod keys;
 pub mod meta;

@@ -432,6 +432,54 @@ impl Msg {
         out
     }
 
+    /// The encoding of [`Msg::Rows`] `{ req, values }` with `bytes` bytes of values, which
+    /// `fill` writes straight into the message: the same bytes as encoding the message, with
+    /// no `values` vector built and copied first.
+    pub fn encode_rows(req: u32, bytes: usize, fill: impl FnOnce(&mut [u8])) -> Vec<u8> {
+        Msg::Rows {
+            req,
+            values: Vec::new(),
+        }
+        .encode_tail(bytes, fill)
+    }
+
+    /// The encoding of [`Msg::PullRows`] with `bytes` bytes of ranges, which `fill` writes
+    /// straight into the message (as [`Msg::encode_rows`]).
+    pub fn encode_pull_rows(
+        shard: u32,
+        clock: u64,
+        req: u32,
+        bytes: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Vec<u8> {
+        Msg::PullRows {
+            shard,
+            clock,
+            req,
+            ranges: Vec::new(),
+        }
+        .encode_tail(bytes, fill)
+    }
+
+    /// Encodes `self`, whose last field is an empty byte string, as if that string held the
+    /// `bytes` bytes `fill` writes.
+    fn encode_tail(&self, bytes: usize, fill: impl FnOnce(&mut [u8])) -> Vec<u8> {
+        let mut out = self.encode();
+        // The empty byte string is its length, a varint 0, last: write the real length there.
+        out.pop();
+        out.reserve(10 + bytes);
+        let mut len = bytes as u64;
+        while len >= 0x80 {
+            out.push((len as u8) | 0x80);
+            len >>= 7;
+        }
+        out.push(len as u8);
+        let start = out.len();
+        out.resize(start + bytes, 0);
+        fill(&mut out[start..]);
+        out
+    }
+
     /// Decodes a message, validating magic and version.
     pub fn decode(bytes: &[u8]) -> Result<Msg> {
         if bytes.len() < 3 || bytes[..2] != MAGIC {
@@ -645,6 +693,24 @@ mod tests {
             },
         ] {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
+        }
+        // A row answer written in place is the message's own encoding.
+        for n in [0usize, 1, 127, 128, 16_383, 16_384, 300_001] {
+            let values: Vec<u8> = (0..n).map(|i| (i * 7) as u8).collect();
+            let req = 0x1234_5678;
+            let direct = Msg::encode_rows(req, n, |b| b.copy_from_slice(&values));
+            assert_eq!(direct, Msg::Rows { req, values }.encode(), "{n} bytes");
+            let ranges: Vec<u8> = (0..n / 8 * 8).map(|i| (i * 5) as u8).collect();
+            let direct = Msg::encode_pull_rows(7, u64::MAX - 3, req, ranges.len(), |b| {
+                b.copy_from_slice(&ranges)
+            });
+            let m = Msg::PullRows {
+                shard: 7,
+                clock: u64::MAX - 3,
+                req,
+                ranges,
+            };
+            assert_eq!(direct, m.encode(), "{n} bytes");
         }
         // A message of another protocol version is refused, not misread.
         let mut old = Msg::Plan { until: 1 }.encode();

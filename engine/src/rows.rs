@@ -49,14 +49,102 @@ pub fn check(tensor: &str, len: u64, dim: u64, rows: &[u64], values: usize) -> R
     Ok(table)
 }
 
-/// The part of `rows` (with their `values`, `dim` floats each) that falls in the shard of
-/// `shard_len` floats starting at float `shard_off` of the tensor.
+/// The rows of a push or pull that fall in one shard: which (indices into the request's
+/// rows), how many parts (one per such row) and how many floats they hold.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pick {
+    /// Indices into the request's rows, in order; `None`: every row (one shard holds the
+    /// whole tensor).
+    rows: Option<Vec<u32>>,
+    /// Parts in the shard (one per picked row).
+    pub count: u64,
+    /// Floats of those parts.
+    pub floats: u64,
+}
+
+impl Pick {
+    /// Each picked row's index into the request's `n` rows, in order.
+    pub fn iter(&self, n: usize) -> impl Iterator<Item = usize> + '_ {
+        let (all, some) = match &self.rows {
+            None => (0..n, [].iter()),
+            Some(ix) => (0..0, ix.iter()),
+        };
+        all.chain(some.map(|&i| i as usize))
+    }
+}
+
+/// The rows of a request that fall in each shard of a tensor of `len` floats, found in one
+/// pass over `rows` (row `r` covers floats `r·dim .. (r+1)·dim`). `bounds` are the shards'
+/// (first float, floats), in any order, covering the tensor without gaps; the picks come
+/// back in the order of `bounds`. Rows must have been [`check`]ed; a request of more than
+/// `u32::MAX` rows is refused.
+pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<Vec<Pick>> {
+    if rows.len() as u64 > u64::from(u32::MAX) {
+        return Err(Error::Config(format!(
+            "a row request of {} rows: at most {} in one request",
+            rows.len(),
+            u32::MAX
+        )));
+    }
+    if let [(0, l)] = bounds
+        && *l >= len
+    {
+        let n = rows.len() as u64;
+        return Ok(vec![Pick {
+            rows: None,
+            count: n,
+            floats: n * dim,
+        }]);
+    }
+    // The shards by their first float, and the end of each.
+    let mut order: Vec<usize> = (0..bounds.len()).collect();
+    order.sort_by_key(|&k| bounds[k].0);
+    let ends: Vec<u64> = order.iter().map(|&k| bounds[k].0 + bounds[k].1).collect();
+    let mut picks: Vec<Pick> = bounds
+        .iter()
+        .map(|_| Pick {
+            rows: Some(Vec::with_capacity(rows.len() / bounds.len().max(1) + 16)),
+            count: 0,
+            floats: 0,
+        })
+        .collect();
+    // The sorted shard of the last row's first float: sorted rows rarely move on.
+    let mut at = 0usize;
+    for (i, &r) in rows.iter().enumerate() {
+        let (mut a, b) = (r * dim, r * dim + dim);
+        let within = at < order.len() && bounds[order[at]].0 <= a && a < ends[at];
+        if !within {
+            at = ends.partition_point(|&e| e <= a);
+        }
+        let mut k = at;
+        while k < order.len() && a < b {
+            let (o, e) = (bounds[order[k]].0, ends[k]);
+            let (lo, hi) = (a.max(o), b.min(e));
+            if hi <= lo {
+                break;
+            }
+            let p = &mut picks[order[k]];
+            if let Some(ix) = p.rows.as_mut() {
+                ix.push(i as u32);
+            }
+            p.count += 1;
+            p.floats += hi - lo;
+            a = hi;
+            k += 1;
+        }
+    }
+    Ok(picks)
+}
+
+/// The part of `rows` (with their `values`, `dim` floats each) picked for the shard of
+/// `shard_len` floats starting at float `shard_off` of the tensor (see [`split`]).
 pub fn for_shard(
     shard_off: u64,
     shard_len: u64,
     dim: u64,
     rows: &[u64],
     values: &[f32],
+    pick: &Pick,
 ) -> ShardRows {
     let end = shard_off + shard_len;
     // The part of row `r` in this shard: (first float of the tensor, floats).
@@ -65,21 +153,13 @@ pub fn for_shard(
         let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
         (lo, hi.saturating_sub(lo))
     };
-    // First pass: the payload's size (entries and floats), so it is written once, in place.
-    let (mut count, mut floats) = (0u64, 0u64);
-    for &r in rows {
-        let (_, n) = part(r);
-        count += u64::from(n > 0);
-        floats += n;
-    }
+    let (count, floats) = (pick.count, pick.floats);
     let bytes = 4 + 8 * count + 4 * floats;
     if bytes > 4 * shard_len {
         let mut dense = vec![0f32; shard_len as usize];
-        for (i, &r) in rows.iter().enumerate() {
+        for i in pick.iter(rows.len()) {
+            let r = rows[i];
             let (lo, n) = part(r);
-            if n == 0 {
-                continue;
-            }
             let src = i * dim as usize + (lo - r * dim) as usize;
             let dst = (lo - shard_off) as usize;
             for (d, v) in dense[dst..][..n as usize]
@@ -92,27 +172,86 @@ pub fn for_shard(
         return ShardRows::Dense(dense);
     }
     let mut out = vec![0u8; bytes as usize];
-    let (head, rest) = out.split_at_mut(4);
-    head.copy_from_slice(&(count as u32).to_le_bytes());
-    let (index, vals) = rest.split_at_mut(8 * count as usize);
-    let mut entries = index.chunks_exact_mut(8);
-    let mut slots = vals.chunks_exact_mut(4);
-    for (i, &r) in rows.iter().enumerate() {
+    out[..4].copy_from_slice(&(count as u32).to_le_bytes());
+    let vb = zerocopy::IntoBytes::as_bytes(values);
+    // Entries from byte 4, values after them; the pick's count and floats size both exactly.
+    let (mut e, mut v) = (4usize, 4 + 8 * count as usize);
+    for i in pick.iter(rows.len()) {
+        let r = rows[i];
         let (lo, n) = part(r);
-        if n == 0 {
-            continue;
+        out[e..e + 4].copy_from_slice(&((lo - shard_off) as u32).to_le_bytes());
+        out[e + 4..e + 8].copy_from_slice(&(n as u32).to_le_bytes());
+        e += 8;
+        let src = 4 * (i * dim as usize + (lo - r * dim) as usize);
+        let n = 4 * n as usize;
+        if n == 4 {
+            // One float: a fixed-size copy, not a call to memcpy.
+            out[v..v + 4].copy_from_slice(&vb[src..src + 4]);
+        } else {
+            out[v..v + n].copy_from_slice(&vb[src..src + n]);
         }
-        if let Some(e) = entries.next() {
-            e[..4].copy_from_slice(&((lo - shard_off) as u32).to_le_bytes());
-            e[4..].copy_from_slice(&(n as u32).to_le_bytes());
-        }
-        let src = i * dim as usize + (lo - r * dim) as usize;
-        // The values first: `zip` stops on them before it takes a slot too many.
-        for (v, slot) in values[src..src + n as usize].iter().zip(&mut slots) {
-            slot.copy_from_slice(&v.to_le_bytes());
-        }
+        v += n;
     }
     ShardRows::Sparse(out)
+}
+
+/// Writes the ranges a row pull asks of the shard of `shard_len` floats starting at float
+/// `shard_off` into `out` (`8 · pick.count` bytes; as the message carries them:
+/// little-endian `(first float, floats)` pairs), for the rows `pick` names.
+pub fn ranges_for_shard(
+    shard_off: u64,
+    shard_len: u64,
+    dim: u64,
+    rows: &[u64],
+    pick: &Pick,
+    out: &mut [u8],
+) {
+    let end = shard_off + shard_len;
+    for (i, e) in pick.iter(rows.len()).zip(out.chunks_exact_mut(8)) {
+        let a = rows[i] * dim;
+        let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
+        e[..4].copy_from_slice(&((lo - shard_off) as u32).to_le_bytes());
+        e[4..].copy_from_slice(&((hi - lo) as u32).to_le_bytes());
+    }
+}
+
+/// Writes a row pull's answer from the shard of `shard_len` floats starting at float
+/// `shard_off` (`values`: the picked parts' floats, little-endian, in order) into `out`
+/// (`rows.len() · dim` floats in the order of `rows`). A wrong number of bytes is
+/// [`Error::Malformed`] and leaves `out` alone.
+pub fn scatter(
+    shard_off: u64,
+    shard_len: u64,
+    dim: u64,
+    rows: &[u64],
+    pick: &Pick,
+    values: &[u8],
+    out: &mut [f32],
+) -> Result<()> {
+    if values.len() as u64 != 4 * pick.floats {
+        return Err(Error::Malformed(format!(
+            "{} bytes of row values for {} floats asked",
+            values.len(),
+            pick.floats
+        )));
+    }
+    let end = shard_off + shard_len;
+    let mut at = 0usize;
+    for i in pick.iter(rows.len()) {
+        let a = rows[i] * dim;
+        let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
+        let dst = i * dim as usize + (lo - a) as usize;
+        let n = (hi - lo) as usize;
+        if n == 1 {
+            out[dst] =
+                f32::from_le_bytes([values[at], values[at + 1], values[at + 2], values[at + 3]]);
+        } else {
+            zerocopy::IntoBytes::as_mut_bytes(&mut out[dst..dst + n])
+                .copy_from_slice(&values[at..at + 4 * n]);
+        }
+        at += 4 * n;
+    }
+    Ok(())
 }
 
 /// Reads a row payload out of a slot of `capacity` bytes (`read(offset, buf)` reads the
@@ -173,12 +312,11 @@ pub fn parse(
             "a row push of {floats} values overflows its {capacity}-byte slot"
         )));
     }
-    let mut vals = vec![0u8; 4 * floats as usize];
-    read(start, &mut vals)?;
-    let values = vals
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    let mut values = vec![0f32; floats as usize];
+    read(
+        start,
+        zerocopy::IntoBytes::as_mut_bytes(values.as_mut_slice()),
+    )?;
     Ok((entries, values))
 }
 
@@ -217,9 +355,12 @@ mod tests {
             assert_eq!(check("t", len, dim, &rows, values.len()).unwrap(), table);
             let want = dense(len, dim, &rows, &values);
             let mut got = Vec::new();
-            for w in cuts.windows(2) {
+            let bounds: Vec<(u64, u64)> =
+                cuts.windows(2).map(|w| (w[0], w[1] - w[0])).rev().collect();
+            let picks = split(len, &bounds, dim, &rows).unwrap();
+            for (w, pick) in cuts.windows(2).zip(picks.iter().rev()) {
                 let (off, sl) = (w[0], w[1] - w[0]);
-                let part = match for_shard(off, sl, dim, &rows, &values) {
+                let part = match for_shard(off, sl, dim, &rows, &values, pick) {
                     ShardRows::Dense(d) => d,
                     ShardRows::Sparse(p) => {
                         assert!(p.len() as u64 <= 4 * sl.max(1) + 4, "fits its slot");
@@ -238,6 +379,55 @@ mod tests {
                 bits(&want),
                 "dim {dim}, cuts {cuts:?}, rows {rows:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_pull_split_over_shards_gathers_every_row_in_request_order() {
+        let mut rng = fastrand::Rng::with_seed(9);
+        for _ in 0..300 {
+            let dim = rng.u64(1..6);
+            let table = rng.u64(1..40);
+            let len = table * dim;
+            let mut cuts = vec![0, len];
+            for _ in 0..rng.usize(0..4) {
+                cuts.push(rng.u64(0..=len));
+            }
+            cuts.sort();
+            cuts.dedup();
+            let w: Vec<f32> = (0..len).map(|i| i as f32 + 0.5).collect();
+            let n = rng.usize(0..3 * table as usize);
+            let rows: Vec<u64> = (0..n).map(|_| rng.u64(0..table)).collect();
+            let bounds: Vec<(u64, u64)> = cuts.windows(2).map(|c| (c[0], c[1] - c[0])).collect();
+            let picks = split(len, &bounds, dim, &rows).unwrap();
+            let mut out = vec![f32::NAN; n * dim as usize];
+            for (&(off, sl), pick) in bounds.iter().zip(&picks) {
+                // What a server answers: the asked ranges' values, in order.
+                let mut raw = vec![0u8; 8 * pick.count as usize];
+                ranges_for_shard(off, sl, dim, &rows, pick, &mut raw);
+                let ranges = crate::proto::ranges_from_bytes(&raw).unwrap();
+                assert_eq!(ranges.len() as u64, pick.count);
+                let mut answer = Vec::new();
+                for (o, k) in ranges {
+                    for x in &w[(off + u64::from(o)) as usize..][..k as usize] {
+                        answer.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+                scatter(off, sl, dim, &rows, pick, &answer, &mut out).unwrap();
+                // A short answer is refused.
+                if !answer.is_empty() {
+                    answer.pop();
+                    assert!(matches!(
+                        scatter(off, sl, dim, &rows, pick, &answer, &mut out),
+                        Err(Error::Malformed(_))
+                    ));
+                }
+            }
+            let want: Vec<f32> = rows
+                .iter()
+                .flat_map(|&r| w[(r * dim) as usize..][..dim as usize].to_vec())
+                .collect();
+            assert_eq!(out, want, "dim {dim}, cuts {cuts:?}, rows {rows:?}");
         }
     }
 

@@ -936,15 +936,22 @@ impl Serving {
                 Some(p.req),
             ),
             PullTo::Rows(ranges) => {
-                let v = s.params.values();
+                // Gathered straight into the answer (ranges were checked against the shard).
+                let v = zerocopy::IntoBytes::as_bytes(s.params.values());
                 let n: usize = ranges.iter().map(|&(_, n)| n as usize).sum();
-                let mut values = Vec::with_capacity(4 * n);
-                for (off, n) in ranges {
-                    for x in &v[off as usize..][..n as usize] {
-                        values.extend_from_slice(&x.to_le_bytes());
+                let msg = Msg::encode_rows(p.req, 4 * n, |out| {
+                    let mut at = 0;
+                    for (off, n) in ranges {
+                        let (src, n) = (4 * off as usize, 4 * n as usize);
+                        if n == 4 {
+                            out[at..at + 4].copy_from_slice(&v[src..src + 4]);
+                        } else {
+                            out[at..at + n].copy_from_slice(&v[src..src + n]);
+                        }
+                        at += n;
                     }
-                }
-                l.send(&Msg::Rows { req: p.req, values }.encode())
+                });
+                l.send(&msg)
             }
         };
         if let Err(e) = r {

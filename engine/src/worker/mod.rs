@@ -149,9 +149,6 @@ impl Handle {
 /// gains.
 const FAN_OUT_BYTES: u64 = 256 << 10;
 
-/// Where each range of a row pull lands in the caller's buffer: (first float, floats).
-type RowDest = Vec<(usize, u32)>;
-
 /// Called with each shard a pull read on the lock-free path (the device path copies it on).
 type ShardHook<'a> = dyn FnMut(&ShardRemote) -> Result<()> + 'a;
 
@@ -594,11 +591,15 @@ impl Worker {
         }
         let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
         self.check_push_clock(&shards, tensor, clock)?;
+        let bounds: Vec<(u64, u64)> = shards.iter().map(|s| (s.spec.offset, s.spec.len)).collect();
+        let picks = crate::rows::split(spec.len, &bounds, dim, rows)?;
         self.sample_interval(clock);
         let signals = self.per_server(&shards, |s| {
             // The slot's previous push may still be sent again from the buffer: wait for it.
             self.wait_slot(s)?;
-            let part = crate::rows::for_shard(s.spec.offset, s.spec.len, dim, rows, grads);
+            let k = shards.iter().position(|x| std::ptr::eq(*x, s)).unwrap_or(0);
+            let part =
+                crate::rows::for_shard(s.spec.offset, s.spec.len, dim, rows, grads, &picks[k]);
             let (kind, bytes) = match &part {
                 crate::rows::ShardRows::Sparse(p) => (PushKind::Rows, p.len() as u64),
                 crate::rows::ShardRows::Dense(_) => (PushKind::Gradient, s.spec.bytes()),
@@ -650,39 +651,17 @@ impl Worker {
         crate::rows::check(&spec.name, spec.len, dim, rows, out.len())?;
         self.check_pull_clock(t, tensor, clock)?;
         self.pass_gate(clock)?;
-        // Per shard: the ranges it asks for (as the message carries them) and, for each,
-        // where it lands in `out` and its floats.
-        let mut asks: Vec<(&ShardRemote, Vec<u8>, RowDest)> = Vec::new();
-        for s in self.shards_of(t) {
-            let (lo, hi) = (s.spec.offset, s.spec.offset + s.spec.len);
-            let part = |r: u64| {
-                let a = r * dim;
-                let (x, y) = (a.max(lo), (a + dim).min(hi));
-                (a, x, y.saturating_sub(x))
-            };
-            let count = rows.iter().filter(|&&r| part(r).2 > 0).count();
-            if count == 0 {
+        let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
+        let bounds: Vec<(u64, u64)> = shards.iter().map(|s| (s.spec.offset, s.spec.len)).collect();
+        let picks = crate::rows::split(spec.len, &bounds, dim, rows)?;
+        // Each shard's request goes out as soon as it is written, so a server gathers the
+        // first while the next is written.
+        let mut waiting = Vec::with_capacity(shards.len());
+        let mut first_err = None;
+        for (s, pick) in shards.iter().zip(&picks) {
+            if pick.count == 0 {
                 continue;
             }
-            let mut ranges = vec![0u8; 8 * count];
-            let mut dest = Vec::with_capacity(count);
-            let mut entries = ranges.chunks_exact_mut(8);
-            for (i, &r) in rows.iter().enumerate() {
-                let (a, x, n) = part(r);
-                if n == 0 {
-                    continue;
-                }
-                if let Some(e) = entries.next() {
-                    e[..4].copy_from_slice(&((x - lo) as u32).to_le_bytes());
-                    e[4..].copy_from_slice(&(n as u32).to_le_bytes());
-                }
-                dest.push((i * dim as usize + (x - a) as usize, n as u32));
-            }
-            asks.push((s, ranges, dest));
-        }
-        let mut waiting = Vec::with_capacity(asks.len());
-        let mut first_err = None;
-        for (s, ranges, dest) in asks {
             let link = match self.inner.link(s.server) {
                 Ok(l) => l,
                 Err(e) => {
@@ -693,16 +672,12 @@ impl Worker {
             };
             let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
             let req = tracker::Request::Pull(id);
-            // Encoded once: the same bytes go out again on a new link if this one drops.
-            let msg = Arc::new(
-                Msg::PullRows {
-                    shard: s.spec.id,
-                    clock,
-                    req: id,
-                    ranges,
-                }
-                .encode(),
-            );
+            // Written into the message once: the same bytes go out again on a new link if
+            // this one drops.
+            let bytes = 8 * pick.count as usize;
+            let msg = Arc::new(Msg::encode_pull_rows(s.spec.id, clock, id, bytes, |out| {
+                crate::rows::ranges_for_shard(s.spec.offset, s.spec.len, dim, rows, pick, out)
+            }));
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
                 msg: msg.clone(),
@@ -714,9 +689,9 @@ impl Worker {
                 first_err = Some(e);
                 break;
             }
-            waiting.push((id, sig, dest));
+            waiting.push((id, sig, *s, pick));
         }
-        for (id, sig, dest) in waiting {
+        for (id, sig, s, pick) in waiting {
             let got = sig.wait(None).map(drop);
             let values = lock(&self.inner.row_answers).remove(&id);
             if let Err(e) = got {
@@ -724,21 +699,14 @@ impl Worker {
                 continue;
             }
             let Some(values) = values else { continue };
-            let want: u64 = dest.iter().map(|&(_, n)| u64::from(n)).sum();
-            if values.len() as u64 != 4 * want {
-                first_err.get_or_insert(Error::Malformed(format!(
-                    "row pull {id}: {} bytes of values for {want} floats asked",
-                    values.len()
-                )));
-                continue;
-            }
-            let mut at = values.chunks_exact(4);
-            for (d, n) in dest {
-                for (o, b) in out[d..d + n as usize].iter_mut().zip(&mut at) {
-                    let mut f = [0u8; 4];
-                    f.copy_from_slice(b);
-                    *o = f32::from_le_bytes(f);
-                }
+            if let Err(e) =
+                crate::rows::scatter(s.spec.offset, s.spec.len, dim, rows, pick, &values, out)
+            {
+                let e = match e {
+                    Error::Malformed(m) => Error::Malformed(format!("row pull {id}: {m}")),
+                    other => other,
+                };
+                first_err.get_or_insert(e);
             }
         }
         match first_err {
