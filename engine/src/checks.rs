@@ -148,6 +148,20 @@ pub fn timeout_ms(s: &str) -> Result<u64, BadValue> {
     }
 }
 
+/// How long a hand-off spins before it parks, in microseconds: 0 (park at once) to 10 000.
+pub fn spin_us(s: &str) -> Result<u64, BadValue> {
+    let us: u64 = number(s, "a whole number of microseconds")?;
+    if us <= 10_000 {
+        Ok(us)
+    } else {
+        Err(BadValue::OutOfRange {
+            what: "a spin",
+            allowed: "0 to 10000 µs (longer burns a core for nothing)",
+            value: format!("{us} µs"),
+        })
+    }
+}
+
 /// A suspicion timeout in milliseconds; 0 means never.
 pub fn suspicion_ms(s: &str) -> Result<u64, BadValue> {
     number(s, "a whole number of milliseconds (0: never)")

@@ -42,7 +42,8 @@
 //! - the scheduler's metrics endpoint: `FALCON_METRICS_ADDR` (`IP:PORT`);
 //! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
-//!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`;
+//!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`; how long a hand-off between
+//!   threads spins before it parks: `FALCON_SPIN_US`;
 //! - server checkpoints: `FALCON_CHECKPOINT_DIR`, `FALCON_CHECKPOINT_MS`,
 //!   `FALCON_RECOVERY_TIMEOUT_MS`, `FALCON_CHECKPOINT_ON_FAILURE`, and `FALCON_RESUME` (start
 //!   from them: a job stopped and started again).
@@ -120,6 +121,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_RENDEZVOUS_TIMEOUT_MS",
     "FALCON_OP_TIMEOUT_MS",
     "FALCON_HANDSHAKE_TIMEOUT_MS",
+    "FALCON_SPIN_US",
     "FALCON_MAX_HANDSHAKES",
     "FALCON_MAX_HANDSHAKES_PER_SOURCE",
     "FALCON_CHECKPOINT_DIR",
@@ -699,6 +701,11 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
         d.transport.handshake_timeout,
         checks::timeout_ms,
     )?;
+    cfg.transport.spin = Duration::from_micros(env.value(
+        &["FALCON_SPIN_US"],
+        d.transport.spin.as_micros() as u64,
+        checks::spin_us,
+    )?);
     checks::suspicion_fits(cfg.heartbeat, cfg.suspicion)?;
     cfg.transport.max_handshakes = env.value(
         &["FALCON_MAX_HANDSHAKES"],
@@ -858,6 +865,7 @@ mod tests {
             ("FALCON_RENDEZVOUS_TIMEOUT_MS", "1500"),
             ("FALCON_OP_TIMEOUT_MS", "2500"),
             ("FALCON_HANDSHAKE_TIMEOUT_MS", "300"),
+            ("FALCON_SPIN_US", "0"),
             ("FALCON_MAX_HANDSHAKES", "7"),
             ("FALCON_MAX_HANDSHAKES_PER_SOURCE", "3"),
             ("FALCON_CHECKPOINT_DIR", "/tmp/ckpt"),
@@ -884,6 +892,7 @@ mod tests {
         assert_eq!(c.rendezvous_timeout, Duration::from_millis(1500));
         assert_eq!(c.transport.op_timeout, Duration::from_millis(2500));
         assert_eq!(c.transport.handshake_timeout, Duration::from_millis(300));
+        assert_eq!(c.transport.spin, Duration::ZERO);
         assert_eq!(c.transport.max_handshakes, 7);
         assert_eq!(c.transport.max_handshakes_per_source, 3);
         assert_eq!(
@@ -1128,6 +1137,10 @@ mod tests {
         assert_eq!(
             with(&[("FALCON_OP_TIMEOUT_MS", "0")]),
             "FALCON_OP_TIMEOUT_MS=0: a timeout must be at least 1 ms (0 would give up at once); 0 ms is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_SPIN_US", "20000")]),
+            "FALCON_SPIN_US=20000: a spin must be 0 to 10000 µs (longer burns a core for nothing); 20000 µs is not"
         );
         assert!(
             with(&[

@@ -15,6 +15,56 @@ pub(crate) enum LinkImpl {
     Rdma(crate::rdma::RdmaLink),
 }
 
+/// One read of a [`Link::read_batch`]: `len` bytes of the peer's region `src` from `src_off`
+/// into `dst` from `dst_off`.
+#[derive(Clone, Copy)]
+pub struct ReadOp<'a> {
+    /// The local destination.
+    pub dst: &'a Region,
+    /// Where in `dst`.
+    pub dst_off: u64,
+    /// The peer's region.
+    pub src: &'a RemoteKey,
+    /// Where in `src`.
+    pub src_off: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Reads started by [`Link::post_reads`]. Dropping it without [`PendingReads::wait`] still
+/// waits for the reads under way (their answers may be landing in their destinations).
+#[must_use = "the reads are complete only once waited for"]
+pub struct PendingReads<'l> {
+    link: &'l Link,
+    posted: Vec<crossbeam_channel::Receiver<Result<()>>>,
+    first: Option<crate::Error>,
+}
+
+impl PendingReads<'_> {
+    /// Waits for every read under way: `Ok` once all the batch's bytes are in place, else
+    /// the first error.
+    pub fn wait(mut self) -> Result<()> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if let LinkImpl::Tcp(l) = &self.link.inner.imp {
+            for done in std::mem::take(&mut self.posted) {
+                if let Err(e) = l.wait_read(&done) {
+                    self.first.get_or_insert(e);
+                }
+            }
+        }
+        self.first.take().map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for PendingReads<'_> {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
 /// A connection to one peer. Cheap to clone; every clone is the same link, usable from many
 /// threads at once. The link closes when its last clone is dropped or on [`Link::close`].
 ///
@@ -231,6 +281,63 @@ impl Link {
                 l.qp.read(dst, ptr, len, src.addr.wrapping_add(src_off), src.rkey)
             }
         }
+    }
+
+    /// One-sided reads (each as [`Link::read`]), carried out by the peer in the order given;
+    /// returns when all their bytes are in place, or with the first error once none is still
+    /// under way. Over tcp the requests go out back to back and their answers are awaited
+    /// together: the batch costs one round trip, not one per read.
+    pub fn read_batch(&self, reads: &[ReadOp<'_>]) -> Result<()> {
+        self.post_reads(reads).wait()
+    }
+
+    /// Starts the reads of a [`Link::read_batch`] and returns at once where the medium allows
+    /// (tcp); [`PendingReads::wait`] finishes them. Reads posted on several links before
+    /// any is waited for are under way together. Every read is checked before any is
+    /// issued: a bad one fails the whole batch, with nothing sent.
+    pub fn post_reads(&self, reads: &[ReadOp<'_>]) -> PendingReads<'_> {
+        let mut pending = PendingReads {
+            link: self,
+            posted: Vec::new(),
+            first: None,
+        };
+        let mut spans = Vec::with_capacity(reads.len());
+        for r in reads {
+            let checked = self.check_key(r.src).and_then(|()| {
+                let ptr = r.dst.span("local read destination", r.dst_off, r.len)?;
+                check_bounds("remote read source", r.src_off, r.len, r.src.len)?;
+                Ok(ptr)
+            });
+            match checked {
+                Ok(ptr) => spans.push(ptr),
+                Err(e) => {
+                    pending.first = Some(e);
+                    return pending;
+                }
+            }
+        }
+        match &self.inner.imp {
+            LinkImpl::Tcp(l) => {
+                let items: Vec<_> = reads
+                    .iter()
+                    .zip(&spans)
+                    .map(|(r, &ptr)| (r.dst, ptr, r.len, r.src.region, r.src_off))
+                    .collect();
+                match l.post_reads(&items) {
+                    Ok(done) => pending.posted = done,
+                    Err(e) => pending.first = Some(e),
+                }
+            }
+            _ => {
+                for r in reads {
+                    if let Err(e) = self.read(r.dst, r.dst_off, r.src, r.src_off, r.len) {
+                        pending.first = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        pending
     }
 
     /// Closes the link (both sides get [`crate::Completion::Closed`]).

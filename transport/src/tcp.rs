@@ -367,10 +367,15 @@ impl TcpLink {
     }
 
     fn send_frame(&self, header: &FrameHeader, payload: &[u8]) -> Result<()> {
+        self.send_frames(&mut [IoSlice::new(header.as_bytes()), IoSlice::new(payload)])
+    }
+
+    /// Sends whole frames (headers and payloads in order) in as few writes as the socket
+    /// takes.
+    fn send_frames(&self, bufs: &mut [IoSlice<'_>]) -> Result<()> {
         self.check_open()?;
         let mut w = lock(&self.writer);
-        let mut bufs = [IoSlice::new(header.as_bytes()), IoSlice::new(payload)];
-        write_all_vectored(&mut w, &mut bufs).map_err(|e| {
+        write_all_vectored(&mut w, bufs).map_err(|e| {
             use std::io::ErrorKind as K;
             let err = if matches!(e.kind(), K::WouldBlock | K::TimedOut) {
                 Error::Timeout("tcp send (peer not reading)", self.op_timeout)
@@ -456,28 +461,74 @@ impl TcpLink {
         region: u64,
         offset: u64,
     ) -> Result<()> {
+        let done = self.post_read(dst, dst_ptr, len, region, offset)?;
+        self.wait_read(&done)
+    }
+
+    /// Sends a read request and returns what its completion arrives on ([`TcpLink::wait_read`]);
+    /// requests posted one after another are answered in that order.
+    pub(crate) fn post_read(
+        &self,
+        dst: &Region,
+        dst_ptr: *mut u8,
+        len: u64,
+        region: u64,
+        offset: u64,
+    ) -> Result<Receiver<Result<()>>> {
+        let mut done = self.post_reads(&[(dst, dst_ptr, len, region, offset)])?;
+        Ok(done.remove(0))
+    }
+
+    /// Sends read requests `(destination, where in it, bytes, peer region, offset)` in one
+    /// write and returns what each completion arrives on, in order; the peer answers them in
+    /// that order.
+    pub(crate) fn post_reads(
+        &self,
+        reads: &[(&Region, *mut u8, u64, u64, u64)],
+    ) -> Result<Vec<Receiver<Result<()>>>> {
         self.check_open()?;
-        let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
-        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-        lock(&self.shared.pending).insert(
-            req,
-            PendingRead {
-                dst: Dst(dst_ptr),
-                len,
-                _region: dst.clone(),
-                done: done_tx,
-            },
-        );
-        let mut h = FrameHeader::new(Op::ReadReq);
-        h.region = region.into();
-        h.offset = offset.into();
-        h.len = len.into();
-        h.req = req.into();
-        if let Err(e) = self.send_frame(&h, &[]) {
-            lock(&self.shared.pending).remove(&req);
+        let mut done = Vec::with_capacity(reads.len());
+        let mut headers = Vec::with_capacity(reads.len());
+        let mut reqs = Vec::with_capacity(reads.len());
+        {
+            let mut pending = lock(&self.shared.pending);
+            for &(dst, dst_ptr, len, region, offset) in reads {
+                let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
+                let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+                pending.insert(
+                    req,
+                    PendingRead {
+                        dst: Dst(dst_ptr),
+                        len,
+                        _region: dst.clone(),
+                        done: done_tx,
+                    },
+                );
+                let mut h = FrameHeader::new(Op::ReadReq);
+                h.region = region.into();
+                h.offset = offset.into();
+                h.len = len.into();
+                h.req = req.into();
+                headers.push(h);
+                reqs.push(req);
+                done.push(done_rx);
+            }
+        }
+        let mut bufs: Vec<IoSlice<'_>> =
+            headers.iter().map(|h| IoSlice::new(h.as_bytes())).collect();
+        if let Err(e) = self.send_frames(&mut bufs) {
+            let mut pending = lock(&self.shared.pending);
+            for req in reqs {
+                pending.remove(&req);
+            }
             return Err(e);
         }
-        match recv_spinning(&done_rx, self.spin, Some(self.op_timeout)) {
+        Ok(done)
+    }
+
+    /// Waits for a posted read: `Ok` once its bytes are in the destination.
+    pub(crate) fn wait_read(&self, done: &Receiver<Result<()>>) -> Result<()> {
+        match recv_spinning(done, self.spin, Some(self.op_timeout)) {
             Ok(r) => r,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                 // The progress thread may be writing into the destination right now, so the
@@ -549,45 +600,68 @@ impl Drop for TcpLink {
     }
 }
 
+/// Most read answers gathered into one write.
+const REPLY_BATCH: usize = 16;
+
 fn respond_loop(
     rx: Receiver<Reply>,
     writer: Arc<Mutex<TcpStream>>,
     shared: Arc<Shared>,
     spin: Duration,
 ) {
+    let mut batch: Vec<Reply> = Vec::with_capacity(REPLY_BATCH);
     while let Ok(reply) = recv_spinning(&rx, spin, None) {
-        let mut w = lock(&writer);
-        let r = match reply {
-            Reply::Data {
-                req,
-                region,
-                offset,
-                len,
-            } => {
-                let mut h = FrameHeader::new(Op::ReadResp);
-                h.req = req.into();
-                h.len = len.into();
-                // Bounds were checked by the progress thread against this same region.
-                let ptr = region.span("read response", offset, len).expect("checked");
-                // SAFETY: [ptr, ptr+len) lies inside `region`, alive for this scope.
-                let payload = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
-                write_all_vectored(
-                    &mut w,
-                    &mut [IoSlice::new(h.as_bytes()), IoSlice::new(payload)],
-                )
+        // Answers already queued behind this one (a batch of reads) go out in the same
+        // write, in order.
+        batch.push(reply);
+        while batch.len() < REPLY_BATCH {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
             }
-            Reply::Refuse { req, reason } => {
-                let mut h = FrameHeader::new(Op::Error);
-                h.req = req.into();
-                h.len = (reason.len() as u64).into();
-                write_all_vectored(
-                    &mut w,
-                    &mut [IoSlice::new(h.as_bytes()), IoSlice::new(reason.as_bytes())],
-                )
+        }
+        let mut headers = Vec::with_capacity(batch.len());
+        let mut payloads: Vec<&[u8]> = Vec::with_capacity(batch.len());
+        for reply in &batch {
+            match reply {
+                Reply::Data {
+                    req,
+                    region,
+                    offset,
+                    len,
+                } => {
+                    let mut h = FrameHeader::new(Op::ReadResp);
+                    h.req = (*req).into();
+                    h.len = (*len).into();
+                    // Bounds were checked by the progress thread against this same region.
+                    let ptr = region
+                        .span("read response", *offset, *len)
+                        .expect("checked");
+                    // SAFETY: [ptr, ptr+len) lies inside `region`, which `batch` keeps alive
+                    // until after the write below.
+                    payloads.push(unsafe { std::slice::from_raw_parts(ptr, *len as usize) });
+                    headers.push(h);
+                }
+                Reply::Refuse { req, reason } => {
+                    let mut h = FrameHeader::new(Op::Error);
+                    h.req = (*req).into();
+                    h.len = (reason.len() as u64).into();
+                    payloads.push(reason.as_bytes());
+                    headers.push(h);
+                }
             }
-        };
+        }
+        let mut bufs: Vec<IoSlice<'_>> = headers
+            .iter()
+            .zip(&payloads)
+            .flat_map(|(h, p)| [IoSlice::new(h.as_bytes()), IoSlice::new(p)])
+            .collect();
+        let r = write_all_vectored(&mut lock(&writer), &mut bufs);
+        drop(bufs);
+        drop(payloads);
+        batch.clear();
         if r.is_err() {
-            let _ = w.shutdown(Shutdown::Both);
+            let _ = lock(&writer).shutdown(Shutdown::Both);
             break;
         }
     }

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use falcon_transport::{Completion, Error, Link, Medium, PeerAddr, Region, RemoteKey, Transport};
+use falcon_transport::{
+    Completion, Error, Link, Medium, PeerAddr, ReadOp, Region, RemoteKey, Transport,
+};
 
 /// Grants `region` on `link` and sends its key as a message.
 fn share(link: &Link, region: &Region) -> RemoteKey {
@@ -85,6 +87,86 @@ fn read_after_write(medium: Medium) {
             "round {round}"
         );
     }
+}
+
+/// A batch of reads lands whole, each read in its own destination, also when reads are
+/// posted on the same link before any is awaited; a bad read fails the batch before
+/// anything is sent, and the link stays usable.
+fn batched_reads(medium: Medium) {
+    let (a, _b, ab, ba) = pair(medium);
+    const LEN: usize = 300_000;
+    let remote = Region::new(LEN as u64).unwrap();
+    let data = pattern(77, LEN);
+    remote.write_at(0, &data).unwrap();
+    share(&ba, &remote);
+    let key = recv_key(&a);
+    let back = Region::new(LEN as u64 + 64).unwrap();
+    let small = Region::new(16).unwrap();
+    for round in 0..20u64 {
+        let off = round * 997 % 4096;
+        let reads = [
+            ReadOp {
+                dst: &small,
+                dst_off: 0,
+                src: &key,
+                src_off: off,
+                len: 8,
+            },
+            ReadOp {
+                dst: &back,
+                dst_off: 64,
+                src: &key,
+                src_off: off,
+                len: LEN as u64 - off,
+            },
+            ReadOp {
+                dst: &small,
+                dst_off: 8,
+                src: &key,
+                src_off: LEN as u64 - 8,
+                len: 8,
+            },
+        ];
+        // Two batches under way at once, then both awaited.
+        let first = ab.post_reads(&reads[..2]);
+        let second = ab.post_reads(&reads[2..]);
+        first.wait().unwrap();
+        second.wait().unwrap();
+        let mut got = vec![0u8; LEN - off as usize];
+        back.read_at(64, &mut got).unwrap();
+        assert!(got == data[off as usize..], "round {round}: the large read");
+        let mut ends = [0u8; 16];
+        small.read_at(0, &mut ends).unwrap();
+        assert_eq!(
+            ends[..8],
+            data[off as usize..off as usize + 8],
+            "round {round}"
+        );
+        assert_eq!(ends[8..], data[LEN - 8..], "round {round}");
+        ab.read_batch(&reads).unwrap();
+    }
+    // One read past the remote region: the batch fails, typed, and nothing was sent.
+    let bad = [
+        ReadOp {
+            dst: &small,
+            dst_off: 0,
+            src: &key,
+            src_off: 0,
+            len: 8,
+        },
+        ReadOp {
+            dst: &small,
+            dst_off: 0,
+            src: &key,
+            src_off: LEN as u64 - 4,
+            len: 8,
+        },
+    ];
+    let err = ab.read_batch(&bad).unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+    assert!(ab.is_open(), "a locally refused batch leaves the link open");
+    ab.read_batch(&bad[..1]).unwrap();
+    assert!(ab.read_batch(&[]).is_ok(), "an empty batch is done at once");
 }
 
 /// Zero-length writes, reads and messages are legal and ordered like any other.
@@ -574,6 +656,13 @@ macro_rules! conformance {
                     return;
                 }
                 super::read_after_write($medium)
+            }
+            #[test]
+            fn batched_reads() {
+                if skip($medium) {
+                    return;
+                }
+                super::batched_reads($medium)
             }
             #[test]
             fn zero_length() {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use falcon_transport::{Link, Region, RemoteKey};
+use falcon_transport::{Link, ReadOp, Region};
 
 use super::tracker::{Request, Signal};
 use super::{Inner, ShardRemote, Worker, lock};
@@ -168,44 +168,166 @@ impl Worker {
         };
         let dead = lock(&self.inner.dead).clone();
         let workers = self.inner.book.workers;
-        let recovery = self.inner.book.recovery;
-        let read = |dst: &Region, off: u64, src: &RemoteKey, len: u64| -> Result<bool> {
-            match link.read(dst, off, src, 0, len) {
-                Ok(()) => Ok(true),
-                Err(e) if recovery && e.is_fatal_for_link() => Ok(false),
-                Err(e) => Err(self.inner.server_error(s.server, e)),
-            }
-        };
         let scratch = lock(&s.scratch);
+        let [meta, values, seq_again] = self.seqlock_reads(s, &scratch, out, &keys);
+        // The peer carries the reads out in order, so they travel together: one round trip
+        // where no staleness bound must be checked first, else two.
+        let unbounded = bound == u64::MAX;
         for _attempt in 0..4 {
-            if !read(&scratch, 0, &keys.meta, meta_bytes(workers))? {
+            let first: &[ReadOp<'_>] = if unbounded {
+                &[meta, values, seq_again]
+            } else {
+                &[meta]
+            };
+            if !self.read_outcome(s, link.read_batch(first))? {
                 return Ok(false);
             }
-            let mut raw = vec![0u8; meta_bytes(workers) as usize];
-            scratch.read_at(0, &mut raw)?;
-            let snap = Snapshot::parse(&raw, workers)?;
-            if !snap.stable() {
+            let Some(snap) = self.stable_meta(&scratch)? else {
                 continue;
+            };
+            if !unbounded {
+                let min = snap.min_clock(|w| !dead.contains(&(w as u32)));
+                if !within_staleness(min, clock, bound) {
+                    return Ok(false);
+                }
+                if !self.read_outcome(s, link.read_batch(&[values, seq_again]))? {
+                    return Ok(false);
+                }
             }
-            let min = snap.min_clock(|w| !dead.contains(&(w as u32)));
-            if bound != u64::MAX && !within_staleness(min, clock, bound) {
-                return Ok(false);
-            }
-            let wire_bytes = self.inner.book.wire.bytes(s.spec.len);
-            if !read(out, s.spec.offset * 4, &keys.params, wire_bytes)?
-                || !read(&scratch, 0, &keys.meta, 8)?
-            {
-                return Ok(false);
-            }
-            let mut seq = [0u8; 8];
-            scratch.read_at(0, &mut seq)?;
-            if Snapshot::seq_of(&seq) == snap.seq {
-                self.inner.widen(out, s)?;
-                s.pulled_version.store(snap.version, Ordering::Release);
+            if self.seq_held(&scratch, &snap, workers)? {
+                self.fast_pulled(out, s, &snap)?;
                 return Ok(true);
             }
         }
         Ok(false)
+    }
+
+    /// The lock-free path for several shards at once, where no staleness bound applies:
+    /// every shard's reads are posted, on every server, before any is awaited, so the
+    /// whole pull costs one round trip. Returns the shards it could not read this way (the
+    /// caller takes them through [`Worker::pull_fast`] or the slow path).
+    pub(super) fn pull_fast_together<'s>(
+        &self,
+        shards: &[&'s ShardRemote],
+        out: &Region,
+    ) -> Result<Vec<&'s ShardRemote>> {
+        let workers = self.inner.book.workers;
+        let links: Vec<Option<Link>> = shards
+            .iter()
+            .map(|s| self.inner.up_link(s.server))
+            .collect();
+        let keys: Vec<Option<super::Keys>> = shards
+            .iter()
+            .map(|s| *s.keys.read().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        let scratch: Vec<_> = shards.iter().map(|s| lock(&s.scratch)).collect();
+        let mut posted = Vec::with_capacity(shards.len());
+        for (k, s) in shards.iter().enumerate() {
+            posted.push(match (&links[k], &keys[k]) {
+                (Some(link), Some(key)) => {
+                    Some(link.post_reads(&self.seqlock_reads(s, &scratch[k], out, key)))
+                }
+                _ => None,
+            });
+        }
+        let mut left = Vec::new();
+        let mut first_err = None;
+        for (k, p) in posted.into_iter().enumerate() {
+            let s = shards[k];
+            // Read whole and unchanged meanwhile: done; else the caller tries again.
+            let done = p.map_or(Ok(false), |p| {
+                if !self.read_outcome(s, p.wait())? {
+                    return Ok(false);
+                }
+                let Some(snap) = self.stable_meta(&scratch[k])? else {
+                    return Ok(false);
+                };
+                if !self.seq_held(&scratch[k], &snap, workers)? {
+                    return Ok(false);
+                }
+                self.fast_pulled(out, s, &snap).map(|()| true)
+            });
+            match done {
+                Ok(true) => {}
+                Ok(false) => left.push(s),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(left),
+        }
+    }
+
+    /// A shard's seqlock read: the meta block, the values, then the meta's sequence number
+    /// again (into the scratch after the meta); equal and even sequence numbers mean no
+    /// write overlapped the values.
+    fn seqlock_reads<'a>(
+        &self,
+        s: &ShardRemote,
+        scratch: &'a Region,
+        out: &'a Region,
+        keys: &'a super::Keys,
+    ) -> [ReadOp<'a>; 3] {
+        let mb = meta_bytes(self.inner.book.workers);
+        [
+            ReadOp {
+                dst: scratch,
+                dst_off: 0,
+                src: &keys.meta,
+                src_off: 0,
+                len: mb,
+            },
+            ReadOp {
+                dst: out,
+                dst_off: s.spec.offset * 4,
+                src: &keys.params,
+                src_off: 0,
+                len: self.inner.book.wire.bytes(s.spec.len),
+            },
+            ReadOp {
+                dst: scratch,
+                dst_off: mb,
+                src: &keys.meta,
+                src_off: 0,
+                len: 8,
+            },
+        ]
+    }
+
+    /// A read's outcome: `Ok(false)` sends the pull the slow way (a failed read on a link
+    /// that recovery will replace).
+    fn read_outcome(&self, s: &ShardRemote, r: falcon_transport::Result<()>) -> Result<bool> {
+        match r {
+            Ok(()) => Ok(true),
+            Err(e) if self.inner.book.recovery && e.is_fatal_for_link() => Ok(false),
+            Err(e) => Err(self.inner.server_error(s.server, e)),
+        }
+    }
+
+    /// The meta block read into `scratch`, if no write was under way.
+    fn stable_meta(&self, scratch: &Region) -> Result<Option<Snapshot>> {
+        let workers = self.inner.book.workers;
+        let mut raw = vec![0u8; meta_bytes(workers) as usize];
+        scratch.read_at(0, &mut raw)?;
+        let snap = Snapshot::parse(&raw, workers)?;
+        Ok(snap.stable().then_some(snap))
+    }
+
+    /// Whether the sequence number read after the values is the meta block's.
+    fn seq_held(&self, scratch: &Region, snap: &Snapshot, workers: u32) -> Result<bool> {
+        let mut seq = [0u8; 8];
+        scratch.read_at(meta_bytes(workers), &mut seq)?;
+        Ok(Snapshot::seq_of(&seq) == snap.seq)
+    }
+
+    /// A shard read whole on the lock-free path.
+    fn fast_pulled(&self, out: &Region, s: &ShardRemote, snap: &Snapshot) -> Result<()> {
+        self.inner.widen(out, s)?;
+        s.pulled_version.store(snap.version, Ordering::Release);
+        Ok(())
     }
 
     /// Asks shard `s`'s server for the shard at `clock`, written into `out` when the policy

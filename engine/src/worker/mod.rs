@@ -220,7 +220,8 @@ impl ShardRemote {
                 server: spec.server as usize,
                 local,
                 keys: RwLock::new(k),
-                scratch: Mutex::new(Region::new(meta_bytes(book.workers))?),
+                // The meta block, then its sequence number read again (see `pull_fast`).
+                scratch: Mutex::new(Region::new(meta_bytes(book.workers) + 8)?),
                 push_buf: Mutex::new(None),
                 rows_buf: Mutex::new(None),
                 pushes: AtomicU32::new(u32::try_from(start).unwrap_or(u32::MAX)),
@@ -979,7 +980,20 @@ impl Worker {
         if let Some(bound) = fast
             && fan_out
         {
-            let shards: Vec<&ShardRemote> = self.shards_of(t).filter(picked).collect();
+            let mut shards: Vec<&ShardRemote> = self.shards_of(t).filter(picked).collect();
+            if bound == u64::MAX && shards.len() > 1 {
+                let left = self.pull_fast_together(&shards, out)?;
+                let mut stats = lock(&self.inner.stats);
+                for s in shards
+                    .iter()
+                    .filter(|s| !left.iter().any(|l| std::ptr::eq(*l, **s)))
+                {
+                    stats.fast_pulls += 1;
+                    stats.fast_pull_bytes += s.spec.bytes();
+                }
+                drop(stats);
+                shards = left;
+            }
             let done = self.per_server(&shards, |s| {
                 if self.pull_fast(s, out, clock, bound)? {
                     let mut stats = lock(&self.inner.stats);
