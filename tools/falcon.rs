@@ -755,7 +755,11 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let grad = w.buffer("model")?;
     let target = (w.rank() + 1) as f32;
     let mut p = vec![0f32; floats as usize];
-    let mut g = vec![0f32; floats as usize];
+    // The gradient is computed a cache-sized piece at a time, from the pulled buffer straight
+    // into the pushed one: one pass over the model, as a trainer's backward pass writes its
+    // gradient once.
+    const PIECE: usize = 16 << 10;
+    let mut piece = vec![0f32; PIECE.min(floats as usize)];
     if !w.rejoined() {
         w.barrier()?;
     }
@@ -763,11 +767,20 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let first = w.clock();
     for t in first..iters {
         w.pull("model", &buf, t)?;
-        buf.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))?;
-        for (gi, pi) in g.iter_mut().zip(&p) {
-            *gi = if count { -1.0 } else { pi - target };
+        let mut at = 0usize;
+        while at < floats as usize {
+            let n = PIECE.min(floats as usize - at);
+            let part = &mut piece[..n];
+            buf.read_at(4 * at as u64, falcon_engine::worker::f32_bytes_mut(part))?;
+            if at == 0 {
+                p[0] = part[0];
+            }
+            for x in part.iter_mut() {
+                *x = if count { -1.0 } else { *x - target };
+            }
+            grad.write_at(4 * at as u64, falcon_engine::worker::f32_bytes(part))?;
+            at += n;
         }
-        grad.write_at(0, falcon_engine::worker::f32_bytes(&g))?;
         w.push("model", &grad, t)?;
         if drop_every > 0 && t > 0 && t % drop_every == 0 {
             w.drop_server_link((t / drop_every % w.server_media().len() as u64) as u32);
