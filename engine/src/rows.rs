@@ -17,11 +17,15 @@ pub type Ranges = Vec<(u32, u32)>;
 /// One shard's part of a row push.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ShardRows {
-    /// The slot payload (see the module documentation).
-    Sparse(Vec<u8>),
+    /// The slot payload (see the module documentation), of this many bytes, written.
+    Sparse(u64),
     /// The shard's whole gradient: the rows would take more room than that.
     Dense(Vec<f32>),
 }
+
+/// Bytes a row payload is written in at a time: it is built a cache-sized piece at a time,
+/// not whole and then copied.
+const PIECE: usize = 64 << 10;
 
 /// Checks a row push or pull: `dim ≥ 1` divides the tensor's `len`, every row exists, and
 /// `values` holds `rows.len() · dim` floats. Returns the number of rows of the table.
@@ -137,7 +141,9 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
 }
 
 /// The part of `rows` (with their `values`, `dim` floats each) picked for the shard of
-/// `shard_len` floats starting at float `shard_off` of the tensor (see [`split`]).
+/// `shard_len` floats starting at float `shard_off` of the tensor (see [`split`]): a row
+/// payload handed to `write(offset, bytes)` piece by piece, or the dense gradient where
+/// that would be smaller.
 pub fn for_shard(
     shard_off: u64,
     shard_len: u64,
@@ -145,7 +151,8 @@ pub fn for_shard(
     rows: &[u64],
     values: &[f32],
     pick: &Pick,
-) -> ShardRows {
+    mut write: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<ShardRows> {
     let end = shard_off + shard_len;
     // The part of row `r` in this shard: (first float of the tensor, floats).
     let part = |r: u64| {
@@ -169,30 +176,45 @@ pub fn for_shard(
                 *d += v;
             }
         }
-        return ShardRows::Dense(dense);
+        return Ok(ShardRows::Dense(dense));
     }
-    let mut out = vec![0u8; bytes as usize];
-    out[..4].copy_from_slice(&(count as u32).to_le_bytes());
+    write(0, &(count as u32).to_le_bytes())?;
+    let mut piece: Vec<u8> = Vec::with_capacity(PIECE + 8);
+    // The entries from byte 4.
+    let mut at = 4u64;
+    for i in pick.iter(rows.len()) {
+        let (lo, n) = part(rows[i]);
+        piece.extend_from_slice(&((lo - shard_off) as u32).to_le_bytes());
+        piece.extend_from_slice(&(n as u32).to_le_bytes());
+        if piece.len() >= PIECE {
+            write(at, &piece)?;
+            at += piece.len() as u64;
+            piece.clear();
+        }
+    }
+    write(at, &piece)?;
+    at += piece.len() as u64;
+    piece.clear();
+    // Then the values, one part after another.
     let vb = zerocopy::IntoBytes::as_bytes(values);
-    // Entries from byte 4, values after them; the pick's count and floats size both exactly.
-    let (mut e, mut v) = (4usize, 4 + 8 * count as usize);
+    if pick.rows.is_none() && floats == rows.len() as u64 * dim {
+        // Every row, each whole: the values as given.
+        write(at, vb)?;
+        return Ok(ShardRows::Sparse(bytes));
+    }
     for i in pick.iter(rows.len()) {
         let r = rows[i];
         let (lo, n) = part(r);
-        out[e..e + 4].copy_from_slice(&((lo - shard_off) as u32).to_le_bytes());
-        out[e + 4..e + 8].copy_from_slice(&(n as u32).to_le_bytes());
-        e += 8;
         let src = 4 * (i * dim as usize + (lo - r * dim) as usize);
-        let n = 4 * n as usize;
-        if n == 4 {
-            // One float: a fixed-size copy, not a call to memcpy.
-            out[v..v + 4].copy_from_slice(&vb[src..src + 4]);
-        } else {
-            out[v..v + n].copy_from_slice(&vb[src..src + n]);
+        piece.extend_from_slice(&vb[src..src + 4 * n as usize]);
+        if piece.len() >= PIECE {
+            write(at, &piece)?;
+            at += piece.len() as u64;
+            piece.clear();
         }
-        v += n;
     }
-    ShardRows::Sparse(out)
+    write(at, &piece)?;
+    Ok(ShardRows::Sparse(bytes))
 }
 
 /// Writes the ranges a row pull asks of the shard of `shard_len` floats starting at float
@@ -291,20 +313,26 @@ pub fn parse(
             "a row push of {count} entries overflows its {capacity}-byte slot"
         )));
     }
-    let mut raw = vec![0u8; 8 * count as usize];
-    read(4, &mut raw)?;
+    // The entries read a cache-sized piece at a time.
+    let mut raw = vec![0u8; (8 * count as usize).min(PIECE)];
     let mut entries = Vec::with_capacity(count as usize);
     let mut floats = 0u64;
-    for e in raw.chunks_exact(8) {
-        let off = u64::from(u32::from_le_bytes([e[0], e[1], e[2], e[3]]));
-        let n = u64::from(u32::from_le_bytes([e[4], e[5], e[6], e[7]]));
-        if off + n > len {
-            return Err(Error::Malformed(format!(
-                "a row push entry of {n} floats at {off} lies outside the shard's {len}"
-            )));
+    let mut at = 4u64;
+    while at < 4 + 8 * count {
+        let piece = &mut raw[..(4 + 8 * count - at).min(PIECE as u64) as usize];
+        read(at, piece)?;
+        at += piece.len() as u64;
+        for e in piece.chunks_exact(8) {
+            let off = u64::from(u32::from_le_bytes([e[0], e[1], e[2], e[3]]));
+            let n = u64::from(u32::from_le_bytes([e[4], e[5], e[6], e[7]]));
+            if off + n > len {
+                return Err(Error::Malformed(format!(
+                    "a row push entry of {n} floats at {off} lies outside the shard's {len}"
+                )));
+            }
+            entries.push((off as u32, n as u32));
+            floats += n;
         }
-        entries.push((off as u32, n as u32));
-        floats += n;
     }
     let start = 4 + 8 * count;
     if start + 4 * floats > capacity {
@@ -360,9 +388,19 @@ mod tests {
             let picks = split(len, &bounds, dim, &rows).unwrap();
             for (w, pick) in cuts.windows(2).zip(picks.iter().rev()) {
                 let (off, sl) = (w[0], w[1] - w[0]);
-                let part = match for_shard(off, sl, dim, &rows, &values, pick) {
+                let mut p = Vec::new();
+                let put = |o: u64, b: &[u8]| {
+                    let o = o as usize;
+                    if p.len() < o + b.len() {
+                        p.resize(o + b.len(), 0);
+                    }
+                    p[o..o + b.len()].copy_from_slice(b);
+                    Ok(())
+                };
+                let part = match for_shard(off, sl, dim, &rows, &values, pick, put).unwrap() {
                     ShardRows::Dense(d) => d,
-                    ShardRows::Sparse(p) => {
+                    ShardRows::Sparse(bytes) => {
+                        assert_eq!(bytes, p.len() as u64);
                         assert!(p.len() as u64 <= 4 * sl.max(1) + 4, "fits its slot");
                         densify(sl, 4 * sl, |o, buf| {
                             buf.copy_from_slice(&p[o as usize..o as usize + buf.len()]);

@@ -599,12 +599,6 @@ impl Worker {
             // The slot's previous push may still be sent again from the buffer: wait for it.
             self.wait_slot(s)?;
             let k = shards.iter().position(|x| std::ptr::eq(*x, s)).unwrap_or(0);
-            let part =
-                crate::rows::for_shard(s.spec.offset, s.spec.len, dim, rows, grads, &picks[k]);
-            let (kind, bytes) = match &part {
-                crate::rows::ShardRows::Sparse(p) => (PushKind::Rows, p.len() as u64),
-                crate::rows::ShardRows::Dense(_) => (PushKind::Gradient, s.spec.bytes()),
-            };
             let region = {
                 let mut buf = lock(&s.rows_buf);
                 match buf.as_ref() {
@@ -616,10 +610,22 @@ impl Worker {
                     }
                 }
             };
-            match &part {
-                crate::rows::ShardRows::Sparse(p) => region.write_at(0, p)?,
-                crate::rows::ShardRows::Dense(d) => region.write_at(0, f32_bytes(d))?,
-            }
+            let part = crate::rows::for_shard(
+                s.spec.offset,
+                s.spec.len,
+                dim,
+                rows,
+                grads,
+                &picks[k],
+                |at, bytes| Ok(region.write_at(at, bytes)?),
+            )?;
+            let (kind, bytes) = match &part {
+                crate::rows::ShardRows::Sparse(n) => (PushKind::Rows, *n),
+                crate::rows::ShardRows::Dense(d) => {
+                    region.write_at(0, f32_bytes(d))?;
+                    (PushKind::Gradient, s.spec.bytes())
+                }
+            };
             let rec = data::PushRecord {
                 grad: Some(region),
                 own: Some(bytes),
