@@ -12,7 +12,7 @@ use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 const MAGIC: [u8; 2] = *b"FE";
 /// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`; 6: server
 /// recovery and worker rejoin; 7: typed acknowledgements and refused pulls; 10: metrics).
-const VERSION: u8 = 10;
+const VERSION: u8 = 11;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -332,8 +332,8 @@ pub enum Msg {
         clock: u64,
         /// Request id (echoed in the answer).
         req: u32,
-        /// The ranges wanted: (first float from the shard's start, floats), in order, as
-        /// little-endian u32 pairs (see [`ranges_to_bytes`]).
+        /// The parts wanted: a row index (plain or packed, see [`crate::rows`]) of
+        /// (first float from the shard's start, floats).
         #[serde(with = "serde_bytes")]
         ranges: Vec<u8>,
     },
@@ -346,35 +346,6 @@ pub enum Msg {
         #[serde(with = "serde_bytes")]
         values: Vec<u8>,
     },
-}
-
-/// Ranges as [`Msg::PullRows`] carries them: each `(first, count)` as two little-endian u32.
-pub fn ranges_to_bytes(ranges: &[(u32, u32)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(8 * ranges.len());
-    for &(a, b) in ranges {
-        out.extend_from_slice(&a.to_le_bytes());
-        out.extend_from_slice(&b.to_le_bytes());
-    }
-    out
-}
-
-/// The ranges of [`ranges_to_bytes`]; a length that is not whole pairs is an error.
-pub fn ranges_from_bytes(bytes: &[u8]) -> Result<Vec<(u32, u32)>> {
-    if !bytes.len().is_multiple_of(8) {
-        return Err(Error::Malformed(format!(
-            "row ranges of {} bytes: not whole (first, count) pairs",
-            bytes.len()
-        )));
-    }
-    Ok(bytes
-        .chunks_exact(8)
-        .map(|c| {
-            (
-                u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-                u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
-            )
-        })
-        .collect())
 }
 
 impl Msg {
@@ -685,7 +656,7 @@ mod tests {
                 shard: 3,
                 clock: 9,
                 req: 77,
-                ranges: ranges_to_bytes(&[(0, 4), (12, 4)]),
+                ranges: vec![2, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 12, 0, 0, 0, 4, 0, 0, 0],
             },
             Msg::Rows {
                 req: 77,

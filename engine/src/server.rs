@@ -583,7 +583,7 @@ impl Serving {
                 clock,
                 req,
                 ranges,
-            }) => match crate::proto::ranges_from_bytes(&ranges) {
+            }) => match crate::rows::index_of_pull(&ranges) {
                 Ok(r) => self.on_pull_rows(&l, shard, clock, req, r),
                 Err(e) => refuse_pull(&l, req, e.to_string()),
             },

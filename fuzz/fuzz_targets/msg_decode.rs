@@ -1,6 +1,7 @@
 //! Control and rendezvous messages (`engine/src/proto.rs` `Msg::decode`: Hello, Book, Keys,
-//! …) and the remote keys they carry. A decoded message must survive a round trip: encoding
-//! it and decoding that gives the same message (compared by encoding, so NaN floats compare).
+//! …), the remote keys they carry and a row pull's index. A decoded message must survive a
+//! round trip: encoding it and decoding that gives the same message (compared by encoding,
+//! so NaN floats compare).
 #![no_main]
 
 use falcon_engine::proto::Msg;
@@ -27,6 +28,16 @@ fuzz_target!(|data: &[u8]| {
         }
         Msg::PullReq { dst, .. } => {
             let _ = RemoteKey::from_bytes(dst);
+        }
+        // A row pull's index, as the server reads it: parts within u32, or a typed error.
+        Msg::PullRows { ranges, .. } => {
+            if let Ok(parts) = falcon_engine::rows::index_of_pull(ranges) {
+                assert!(
+                    parts
+                        .iter()
+                        .all(|&(o, n)| u64::from(o) + u64::from(n) <= u64::from(u32::MAX))
+                );
+            }
         }
         _ => {}
     }

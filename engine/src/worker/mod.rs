@@ -681,10 +681,14 @@ impl Worker {
             let req = tracker::Request::Pull(id);
             // Written into the message once: the same bytes go out again on a new link if
             // this one drops.
-            let bytes = 8 * pick.count as usize;
-            let msg = Arc::new(Msg::encode_pull_rows(s.spec.id, clock, id, bytes, |out| {
-                crate::rows::ranges_for_shard(s.spec.offset, s.spec.len, dim, rows, pick, out)
-            }));
+            let (plan, fill) = crate::rows::pull_index(s.spec.offset, s.spec.len, dim, rows, pick);
+            let msg = Arc::new(Msg::encode_pull_rows(
+                s.spec.id,
+                clock,
+                id,
+                plan.bytes as usize,
+                fill,
+            ));
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
                 msg: msg.clone(),
