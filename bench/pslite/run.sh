@@ -2,10 +2,13 @@
 # falcon beside dmlc/ps-lite: the same worker loop (pull the whole model, grad = w - (rank+1),
 # push it; serial, waited) on both, interleaved round by round. See README.md.
 #
-#   bench/pslite/run.sh [--sparse] [--quick] [--rounds N] [--src DIR] [--out FILE]
+#   bench/pslite/run.sh [--sparse] [--rate RATE] [--quick] [--rounds N] [--src DIR] [--out FILE]
 #
 # --sparse: the key-value loop instead (a table of 1 000 000 one-float keys; each iteration
 # pulls and pushes K random keys, K = 1 000 .. 1 000 000).
+# --rate RATE (tc's units, e.g. 2gbit): over a link of that rate instead of loopback, 1 x 1
+# over tcp: the scheduler and server in one network namespace, the worker in another, joined
+# by a veth pair shaped with tbf both ways (root, ip and tc needed; else skipped).
 # ps-lite's source comes from --src DIR, else $PSLITE_SRC, else a shallow clone of
 # https://github.com/dmlc/ps-lite; it is built in a scratch directory
 # (${TMPDIR:-/tmp}/falcon-pslite), never in the repository. Exit 77: skipped (no ps-lite
@@ -22,12 +25,14 @@ QUICK=0
 SRC="${PSLITE_SRC:-}"
 OUT=""
 SPARSE=0
+RATE=""
 
-usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) QUICK=1; ROUNDS=1; shift ;;
         --sparse) SPARSE=1; shift ;;
+        --rate) RATE="${2:?--rate needs a rate, e.g. 2gbit}"; shift 2 ;;
         --rounds) ROUNDS="${2:?--rounds needs a number}"; shift 2 ;;
         --src) SRC="${2:?--src needs a directory}"; shift 2 ;;
         --out) OUT="${2:?--out needs a file}"; shift 2 ;;
@@ -53,9 +58,20 @@ cleanup() {
     done
     PIDS=()
 }
-trap cleanup EXIT
-trap 'cleanup; exit 130' INT
-trap 'cleanup; exit 143' TERM
+# The shaped link's namespaces (--rate), removed on exit.
+NS_SRV="falcon-pb-s$$"
+NS_WRK="falcon-pb-w$$"
+NETNS=0
+cleanup_all() {
+    cleanup
+    if [[ $NETNS -eq 1 ]]; then
+        ip netns del "$NS_SRV" 2>/dev/null || true
+        ip netns del "$NS_WRK" 2>/dev/null || true
+    fi
+}
+trap cleanup_all EXIT
+trap 'cleanup_all; exit 130' INT
+trap 'cleanup_all; exit 143' TERM
 
 # ---- build dependencies (Debian packages) -----------------------------------------------
 PKGS=(g++ make libzmq3-dev libprotobuf-dev protobuf-compiler git)
@@ -130,6 +146,39 @@ TARGET_DIR="$(cd "$REPO" && cargo metadata --format-version 1 --no-deps |
 FALCON="$TARGET_DIR/release/falcon"
 [[ -x "$FALCON" ]] || die "no falcon binary at $FALCON"
 
+# ---- the shaped link (--rate) ---------------------------------------------------------------
+SRV_IP=127.0.0.1
+WRK_IP=127.0.0.1
+if [[ -n "$RATE" ]]; then
+    [[ "$(id -u)" -eq 0 ]] || skip "--rate needs root (network namespaces and tc)"
+    command -v ip >/dev/null && command -v tc >/dev/null || skip "--rate needs ip and tc (iproute2)"
+    NETNS=1
+    ip netns add "$NS_SRV" && ip netns add "$NS_WRK" || skip "cannot make network namespaces"
+    ip link add "fpb$$s" type veth peer name "fpb$$w" || skip "cannot make a veth pair"
+    ip link set "fpb$$s" netns "$NS_SRV"
+    ip link set "fpb$$w" netns "$NS_WRK"
+    SRV_IP=10.211.0.1
+    WRK_IP=10.211.0.2
+    ip -n "$NS_SRV" addr add "$SRV_IP/24" dev "fpb$$s"
+    ip -n "$NS_WRK" addr add "$WRK_IP/24" dev "fpb$$w"
+    for n in "$NS_SRV:fpb$$s" "$NS_WRK:fpb$$w"; do
+        ip -n "${n%%:*}" link set lo up
+        ip -n "${n%%:*}" link set "${n##*:}" up
+        ip netns exec "${n%%:*}" tc qdisc add dev "${n##*:}" root tbf rate "$RATE" \
+            burst 512kb latency 10ms || skip "tc refused a tbf qdisc of rate '$RATE'"
+    done
+    say "a $RATE link: scheduler and servers in $NS_SRV ($SRV_IP), workers in $NS_WRK ($WRK_IP)"
+fi
+# Runs a role where the link puts it (nothing extra on loopback).
+in_ns() {
+    local role="$1"
+    shift
+    if [[ $NETNS -eq 0 ]]; then "$@"
+    elif [[ "$role" == worker ]]; then ip netns exec "$NS_WRK" "$@"
+    else ip netns exec "$NS_SRV" "$@"; fi
+}
+host_of() { if [[ "$1" == worker ]]; then echo "$WRK_IP"; else echo "$SRV_IP"; fi; }
+
 # ---- one job ------------------------------------------------------------------------------
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -155,8 +204,8 @@ run_job() {
     mkdir -p "$dir"
     local port
     port="$(free_port)"
-    local common=(DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT="$port"
-                  DMLC_NUM_SERVER="$ns" DMLC_NUM_WORKER="$nw" DMLC_NODE_HOST=127.0.0.1)
+    local common=(DMLC_PS_ROOT_URI="$SRV_IP" DMLC_PS_ROOT_PORT="$port"
+                  DMLC_NUM_SERVER="$ns" DMLC_NUM_WORKER="$nw")
     local cmd
     if [[ "$sys" == pslite ]]; then
         local local_=0
@@ -178,17 +227,17 @@ run_job() {
         cmd=("$FALCON" role)
     fi
     local others=() workers=() names=() i p
-    env "${common[@]}" DMLC_ROLE=scheduler timeout -k 5 120 "${cmd[@]}" \
-        >"$dir/scheduler.out" 2>"$dir/scheduler.err" &
+    in_ns scheduler env "${common[@]}" DMLC_ROLE=scheduler DMLC_NODE_HOST="$(host_of scheduler)" \
+        timeout -k 5 120 "${cmd[@]}" >"$dir/scheduler.out" 2>"$dir/scheduler.err" &
     p=$!; PIDS+=("$p"); others+=("$p"); names[$p]=scheduler
     for ((i = 0; i < ns; i++)); do
-        env "${common[@]}" DMLC_ROLE=server timeout -k 5 120 "${cmd[@]}" \
-            >"$dir/server$i.out" 2>"$dir/server$i.err" &
+        in_ns server env "${common[@]}" DMLC_ROLE=server DMLC_NODE_HOST="$(host_of server)" \
+            timeout -k 5 120 "${cmd[@]}" >"$dir/server$i.out" 2>"$dir/server$i.err" &
         p=$!; PIDS+=("$p"); others+=("$p"); names[$p]=server$i
     done
     for ((i = 0; i < nw; i++)); do
-        env "${common[@]}" DMLC_ROLE=worker timeout -k 5 120 "${cmd[@]}" \
-            >"$dir/worker$i.out" 2>"$dir/worker$i.err" &
+        in_ns worker env "${common[@]}" DMLC_ROLE=worker DMLC_NODE_HOST="$(host_of worker)" \
+            timeout -k 5 120 "${cmd[@]}" >"$dir/worker$i.out" 2>"$dir/worker$i.err" &
         p=$!; PIDS+=("$p"); workers+=("$p"); names[$p]=worker$i
     done
     local failed=""
@@ -271,6 +320,15 @@ else
         "tcp 1 worker x 1 server|1|1|tcp|tcp"
         "tcp 2 workers x 2 servers|2|2|tcp|tcp"
     )
+fi
+if [[ -n "$RATE" ]]; then
+    # One worker, one server, over the shaped link; a quarter of the iterations (at least 5)
+    # where a run would take long at the link's rate (falcon's sparse counts are small).
+    CONFIGS=("tcp 1 worker x 1 server over a $RATE link|1|1|tcp|tcp")
+    for i in "${!ITERS[@]}"; do
+        ITERS[$i]=$(((ITERS[i] + 3) / 4)); ((ITERS[i] >= 5)) || ITERS[$i]=5
+        if [[ $SPARSE -eq 0 ]]; then FITERS[$i]=${ITERS[$i]}; fi
+    done
 fi
 
 declare -A RATIO FIT PIT FUS PUS NKEYS
@@ -359,6 +417,7 @@ CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || ech
     fi
     echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "- machine: $(nproc) CPUs, $CPU"
+    [[ -z "$RATE" ]] || echo "- link: a veth pair between two network namespaces, tbf rate $RATE both ways"
     echo "- command: \`$ORIG_CMD\`"
     echo "- ps-lite: dmlc/ps-lite $PSLITE_REV (Debian zmq $(dpkg-query -W -f='${Version}' libzmq3-dev 2>/dev/null), protobuf $(dpkg-query -W -f='${Version}' libprotobuf-dev 2>/dev/null)); falcon: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 } | tee "${OUT:-/dev/null}"
