@@ -266,15 +266,16 @@ impl Pick {
 
 /// The rows of a request that fall in each shard of a tensor of `len` floats, found in one
 /// pass over `rows` (row `r` covers floats `r·dim .. (r+1)·dim`). `bounds` are the shards'
-/// (first float, floats), in any order, covering the tensor without gaps; the picks come
-/// back in the order of `bounds`. Rows must have been [`check`]ed; a request of more than
-/// `u32::MAX` rows is refused.
+/// (first float, floats), in any order, covering the tensor without gaps or overlaps (empty
+/// shards pick nothing); the picks come back in the order of `bounds`. Rows must have been
+/// [`check`]ed; a request of 2³¹ rows or more is refused.
 pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<Vec<Pick>> {
-    if rows.len() as u64 > u64::from(u32::MAX) {
+    // Counts travel in 31 bits (bit 31 marks a packed index).
+    if rows.len() as u64 >= u64::from(PACKED) {
         return Err(Error::Config(format!(
             "a row request of {} rows: at most {} in one request",
             rows.len(),
-            u32::MAX
+            PACKED - 1
         )));
     }
     if let [(0, l)] = bounds
@@ -287,8 +288,9 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
             floats: n * dim,
         }]);
     }
-    // The shards by their first float, and the end of each.
-    let mut order: Vec<usize> = (0..bounds.len()).collect();
+    // The shards that hold floats, by their first float, and the end of each (an empty
+    // shard picks nothing).
+    let mut order: Vec<usize> = (0..bounds.len()).filter(|&k| bounds[k].1 > 0).collect();
     order.sort_by_key(|&k| bounds[k].0);
     let ends: Vec<u64> = order.iter().map(|&k| bounds[k].0 + bounds[k].1).collect();
     let mut picks: Vec<Pick> = bounds
@@ -537,22 +539,35 @@ mod tests {
         g
     }
 
+    /// A random table (row width, rows, floats), shard cuts at arbitrary float boundaries
+    /// (rows straddle them) and a request of random rows: half the time sorted and distinct,
+    /// else with repeats and in any order.
+    fn random_request(rng: &mut fastrand::Rng) -> (u64, u64, u64, Vec<u64>, Vec<u64>) {
+        let dim = rng.u64(1..6);
+        let table = rng.u64(1..40);
+        let len = table * dim;
+        let mut cuts = vec![0, len];
+        for _ in 0..rng.usize(0..4) {
+            cuts.push(rng.u64(0..=len));
+        }
+        cuts.sort();
+        cuts.dedup();
+        let n = rng.usize(0..3 * table as usize);
+        let mut rows: Vec<u64> = (0..n).map(|_| rng.u64(0..table)).collect();
+        if rng.bool() {
+            // Sorted and distinct: what travels packed.
+            rows.sort_unstable();
+            rows.dedup();
+        }
+        (dim, table, len, cuts, rows)
+    }
+
     #[test]
     fn shards_widen_to_the_dense_gradient_with_duplicates_summed() {
         let mut rng = fastrand::Rng::with_seed(8);
         for _ in 0..300 {
-            let dim = rng.u64(1..6);
-            let table = rng.u64(1..40);
-            let len = table * dim;
-            // Shards at arbitrary float boundaries: rows straddle them.
-            let mut cuts = vec![0, len];
-            for _ in 0..rng.usize(0..4) {
-                cuts.push(rng.u64(0..=len));
-            }
-            cuts.sort();
-            cuts.dedup();
-            let n = rng.usize(0..3 * table as usize);
-            let rows: Vec<u64> = (0..n).map(|_| rng.u64(0..table)).collect();
+            let (dim, table, len, cuts, rows) = random_request(&mut rng);
+            let n = rows.len();
             let values: Vec<f32> = (0..n * dim as usize).map(|_| rng.f32() - 0.5).collect();
             assert_eq!(check("t", len, dim, &rows, values.len()).unwrap(), table);
             let want = dense(len, dim, &rows, &values);
@@ -598,18 +613,9 @@ mod tests {
     fn a_pull_split_over_shards_gathers_every_row_in_request_order() {
         let mut rng = fastrand::Rng::with_seed(9);
         for _ in 0..300 {
-            let dim = rng.u64(1..6);
-            let table = rng.u64(1..40);
-            let len = table * dim;
-            let mut cuts = vec![0, len];
-            for _ in 0..rng.usize(0..4) {
-                cuts.push(rng.u64(0..=len));
-            }
-            cuts.sort();
-            cuts.dedup();
+            let (dim, _, len, cuts, rows) = random_request(&mut rng);
+            let n = rows.len();
             let w: Vec<f32> = (0..len).map(|i| i as f32 + 0.5).collect();
-            let n = rng.usize(0..3 * table as usize);
-            let rows: Vec<u64> = (0..n).map(|_| rng.u64(0..table)).collect();
             let bounds: Vec<(u64, u64)> = cuts.windows(2).map(|c| (c[0], c[1] - c[0])).collect();
             let picks = split(len, &bounds, dim, &rows).unwrap();
             let mut out = vec![f32::NAN; n * dim as usize];
@@ -696,6 +702,25 @@ mod tests {
             let want: Vec<(u32, u32)> = parts.iter().map(|&(o, n)| (o as u32, n as u32)).collect();
             assert_eq!(got, want, "{parts:?}");
         }
+    }
+
+    #[test]
+    fn empty_shards_pick_nothing_and_lose_no_row() {
+        // Rows of 2 floats over shards [0, 3), [3, 3) (empty, tied with the next) and [3, 8):
+        // row 1 (floats 2..4) straddles the empty shard.
+        let bounds = [(3, 5), (3, 0), (0, 3)];
+        let picks = split(8, &bounds, 2, &[1, 3, 0]).unwrap();
+        assert_eq!((picks[1].count, picks[1].floats), (0, 0), "the empty shard");
+        assert_eq!(
+            (picks[2].count, picks[2].floats),
+            (2, 3),
+            "row 1's head and row 0"
+        );
+        assert_eq!(
+            (picks[0].count, picks[0].floats),
+            (2, 3),
+            "row 1's tail and row 3"
+        );
     }
 
     #[test]

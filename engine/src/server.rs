@@ -734,6 +734,16 @@ impl Serving {
             ));
             return;
         }
+        // Repeated rows may ask for more floats than the shard holds, but never for an answer
+        // larger than one message may be.
+        let floats: u64 = ranges.iter().map(|&(_, n)| u64::from(n)).sum();
+        let limit = self.cfg.transport.max_message / 4;
+        if floats > limit {
+            fail(format!(
+                "a row pull of {floats} floats from shard {shard}: an answer holds at most {limit}"
+            ));
+            return;
+        }
         self.park(l, (w, i), clock, req, PullTo::Rows(ranges));
     }
 

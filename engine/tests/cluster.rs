@@ -733,7 +733,7 @@ fn row_sparse_logistic_regression_is_exactly_the_dense_reference() {
 
 /// Row pushes are refused with what is wrong: a row out of the table, a width that does not
 /// divide the tensor, values of the wrong length, an optimizer that moves rows without a
-/// gradient.
+/// gradient; so is a row pull whose answer could not be one message.
 #[test]
 fn row_pushes_refuse_bad_rows_and_optimizers_that_move_untouched_rows() {
     let mut c = cfg(1, 1, PolicySpec::Asp);
@@ -781,5 +781,23 @@ fn row_pushes_refuse_bad_rows_and_optimizers_that_move_untouched_rows() {
             .contains("(sgd or adagrad); this job's is momentum"),
         "{e}"
     );
+    cluster.finish().unwrap();
+    // A pull whose repeated rows would make an answer larger than one message may be is
+    // refused by the server, which goes on serving.
+    let mut c = cfg(1, 1, PolicySpec::Asp);
+    c.optimizer = Optimizer::Sgd { lr: 0.1 };
+    c.transport.max_message = 1 << 20;
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let w = &cluster.workers[0];
+    let many = vec![3u64; 30_000];
+    let mut out = vec![0f32; 300_000];
+    let e = w.pull_rows("w", 10, &many, &mut out, 0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("a row pull of 300000 floats from shard 0: an answer holds at most 262144"),
+        "{e}"
+    );
+    w.pull_rows("w", 10, &many[..100], &mut out[..1000], 0)
+        .unwrap();
     cluster.finish().unwrap();
 }

@@ -31,13 +31,15 @@ pub struct ReadOp<'a> {
     pub len: u64,
 }
 
-/// Reads started by [`Link::post_reads`]. Dropping it without [`PendingReads::wait`] still
-/// waits for the reads under way (their answers may be landing in their destinations).
+/// Reads started by [`Link::post_reads`]; it borrows their destinations until they are
+/// done. Dropping it without [`PendingReads::wait`] still waits for the reads under way
+/// (their answers may be landing in their destinations).
 #[must_use = "the reads are complete only once waited for"]
 pub struct PendingReads<'l> {
     link: &'l Link,
     posted: Vec<crossbeam_channel::Receiver<Result<()>>>,
     first: Option<crate::Error>,
+    _dsts: std::marker::PhantomData<&'l Region>,
 }
 
 impl PendingReads<'_> {
@@ -295,11 +297,12 @@ impl Link {
     /// (tcp); [`PendingReads::wait`] finishes them. Reads posted on several links before
     /// any is waited for are under way together. Every read is checked before any is
     /// issued: a bad one fails the whole batch, with nothing sent.
-    pub fn post_reads(&self, reads: &[ReadOp<'_>]) -> PendingReads<'_> {
+    pub fn post_reads<'l>(&'l self, reads: &[ReadOp<'l>]) -> PendingReads<'l> {
         let mut pending = PendingReads {
             link: self,
             posted: Vec::new(),
             first: None,
+            _dsts: std::marker::PhantomData,
         };
         let mut spans = Vec::with_capacity(reads.len());
         for r in reads {

@@ -461,22 +461,8 @@ impl TcpLink {
         region: u64,
         offset: u64,
     ) -> Result<()> {
-        let done = self.post_read(dst, dst_ptr, len, region, offset)?;
-        self.wait_read(&done)
-    }
-
-    /// Sends a read request and returns what its completion arrives on ([`TcpLink::wait_read`]);
-    /// requests posted one after another are answered in that order.
-    pub(crate) fn post_read(
-        &self,
-        dst: &Region,
-        dst_ptr: *mut u8,
-        len: u64,
-        region: u64,
-        offset: u64,
-    ) -> Result<Receiver<Result<()>>> {
-        let mut done = self.post_reads(&[(dst, dst_ptr, len, region, offset)])?;
-        Ok(done.remove(0))
+        let done = self.post_reads(&[(dst, dst_ptr, len, region, offset)])?;
+        done.iter().try_for_each(|d| self.wait_read(d))
     }
 
     /// Sends read requests `(destination, where in it, bytes, peer region, offset)` in one
@@ -517,9 +503,19 @@ impl TcpLink {
         let mut bufs: Vec<IoSlice<'_>> =
             headers.iter().map(|h| IoSlice::new(h.as_bytes())).collect();
         if let Err(e) = self.send_frames(&mut bufs) {
-            let mut pending = lock(&self.shared.pending);
-            for req in reqs {
-                pending.remove(&req);
+            // Part of the batch may have gone out and been answered: a read the receiving
+            // thread already took may be landing in its destination right now. Wait for
+            // those (the failed send shut the socket, so they end soon); drop the rest.
+            let taken: Vec<usize> = {
+                let mut pending = lock(&self.shared.pending);
+                reqs.iter()
+                    .enumerate()
+                    .filter(|&(_, req)| pending.remove(req).is_none())
+                    .map(|(k, _)| k)
+                    .collect()
+            };
+            for k in taken {
+                let _ = self.wait_read(&done[k]);
             }
             return Err(e);
         }
@@ -656,7 +652,19 @@ fn respond_loop(
             .zip(&payloads)
             .flat_map(|(h, p)| [IoSlice::new(h.as_bytes()), IoSlice::new(p)])
             .collect();
-        let r = write_all_vectored(&mut lock(&writer), &mut bufs);
+        let r = if cfg!(any(target_arch = "x86", target_arch = "x86_64")) {
+            write_all_vectored(&mut lock(&writer), &mut bufs)
+        } else {
+            // A seqlock reader's batch (meta, values, sequence again) relies on each answer's
+            // bytes being read after the one before: the loads of one write have no such
+            // order where the CPU may reorder loads, so each answer is its own write, behind
+            // an acquire fence.
+            let mut w = lock(&writer);
+            bufs.chunks_mut(2).try_for_each(|frame| {
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                write_all_vectored(&mut w, frame)
+            })
+        };
         drop(bufs);
         drop(payloads);
         batch.clear();

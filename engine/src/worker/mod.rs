@@ -53,8 +53,11 @@
 //!
 //! and every `Signal` (what a caller waits on) a lock of its own.
 //!
-//! The order: **no code holds two of the locks above at once.** Each is taken, used and
-//! released (what is needed past it is cloned out first). The one nesting is a signal's
+//! The order: **no code holds two of the locks above at once**, with one exception: a pull
+//! that reads every shard at once (`pull_fast_together`) holds those shards' `scratch`
+//! locks together, taken in the order of the worker's shard list (as every path that takes
+//! more than one in turn does) and released before anything else is taken. Each other lock is
+//! taken, used and released (what is needed past it is cloned out first). The one nesting is a signal's
 //! lock, taken (by `Signal::set`) under `requests` or `gate`: a signal's lock is the
 //! innermost of all, and nothing is taken under it. Waiting on a signal, or on `changed`,
 //! holds no other lock. Some locks are held across transport calls, which take only the
