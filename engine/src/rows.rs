@@ -349,14 +349,8 @@ pub fn for_shard(
         let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
         (lo, hi.saturating_sub(lo))
     };
-    let (count, floats) = (pick.count, pick.floats);
-    let parts = || {
-        pick.iter(rows.len()).map(|i| {
-            let (lo, n) = part(rows[i]);
-            (lo - shard_off, n)
-        })
-    };
-    let plan = plan_index(count, parts());
+    let floats = pick.floats;
+    let (plan, index) = index_for(shard_off, shard_len, dim, rows, pick);
     let bytes = plan.bytes + 4 * floats;
     if bytes > 4 * shard_len {
         let mut dense = vec![0f32; shard_len as usize];
@@ -374,8 +368,6 @@ pub fn for_shard(
         }
         return Ok(ShardRows::Dense(dense));
     }
-    let mut index = vec![0u8; plan.bytes as usize];
-    write_index(plan, count, parts(), &mut index);
     write(0, &index)?;
     let mut at = plan.bytes;
     let mut piece: Vec<u8> = Vec::with_capacity(PIECE + 8);
@@ -401,28 +393,38 @@ pub fn for_shard(
     Ok(ShardRows::Sparse(bytes))
 }
 
-/// The index of the parts a row pull asks of the shard of `shard_len` floats starting at
-/// float `shard_off`, for the rows `pick` names: its plan (its size is `plan.bytes`) and a
-/// writer of it into a buffer of that size.
-pub fn pull_index<'a>(
+/// The index of the parts of the rows `pick` names in the shard of `shard_len` floats
+/// starting at float `shard_off` (what a row pull asks for, what a row push carries): its
+/// plan and its bytes.
+pub fn index_for(
     shard_off: u64,
     shard_len: u64,
     dim: u64,
-    rows: &'a [u64],
-    pick: &'a Pick,
-) -> (IndexPlan, impl Fn(&mut [u8]) + 'a) {
+    rows: &[u64],
+    pick: &Pick,
+) -> (IndexPlan, Vec<u8>) {
+    fn build<I>(count: u64, parts: impl Fn() -> I) -> (IndexPlan, Vec<u8>)
+    where
+        I: Iterator<Item = (u64, u64)>,
+    {
+        let plan = plan_index(count, parts());
+        let mut out = vec![0u8; plan.bytes as usize];
+        write_index(plan, count, parts(), &mut out);
+        (plan, out)
+    }
     let end = shard_off + shard_len;
-    let parts = move || {
-        pick.iter(rows.len()).map(move |i| {
-            let a = rows[i] * dim;
-            let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
-            (lo - shard_off, hi - lo)
-        })
-    };
-    let plan = plan_index(pick.count, parts());
-    (plan, move |out: &mut [u8]| {
-        write_index(plan, pick.count, parts(), out)
-    })
+    match &pick.rows {
+        // Every row, each whole (one shard holds the tensor, from float 0): the parts come
+        // straight from the rows.
+        None => build(pick.count, || rows.iter().map(|&r| (r * dim, dim))),
+        Some(_) => build(pick.count, || {
+            pick.iter(rows.len()).map(|i| {
+                let a = rows[i] * dim;
+                let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
+                (lo - shard_off, hi - lo)
+            })
+        }),
+    }
 }
 
 /// The parts a row pull's message asks for: its whole index (the shard's bounds are checked
@@ -460,6 +462,11 @@ pub fn scatter(
             values.len(),
             pick.floats
         )));
+    }
+    if pick.rows.is_none() && values.len() == 4 * out.len() {
+        // Every row, each whole, in order: the answer is `out` as it stands.
+        zerocopy::IntoBytes::as_mut_bytes(out).copy_from_slice(values);
+        return Ok(());
     }
     let end = shard_off + shard_len;
     let mut at = 0usize;
@@ -621,9 +628,7 @@ mod tests {
             let mut out = vec![f32::NAN; n * dim as usize];
             for (&(off, sl), pick) in bounds.iter().zip(&picks) {
                 // What a server answers: the asked ranges' values, in order.
-                let (plan, fill) = pull_index(off, sl, dim, &rows, pick);
-                let mut raw = vec![0u8; plan.bytes as usize];
-                fill(&mut raw);
+                let (plan, raw) = index_for(off, sl, dim, &rows, pick);
                 let (ranges, used) = read_index(sl, raw.len() as u64, |o, b| {
                     b.copy_from_slice(&raw[o as usize..o as usize + b.len()]);
                     Ok(())

@@ -684,13 +684,13 @@ impl Worker {
             let req = tracker::Request::Pull(id);
             // Written into the message once: the same bytes go out again on a new link if
             // this one drops.
-            let (plan, fill) = crate::rows::pull_index(s.spec.offset, s.spec.len, dim, rows, pick);
+            let (_, index) = crate::rows::index_for(s.spec.offset, s.spec.len, dim, rows, pick);
             let msg = Arc::new(Msg::encode_pull_rows(
                 s.spec.id,
                 clock,
                 id,
-                plan.bytes as usize,
-                fill,
+                index.len(),
+                |out| out.copy_from_slice(&index),
             ));
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
