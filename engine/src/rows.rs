@@ -247,6 +247,10 @@ pub struct Pick {
     /// Indices into the request's rows, in order; `None`: every row (one shard holds the
     /// whole tensor).
     rows: Option<Vec<u32>>,
+    /// `Some((s, e))`: the picked rows are the request's rows `s..e`, each whole in the shard
+    /// (sorted rows over a shard, or every row of the only shard): their values are one slice
+    /// of the request's and their answer one slice of the caller's buffer.
+    run: Option<(usize, usize)>,
     /// Parts in the shard (one per picked row).
     pub count: u64,
     /// Floats of those parts.
@@ -284,6 +288,7 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
         let n = rows.len() as u64;
         return Ok(vec![Pick {
             rows: None,
+            run: Some((0, rows.len())),
             count: n,
             floats: n * dim,
         }]);
@@ -297,6 +302,7 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
         .iter()
         .map(|_| Pick {
             rows: Some(Vec::with_capacity(rows.len() / bounds.len().max(1) + 16)),
+            run: None,
             count: 0,
             floats: 0,
         })
@@ -324,6 +330,15 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
             p.floats += hi - lo;
             a = hi;
             k += 1;
+        }
+    }
+    for p in &mut picks {
+        if let Some(ix) = &p.rows
+            && let (Some(&first), Some(&last)) = (ix.first(), ix.last())
+            && (last - first) as usize + 1 == ix.len()
+            && p.floats == p.count * dim
+        {
+            p.run = Some((first as usize, last as usize + 1));
         }
     }
     Ok(picks)
@@ -373,9 +388,10 @@ pub fn for_shard(
     let mut piece: Vec<u8> = Vec::with_capacity(PIECE + 8);
     // Then the values, one part after another.
     let vb = zerocopy::IntoBytes::as_bytes(values);
-    if pick.rows.is_none() && floats == rows.len() as u64 * dim {
-        // Every row, each whole: the values as given.
-        write(at, vb)?;
+    if let Some((s, e)) = pick.run {
+        // Consecutive rows, each whole: their values as given.
+        let d = dim as usize;
+        write(at, &vb[4 * s * d..4 * e * d])?;
         return Ok(ShardRows::Sparse(bytes));
     }
     for i in pick.iter(rows.len()) {
@@ -413,11 +429,12 @@ pub fn index_for(
         (plan, out)
     }
     let end = shard_off + shard_len;
-    match &pick.rows {
-        // Every row, each whole (one shard holds the tensor, from float 0): the parts come
-        // straight from the rows.
-        None => build(pick.count, || rows.iter().map(|&r| (r * dim, dim))),
-        Some(_) => build(pick.count, || {
+    match pick.run {
+        // Consecutive rows, each whole: the parts come straight from the rows.
+        Some((s, e)) => build(pick.count, || {
+            rows[s..e].iter().map(|&r| (r * dim - shard_off, dim))
+        }),
+        None => build(pick.count, || {
             pick.iter(rows.len()).map(|i| {
                 let a = rows[i] * dim;
                 let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
@@ -463,9 +480,10 @@ pub fn scatter(
             pick.floats
         )));
     }
-    if pick.rows.is_none() && values.len() == 4 * out.len() {
-        // Every row, each whole, in order: the answer is `out` as it stands.
-        zerocopy::IntoBytes::as_mut_bytes(out).copy_from_slice(values);
+    if let Some((s, e)) = pick.run {
+        // Consecutive rows, each whole: the answer is that slice of `out` as it stands.
+        let d = dim as usize;
+        zerocopy::IntoBytes::as_mut_bytes(&mut out[s * d..e * d]).copy_from_slice(values);
         return Ok(());
     }
     let end = shard_off + shard_len;
@@ -726,6 +744,13 @@ mod tests {
             (2, 3),
             "row 1's tail and row 3"
         );
+        assert!(
+            picks.iter().all(|p| p.run.is_none()),
+            "straddled or out of order"
+        );
+        // Sorted rows over two shards: each shard's rows are a run of the request's.
+        let picks = split(8, &[(4, 4), (0, 4)], 2, &[0, 1, 2, 3]).unwrap();
+        assert_eq!((picks[0].run, picks[1].run), (Some((2, 4)), Some((0, 2))));
     }
 
     #[test]
