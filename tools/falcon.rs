@@ -767,10 +767,8 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let first = w.clock();
     for t in first..iters {
         w.pull("model", &buf, t)?;
-        let mut at = 0usize;
-        while at < floats as usize {
-            let n = PIECE.min(floats as usize - at);
-            let part = &mut piece[..n];
+        for at in (0..floats as usize).step_by(PIECE) {
+            let part = &mut piece[..PIECE.min(floats as usize - at)];
             buf.read_at(4 * at as u64, falcon_engine::worker::f32_bytes_mut(part))?;
             if at == 0 {
                 p[0] = part[0];
@@ -779,7 +777,6 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
                 *x = if count { -1.0 } else { *x - target };
             }
             grad.write_at(4 * at as u64, falcon_engine::worker::f32_bytes(part))?;
-            at += n;
         }
         w.push("model", &grad, t)?;
         if drop_every > 0 && t > 0 && t % drop_every == 0 {

@@ -414,24 +414,6 @@ impl Msg {
         .encode_tail(bytes, fill)
     }
 
-    /// The encoding of [`Msg::PullRows`] with `bytes` bytes of ranges, which `fill` writes
-    /// straight into the message (as [`Msg::encode_rows`]).
-    pub fn encode_pull_rows(
-        shard: u32,
-        clock: u64,
-        req: u32,
-        bytes: usize,
-        fill: impl FnOnce(&mut [u8]),
-    ) -> Vec<u8> {
-        Msg::PullRows {
-            shard,
-            clock,
-            req,
-            ranges: Vec::new(),
-        }
-        .encode_tail(bytes, fill)
-    }
-
     /// Encodes `self`, whose last field is an empty byte string, as if that string held the
     /// `bytes` bytes `fill` writes.
     fn encode_tail(&self, bytes: usize, fill: impl FnOnce(&mut [u8])) -> Vec<u8> {
@@ -671,17 +653,6 @@ mod tests {
             let req = 0x1234_5678;
             let direct = Msg::encode_rows(req, n, |b| b.copy_from_slice(&values));
             assert_eq!(direct, Msg::Rows { req, values }.encode(), "{n} bytes");
-            let ranges: Vec<u8> = (0..n / 8 * 8).map(|i| (i * 5) as u8).collect();
-            let direct = Msg::encode_pull_rows(7, u64::MAX - 3, req, ranges.len(), |b| {
-                b.copy_from_slice(&ranges)
-            });
-            let m = Msg::PullRows {
-                shard: 7,
-                clock: u64::MAX - 3,
-                req,
-                ranges,
-            };
-            assert_eq!(direct, m.encode(), "{n} bytes");
         }
         // A message of another protocol version is refused, not misread.
         let mut old = Msg::Plan { until: 1 }.encode();

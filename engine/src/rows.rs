@@ -244,28 +244,50 @@ pub fn check(tensor: &str, len: u64, dim: u64, rows: &[u64], values: usize) -> R
 /// rows), how many parts (one per such row) and how many floats they hold.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pick {
-    /// Indices into the request's rows, in order; `None`: every row (one shard holds the
-    /// whole tensor).
-    rows: Option<Vec<u32>>,
-    /// `Some((s, e))`: the picked rows are the request's rows `s..e`, each whole in the shard
-    /// (sorted rows over a shard, or every row of the only shard): their values are one slice
-    /// of the request's and their answer one slice of the caller's buffer.
-    run: Option<(usize, usize)>,
+    /// Which of the request's rows.
+    rows: Picked,
     /// Parts in the shard (one per picked row).
     pub count: u64,
     /// Floats of those parts.
     pub floats: u64,
 }
 
+/// Which of a request's rows a shard holds a part of.
+#[derive(Debug, Clone, PartialEq)]
+enum Picked {
+    /// The request's rows `s..e`, each whole in the shard (every row of the only shard, or
+    /// sorted rows over several): their values are one slice of the request's, their answer
+    /// one slice of the caller's buffer, their parts come straight from the rows.
+    Run(usize, usize),
+    /// Indices into the request's rows, in order.
+    Some(Vec<u32>),
+}
+
 impl Pick {
-    /// Each picked row's index into the request's `n` rows, in order.
-    pub fn iter(&self, n: usize) -> impl Iterator<Item = usize> + '_ {
-        let (all, some) = match &self.rows {
-            None => (0..n, [].iter()),
-            Some(ix) => (0..0, ix.iter()),
+    /// Each picked row's index into the request's rows, in order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        let (run, some) = match &self.rows {
+            &Picked::Run(s, e) => (s..e, [].iter()),
+            Picked::Some(ix) => (0..0, ix.iter()),
         };
-        all.chain(some.map(|&i| i as usize))
+        run.chain(some.map(|&i| i as usize))
     }
+
+    /// `Some((s, e))` where the picked rows are the run `s..e` of whole rows.
+    fn run(&self) -> Option<(usize, usize)> {
+        match self.rows {
+            Picked::Run(s, e) => Some((s, e)),
+            Picked::Some(_) => None,
+        }
+    }
+}
+
+/// The part of the row starting at float `a` (`dim` floats) that lies in the floats
+/// `off..end` of a shard: (its first float, its end), both of the tensor; empty where the
+/// row lies outside.
+fn part(a: u64, dim: u64, off: u64, end: u64) -> (u64, u64) {
+    let lo = a.max(off);
+    (lo, (a + dim).min(end).max(lo))
 }
 
 /// The rows of a request that fall in each shard of a tensor of `len` floats, found in one
@@ -287,8 +309,7 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
     {
         let n = rows.len() as u64;
         return Ok(vec![Pick {
-            rows: None,
-            run: Some((0, rows.len())),
+            rows: Picked::Run(0, rows.len()),
             count: n,
             floats: n * dim,
         }]);
@@ -301,8 +322,7 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
     let mut picks: Vec<Pick> = bounds
         .iter()
         .map(|_| Pick {
-            rows: Some(Vec::with_capacity(rows.len() / bounds.len().max(1) + 16)),
-            run: None,
+            rows: Picked::Some(Vec::with_capacity(rows.len() / bounds.len().max(1) + 16)),
             count: 0,
             floats: 0,
         })
@@ -323,7 +343,7 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
                 break;
             }
             let p = &mut picks[order[k]];
-            if let Some(ix) = p.rows.as_mut() {
+            if let Picked::Some(ix) = &mut p.rows {
                 ix.push(i as u32);
             }
             p.count += 1;
@@ -333,12 +353,12 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
         }
     }
     for p in &mut picks {
-        if let Some(ix) = &p.rows
+        if let Picked::Some(ix) = &p.rows
             && let (Some(&first), Some(&last)) = (ix.first(), ix.last())
             && (last - first) as usize + 1 == ix.len()
             && p.floats == p.count * dim
         {
-            p.run = Some((first as usize, last as usize + 1));
+            p.rows = Picked::Run(first as usize, last as usize + 1);
         }
     }
     Ok(picks)
@@ -358,25 +378,19 @@ pub fn for_shard(
     mut write: impl FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<ShardRows> {
     let end = shard_off + shard_len;
-    // The part of row `r` in this shard: (first float of the tensor, floats).
-    let part = |r: u64| {
-        let a = r * dim;
-        let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
-        (lo, hi.saturating_sub(lo))
-    };
     let floats = pick.floats;
     let (plan, index) = index_for(shard_off, shard_len, dim, rows, pick);
     let bytes = plan.bytes + 4 * floats;
     if bytes > 4 * shard_len {
         let mut dense = vec![0f32; shard_len as usize];
-        for i in pick.iter(rows.len()) {
-            let r = rows[i];
-            let (lo, n) = part(r);
-            let src = i * dim as usize + (lo - r * dim) as usize;
+        for i in pick.iter() {
+            let a = rows[i] * dim;
+            let (lo, hi) = part(a, dim, shard_off, end);
+            let src = i * dim as usize + (lo - a) as usize;
             let dst = (lo - shard_off) as usize;
-            for (d, v) in dense[dst..][..n as usize]
+            for (d, v) in dense[dst..][..(hi - lo) as usize]
                 .iter_mut()
-                .zip(&values[src..src + n as usize])
+                .zip(&values[src..])
             {
                 *d += v;
             }
@@ -388,17 +402,17 @@ pub fn for_shard(
     let mut piece: Vec<u8> = Vec::with_capacity(PIECE + 8);
     // Then the values, one part after another.
     let vb = zerocopy::IntoBytes::as_bytes(values);
-    if let Some((s, e)) = pick.run {
+    if let Some((s, e)) = pick.run() {
         // Consecutive rows, each whole: their values as given.
         let d = dim as usize;
         write(at, &vb[4 * s * d..4 * e * d])?;
         return Ok(ShardRows::Sparse(bytes));
     }
-    for i in pick.iter(rows.len()) {
-        let r = rows[i];
-        let (lo, n) = part(r);
-        let src = 4 * (i * dim as usize + (lo - r * dim) as usize);
-        piece.extend_from_slice(&vb[src..src + 4 * n as usize]);
+    for i in pick.iter() {
+        let a = rows[i] * dim;
+        let (lo, hi) = part(a, dim, shard_off, end);
+        let src = 4 * (i * dim as usize + (lo - a) as usize);
+        piece.extend_from_slice(&vb[src..src + 4 * (hi - lo) as usize]);
         if piece.len() >= PIECE {
             write(at, &piece)?;
             at += piece.len() as u64;
@@ -429,15 +443,14 @@ pub fn index_for(
         (plan, out)
     }
     let end = shard_off + shard_len;
-    match pick.run {
+    match pick.run() {
         // Consecutive rows, each whole: the parts come straight from the rows.
         Some((s, e)) => build(pick.count, || {
             rows[s..e].iter().map(|&r| (r * dim - shard_off, dim))
         }),
         None => build(pick.count, || {
-            pick.iter(rows.len()).map(|i| {
-                let a = rows[i] * dim;
-                let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
+            pick.iter().map(|i| {
+                let (lo, hi) = part(rows[i] * dim, dim, shard_off, end);
                 (lo - shard_off, hi - lo)
             })
         }),
@@ -480,7 +493,7 @@ pub fn scatter(
             pick.floats
         )));
     }
-    if let Some((s, e)) = pick.run {
+    if let Some((s, e)) = pick.run() {
         // Consecutive rows, each whole: the answer is that slice of `out` as it stands.
         let d = dim as usize;
         zerocopy::IntoBytes::as_mut_bytes(&mut out[s * d..e * d]).copy_from_slice(values);
@@ -488,9 +501,9 @@ pub fn scatter(
     }
     let end = shard_off + shard_len;
     let mut at = 0usize;
-    for i in pick.iter(rows.len()) {
+    for i in pick.iter() {
         let a = rows[i] * dim;
-        let (lo, hi) = (a.max(shard_off), (a + dim).min(end));
+        let (lo, hi) = part(a, dim, shard_off, end);
         let dst = i * dim as usize + (lo - a) as usize;
         let n = (hi - lo) as usize;
         if n == 1 {
@@ -745,12 +758,15 @@ mod tests {
             "row 1's tail and row 3"
         );
         assert!(
-            picks.iter().all(|p| p.run.is_none()),
+            picks.iter().all(|p| p.run().is_none()),
             "straddled or out of order"
         );
         // Sorted rows over two shards: each shard's rows are a run of the request's.
         let picks = split(8, &[(4, 4), (0, 4)], 2, &[0, 1, 2, 3]).unwrap();
-        assert_eq!((picks[0].run, picks[1].run), (Some((2, 4)), Some((0, 2))));
+        assert_eq!(
+            (picks[0].run(), picks[1].run()),
+            (Some((2, 4)), Some((0, 2)))
+        );
     }
 
     #[test]

@@ -167,7 +167,6 @@ impl Worker {
             return Ok(false);
         };
         let dead = lock(&self.inner.dead).clone();
-        let workers = self.inner.book.workers;
         let scratch = lock(&s.scratch);
         let [meta, values, seq_again] = self.seqlock_reads(s, &scratch, out, &keys);
         // The peer carries the reads out in order, so they travel together: one round trip
@@ -194,7 +193,7 @@ impl Worker {
                     return Ok(false);
                 }
             }
-            if self.seq_held(&scratch, &snap, workers)? {
+            if self.seq_held(&scratch, &snap)? {
                 self.fast_pulled(out, s, &snap)?;
                 return Ok(true);
             }
@@ -211,7 +210,6 @@ impl Worker {
         shards: &[&'s ShardRemote],
         out: &Region,
     ) -> Result<Vec<&'s ShardRemote>> {
-        let workers = self.inner.book.workers;
         let links: Vec<Option<Link>> = shards
             .iter()
             .map(|s| self.inner.up_link(s.server))
@@ -242,7 +240,7 @@ impl Worker {
                 let Some(snap) = self.stable_meta(&scratch[k])? else {
                     return Ok(false);
                 };
-                if !self.seq_held(&scratch[k], &snap, workers)? {
+                if !self.seq_held(&scratch[k], &snap)? {
                     return Ok(false);
                 }
                 self.fast_pulled(out, s, &snap).map(|()| true)
@@ -317,16 +315,20 @@ impl Worker {
     }
 
     /// Whether the sequence number read after the values is the meta block's.
-    fn seq_held(&self, scratch: &Region, snap: &Snapshot, workers: u32) -> Result<bool> {
+    fn seq_held(&self, scratch: &Region, snap: &Snapshot) -> Result<bool> {
         let mut seq = [0u8; 8];
-        scratch.read_at(meta_bytes(workers), &mut seq)?;
+        scratch.read_at(meta_bytes(self.inner.book.workers), &mut seq)?;
         Ok(Snapshot::seq_of(&seq) == snap.seq)
     }
 
-    /// A shard read whole on the lock-free path.
+    /// A shard read whole on the lock-free path: widened where the wire is narrower, its
+    /// version noted, counted.
     fn fast_pulled(&self, out: &Region, s: &ShardRemote, snap: &Snapshot) -> Result<()> {
         self.inner.widen(out, s)?;
         s.pulled_version.store(snap.version, Ordering::Release);
+        let mut stats = lock(&self.inner.stats);
+        stats.fast_pulls += 1;
+        stats.fast_pull_bytes += s.spec.bytes();
         Ok(())
     }
 

@@ -152,6 +152,18 @@ impl Handle {
 /// gains.
 const FAN_OUT_BYTES: u64 = 256 << 10;
 
+/// A row request's rows over the shards of its tensor (`len` floats), in the shards' order
+/// (see [`crate::rows::split`]).
+fn split_rows(
+    shards: &[&ShardRemote],
+    len: u64,
+    dim: u64,
+    rows: &[u64],
+) -> Result<Vec<crate::rows::Pick>> {
+    let bounds: Vec<(u64, u64)> = shards.iter().map(|s| (s.spec.offset, s.spec.len)).collect();
+    crate::rows::split(len, &bounds, dim, rows)
+}
+
 /// Called with each shard a pull read on the lock-free path (the device path copies it on).
 type ShardHook<'a> = dyn FnMut(&ShardRemote) -> Result<()> + 'a;
 
@@ -595,8 +607,7 @@ impl Worker {
         }
         let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
         self.check_push_clock(&shards, tensor, clock)?;
-        let bounds: Vec<(u64, u64)> = shards.iter().map(|s| (s.spec.offset, s.spec.len)).collect();
-        let picks = crate::rows::split(spec.len, &bounds, dim, rows)?;
+        let picks = split_rows(&shards, spec.len, dim, rows)?;
         self.sample_interval(clock);
         let signals = self.per_server(&shards, |s| {
             // The slot's previous push may still be sent again from the buffer: wait for it.
@@ -662,8 +673,7 @@ impl Worker {
         self.check_pull_clock(t, tensor, clock)?;
         self.pass_gate(clock)?;
         let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
-        let bounds: Vec<(u64, u64)> = shards.iter().map(|s| (s.spec.offset, s.spec.len)).collect();
-        let picks = crate::rows::split(spec.len, &bounds, dim, rows)?;
+        let picks = split_rows(&shards, spec.len, dim, rows)?;
         // Each shard's request goes out as soon as it is written, so a server gathers the
         // first while the next is written.
         let mut waiting = Vec::with_capacity(shards.len());
@@ -684,14 +694,16 @@ impl Worker {
             let req = tracker::Request::Pull(id);
             // Written into the message once: the same bytes go out again on a new link if
             // this one drops.
-            let (_, index) = crate::rows::index_for(s.spec.offset, s.spec.len, dim, rows, pick);
-            let msg = Arc::new(Msg::encode_pull_rows(
-                s.spec.id,
-                clock,
-                id,
-                index.len(),
-                |out| out.copy_from_slice(&index),
-            ));
+            let (_, ranges) = crate::rows::index_for(s.spec.offset, s.spec.len, dim, rows, pick);
+            let msg = Arc::new(
+                Msg::PullRows {
+                    shard: s.spec.id,
+                    clock,
+                    req: id,
+                    ranges,
+                }
+                .encode(),
+            );
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
                 msg: msg.clone(),
@@ -995,23 +1007,10 @@ impl Worker {
         {
             let mut shards: Vec<&ShardRemote> = self.shards_of(t).filter(picked).collect();
             if bound == u64::MAX && shards.len() > 1 {
-                let left = self.pull_fast_together(&shards, out)?;
-                let mut stats = lock(&self.inner.stats);
-                for s in shards
-                    .iter()
-                    .filter(|s| !left.iter().any(|l| std::ptr::eq(*l, **s)))
-                {
-                    stats.fast_pulls += 1;
-                    stats.fast_pull_bytes += s.spec.bytes();
-                }
-                drop(stats);
-                shards = left;
+                shards = self.pull_fast_together(&shards, out)?;
             }
             let done = self.per_server(&shards, |s| {
                 if self.pull_fast(s, out, clock, bound)? {
-                    let mut stats = lock(&self.inner.stats);
-                    stats.fast_pulls += 1;
-                    stats.fast_pull_bytes += s.spec.bytes();
                     return Ok(None);
                 }
                 lock(&self.inner.stats).slow_pulls += 1;
@@ -1024,11 +1023,6 @@ impl Worker {
             if let Some(bound) = fast
                 && self.pull_fast(s, out, clock, bound)?
             {
-                {
-                    let mut stats = lock(&self.inner.stats);
-                    stats.fast_pulls += 1;
-                    stats.fast_pull_bytes += s.spec.bytes();
-                }
                 if let Some(f) = fast_done.as_mut() {
                     f(s)?;
                 }
