@@ -20,185 +20,366 @@
 
 use crate::error::{Error, Result};
 
-/// Ranges of a shard: (first float from the shard's start, floats), in order.
-pub type Ranges = Vec<(u32, u32)>;
+/// A checked row index (see the module documentation), kept in the form it travelled in:
+/// its parts `(first float from the shard's start, floats)` are read off its bytes where
+/// they are used, not widened into a list first.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RowIndex {
+    /// The entries (plain) or the gaps (packed), without the head.
+    body: Vec<u8>,
+    /// `Some(width)`: packed, every part `width` floats.
+    width: Option<u64>,
+    count: u64,
+    /// Floats of all parts together (repeats counted each time).
+    floats: u64,
+    /// The furthest end of a part (0 without parts).
+    reach: u64,
+}
+
+impl RowIndex {
+    /// A plain index of `parts`.
+    pub fn from_parts(parts: &[(u32, u32)]) -> RowIndex {
+        let mut body = Vec::with_capacity(8 * parts.len());
+        let (mut floats, mut reach) = (0u64, 0u64);
+        for &(off, n) in parts {
+            body.extend_from_slice(&off.to_le_bytes());
+            body.extend_from_slice(&n.to_le_bytes());
+            floats += u64::from(n);
+            reach = reach.max(u64::from(off) + u64::from(n));
+        }
+        RowIndex {
+            body,
+            width: None,
+            count: parts.len() as u64,
+            floats,
+            reach,
+        }
+    }
+
+    /// Parts.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Floats of all parts together (repeats counted each time).
+    pub fn floats(&self) -> u64 {
+        self.floats
+    }
+
+    /// The furthest end of a part, in floats from the shard's start.
+    pub fn reach(&self) -> u64 {
+        self.reach
+    }
+
+    /// Whether the parts are in ascending order and none overlaps another (a packed index's
+    /// always are; a plain one's are not taken to be).
+    pub fn disjoint(&self) -> bool {
+        self.width.is_some()
+    }
+
+    /// The parts `(first float, floats)`, in order.
+    pub fn iter(&self) -> PartIter<'_> {
+        match self.width {
+            None => PartIter(Reader::Plain(self.body.chunks_exact(8))),
+            Some(width) => PartIter(Reader::Packed {
+                body: &self.body,
+                at: 0,
+                end: 0,
+                width,
+                left: self.count,
+            }),
+        }
+    }
+
+    /// Calls `f(first float, floats)` for each part, in order.
+    pub fn for_each(&self, mut f: impl FnMut(usize, usize)) {
+        for (off, n) in self.iter() {
+            f(off, n)
+        }
+    }
+
+    /// The parts, in order.
+    pub fn to_vec(&self) -> Vec<(u32, u32)> {
+        let mut v = Vec::with_capacity(self.count as usize);
+        self.for_each(|off, n| v.push((off as u32, n as u32)));
+        v
+    }
+}
+
+/// The parts of a [`RowIndex`], read off its bytes.
+pub struct PartIter<'a>(Reader<'a>);
+
+enum Reader<'a> {
+    /// Plain entries.
+    Plain(std::slice::ChunksExact<'a, u8>),
+    /// Packed gaps: `left` more, from byte `at`, the last part ending at `end`.
+    Packed {
+        body: &'a [u8],
+        at: usize,
+        end: u64,
+        width: u64,
+        left: u64,
+    },
+}
+
+impl Iterator for PartIter<'_> {
+    type Item = (usize, usize);
+
+    // Inlined into the loops that apply and gather rows: a call a row costs more than the row.
+    #[inline(always)]
+    fn next(&mut self) -> Option<(usize, usize)> {
+        match &mut self.0 {
+            Reader::Plain(entries) => {
+                let e = entries.next()?;
+                let off = u32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+                let n = u32::from_le_bytes([e[4], e[5], e[6], e[7]]);
+                Some((off as usize, n as usize))
+            }
+            Reader::Packed {
+                body,
+                at,
+                end,
+                width,
+                left,
+            } => {
+                if *left == 0 {
+                    return None;
+                }
+                *left -= 1;
+                // Checked when read: every gap is whole and every part lies in the shard.
+                let gap = match body.get(*at) {
+                    // Most gaps are one byte.
+                    Some(&b) if b < 0x80 => {
+                        *at += 1;
+                        u64::from(b)
+                    }
+                    _ => {
+                        let (gap, used) = leb(body.get(*at..)?).ok()?;
+                        *at += used;
+                        gap
+                    }
+                };
+                let off = *end + gap;
+                *end = off + *width;
+                Some((off as usize, *width as usize))
+            }
+        }
+    }
+}
+
+/// Parts of a shard, `(first float, floats)`, in order: a row index's, or a list's.
+pub trait Parts {
+    /// The parts, in order.
+    fn parts(&self) -> impl Iterator<Item = (usize, usize)>;
+}
+
+impl Parts for RowIndex {
+    fn parts(&self) -> impl Iterator<Item = (usize, usize)> {
+        self.iter()
+    }
+}
+
+impl Parts for [(u32, u32)] {
+    fn parts(&self) -> impl Iterator<Item = (usize, usize)> {
+        self.iter().map(|&(off, n)| (off as usize, n as usize))
+    }
+}
+
+/// The LEB128 number at the start of `b` and its bytes, or what is wrong with it.
+#[inline]
+fn leb(b: &[u8]) -> std::result::Result<(u64, usize), &'static str> {
+    const SHORT: &str = "a packed row index ends inside a gap";
+    let first = *b.first().ok_or(SHORT)?;
+    if first < 0x80 {
+        return Ok((u64::from(first), 1));
+    }
+    let (mut v, mut shift, mut at) = (u64::from(first & 0x7f), 7u32, 1usize);
+    loop {
+        let byte = *b.get(at).ok_or(SHORT)?;
+        at += 1;
+        // The tenth byte holds bit 63 alone.
+        if shift == 63 && byte > 1 {
+            return Err("a packed row index has a gap of more than 64 bits");
+        }
+        v |= u64::from(byte & 0x7f) << shift;
+        shift += 7;
+        if byte < 0x80 {
+            return Ok((v, at));
+        }
+    }
+}
 
 /// Bit 31 of an index's count: the packed form (see the module documentation).
 const PACKED: u32 = 1 << 31;
 
-/// The form an index of some parts takes, and its size in bytes.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct IndexPlan {
-    /// `Some(width)`: packed, every part `width` floats.
-    width: Option<u64>,
-    /// Bytes of the whole index.
-    pub bytes: u64,
-}
-
-/// Plans the index of `count` parts `(offset, floats)` given in order: packed where they
-/// allow it and it is smaller, else plain.
-pub fn plan_index(count: u64, parts: impl Iterator<Item = (u64, u64)>) -> IndexPlan {
-    let plain = IndexPlan {
-        width: None,
-        bytes: 4 + 8 * count,
-    };
-    let (mut width, mut end, mut gaps) = (None, 0u64, 0u64);
-    for (off, n) in parts {
-        if *width.get_or_insert(n) != n || off < end {
-            return plain;
+/// Encodes the index of `count` parts `(offset, floats)`, given in order by `parts()`, into
+/// `out` (cleared first), in one pass where it packs: packed where the parts allow it and it
+/// is smaller, else plain.
+pub fn encode_index<I>(count: u64, parts: impl Fn() -> I, out: &mut Vec<u8>)
+where
+    I: Iterator<Item = (u64, u64)>,
+{
+    let plain = 4 + 8 * count as usize;
+    out.clear();
+    // Sorted rows of a table a few times the request's size take one or two bytes a gap.
+    out.reserve((12 + 2 * count as usize).min(plain));
+    out.extend_from_slice(&[0u8; 12]);
+    let (mut width, mut end, mut packed) = (None, 0u64, count > 0);
+    for (off, n) in parts() {
+        if *width.get_or_insert(n) != n || off < end || out.len() >= plain {
+            packed = false;
+            break;
         }
-        gaps += leb_len(off - end);
+        let mut gap = off - end;
+        while gap >= 0x80 {
+            out.push(gap as u8 | 0x80);
+            gap >>= 7;
+        }
+        out.push(gap as u8);
         end = off + n;
     }
-    match width {
-        Some(w) if 12 + gaps < plain.bytes => IndexPlan {
-            width: Some(w),
-            bytes: 12 + gaps,
-        },
-        _ => plain,
+    if packed && out.len() < plain {
+        let gaps = out.len() as u32 - 12;
+        out[..4].copy_from_slice(&(count as u32 | PACKED).to_le_bytes());
+        out[4..8].copy_from_slice(&(width.unwrap_or(0) as u32).to_le_bytes());
+        out[8..12].copy_from_slice(&gaps.to_le_bytes());
+        return;
+    }
+    out.clear();
+    out.reserve(plain);
+    out.extend_from_slice(&(count as u32).to_le_bytes());
+    for (off, n) in parts() {
+        out.extend_from_slice(&(off as u32).to_le_bytes());
+        out.extend_from_slice(&(n as u32).to_le_bytes());
     }
 }
 
-/// Writes the index `plan` was made for (the same parts again) into `out`, `plan.bytes` long.
-pub fn write_index(
-    plan: IndexPlan,
-    count: u64,
-    parts: impl Iterator<Item = (u64, u64)>,
-    out: &mut [u8],
-) {
-    match plan.width {
-        None => {
-            out[..4].copy_from_slice(&(count as u32).to_le_bytes());
-            for ((off, n), e) in parts.zip(out[4..].chunks_exact_mut(8)) {
-                e[..4].copy_from_slice(&(off as u32).to_le_bytes());
-                e[4..].copy_from_slice(&(n as u32).to_le_bytes());
-            }
-        }
-        Some(w) => {
-            out[..4].copy_from_slice(&(count as u32 | PACKED).to_le_bytes());
-            out[4..8].copy_from_slice(&(w as u32).to_le_bytes());
-            out[8..12].copy_from_slice(&((plan.bytes - 12) as u32).to_le_bytes());
-            let (mut at, mut end) = (12usize, 0u64);
-            for (off, n) in parts {
-                let mut gap = off - end;
-                while gap >= 0x80 {
-                    out[at] = gap as u8 | 0x80;
-                    gap >>= 7;
-                    at += 1;
-                }
-                out[at] = gap as u8;
-                at += 1;
-                end = off + n;
-            }
-        }
-    }
-}
-
-/// Bytes of `v` in LEB128.
-fn leb_len(v: u64) -> u64 {
-    u64::from((64 - (v | 1).leading_zeros()).div_ceil(7))
+/// Whether an index (see the module documentation) is in the packed form.
+pub fn is_packed(index: &[u8]) -> bool {
+    index.len() >= 4 && u32::from_le_bytes([index[0], index[1], index[2], index[3]]) & PACKED != 0
 }
 
 /// The index at the start of `read` (which reads `capacity` bytes at an offset), of parts
-/// of a shard of `len` floats: the parts, and the index's size in bytes. A count or a size
-/// past `capacity`, a part outside the shard, or a malformed gap is [`Error::Malformed`].
+/// of a shard of `len` floats: the index, and its size in bytes. A count or a size past
+/// `capacity`, a part outside the shard, or a malformed gap is [`Error::Malformed`].
 pub fn read_index(
     len: u64,
     capacity: u64,
     mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
-) -> Result<(Ranges, u64)> {
-    let bad = |what: String| Err(Error::Malformed(what));
+) -> Result<(RowIndex, u64)> {
     if capacity < 4 {
-        return bad(format!("a row index in {capacity} bytes"));
+        return Err(Error::Malformed(format!("a row index in {capacity} bytes")));
     }
-    let mut head = [0u8; 4];
-    read(0, &mut head)?;
-    let head = u32::from_le_bytes(head);
-    let count = u64::from(head & !PACKED);
-    if head & PACKED == 0 {
-        if 4 + 8 * count > capacity {
-            return bad(format!(
-                "a row index of {count} entries overflows its {capacity} bytes"
-            ));
-        }
-        // The entries read a cache-sized piece at a time.
-        let mut raw = vec![0u8; (8 * count as usize).min(PIECE)];
-        let mut entries = Vec::with_capacity(count as usize);
-        let mut at = 4u64;
-        while at < 4 + 8 * count {
-            let piece = &mut raw[..(4 + 8 * count - at).min(PIECE as u64) as usize];
-            read(at, piece)?;
-            at += piece.len() as u64;
-            for e in piece.chunks_exact(8) {
-                let off = u32::from_le_bytes([e[0], e[1], e[2], e[3]]);
-                let n = u32::from_le_bytes([e[4], e[5], e[6], e[7]]);
-                if u64::from(off) + u64::from(n) > len {
-                    return bad(format!(
-                        "a row entry of {n} floats at {off} lies outside the shard's {len}"
-                    ));
-                }
-                entries.push((off, n));
+    let mut head = [0u8; 12];
+    read(0, &mut head[..4])?;
+    let packed = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) & PACKED != 0;
+    let head_len = if packed { 12 } else { 4 };
+    if capacity < head_len {
+        return Err(Error::Malformed(format!(
+            "a packed row index in {capacity} bytes"
+        )));
+    }
+    if packed {
+        read(4, &mut head[4..])?;
+    }
+    let body_len = index_body_len(&head[..head_len as usize]);
+    if head_len + body_len > capacity {
+        return Err(Error::Malformed(format!(
+            "a row index of {body_len} bytes after its head does not fit its {capacity}"
+        )));
+    }
+    let mut body = vec![0u8; body_len as usize];
+    read(head_len, &mut body)?;
+    let index = check_index(len, &head[..head_len as usize], body)?;
+    Ok((index, head_len + body_len))
+}
+
+/// The bytes after an index's head (`head`: 4 bytes plain, 12 packed) its head announces.
+fn index_body_len(head: &[u8]) -> u64 {
+    let word = |k: usize| {
+        u64::from(u32::from_le_bytes([
+            head[k],
+            head[k + 1],
+            head[k + 2],
+            head[k + 3],
+        ]))
+    };
+    if head.len() == 12 {
+        word(8)
+    } else {
+        8 * (word(0) & !u64::from(PACKED))
+    }
+}
+
+/// Checks the index of head `head` and body `body` against a shard of `len` floats.
+fn check_index(len: u64, head: &[u8], body: Vec<u8>) -> Result<RowIndex> {
+    let bad = |what: String| Err(Error::Malformed(what));
+    let count = u64::from(u32::from_le_bytes([head[0], head[1], head[2], head[3]]) & !PACKED);
+    if head.len() == 4 {
+        let (mut floats, mut reach) = (0u64, 0u64);
+        for e in body.chunks_exact(8) {
+            let off = u64::from(u32::from_le_bytes([e[0], e[1], e[2], e[3]]));
+            let n = u64::from(u32::from_le_bytes([e[4], e[5], e[6], e[7]]));
+            if off + n > len {
+                return bad(format!(
+                    "a row entry of {n} floats at {off} lies outside the shard's {len}"
+                ));
             }
+            floats += n;
+            reach = reach.max(off + n);
         }
-        return Ok((entries, 4 + 8 * count));
+        return Ok(RowIndex {
+            body,
+            width: None,
+            count,
+            floats,
+            reach,
+        });
     }
-    if capacity < 12 {
-        return bad(format!("a packed row index in {capacity} bytes"));
-    }
-    let mut more = [0u8; 8];
-    read(4, &mut more)?;
-    let width = u64::from(u32::from_le_bytes([more[0], more[1], more[2], more[3]]));
-    let bytes = u64::from(u32::from_le_bytes([more[4], more[5], more[6], more[7]]));
-    if 12 + bytes > capacity || count > bytes {
+    let width = u64::from(u32::from_le_bytes([head[4], head[5], head[6], head[7]]));
+    if count > body.len() as u64 {
         return bad(format!(
-            "a packed row index of {count} gaps in {bytes} bytes does not fit its {capacity}"
+            "a packed row index of {count} gaps does not fit in {} bytes",
+            body.len()
         ));
     }
-    let mut raw = vec![0u8; bytes as usize];
-    read(12, &mut raw)?;
-    let mut entries = Vec::with_capacity(count as usize);
-    let (mut at, mut end) = (0usize, 0u64);
+    // The last part ends furthest: after every gap and every part but the last's width.
+    // (Summed wide: 2^31 gaps of up to 64 bits each cannot overflow 128.)
+    let (mut at, mut gaps) = (0usize, 0u128);
     for _ in 0..count {
-        let Some(&first) = raw.get(at) else {
-            return bad("a packed row index ends inside a gap".into());
-        };
-        at += 1;
-        let mut gap = u64::from(first);
-        if first >= 0x80 {
-            // A gap of more than one byte.
-            gap &= 0x7f;
-            let mut shift = 7;
-            loop {
-                let Some(&b) = raw.get(at) else {
-                    return bad("a packed row index ends inside a gap".into());
-                };
+        match body.get(at) {
+            // Most gaps are one byte.
+            Some(&b) if b < 0x80 => {
                 at += 1;
-                if shift > 56 {
-                    return bad("a packed row index has a gap of more than 64 bits".into());
-                }
-                gap |= u64::from(b & 0x7f) << shift;
-                shift += 7;
-                if b < 0x80 {
-                    break;
-                }
+                gaps += u128::from(b);
+            }
+            _ => {
+                let (gap, used) = leb(&body[at..]).map_err(|e| Error::Malformed(e.into()))?;
+                at += used;
+                gaps += u128::from(gap);
             }
         }
-        let off = end.saturating_add(gap);
-        end = off.saturating_add(width);
-        entries.push((off as u32, width as u32));
     }
-    // Offsets only grow: the last part's end bounds them all.
-    if end > len {
+    let end = gaps + u128::from(count) * u128::from(width);
+    if end > u128::from(len) {
         return bad(format!(
             "a row part of {width} floats ends at float {end}, past the shard's {len}"
         ));
     }
-    if at as u64 != bytes {
+    let end = end as u64;
+    if at != body.len() {
         return bad(format!(
-            "a packed row index of {count} gaps uses {at} of its {bytes} bytes"
+            "a packed row index of {count} gaps uses {at} of its {} bytes",
+            body.len()
         ));
     }
-    Ok((entries, 12 + bytes))
+    Ok(RowIndex {
+        body,
+        width: Some(width),
+        count,
+        floats: count * width,
+        reach: end,
+    })
 }
 
 /// One shard's part of a row push.
@@ -217,6 +398,13 @@ const PIECE: usize = 64 << 10;
 /// Checks a row push or pull: `dim ≥ 1` divides the tensor's `len`, every row exists, and
 /// `values` holds `rows.len() · dim` floats. Returns the number of rows of the table.
 pub fn check(tensor: &str, len: u64, dim: u64, rows: &[u64], values: usize) -> Result<u64> {
+    let table = check_rows(tensor, len, dim, rows)?;
+    check_values(tensor, dim, rows, values)?;
+    Ok(table)
+}
+
+/// Checks a row request's rows ([`check`] without the values): returns the table's rows.
+pub fn check_rows(tensor: &str, len: u64, dim: u64, rows: &[u64]) -> Result<u64> {
     if dim == 0 || !len.is_multiple_of(dim) {
         return Err(Error::Config(format!(
             "tensor {tensor:?} of {len} floats cannot be rows of {dim}: the row width must \
@@ -229,7 +417,12 @@ pub fn check(tensor: &str, len: u64, dim: u64, rows: &[u64], values: usize) -> R
             "row {bad} of tensor {tensor:?}: it has {table} rows of {dim}"
         )));
     }
-    let want = rows.len() as u64 * dim;
+    Ok(table)
+}
+
+/// Checks that `values` floats are `rows.len() · dim`, one row's worth per row.
+pub fn check_values(tensor: &str, dim: u64, rows: &[u64], values: usize) -> Result<()> {
+    let want = (rows.len() as u64).saturating_mul(dim);
     if values as u64 != want {
         return Err(Error::WrongLength {
             tensor: tensor.to_string(),
@@ -237,7 +430,7 @@ pub fn check(tensor: &str, len: u64, dim: u64, rows: &[u64], values: usize) -> R
             got: values as u64,
         });
     }
-    Ok(table)
+    Ok(())
 }
 
 /// The rows of a push or pull that fall in one shard: which (indices into the request's
@@ -365,9 +558,10 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
 }
 
 /// The part of `rows` (with their `values`, `dim` floats each) picked for the shard of
-/// `shard_len` floats starting at float `shard_off` of the tensor (see [`split`]): a row
-/// payload handed to `write(offset, bytes)` piece by piece, or the dense gradient where
-/// that would be smaller.
+/// `shard_len` floats starting at float `shard_off` of the tensor (see [`split`]), whose
+/// index is `index` ([`index_for`]): a row payload handed to `write(offset, bytes)` piece by
+/// piece, or the dense gradient where that would be smaller.
+#[allow(clippy::too_many_arguments)]
 pub fn for_shard(
     shard_off: u64,
     shard_len: u64,
@@ -375,12 +569,12 @@ pub fn for_shard(
     rows: &[u64],
     values: &[f32],
     pick: &Pick,
+    index: &[u8],
     mut write: impl FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<ShardRows> {
     let end = shard_off + shard_len;
     let floats = pick.floats;
-    let (plan, index) = index_for(shard_off, shard_len, dim, rows, pick);
-    let bytes = plan.bytes + 4 * floats;
+    let bytes = index.len() as u64 + 4 * floats;
     if bytes > 4 * shard_len {
         let mut dense = vec![0f32; shard_len as usize];
         for i in pick.iter() {
@@ -397,8 +591,8 @@ pub fn for_shard(
         }
         return Ok(ShardRows::Dense(dense));
     }
-    write(0, &index)?;
-    let mut at = plan.bytes;
+    write(0, index)?;
+    let mut at = index.len() as u64;
     let mut piece: Vec<u8> = Vec::with_capacity(PIECE + 8);
     // Then the values, one part after another.
     let vb = zerocopy::IntoBytes::as_bytes(values);
@@ -424,53 +618,79 @@ pub fn for_shard(
 }
 
 /// The index of the parts of the rows `pick` names in the shard of `shard_len` floats
-/// starting at float `shard_off` (what a row pull asks for, what a row push carries): its
-/// plan and its bytes.
-pub fn index_for(
+/// starting at float `shard_off` (what a row pull asks for, what a row push carries),
+/// written into `out` (see [`encode_index`]).
+pub fn index_into(
     shard_off: u64,
     shard_len: u64,
     dim: u64,
     rows: &[u64],
     pick: &Pick,
-) -> (IndexPlan, Vec<u8>) {
-    fn build<I>(count: u64, parts: impl Fn() -> I) -> (IndexPlan, Vec<u8>)
-    where
-        I: Iterator<Item = (u64, u64)>,
-    {
-        let plan = plan_index(count, parts());
-        let mut out = vec![0u8; plan.bytes as usize];
-        write_index(plan, count, parts(), &mut out);
-        (plan, out)
-    }
+    out: &mut Vec<u8>,
+) {
     let end = shard_off + shard_len;
     match pick.run() {
         // Consecutive rows, each whole: the parts come straight from the rows.
-        Some((s, e)) => build(pick.count, || {
-            rows[s..e].iter().map(|&r| (r * dim - shard_off, dim))
-        }),
-        None => build(pick.count, || {
-            pick.iter().map(|i| {
-                let (lo, hi) = part(rows[i] * dim, dim, shard_off, end);
-                (lo - shard_off, hi - lo)
-            })
-        }),
+        Some((s, e)) => encode_index(
+            pick.count,
+            || rows[s..e].iter().map(|&r| (r * dim - shard_off, dim)),
+            out,
+        ),
+        None => encode_index(
+            pick.count,
+            || {
+                pick.iter().map(|i| {
+                    let (lo, hi) = part(rows[i] * dim, dim, shard_off, end);
+                    (lo - shard_off, hi - lo)
+                })
+            },
+            out,
+        ),
     }
 }
 
+/// [`index_into`] a new vector.
+pub fn index_for(shard_off: u64, shard_len: u64, dim: u64, rows: &[u64], pick: &Pick) -> Vec<u8> {
+    let mut out = Vec::new();
+    index_into(shard_off, shard_len, dim, rows, pick, &mut out);
+    out
+}
+
 /// The parts a row pull's message asks for: its whole index (the shard's bounds are checked
-/// where the shard is known).
-pub fn index_of_pull(index: &[u8]) -> Result<Ranges> {
-    let (ranges, used) = read_index(u64::from(u32::MAX), index.len() as u64, |o, b| {
-        b.copy_from_slice(&index[o as usize..o as usize + b.len()]);
-        Ok(())
-    })?;
-    if used != index.len() as u64 {
+/// where the shard is known, against [`RowIndex::reach`]).
+pub fn index_of_pull(mut index: Vec<u8>) -> Result<RowIndex> {
+    if index.len() < 4 {
         return Err(Error::Malformed(format!(
-            "a row pull's index of {used} bytes is followed by {} more",
-            index.len() as u64 - used
+            "a row index in {} bytes",
+            index.len()
         )));
     }
-    Ok(ranges)
+    let packed = u32::from_le_bytes([index[0], index[1], index[2], index[3]]) & PACKED != 0;
+    let head_len = if packed { 12 } else { 4 };
+    if index.len() < head_len {
+        return Err(Error::Malformed(format!(
+            "a packed row index in {} bytes",
+            index.len()
+        )));
+    }
+    let used = head_len as u64 + index_body_len(&index[..head_len]);
+    let have = index.len() as u64;
+    if used < have {
+        return Err(Error::Malformed(format!(
+            "a row pull's index of {used} bytes is followed by {} more",
+            have - used
+        )));
+    }
+    if used > have {
+        return Err(Error::Malformed(format!(
+            "a row pull's index of {used} bytes does not fit its {have}"
+        )));
+    }
+    let mut head = [0u8; 12];
+    head[..head_len].copy_from_slice(&index[..head_len]);
+    // The body moves down over the head: the message's bytes are the index's.
+    index.drain(..head_len);
+    check_index(u64::from(u32::MAX), &head[..head_len], index)
 }
 
 /// Writes a row pull's answer from the shard of `shard_len` floats starting at float
@@ -527,28 +747,27 @@ pub fn densify(
     capacity: u64,
     read: impl FnMut(u64, &mut [u8]) -> Result<()>,
 ) -> Result<Vec<f32>> {
-    let (ranges, values) = parse(len, capacity, read)?;
+    let (index, values) = parse(len, capacity, read)?;
     let mut grad = vec![0f32; len as usize];
     let mut at = 0;
-    for (off, n) in ranges {
-        let (off, n) = (off as usize, n as usize);
+    index.for_each(|off, n| {
         for (g, v) in grad[off..off + n].iter_mut().zip(&values[at..at + n]) {
             *g += v;
         }
         at += n;
-    }
+    });
     Ok(grad)
 }
 
-/// Reads a row payload (as [`densify`]) into its ranges `(first float, floats)` and their
-/// values, one range after another.
+/// Reads a row payload (as [`densify`]) into its index and its parts' values, one part
+/// after another.
 pub fn parse(
     len: u64,
     capacity: u64,
     mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
-) -> Result<(Ranges, Vec<f32>)> {
-    let (entries, start) = read_index(len, capacity, &mut read)?;
-    let floats: u64 = entries.iter().map(|&(_, n)| u64::from(n)).sum();
+) -> Result<(RowIndex, Vec<f32>)> {
+    let (index, start) = read_index(len, capacity, &mut read)?;
+    let floats = index.floats();
     if start + 4 * floats > capacity {
         return Err(Error::Malformed(format!(
             "a row push of {floats} values overflows its {capacity}-byte slot"
@@ -559,7 +778,7 @@ pub fn parse(
         start,
         zerocopy::IntoBytes::as_mut_bytes(values.as_mut_slice()),
     )?;
-    Ok((entries, values))
+    Ok((index, values))
 }
 
 #[cfg(test)]
@@ -624,7 +843,9 @@ mod tests {
                     p[o..o + b.len()].copy_from_slice(b);
                     Ok(())
                 };
-                let part = match for_shard(off, sl, dim, &rows, &values, pick, put).unwrap() {
+                let index = index_for(off, sl, dim, &rows, pick);
+                let part = match for_shard(off, sl, dim, &rows, &values, pick, &index, put).unwrap()
+                {
                     ShardRows::Dense(d) => d,
                     ShardRows::Sparse(bytes) => {
                         assert_eq!(bytes, p.len() as u64);
@@ -659,16 +880,16 @@ mod tests {
             let mut out = vec![f32::NAN; n * dim as usize];
             for (&(off, sl), pick) in bounds.iter().zip(&picks) {
                 // What a server answers: the asked ranges' values, in order.
-                let (plan, raw) = index_for(off, sl, dim, &rows, pick);
+                let raw = index_for(off, sl, dim, &rows, pick);
                 let (ranges, used) = read_index(sl, raw.len() as u64, |o, b| {
                     b.copy_from_slice(&raw[o as usize..o as usize + b.len()]);
                     Ok(())
                 })
                 .unwrap();
-                assert_eq!(used, plan.bytes);
-                assert_eq!(ranges.len() as u64, pick.count);
+                assert_eq!(used, raw.len() as u64);
+                assert_eq!(ranges.count(), pick.count);
                 let mut answer = Vec::new();
-                for (o, k) in ranges {
+                for (o, k) in ranges.to_vec() {
                     for x in &w[(off + u64::from(o)) as usize..][..k as usize] {
                         answer.extend_from_slice(&x.to_le_bytes());
                     }
@@ -692,12 +913,13 @@ mod tests {
     }
 
     /// Reads an index out of a byte vector.
-    fn index_of(bytes: &[u8], len: u64) -> Result<(Ranges, u64)> {
+    fn index_of(bytes: &[u8], len: u64) -> Result<(Vec<(u32, u32)>, u64)> {
         read_index(len, bytes.len() as u64, |o, b| {
             let o = o as usize;
             b.copy_from_slice(&bytes[o..o + b.len()]);
             Ok(())
         })
+        .map(|(index, used)| (index.to_vec(), used))
     }
 
     #[test]
@@ -707,19 +929,17 @@ mod tests {
         let mut ids: Vec<u64> = (0..100_000).map(|_| rng.u64(0..1_000_000)).collect();
         ids.sort_unstable();
         ids.dedup();
-        let parts = || ids.iter().map(|&r| (r, 1));
-        let plan = plan_index(ids.len() as u64, parts());
-        assert!(plan.width == Some(1), "packed");
+        let mut out = Vec::new();
+        encode_index(ids.len() as u64, || ids.iter().map(|&r| (r, 1)), &mut out);
+        assert!(is_packed(&out), "packed");
         assert!(
-            plan.bytes < 2 * ids.len() as u64,
+            out.len() < 2 * ids.len(),
             "{} bytes for {} rows",
-            plan.bytes,
+            out.len(),
             ids.len()
         );
-        let mut out = vec![0u8; plan.bytes as usize];
-        write_index(plan, ids.len() as u64, parts(), &mut out);
         let (got, used) = index_of(&out, 1_000_000).unwrap();
-        assert_eq!(used, plan.bytes);
+        assert_eq!(used, out.len() as u64);
         assert_eq!(got, ids.iter().map(|&r| (r as u32, 1)).collect::<Vec<_>>());
         // Rows of 8 floats far apart (multi-byte gaps), repeats, disorder, mixed widths.
         let cases: Vec<Vec<(u64, u64)>> = vec![
@@ -728,11 +948,14 @@ mod tests {
             vec![(9, 2), (3, 2)],
             vec![(0, 3), (4, 2)],
             vec![],
+            // Sorted and distinct, but no smaller packed (two 4-byte gaps).
+            vec![(1 << 27, 1), (1 << 28, 1)],
         ];
-        for parts in cases {
-            let plan = plan_index(parts.len() as u64, parts.iter().copied());
-            let mut out = vec![0u8; plan.bytes as usize];
-            write_index(plan, parts.len() as u64, parts.iter().copied(), &mut out);
+        for (k, parts) in cases.iter().enumerate() {
+            let mut out = Vec::new();
+            encode_index(parts.len() as u64, || parts.iter().copied(), &mut out);
+            // Only the first is sorted, distinct and of one width, and smaller packed.
+            assert_eq!(is_packed(&out), k == 0, "{parts:?}");
             let (got, used) = index_of(&out, 1 << 30).unwrap();
             assert_eq!(used, out.len() as u64);
             let want: Vec<(u32, u32)> = parts.iter().map(|&(o, n)| (o as u32, n as u32)).collect();
@@ -795,7 +1018,7 @@ mod tests {
         let mut trail = packed(1, 1, &[3]);
         trail.push(0);
         assert!(
-            index_of_pull(&trail)
+            index_of_pull(trail)
                 .unwrap_err()
                 .to_string()
                 .contains("followed by 1 more")

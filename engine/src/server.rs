@@ -145,7 +145,7 @@ enum PullTo {
     /// Written one-sided into the worker's region.
     Write { dst: RemoteKey, dst_off: u64 },
     /// Some ranges of the shard, gathered into a [`Msg::Rows`] message.
-    Rows(Vec<(u32, u32)>),
+    Rows(crate::rows::RowIndex),
 }
 
 /// A server joined to its job, not yet serving.
@@ -583,7 +583,7 @@ impl Serving {
                 clock,
                 req,
                 ranges,
-            }) => match crate::rows::index_of_pull(&ranges) {
+            }) => match crate::rows::index_of_pull(ranges) {
                 Ok(r) => self.on_pull_rows(&l, shard, clock, req, r),
                 Err(e) => refuse_pull(&l, req, e.to_string()),
             },
@@ -717,26 +717,23 @@ impl Serving {
         shard: u32,
         clock: u64,
         req: u32,
-        ranges: Vec<(u32, u32)>,
+        ranges: crate::rows::RowIndex,
     ) {
         let Some((w, i)) = self.pull_target(l, shard, req) else {
             return;
         };
         let fail = |reason: String| refuse_pull(l, req, reason);
         let len = self.shards[i].spec.len;
-        if let Some(&(off, n)) = ranges
-            .iter()
-            .find(|&&(off, n)| u64::from(off) + u64::from(n) > len)
-        {
+        if ranges.reach() > len {
             fail(format!(
-                "rows {off}..{} lie outside shard {shard} of {len} floats",
-                u64::from(off) + u64::from(n)
+                "rows up to float {} lie outside shard {shard} of {len} floats",
+                ranges.reach()
             ));
             return;
         }
         // Repeated rows may ask for more floats than the shard holds, but never for an answer
         // larger than one message may be.
-        let floats: u64 = ranges.iter().map(|&(_, n)| u64::from(n)).sum();
+        let floats = ranges.floats();
         let limit = self.cfg.transport.max_message / 4;
         if floats > limit {
             fail(format!(
@@ -948,11 +945,11 @@ impl Serving {
             PullTo::Rows(ranges) => {
                 // Gathered straight into the answer (ranges were checked against the shard).
                 let v = zerocopy::IntoBytes::as_bytes(s.params.values());
-                let n: usize = ranges.iter().map(|&(_, n)| n as usize).sum();
+                let n = ranges.floats() as usize;
                 let msg = Msg::encode_rows(p.req, 4 * n, |out| {
                     let mut at = 0;
-                    for (off, n) in ranges {
-                        let (src, n) = (4 * off as usize, 4 * n as usize);
+                    for (off, n) in ranges.iter() {
+                        let (src, n) = (4 * off, 4 * n);
                         if n == 4 {
                             out[at..at + 4].copy_from_slice(&v[src..src + 4]);
                         } else {

@@ -102,7 +102,7 @@ pub enum Input {
         /// The version it was computed on, as for [`Input::Push`].
         computed_on: Option<u64>,
         /// The ranges: (first float, floats), in order; they may repeat (summed).
-        ranges: Vec<(u32, u32)>,
+        ranges: crate::rows::RowIndex,
         /// Their values, one range after another.
         values: Vec<f32>,
     },
@@ -447,7 +447,7 @@ struct Arrival {
     computed_on: Option<u64>,
     /// The whole gradient, or with `ranges` the values of those ranges alone.
     grad: Vec<f32>,
-    ranges: Option<Vec<(u32, u32)>>,
+    ranges: Option<crate::rows::RowIndex>,
 }
 
 impl Arrival {
@@ -470,13 +470,12 @@ impl Arrival {
         };
         let mut g = vec![0f32; len];
         let mut at = 0;
-        for (off, n) in ranges {
-            let (off, n) = (off as usize, n as usize);
+        ranges.for_each(|off, n| {
             for (d, v) in g[off..off + n].iter_mut().zip(&self.grad[at..at + n]) {
                 *d += v;
             }
             at += n;
-        }
+        });
         g
     }
 }
@@ -740,18 +739,15 @@ impl ShardCore {
                 values,
                 ..
             } => {
-                let mut total = 0u64;
-                for &(off, n) in ranges {
-                    if u64::from(off) + u64::from(n) > self.cfg.len as u64 {
-                        return Err(Error::Malformed(format!(
-                            "rows {off}..{} outside shard {} of {} floats",
-                            u64::from(off) + u64::from(n),
-                            self.cfg.id,
-                            self.cfg.len
-                        )));
-                    }
-                    total += u64::from(n);
+                if ranges.reach() > self.cfg.len as u64 {
+                    return Err(Error::Malformed(format!(
+                        "rows up to float {} outside shard {} of {} floats",
+                        ranges.reach(),
+                        self.cfg.id,
+                        self.cfg.len
+                    )));
                 }
+                let total = ranges.floats();
                 if total != values.len() as u64 {
                     return Err(Error::WrongLength {
                         tensor: format!("shard {} rows", self.cfg.id),

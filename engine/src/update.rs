@@ -13,6 +13,7 @@
 //! `GradientScale` is the seam for staleness-aware rules (DynSGD scales by 1/(d+1), ConSGD by
 //! a constant): it multiplies a gradient before it is applied, given its version staleness.
 
+use crate::rows::{Parts, RowIndex};
 use serde::{Deserialize, Serialize};
 
 /// When updates are applied.
@@ -390,11 +391,15 @@ impl ShardOptimizer {
     /// zero. Under SGD and Adagrad (a zero gradient leaves a value and its state alone) this
     /// is exactly [`ShardOptimizer::apply`] of the whole gradient, at the cost of the ranges;
     /// under momentum and Adam it widens the gradient and applies that. One update either way.
-    pub fn apply_ranges(&mut self, w: &mut [f32], ranges: &[(u32, u32)], values: &[f32]) {
-        let merged = merge_repeats(ranges, values);
+    pub fn apply_ranges(&mut self, w: &mut [f32], index: &RowIndex, values: &[f32]) {
+        if index.disjoint() {
+            return self.apply_parts(w, index, values);
+        }
+        let ranges = index.to_vec();
+        let merged = merge_repeats(&ranges, values);
         let (ranges, values) = match &merged {
             Some(Some((r, v))) => (r.as_slice(), v.as_slice()),
-            _ => (ranges, values),
+            _ => (ranges.as_slice(), values),
         };
         if !self.opt.zero_is_identity() || merged == Some(None) {
             // Overlapping ranges must be summed before the rule sees them.
@@ -409,6 +414,22 @@ impl ShardOptimizer {
             }
             return self.apply(w, &g);
         }
+        self.apply_parts(w, ranges, values);
+    }
+
+    /// Applies `values` to `parts`, none overlapping another, one part's values after
+    /// another's.
+    fn apply_parts<P: Parts + ?Sized>(&mut self, w: &mut [f32], parts: &P, values: &[f32]) {
+        if !self.opt.zero_is_identity() {
+            // A rule that moves weights without a gradient sees the whole (zero elsewhere).
+            let mut g = vec![0f32; w.len()];
+            let mut at = 0;
+            for (off, n) in parts.parts() {
+                g[off..off + n].copy_from_slice(&values[at..at + n]);
+                at += n;
+            }
+            return self.apply(w, &g);
+        }
         let lr = self.schedule.lr(self.opt.lr(), self.step);
         self.step += 1;
         let lr_floor = floor_for(lr);
@@ -418,10 +439,10 @@ impl ShardOptimizer {
         match self.opt {
             Optimizer::Adagrad { eps, .. } => {
                 let sq_floor = TINY.sqrt() * (1.0 + 1e-6);
-                for &(off, n) in ranges {
-                    let (off, n) = (off as usize, n as usize);
+                let v = &mut self.v;
+                for (off, n) in parts.parts() {
                     for j in 0..n {
-                        let (gi, wi, vi) = (values[at + j], &mut w[off + j], &mut self.v[off + j]);
+                        let (gi, wi, vi) = (values[at + j], &mut w[off + j], &mut v[off + j]);
                         let g2 = keep(gi, sq_floor);
                         *vi = keep(*vi + g2 * g2, TINY);
                         let step = lr * keep(gi, lr_floor) / (vi.sqrt() + eps);
@@ -431,8 +452,7 @@ impl ShardOptimizer {
                 }
             }
             _ => {
-                for &(off, n) in ranges {
-                    let (off, n) = (off as usize, n as usize);
+                for (off, n) in parts.parts() {
                     for j in 0..n {
                         let wi = &mut w[off + j];
                         *wi = keep(*wi - lr * keep(values[at + j], lr_floor), TINY);
@@ -743,6 +763,7 @@ mod tests {
     fn a_gradient_given_as_ranges_is_exactly_the_whole_gradient() {
         let mut rng = fastrand::Rng::with_seed(12);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut forms = [0; 2];
         for round in 0..200 {
             let len = rng.usize(1..60);
             let w0: Vec<f32> = (0..len).map(|_| rng.f32() - 0.5).collect();
@@ -768,12 +789,18 @@ mod tests {
                 }
                 at += k as usize;
             }
+            // As they travel: packed where they are sorted whole rows, else plain.
+            let mut raw = Vec::new();
+            let parts = || ranges.iter().map(|&(o, k)| (u64::from(o), u64::from(k)));
+            crate::rows::encode_index(ranges.len() as u64, parts, &mut raw);
+            let index = crate::rows::index_of_pull(raw).unwrap();
+            forms[usize::from(index.disjoint())] += 1;
             for opt in opts() {
                 let mut a = ShardOptimizer::new(opt, Arc::new(Constant), len);
                 let mut b = ShardOptimizer::new(opt, Arc::new(Constant), len);
                 let (mut wa, mut wb) = (w0.clone(), w0.clone());
                 for _ in 0..3 {
-                    a.apply_ranges(&mut wa, &ranges, &values);
+                    a.apply_ranges(&mut wa, &index, &values);
                     b.apply(&mut wb, &dense);
                 }
                 assert_eq!(bits(&wa), bits(&wb), "{opt:?} {ranges:?}");
@@ -781,6 +808,7 @@ mod tests {
                 assert_eq!(a.steps(), 3);
             }
         }
+        assert!(forms.iter().all(|&k| k >= 5), "plain and packed: {forms:?}");
     }
 
     #[test]

@@ -31,12 +31,14 @@ fuzz_target!(|data: &[u8]| {
         }
         // A row pull's index, as the server reads it: parts within u32, or a typed error.
         Msg::PullRows { ranges, .. } => {
-            if let Ok(parts) = falcon_engine::rows::index_of_pull(ranges) {
-                assert!(
-                    parts
-                        .iter()
-                        .all(|&(o, n)| u64::from(o) + u64::from(n) <= u64::from(u32::MAX))
-                );
+            if let Ok(index) = falcon_engine::rows::index_of_pull(ranges.clone()) {
+                let parts = index.to_vec();
+                assert_eq!(parts.len() as u64, index.count());
+                let ends = parts.iter().map(|&(o, n)| u64::from(o) + u64::from(n));
+                assert_eq!(ends.max().unwrap_or(0), index.reach());
+                assert!(index.reach() <= u64::from(u32::MAX));
+                let floats: u64 = parts.iter().map(|&(_, n)| u64::from(n)).sum();
+                assert_eq!(floats, index.floats());
             }
         }
         _ => {}

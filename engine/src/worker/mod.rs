@@ -152,16 +152,15 @@ impl Handle {
 /// gains.
 const FAN_OUT_BYTES: u64 = 256 << 10;
 
-/// A row request's rows over the shards of its tensor (`len` floats), in the shards' order
-/// (see [`crate::rows::split`]).
-fn split_rows(
-    shards: &[&ShardRemote],
-    len: u64,
+/// A row request split over its tensor's shards, each shard's index written: what a row
+/// push or pull of the same rows needs again.
+struct RowPlan {
     dim: u64,
-    rows: &[u64],
-) -> Result<Vec<crate::rows::Pick>> {
-    let bounds: Vec<(u64, u64)> = shards.iter().map(|s| (s.spec.offset, s.spec.len)).collect();
-    crate::rows::split(len, &bounds, dim, rows)
+    rows: Vec<u64>,
+    /// Per shard of the tensor, in the order of `Worker::shards_of`.
+    picks: Vec<crate::rows::Pick>,
+    /// Per shard, its index ([`crate::rows::index_into`]).
+    index: Vec<Vec<u8>>,
 }
 
 /// Called with each shard a pull read on the lock-free path (the device path copies it on).
@@ -284,6 +283,9 @@ struct Inner {
     dead: Mutex<HashSet<u32>>,
     /// Row pulls answered and not yet taken by their caller: request id → values.
     row_answers: Mutex<HashMap<u32, Vec<u8>>>,
+    /// Per tensor, the last row request's plan: a push of the rows just pulled (or a pull of
+    /// the rows just pushed) reuses it instead of splitting and indexing them again.
+    row_plans: Mutex<HashMap<usize, Arc<RowPlan>>>,
     grants: Mutex<HashMap<(LinkId, u64), RemoteKey>>,
     next_req: AtomicU32,
     /// The sequence number of the last barrier this worker entered.
@@ -391,6 +393,7 @@ impl Worker {
             requests: Mutex::new(Tracker::default()),
             dead: Mutex::new(HashSet::new()),
             row_answers: Mutex::new(HashMap::new()),
+            row_plans: Mutex::new(HashMap::new()),
             grants: Mutex::new(HashMap::new()),
             next_req: AtomicU32::new(1),
             next_barrier: AtomicU64::new(first_barrier),
@@ -489,6 +492,50 @@ impl Worker {
     }
 
     /// The shards of tensor `t`.
+    /// The plan of a row request of `rows` (`dim` floats each) of tensor `t`, whose shards
+    /// are `shards`: the last one's where it named the same rows, else checked
+    /// ([`crate::rows::check_rows`]), split over the shards
+    /// ([`crate::rows::split`]) and indexed.
+    fn row_plan(
+        &self,
+        t: usize,
+        shards: &[&ShardRemote],
+        dim: u64,
+        rows: &[u64],
+    ) -> Result<Arc<RowPlan>> {
+        if let Some(p) = lock(&self.inner.row_plans).get(&t)
+            && p.dim == dim
+            && p.rows == rows
+        {
+            return Ok(p.clone());
+        }
+        let spec = &self.inner.book.keymap.tensors[t];
+        crate::rows::check_rows(&spec.name, spec.len, dim, rows)?;
+        let bounds: Vec<(u64, u64)> = shards.iter().map(|s| (s.spec.offset, s.spec.len)).collect();
+        let picks = crate::rows::split(spec.len, &bounds, dim, rows)?;
+        // The last plan's buffers are written again where nothing else holds them: fresh
+        // ones of this size would be fresh pages of memory every request.
+        let old = lock(&self.inner.row_plans).remove(&t);
+        let (mut kept_rows, mut index) = match old.and_then(|p| Arc::try_unwrap(p).ok()) {
+            Some(p) => (p.rows, p.index),
+            None => (Vec::new(), Vec::new()),
+        };
+        kept_rows.clear();
+        kept_rows.extend_from_slice(rows);
+        index.resize_with(shards.len(), Vec::new);
+        for ((s, pick), out) in shards.iter().zip(&picks).zip(&mut index) {
+            crate::rows::index_into(s.spec.offset, s.spec.len, dim, rows, pick, out);
+        }
+        let plan = Arc::new(RowPlan {
+            dim,
+            rows: kept_rows,
+            picks,
+            index,
+        });
+        lock(&self.inner.row_plans).insert(t, plan.clone());
+        Ok(plan)
+    }
+
     fn shards_of(&self, t: usize) -> impl Iterator<Item = &ShardRemote> {
         self.inner
             .shards
@@ -596,7 +643,6 @@ impl Worker {
         self.check_running()?;
         let t = self.tensor(tensor)?;
         let spec = &self.inner.book.keymap.tensors[t];
-        crate::rows::check(&spec.name, spec.len, dim, rows, grads.len())?;
         let opt = self.inner.book.optimizer;
         if !opt.zero_is_identity() {
             return Err(Error::Config(format!(
@@ -606,8 +652,9 @@ impl Worker {
             )));
         }
         let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
+        let plan = self.row_plan(t, &shards, dim, rows)?;
+        crate::rows::check_values(&spec.name, dim, rows, grads.len())?;
         self.check_push_clock(&shards, tensor, clock)?;
-        let picks = split_rows(&shards, spec.len, dim, rows)?;
         self.sample_interval(clock);
         let signals = self.per_server(&shards, |s| {
             // The slot's previous push may still be sent again from the buffer: wait for it.
@@ -630,7 +677,8 @@ impl Worker {
                 dim,
                 rows,
                 grads,
-                &picks[k],
+                &plan.picks[k],
+                &plan.index[k],
                 |at, bytes| Ok(region.write_at(at, bytes)?),
             )?;
             let (kind, bytes) = match &part {
@@ -669,16 +717,16 @@ impl Worker {
         self.check_running()?;
         let t = self.tensor(tensor)?;
         let spec = &self.inner.book.keymap.tensors[t];
-        crate::rows::check(&spec.name, spec.len, dim, rows, out.len())?;
+        let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
+        let plan = self.row_plan(t, &shards, dim, rows)?;
+        crate::rows::check_values(&spec.name, dim, rows, out.len())?;
         self.check_pull_clock(t, tensor, clock)?;
         self.pass_gate(clock)?;
-        let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
-        let picks = split_rows(&shards, spec.len, dim, rows)?;
         // Each shard's request goes out as soon as it is written, so a server gathers the
         // first while the next is written.
         let mut waiting = Vec::with_capacity(shards.len());
         let mut first_err = None;
-        for (s, pick) in shards.iter().zip(&picks) {
+        for ((s, pick), index) in shards.iter().zip(&plan.picks).zip(&plan.index) {
             if pick.count == 0 {
                 continue;
             }
@@ -694,13 +742,12 @@ impl Worker {
             let req = tracker::Request::Pull(id);
             // Written into the message once: the same bytes go out again on a new link if
             // this one drops.
-            let (_, ranges) = crate::rows::index_for(s.spec.offset, s.spec.len, dim, rows, pick);
             let msg = Arc::new(
                 Msg::PullRows {
                     shard: s.spec.id,
                     clock,
                     req: id,
-                    ranges,
+                    ranges: index.clone(),
                 }
                 .encode(),
             );
