@@ -801,3 +801,58 @@ fn row_pushes_refuse_bad_rows_and_optimizers_that_move_untouched_rows() {
         .unwrap();
     cluster.finish().unwrap();
 }
+
+/// A worker keeps the last row request's split and indexes per tensor and reuses them for a
+/// request of the same rows: a push of the rows just pulled lands where it should, and a
+/// request of other rows (one row changed, or the same rows at another width) is split anew.
+#[test]
+fn row_requests_of_the_same_rows_reuse_their_plan_and_others_do_not() {
+    let mut c = cfg(2, 1, PolicySpec::Asp);
+    c.optimizer = Optimizer::Sgd { lr: 1.0 };
+    c.max_shard_bytes = 400; // 100 floats: ten shards over two servers
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let w = &cluster.workers[0];
+    // The reference: every float starts at 0; a push of g at float i makes it −g.
+    let mut want = vec![0f32; 1000];
+    let mut push = |clock: u64, dim: u64, rows: &[u64], grads: &[f32]| {
+        w.push_rows("w", dim, rows, grads, clock).unwrap();
+        for (i, &r) in rows.iter().enumerate() {
+            for k in 0..dim as usize {
+                want[r as usize * dim as usize + k] -= grads[i * dim as usize + k];
+            }
+        }
+    };
+    let grads = |n: usize, base: f32| (0..n).map(|i| base + i as f32).collect::<Vec<f32>>();
+    let rows: Vec<u64> = vec![1, 7, 8, 30, 64, 99];
+    let mut out = vec![0f32; 60];
+    w.pull_rows("w", 10, &rows, &mut out, 0).unwrap();
+    // The same rows: the plan is reused.
+    push(0, 10, &rows, &grads(60, 1.0));
+    // A wrong length is refused even where the plan is reused.
+    assert!(matches!(
+        w.pull_rows("w", 10, &rows, &mut out[..50], 1),
+        Err(Error::WrongLength {
+            expected: 60,
+            got: 50,
+            ..
+        })
+    ));
+    // One row changed, the same length: a new plan.
+    let other: Vec<u64> = vec![1, 7, 9, 30, 64, 99];
+    push(1, 10, &other, &grads(60, 100.0));
+    // The same rows at another width: other floats altogether.
+    push(2, 5, &rows, &grads(30, 1000.0));
+    push(3, 5, &rows, &grads(30, 2000.0));
+    let all: Vec<u64> = (0..100).collect();
+    let mut got = vec![0f32; 1000];
+    w.pull_rows("w", 10, &all, &mut got, 4).unwrap();
+    assert_eq!(got, want);
+    // And the rows pulled once more by the cached plan read the same values.
+    w.pull_rows("w", 10, &rows, &mut out, 4).unwrap();
+    let expect: Vec<f32> = rows
+        .iter()
+        .flat_map(|&r| want[r as usize * 10..][..10].to_vec())
+        .collect();
+    assert_eq!(out, expect);
+    cluster.finish().unwrap();
+}
