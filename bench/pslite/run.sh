@@ -307,27 +307,25 @@ if [[ $SPARSE -eq 0 ]]; then
     )
 else
     # The sparse loop: a table of TABLE one-float keys; SIZES are the keys drawn per
-    # iteration. Each side gets its own iteration count, so that a run takes 1-3 s on both
-    # (falcon's row pull fetches whole shards, so it runs far fewer iterations per second at
-    # small K); the figure is a rate either way.
+    # iteration; both sides run the same number of iterations.
     TABLE=1000000
     SIZES=(1000 10000 100000 1000000)
     LABELS=("1 k keys" "10 k keys" "100 k keys" "1 M keys")
-    ITERS=(4000 3000 1000 100)    # ps-lite
-    FITERS=(200 200 200 40)       # falcon
-    if [[ $QUICK -eq 1 ]]; then ITERS=(800 600 200 20); FITERS=(40 40 40 8); fi
+    ITERS=(4000 3000 1000 100)
+    if [[ $QUICK -eq 1 ]]; then ITERS=(800 600 200 20); fi
+    FITERS=("${ITERS[@]}")
     CONFIGS=(
         "tcp 1 worker x 1 server|1|1|tcp|tcp"
         "tcp 2 workers x 2 servers|2|2|tcp|tcp"
     )
 fi
 if [[ -n "$RATE" ]]; then
-    # One worker, one server, over the shaped link; a quarter of the iterations (at least 5)
-    # where a run would take long at the link's rate (falcon's sparse counts are small).
+    # One worker, one server, over the shaped link; a quarter of the iterations (at least 5):
+    # a run would take long at the link's rate.
     CONFIGS=("tcp 1 worker x 1 server over a $RATE link|1|1|tcp|tcp")
     for i in "${!ITERS[@]}"; do
         ITERS[$i]=$(((ITERS[i] + 3) / 4)); ((ITERS[i] >= 5)) || ITERS[$i]=5
-        if [[ $SPARSE -eq 0 ]]; then FITERS[$i]=${ITERS[$i]}; fi
+        FITERS[$i]=${ITERS[$i]}
     done
 fi
 

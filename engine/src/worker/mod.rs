@@ -491,7 +491,6 @@ impl Worker {
             .unwrap_or(0))
     }
 
-    /// The shards of tensor `t`.
     /// The plan of a row request of `rows` (`dim` floats each) of tensor `t`, whose shards
     /// are `shards`: the last one's where it named the same rows, else checked
     /// ([`crate::rows::check_rows`]), split over the shards
@@ -536,6 +535,7 @@ impl Worker {
         Ok(plan)
     }
 
+    /// The shards of tensor `t`.
     fn shards_of(&self, t: usize) -> impl Iterator<Item = &ShardRemote> {
         self.inner
             .shards
@@ -722,8 +722,7 @@ impl Worker {
         crate::rows::check_values(&spec.name, dim, rows, out.len())?;
         self.check_pull_clock(t, tensor, clock)?;
         self.pass_gate(clock)?;
-        // Each shard's request goes out as soon as it is written, so a server gathers the
-        // first while the next is written.
+        // Every shard's request goes out before any answer is waited for.
         let mut waiting = Vec::with_capacity(shards.len());
         let mut first_err = None;
         for ((s, pick), index) in shards.iter().zip(&plan.picks).zip(&plan.index) {
