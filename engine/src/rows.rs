@@ -511,6 +511,46 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
             floats: n * dim,
         }]);
     }
+    if let Some(picks) = split_sorted(bounds, dim, rows) {
+        return Ok(picks);
+    }
+    Ok(split_any(bounds, dim, rows))
+}
+
+/// [`split`] of rows in ascending order none of which straddles two shards: each shard's
+/// rows are a run of the request's, found by bisection. `None` where the rows are not so.
+fn split_sorted(bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Option<Vec<Pick>> {
+    // Without an early exit the check runs several rows at a time.
+    if !rows.windows(2).fold(true, |up, w| up & (w[0] <= w[1])) {
+        return None;
+    }
+    let mut picks = Vec::with_capacity(bounds.len());
+    for &(off, l) in bounds {
+        let end = off + l;
+        // The rows that start in the shard.
+        let s = rows.partition_point(|&r| r * dim < off);
+        let e = s + rows[s..].partition_point(|&r| r * dim < end);
+        let reaches_in = s > 0 && rows[s - 1] * dim + dim > off;
+        let reaches_out = e > s && rows[e - 1] * dim + dim > end;
+        if reaches_in || reaches_out {
+            return None;
+        }
+        let n = (e - s) as u64;
+        picks.push(Pick {
+            rows: if n == 0 {
+                Picked::Some(Vec::new())
+            } else {
+                Picked::Run(s, e)
+            },
+            count: n,
+            floats: n * dim,
+        });
+    }
+    Some(picks)
+}
+
+/// [`split`] of any rows, one pass over them.
+fn split_any(bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Vec<Pick> {
     // The shards that hold floats, by their first float, and the end of each (an empty
     // shard picks nothing).
     let mut order: Vec<usize> = (0..bounds.len()).filter(|&k| bounds[k].1 > 0).collect();
@@ -558,7 +598,7 @@ pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<
             p.rows = Picked::Run(first as usize, last as usize + 1);
         }
     }
-    Ok(picks)
+    picks
 }
 
 /// The part of `rows` (with their `values`, `dim` floats each) picked for the shard of
@@ -1029,6 +1069,42 @@ mod tests {
             let want: Vec<(u32, u32)> = parts.iter().map(|&(o, n)| (o as u32, n as u32)).collect();
             assert_eq!(got, want, "{parts:?}");
         }
+    }
+
+    #[test]
+    fn sorted_rows_split_by_bisection_as_one_pass_splits_them() {
+        let mut rng = fastrand::Rng::with_seed(15);
+        let (mut fast, mut slow) = (0, 0);
+        for round in 0..600 {
+            let (dim, _, _, cuts, mut rows) = random_request(&mut rng);
+            if round % 4 != 0 {
+                rows.sort_unstable();
+            }
+            let mut bounds: Vec<(u64, u64)> =
+                cuts.windows(2).map(|c| (c[0], c[1] - c[0])).collect();
+            if round % 3 == 0 {
+                // An empty shard beside the others, and the shards in another order.
+                bounds.push((cuts[cuts.len() / 2], 0));
+                bounds.reverse();
+            }
+            let want = split_any(&bounds, dim, &rows);
+            match split_sorted(&bounds, dim, &rows) {
+                Some(got) => {
+                    fast += 1;
+                    assert_eq!(got, want, "dim {dim}, bounds {bounds:?}, rows {rows:?}");
+                }
+                None => {
+                    slow += 1;
+                    // Unsorted, or a row split between two shards.
+                    let whole = want.iter().all(|p| p.floats == p.count * dim);
+                    assert!(
+                        !rows.is_sorted() || !whole,
+                        "dim {dim}, bounds {bounds:?}, rows {rows:?}"
+                    );
+                }
+            }
+        }
+        assert!(fast > 150 && slow > 100, "{fast} by bisection, {slow} not");
     }
 
     #[test]
