@@ -345,8 +345,19 @@ fn check_index(len: u64, head: &[u8], body: Vec<u8>) -> Result<RowIndex> {
     }
     // The last part ends furthest: after every gap and every part but the last's width.
     // (Summed wide: 2^31 gaps of up to 64 bits each cannot overflow 128.)
-    let (mut at, mut gaps) = (0usize, 0u128);
-    for _ in 0..count {
+    let (mut at, mut gaps, mut left) = (0usize, 0u128, count);
+    while left > 0 {
+        // Sixty-four gaps of one byte each at a time, where they are (most are).
+        if left >= 64
+            && let Some(block) = body.get(at..at + 64)
+            && block.iter().fold(0u8, |m, &b| m | b) < 0x80
+        {
+            gaps += u128::from(block.iter().map(|&b| u32::from(b)).sum::<u32>());
+            at += 64;
+            left -= 64;
+            continue;
+        }
+        left -= 1;
         match body.get(at) {
             // Most gaps are one byte.
             Some(&b) if b < 0x80 => {
@@ -1183,6 +1194,15 @@ mod tests {
         assert!(err(packed(2, 1, &[3, 200, 1]), 100).contains("past the shard's 100"));
         assert!(err(packed(1, 1 << 20, &[0]), 100).contains("past the shard's 100"));
         assert!(err(packed(9, 1, &[1, 1]), 100).contains("does not fit"));
+        // Long indexes, read many one-byte gaps at a time: the same checks.
+        let ones = [1u8; 200];
+        assert!(index_of(&packed(200, 1, &ones), 400).is_ok());
+        assert!(err(packed(200, 1, &ones), 399).contains("past the shard's 399"));
+        let mut long = ones.to_vec();
+        long[130] = 0x81;
+        assert!(err(packed(200, 1, &long), 1000).contains("ends inside a gap"));
+        long.splice(130..131, [0xffu8; 11]);
+        assert!(err(packed(200, 1, &long), 1000).contains("more than 64 bits"));
         let mut cut = packed(2, 1, &[3, 4]);
         cut[8] = 200;
         assert!(err(cut, 100).contains("does not fit"));
