@@ -339,6 +339,9 @@ pub struct ShardOptimizer {
     m: Vec<f32>,
     v: Vec<f32>,
     step: u64,
+    /// A sparse SGD update's steps, kept between updates (fresh memory each time costs
+    /// page faults).
+    steps: Vec<f32>,
 }
 
 impl ShardOptimizer {
@@ -356,6 +359,7 @@ impl ShardOptimizer {
             m,
             v,
             step: 0,
+            steps: Vec::new(),
         }
     }
 
@@ -452,10 +456,19 @@ impl ShardOptimizer {
                 }
             }
             _ => {
+                // The steps first, in one pass over the values (several at a time), then each
+                // part's weights.
+                let steps = &mut self.steps;
+                steps.clear();
+                steps.extend(values.iter().map(|&g| lr * keep(g, lr_floor)));
                 for (off, n) in parts.parts() {
-                    for j in 0..n {
-                        let wi = &mut w[off + j];
-                        *wi = keep(*wi - lr * keep(values[at + j], lr_floor), TINY);
+                    if n == 1 {
+                        let wi = &mut w[off];
+                        *wi = keep(*wi - steps[at], TINY);
+                    } else {
+                        for (wi, &d) in w[off..off + n].iter_mut().zip(&steps[at..at + n]) {
+                            *wi = keep(*wi - d, TINY);
+                        }
                     }
                     at += n;
                 }
