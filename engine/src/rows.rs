@@ -357,17 +357,20 @@ fn check_index(len: u64, head: &[u8], body: Vec<u8>) -> Result<RowIndex> {
             left -= 64;
             continue;
         }
-        left -= 1;
-        match body.get(at) {
-            // Most gaps are one byte.
-            Some(&b) if b < 0x80 => {
-                at += 1;
-                gaps += u128::from(b);
-            }
-            _ => {
-                let (gap, used) = leb(&body[at..]).map_err(|e| Error::Malformed(e.into()))?;
-                at += used;
-                gaps += u128::from(gap);
+        // Else the next sixty-four (or the rest) one by one: a block is tried again only
+        // after them, not after every gap.
+        for _ in 0..left.min(64) {
+            left -= 1;
+            match body.get(at) {
+                Some(&b) if b < 0x80 => {
+                    at += 1;
+                    gaps += u128::from(b);
+                }
+                _ => {
+                    let (gap, used) = leb(&body[at..]).map_err(|e| Error::Malformed(e.into()))?;
+                    at += used;
+                    gaps += u128::from(gap);
+                }
             }
         }
     }
@@ -752,11 +755,15 @@ fn pack_rows(rows: &[u64], dim: u64, shard_off: u64, out: &mut Vec<u8>) -> bool 
                 continue;
             }
         }
-        if rows[i] <= rows[i - 1] {
-            return false;
+        // Else the next sixteen rows (or the rest) one by one: a block is tried again only
+        // after them.
+        for _ in 0..BLOCK.min(n - i) {
+            if rows[i] <= rows[i - 1] {
+                return false;
+            }
+            leb(out, (rows[i] - rows[i - 1] - 1) * dim);
+            i += 1;
         }
-        leb(out, (rows[i] - rows[i - 1] - 1) * dim);
-        i += 1;
     }
     if out.len() >= plain {
         return false;
