@@ -104,6 +104,81 @@ impl RowIndex {
         self.for_each(|off, n| v.push((off as u32, n as u32)));
         v
     }
+
+    /// Calls `f(i, float)` for the `i`-th float of the parts, one after another, `float` its
+    /// place in the shard.
+    #[inline]
+    pub fn each_float(&self, mut f: impl FnMut(usize, usize)) {
+        if self.width != Some(1) {
+            let mut i = 0;
+            for (off, n) in self.iter() {
+                for k in 0..n {
+                    f(i + k, off + k);
+                }
+                i += n;
+            }
+            return;
+        }
+        // Single floats: sixty-four one-byte gaps at a time where they are (most are).
+        let (body, mut at, mut end, mut i, mut left) = (&self.body[..], 0, 0usize, 0, self.count);
+        while left > 0 {
+            if left >= 64
+                && let Some(block) = body.get(at..at + 64)
+                && block.iter().fold(0u8, |m, &b| m | b) < 0x80
+            {
+                for (k, &gap) in block.iter().enumerate() {
+                    let off = end + usize::from(gap);
+                    f(i + k, off);
+                    end = off + 1;
+                }
+                (at, i, left) = (at + 64, i + 64, left - 64);
+                continue;
+            }
+            for _ in 0..left.min(64) {
+                let (gap, used) = leb(&body[at..]).unwrap_or((0, 1));
+                let off = end + gap as usize;
+                f(i, off);
+                (end, at, i, left) = (off + 1, at + used, i + 1, left - 1);
+            }
+        }
+    }
+
+    /// Gathers the parts' floats out of `shard` (the shard's floats as bytes, which the index
+    /// was checked against) into `out`, `4 · floats()` bytes, one part after another.
+    pub fn gather(&self, shard: &[u8], out: &mut [u8]) {
+        if self.width == Some(1) {
+            // Single floats: sixty-four one-byte gaps at a time where they are (most are).
+            let (body, mut at, mut end, mut o, mut left) =
+                (&self.body[..], 0, 0usize, 0, self.count);
+            while left > 0 {
+                if left >= 64
+                    && let Some(block) = body.get(at..at + 64)
+                    && block.iter().fold(0u8, |m, &b| m | b) < 0x80
+                {
+                    let dst = &mut out[o..o + 256];
+                    for (&gap, d) in block.iter().zip(dst.chunks_exact_mut(4)) {
+                        let off = end + usize::from(gap);
+                        d.copy_from_slice(&shard[4 * off..4 * off + 4]);
+                        end = off + 1;
+                    }
+                    (at, o, left) = (at + 64, o + 256, left - 64);
+                    continue;
+                }
+                for _ in 0..left.min(64) {
+                    let (gap, used) = leb(&body[at..]).unwrap_or((0, 1));
+                    let off = end + gap as usize;
+                    out[o..o + 4].copy_from_slice(&shard[4 * off..4 * off + 4]);
+                    (end, at, o, left) = (off + 1, at + used, o + 4, left - 1);
+                }
+            }
+            return;
+        }
+        let mut o = 0;
+        for (off, n) in self.iter() {
+            out[o..o + 4 * n].copy_from_slice(&shard[4 * off..4 * (off + n)]);
+            o += 4 * n;
+        }
+    }
 }
 
 /// The parts of a [`RowIndex`], read off its bytes.
@@ -171,11 +246,26 @@ impl Iterator for PartIter<'_> {
 pub trait Parts {
     /// The parts, in order.
     fn parts(&self) -> impl Iterator<Item = (usize, usize)>;
+
+    /// Calls `f(i, float)` for the `i`-th float of the parts, `float` its place in the shard.
+    fn each_float(&self, mut f: impl FnMut(usize, usize)) {
+        let mut i = 0;
+        for (off, n) in self.parts() {
+            for k in 0..n {
+                f(i + k, off + k);
+            }
+            i += n;
+        }
+    }
 }
 
 impl Parts for RowIndex {
     fn parts(&self) -> impl Iterator<Item = (usize, usize)> {
         self.iter()
+    }
+
+    fn each_float(&self, f: impl FnMut(usize, usize)) {
+        RowIndex::each_float(self, f)
     }
 }
 
@@ -1123,6 +1213,45 @@ mod tests {
             }
         }
         assert!(fast > 150 && slow > 100, "{fast} by bisection, {slow} not");
+    }
+
+    #[test]
+    fn an_index_gathers_and_visits_its_parts_in_order_whatever_its_form() {
+        let mut rng = fastrand::Rng::with_seed(16);
+        let len = 20_000usize;
+        let shard: Vec<u8> = (0..4 * len).map(|i| (i % 251) as u8).collect();
+        for round in 0..60 {
+            let dim = [1u64, 1, 1, 3][round % 4];
+            // Dense draws (one-byte gaps), sparse ones (longer gaps) and repeats.
+            let every = [2u64, 5, 300][round % 3];
+            let mut rows: Vec<u64> = (0..rng.usize(0..3000))
+                .map(|_| rng.u64(0..len as u64 / dim) / every * every)
+                .collect();
+            if round % 5 != 0 {
+                rows.sort_unstable();
+                rows.dedup();
+            }
+            let mut raw = Vec::new();
+            let parts = || rows.iter().map(|&r| (r * dim, dim));
+            encode_index(rows.len() as u64, parts, &mut raw);
+            let index = index_of_pull(raw).unwrap();
+            let mut want = Vec::new();
+            for &r in &rows {
+                want.extend_from_slice(&shard[(4 * r * dim) as usize..][..4 * dim as usize]);
+            }
+            let mut got = vec![0u8; 4 * index.floats() as usize];
+            index.gather(&shard, &mut got);
+            assert_eq!(got, want, "round {round}, dim {dim}");
+            // Float by float, as an update visits them.
+            let mut floats = Vec::new();
+            index.each_float(|i, off| floats.push((i, off)));
+            let expect: Vec<(usize, usize)> = rows
+                .iter()
+                .flat_map(|&r| (0..dim).map(move |k| (r * dim + k) as usize))
+                .enumerate()
+                .collect();
+            assert_eq!(floats, expect, "round {round}, dim {dim}");
+        }
     }
 
     #[test]

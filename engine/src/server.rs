@@ -946,18 +946,7 @@ impl Serving {
                 // Gathered straight into the answer (ranges were checked against the shard).
                 let v = zerocopy::IntoBytes::as_bytes(s.params.values());
                 let n = ranges.floats() as usize;
-                let msg = Msg::encode_rows(p.req, 4 * n, |out| {
-                    let mut at = 0;
-                    for (off, n) in ranges.iter() {
-                        let (src, n) = (4 * off, 4 * n);
-                        if n == 4 {
-                            out[at..at + 4].copy_from_slice(&v[src..src + 4]);
-                        } else {
-                            out[at..at + n].copy_from_slice(&v[src..src + n]);
-                        }
-                        at += n;
-                    }
-                });
+                let msg = Msg::encode_rows(p.req, 4 * n, |out| ranges.gather(v, out));
                 l.send(&msg)
             }
         };

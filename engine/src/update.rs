@@ -461,17 +461,10 @@ impl ShardOptimizer {
                 let steps = &mut self.steps;
                 steps.clear();
                 steps.extend(values.iter().map(|&g| lr * keep(g, lr_floor)));
-                for (off, n) in parts.parts() {
-                    if n == 1 {
-                        let wi = &mut w[off];
-                        *wi = keep(*wi - steps[at], TINY);
-                    } else {
-                        for (wi, &d) in w[off..off + n].iter_mut().zip(&steps[at..at + n]) {
-                            *wi = keep(*wi - d, TINY);
-                        }
-                    }
-                    at += n;
-                }
+                parts.each_float(|i, off| {
+                    let wi = &mut w[off];
+                    *wi = keep(*wi - steps[i], TINY);
+                });
             }
         }
     }
