@@ -516,9 +516,15 @@ pub fn check_rows(tensor: &str, len: u64, dim: u64, rows: &[u64]) -> Result<u64>
         )));
     }
     let table = len / dim;
-    // The largest row first (a loop without an early exit runs several rows at a time), then
-    // the first row out of the table for the message.
-    if rows.iter().fold(0, |m, &r| m.max(r)) >= table
+    // Whether any row is out of the table first, with shifts and ors (a loop without an early
+    // exit or compares runs several rows at a time): `table − 1 − r` wraps (its top bit set)
+    // where `r ≥ table`, and rows of 2^63 or more are caught by their own top bit (a table
+    // has fewer rows than that). Then the first such row, for the message.
+    let last = table.saturating_sub(1);
+    let out = rows
+        .iter()
+        .fold(0u64, |acc, &r| acc | last.wrapping_sub(r) | r);
+    if (table == 0 || out >> 63 != 0)
         && let Some(bad) = rows.iter().find(|&&r| r >= table)
     {
         return Err(Error::Config(format!(
@@ -828,18 +834,16 @@ fn pack_rows(rows: &[u64], dim: u64, shard_off: u64, out: &mut Vec<u8>) -> bool 
             return false;
         }
         if let Some(w) = rows.get(i - 1..i + BLOCK) {
-            // Rows of one table: an ascending step times `dim` cannot overflow.
+            // Rows of one table (below 2^63, checked): an ascending step times `dim` cannot
+            // overflow, and `w[k] − w[k+1]` wraps (its top bit set) exactly where the rows
+            // ascend. Shifts and ors, no compares: the block runs several rows at a time.
             let mut gaps = [0u8; BLOCK];
-            let mut small = true;
-            for (k, g) in gaps.iter_mut().enumerate() {
-                let gap = w[k + 1]
-                    .wrapping_sub(w[k])
-                    .wrapping_sub(1)
-                    .wrapping_mul(dim);
-                small &= (w[k + 1] > w[k]) & (gap < 0x80);
-                *g = gap as u8;
-            }
-            if small {
+            let bad = if dim == 1 {
+                block_gaps(w, 1, &mut gaps)
+            } else {
+                block_gaps(w, dim, &mut gaps)
+            };
+            if bad == 0 {
                 out.extend_from_slice(&gaps);
                 i += BLOCK;
                 continue;
@@ -863,6 +867,22 @@ fn pack_rows(rows: &[u64], dim: u64, shard_off: u64, out: &mut Vec<u8>) -> bool 
     out[4..8].copy_from_slice(&(dim as u32).to_le_bytes());
     out[8..12].copy_from_slice(&gaps.to_le_bytes());
     true
+}
+
+/// The gaps between the rows of `w` (`BLOCK + 1` rows, `dim` floats each) as bytes into
+/// `gaps`; nonzero where a gap is over a byte or the rows do not ascend.
+#[inline(always)]
+fn block_gaps(w: &[u64], dim: u64, gaps: &mut [u8; 16]) -> u64 {
+    let mut bad = 0u64;
+    for (k, g) in gaps.iter_mut().enumerate() {
+        let gap = w[k + 1]
+            .wrapping_sub(w[k])
+            .wrapping_sub(1)
+            .wrapping_mul(dim);
+        bad |= (gap >> 7) | ((w[k].wrapping_sub(w[k + 1]) >> 63) ^ 1);
+        *g = gap as u8;
+    }
+    bad
 }
 
 /// [`index_into`] a new vector.
