@@ -389,6 +389,18 @@ impl Msg {
     }
 }
 
+/// The LEB128 varint at the start of `b` (postcard's integers) and what follows it.
+fn varint(b: &[u8]) -> Option<(u64, &[u8])> {
+    let mut v = 0u64;
+    for (i, &byte) in b.iter().enumerate().take(10) {
+        v |= u64::from(byte & 0x7f).checked_shl(7 * i as u32)?;
+        if byte < 0x80 {
+            return Some((v, &b[i + 1..]));
+        }
+    }
+    None
+}
+
 impl Msg {
     /// Encodes the message.
     pub fn encode(&self) -> Vec<u8> {
@@ -412,6 +424,38 @@ impl Msg {
             values: Vec::new(),
         }
         .encode_tail(bytes, fill)
+    }
+
+    /// The encoding of [`Msg::PullRows`] with the index `ranges`, written straight from the
+    /// caller's bytes (no vector of them built first).
+    pub fn encode_pull_rows(shard: u32, clock: u64, req: u32, ranges: &[u8]) -> Vec<u8> {
+        Msg::PullRows {
+            shard,
+            clock,
+            req,
+            ranges: Vec::new(),
+        }
+        .encode_tail(ranges.len(), |b| b.copy_from_slice(ranges))
+    }
+
+    /// Where `data` is a whole [`Msg::Rows`] message: its request id and where its values
+    /// start (they run to the end), so that they are read in place rather than copied out.
+    /// `None` for any other message, and for one that does not add up (which
+    /// [`Msg::decode`] then refuses with its reason).
+    pub fn rows_in(data: &[u8]) -> Option<(u32, usize)> {
+        // The head every Rows message starts with: magic, version, the variant's tag.
+        let empty = Msg::Rows {
+            req: 0,
+            values: Vec::new(),
+        }
+        .encode();
+        // The empty message ends with two one-byte varints: the request id and the length.
+        let head = &empty[..empty.len() - 2];
+        let rest = data.strip_prefix(head)?;
+        let (req, rest) = varint(rest)?;
+        let (len, rest) = varint(rest)?;
+        let req = u32::try_from(req).ok()?;
+        (len == rest.len() as u64).then_some((req, data.len() - rest.len()))
     }
 
     /// Encodes `self`, whose last field is an empty byte string, as if that string held the
@@ -653,6 +697,35 @@ mod tests {
             let req = 0x1234_5678;
             let direct = Msg::encode_rows(req, n, |b| b.copy_from_slice(&values));
             assert_eq!(direct, Msg::Rows { req, values }.encode(), "{n} bytes");
+        }
+        // A row pull written from borrowed bytes is the message's own encoding, and a row
+        // answer is read in place where it is one, whole.
+        for n in [0usize, 1, 127, 128, 16_384, 300_001] {
+            let bytes: Vec<u8> = (0..n).map(|i| (i * 5) as u8).collect();
+            let m = Msg::PullRows {
+                shard: 7,
+                clock: 1 << 40,
+                req: 300,
+                ranges: bytes.clone(),
+            };
+            assert_eq!(Msg::encode_pull_rows(7, 1 << 40, 300, &bytes), m.encode());
+            assert_eq!(Msg::rows_in(&m.encode()), None, "not a row answer");
+            let req = 0x8765_4321;
+            let rows = Msg::Rows {
+                req,
+                values: bytes.clone(),
+            }
+            .encode();
+            let (id, at) = Msg::rows_in(&rows).unwrap();
+            assert_eq!((id, &rows[at..]), (req, &bytes[..]));
+            // Cut short or overlong: not read in place (and refused by decode).
+            if n > 0 {
+                assert_eq!(Msg::rows_in(&rows[..rows.len() - 1]), None);
+                assert!(Msg::decode(&rows[..rows.len() - 1]).is_err());
+            }
+            let mut long = rows.clone();
+            long.push(0);
+            assert_eq!(Msg::rows_in(&long), None);
         }
         // A message of another protocol version is refused, not misread.
         let mut old = Msg::Plan { until: 1 }.encode();

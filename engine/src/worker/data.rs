@@ -509,12 +509,13 @@ impl Inner {
         }
     }
 
-    /// A row pull's values arrived: kept for the caller, then its signal set.
-    pub(super) fn on_rows(&self, req: u32, values: Vec<u8>) {
+    /// A row pull's values arrived, from byte `at` of `answer` on: kept for the caller, then
+    /// its signal set.
+    pub(super) fn on_rows(&self, req: u32, answer: Vec<u8>, at: usize) {
         let done = lock(&self.requests).take(Request::Pull(req));
         if let Some(p) = done {
             lock(&self.stats).pull_wait += p.since.elapsed();
-            lock(&self.row_answers).insert(req, values);
+            lock(&self.row_answers).insert(req, (answer, at));
             p.sig.set(Ok(Default::default()));
         }
     }

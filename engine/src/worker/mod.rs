@@ -281,8 +281,9 @@ struct Inner {
     /// Every request a caller waits on.
     requests: Mutex<Tracker<Resend>>,
     dead: Mutex<HashSet<u32>>,
-    /// Row pulls answered and not yet taken by their caller: request id → values.
-    row_answers: Mutex<HashMap<u32, Vec<u8>>>,
+    /// Row pulls answered and not yet taken by their caller: request id → the answer's
+    /// message and where its values start in it.
+    row_answers: Mutex<HashMap<u32, (Vec<u8>, usize)>>,
     /// Per tensor, the last row request's plan: a push of the rows just pulled (or a pull of
     /// the rows just pushed) reuses it instead of splitting and indexing them again.
     row_plans: Mutex<HashMap<usize, Arc<RowPlan>>>,
@@ -741,15 +742,7 @@ impl Worker {
             let req = tracker::Request::Pull(id);
             // Written into the message once: the same bytes go out again on a new link if
             // this one drops.
-            let msg = Arc::new(
-                Msg::PullRows {
-                    shard: s.spec.id,
-                    clock,
-                    req: id,
-                    ranges: index.clone(),
-                }
-                .encode(),
-            );
+            let msg = Arc::new(Msg::encode_pull_rows(s.spec.id, clock, id, index));
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
                 msg: msg.clone(),
@@ -770,9 +763,10 @@ impl Worker {
                 first_err.get_or_insert(e);
                 continue;
             }
-            let Some(values) = values else { continue };
+            let Some((answer, at)) = values else { continue };
+            let values = &answer[at..];
             if let Err(e) =
-                crate::rows::scatter(s.spec.offset, s.spec.len, dim, rows, pick, &values, out)
+                crate::rows::scatter(s.spec.offset, s.spec.len, dim, rows, pick, values, out)
             {
                 let e = match e {
                     Error::Malformed(m) => Error::Malformed(format!("row pull {id}: {m}")),

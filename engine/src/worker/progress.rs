@@ -52,9 +52,13 @@ impl Inner {
             // A completion on a reattachment under way (looked up once; none in steady state).
             Completion::Message { link, data } => match self.joining_server(link) {
                 Some(r) => self.reattach_step(r, &data),
-                None => match Msg::decode(&data) {
-                    Ok(m) => self.on_message(m),
-                    Err(e) => tracing::warn!("worker: {e}"),
+                // A row answer's values are read where they arrived, not copied out.
+                None => match Msg::rows_in(&data) {
+                    Some((req, at)) => self.on_rows(req, data, at),
+                    None => match Msg::decode(&data) {
+                        Ok(m) => self.on_message(m),
+                        Err(e) => tracing::warn!("worker: {e}"),
+                    },
                 },
             },
             Completion::Closed { link, error } => match self.joining_server(link) {
@@ -74,7 +78,7 @@ impl Inner {
                 staleness,
             } => self.on_ack(shard, of, staleness),
             Msg::PullFailed { req, reason } => self.on_pull_failed(req, reason),
-            Msg::Rows { req, values } => self.on_rows(req, values),
+            Msg::Rows { req, values } => self.on_rows(req, values, 0),
             Msg::BarrierDone { seq } => {
                 lock(&self.requests).complete(Request::Barrier(seq), Ok(Reply::Done));
             }
