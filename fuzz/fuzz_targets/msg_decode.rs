@@ -1,5 +1,5 @@
 //! Control and rendezvous messages (`engine/src/proto.rs` `Msg::decode`: Hello, Book, Keys,
-//! …), the remote keys they carry and a row pull's index. A decoded message must survive a
+//! …), the remote keys they carry, a row pull's index and a row answer read in place. A decoded message must survive a
 //! round trip: encoding it and decoding that gives the same message (compared by encoding,
 //! so NaN floats compare).
 #![no_main]
@@ -9,6 +9,15 @@ use falcon_transport::RemoteKey;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    // A row answer read in place (as a worker reads one) is what decoding it gives.
+    if let Some((req, at)) = Msg::rows_in(data) {
+        match Msg::decode(data) {
+            Ok(Msg::Rows { req: r, values }) => {
+                assert_eq!((r, &values[..]), (req, &data[at..]), "rows in place");
+            }
+            _ => panic!("read in place as rows, but does not decode as rows"),
+        }
+    }
     let Ok(msg) = Msg::decode(data) else {
         return;
     };
