@@ -443,15 +443,19 @@ impl Msg {
     /// `None` for any other message, and for one that does not add up (which
     /// [`Msg::decode`] then refuses with its reason).
     pub fn rows_in(data: &[u8]) -> Option<(u32, usize)> {
-        // The head every Rows message starts with: magic, version, the variant's tag.
-        let empty = Msg::Rows {
-            req: 0,
-            values: Vec::new(),
-        }
-        .encode();
-        // The empty message ends with two one-byte varints: the request id and the length.
-        let head = &empty[..empty.len() - 2];
-        let rest = data.strip_prefix(head)?;
+        // The head every Rows message starts with: magic, version, the variant's tag (the
+        // empty message less its two one-byte varints, the request id and the length).
+        static HEAD: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+        let head = HEAD.get_or_init(|| {
+            let mut empty = Msg::Rows {
+                req: 0,
+                values: Vec::new(),
+            }
+            .encode();
+            empty.truncate(empty.len() - 2);
+            empty
+        });
+        let rest = data.strip_prefix(&head[..])?;
         let (req, rest) = varint(rest)?;
         let (len, rest) = varint(rest)?;
         let req = u32::try_from(req).ok()?;
