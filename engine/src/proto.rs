@@ -389,18 +389,6 @@ impl Msg {
     }
 }
 
-/// The LEB128 varint at the start of `b` (postcard's integers) and what follows it.
-fn varint(b: &[u8]) -> Option<(u64, &[u8])> {
-    let mut v = 0u64;
-    for (i, &byte) in b.iter().enumerate().take(10) {
-        v |= u64::from(byte & 0x7f).checked_shl(7 * i as u32)?;
-        if byte < 0x80 {
-            return Some((v, &b[i + 1..]));
-        }
-    }
-    None
-}
-
 impl Msg {
     /// Encodes the message.
     pub fn encode(&self) -> Vec<u8> {
@@ -440,8 +428,8 @@ impl Msg {
 
     /// Where `data` is a whole [`Msg::Rows`] message: its request id and where its values
     /// start (they run to the end), so that they are read in place rather than copied out.
-    /// `None` for any other message, and for one that does not add up (which
-    /// [`Msg::decode`] then refuses with its reason).
+    /// `None` for any other message, and for one whose values do not end where `data` does
+    /// (left to [`Msg::decode`], which refuses it or reads it as any message).
     pub fn rows_in(data: &[u8]) -> Option<(u32, usize)> {
         // The head every Rows message starts with: magic, version, the variant's tag (the
         // empty message less its two one-byte varints, the request id and the length).
@@ -456,10 +444,10 @@ impl Msg {
             empty
         });
         let rest = data.strip_prefix(&head[..])?;
-        let (req, rest) = varint(rest)?;
-        let (len, rest) = varint(rest)?;
-        let req = u32::try_from(req).ok()?;
-        (len == rest.len() as u64).then_some((req, data.len() - rest.len()))
+        // The two fields read by postcard itself, so that exactly what it decodes is read.
+        let (req, rest) = postcard::take_from_bytes::<u32>(rest).ok()?;
+        let (len, rest) = postcard::take_from_bytes::<usize>(rest).ok()?;
+        (len == rest.len()).then_some((req, data.len() - rest.len()))
     }
 
     /// Encodes `self`, whose last field is an empty byte string, as if that string held the
@@ -722,7 +710,7 @@ mod tests {
             .encode();
             let (id, at) = Msg::rows_in(&rows).unwrap();
             assert_eq!((id, &rows[at..]), (req, &bytes[..]));
-            // Cut short or overlong: not read in place (and refused by decode).
+            // Cut short (refused by decode too) or overlong: not read in place.
             if n > 0 {
                 assert_eq!(Msg::rows_in(&rows[..rows.len() - 1]), None);
                 assert!(Msg::decode(&rows[..rows.len() - 1]).is_err());
@@ -730,6 +718,27 @@ mod tests {
             let mut long = rows.clone();
             long.push(0);
             assert_eq!(Msg::rows_in(&long), None);
+        }
+        // Integers postcard refuses are refused in place too: a request id in six bytes, a
+        // length whose tenth byte overflows 64 bits.
+        let head = {
+            let mut m = Msg::Rows {
+                req: 0,
+                values: Vec::new(),
+            }
+            .encode();
+            m.truncate(m.len() - 2);
+            m
+        };
+        for tail in [
+            &[0x80, 0x80, 0x80, 0x80, 0x80, 0x00, 0x00][..],
+            &[
+                0x00, 0x81, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02, 0x07,
+            ][..],
+        ] {
+            let m = [&head[..], tail].concat();
+            assert_eq!(Msg::rows_in(&m), None, "{tail:?}");
+            assert!(Msg::decode(&m).is_err(), "{tail:?}");
         }
         // A message of another protocol version is refused, not misread.
         let mut old = Msg::Plan { until: 1 }.encode();

@@ -37,25 +37,6 @@ pub struct RowIndex {
 }
 
 impl RowIndex {
-    /// A plain index of `parts`.
-    pub fn from_parts(parts: &[(u32, u32)]) -> RowIndex {
-        let mut body = Vec::with_capacity(8 * parts.len());
-        let (mut floats, mut reach) = (0u64, 0u64);
-        for &(off, n) in parts {
-            body.extend_from_slice(&off.to_le_bytes());
-            body.extend_from_slice(&n.to_le_bytes());
-            floats += u64::from(n);
-            reach = reach.max(u64::from(off) + u64::from(n));
-        }
-        RowIndex {
-            body,
-            width: None,
-            count: parts.len() as u64,
-            floats,
-            reach,
-        }
-    }
-
     /// Parts.
     pub fn count(&self) -> u64 {
         self.count
@@ -221,7 +202,7 @@ impl Iterator for PartIter<'_> {
                     return None;
                 }
                 *left -= 1;
-                // Checked when read: every gap is whole and every part lies in the shard.
+                // `check_index` made sure every gap is whole and every part lies in the shard.
                 let gap = match body.get(*at) {
                     // Most gaps are one byte.
                     Some(&b) if b < 0x80 => {
@@ -345,6 +326,7 @@ where
 }
 
 /// Whether an index (see the module documentation) is in the packed form.
+#[cfg(test)]
 pub fn is_packed(index: &[u8]) -> bool {
     index.len() >= 4 && u32::from_le_bytes([index[0], index[1], index[2], index[3]]) & PACKED != 0
 }
@@ -501,6 +483,7 @@ const PIECE: usize = 64 << 10;
 
 /// Checks a row push or pull: `dim ≥ 1` divides the tensor's `len`, every row exists, and
 /// `values` holds `rows.len() · dim` floats. Returns the number of rows of the table.
+#[cfg(test)]
 pub fn check(tensor: &str, len: u64, dim: u64, rows: &[u64], values: usize) -> Result<u64> {
     let table = check_rows(tensor, len, dim, rows)?;
     check_values(tensor, dim, rows, values)?;
@@ -597,11 +580,12 @@ fn part(a: u64, dim: u64, off: u64, end: u64) -> (u64, u64) {
     (lo, (a + dim).min(end).max(lo))
 }
 
-/// The rows of a request that fall in each shard of a tensor of `len` floats, found in one
-/// pass over `rows` (row `r` covers floats `r·dim .. (r+1)·dim`). `bounds` are the shards'
-/// (first float, floats), in any order, covering the tensor without gaps or overlaps (empty
-/// shards pick nothing); the picks come back in the order of `bounds`. Rows must have been
-/// [`check`]ed; a request of 2³¹ rows or more is refused.
+/// The rows of a request that fall in each shard of a tensor of `len` floats (row `r`
+/// covers floats `r·dim .. (r+1)·dim`): by bisection where the rows are sorted and none
+/// straddles two shards, else in one pass over them. `bounds` are the shards' (first float,
+/// floats), in any order, covering the tensor without gaps or overlaps (empty shards pick
+/// nothing); the picks come back in the order of `bounds`. Rows must have been checked
+/// ([`check_rows`]); a request of 2³¹ rows or more is refused.
 pub fn split(len: u64, bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Result<Vec<Pick>> {
     // Counts travel in 31 bits (bit 31 marks a packed index).
     if rows.len() as u64 >= u64::from(PACKED) {
@@ -713,7 +697,7 @@ fn split_any(bounds: &[(u64, u64)], dim: u64, rows: &[u64]) -> Vec<Pick> {
 
 /// The part of `rows` (with their `values`, `dim` floats each) picked for the shard of
 /// `shard_len` floats starting at float `shard_off` of the tensor (see [`split`]), whose
-/// index is `index` ([`index_for`]): a row payload handed to `write(offset, bytes)` piece by
+/// index is `index` ([`index_into`]): a row payload handed to `write(offset, bytes)` piece by
 /// piece, or the dense gradient where that would be smaller.
 #[allow(clippy::too_many_arguments)]
 pub fn for_shard(
@@ -886,6 +870,7 @@ fn block_gaps(w: &[u64], dim: u64, gaps: &mut [u8; 16]) -> u64 {
 }
 
 /// [`index_into`] a new vector.
+#[cfg(test)]
 pub fn index_for(shard_off: u64, shard_len: u64, dim: u64, rows: &[u64], pick: &Pick) -> Vec<u8> {
     let mut out = Vec::new();
     index_into(shard_off, shard_len, dim, rows, pick, &mut out);

@@ -339,9 +339,6 @@ pub struct ShardOptimizer {
     m: Vec<f32>,
     v: Vec<f32>,
     step: u64,
-    /// A sparse SGD update's steps, kept between updates (fresh memory each time costs
-    /// page faults).
-    steps: Vec<f32>,
 }
 
 impl ShardOptimizer {
@@ -359,7 +356,6 @@ impl ShardOptimizer {
             m,
             v,
             step: 0,
-            steps: Vec::new(),
         }
     }
 
@@ -456,14 +452,21 @@ impl ShardOptimizer {
                 }
             }
             _ => {
-                // The steps first, in one pass over the values (several at a time), then each
-                // part's weights.
-                let steps = &mut self.steps;
-                steps.clear();
-                steps.extend(values.iter().map(|&g| lr * keep(g, lr_floor)));
+                // A block of steps first, in one pass over its values (several at a time),
+                // then its floats' weights; the floats come in order.
+                const BLOCK: usize = 1024;
+                let mut steps = [0f32; BLOCK];
+                let mut base = 0;
                 parts.each_float(|i, off| {
+                    if i == base + BLOCK || i == 0 {
+                        base = i;
+                        let block = &values[i..values.len().min(i + BLOCK)];
+                        for (d, &g) in steps.iter_mut().zip(block) {
+                            *d = lr * keep(g, lr_floor);
+                        }
+                    }
                     let wi = &mut w[off];
-                    *wi = keep(*wi - steps[i], TINY);
+                    *wi = keep(*wi - steps[i - base], TINY);
                 });
             }
         }

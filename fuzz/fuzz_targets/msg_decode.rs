@@ -1,7 +1,7 @@
 //! Control and rendezvous messages (`engine/src/proto.rs` `Msg::decode`: Hello, Book, Keys,
-//! …), the remote keys they carry, a row pull's index and a row answer read in place. A decoded message must survive a
-//! round trip: encoding it and decoding that gives the same message (compared by encoding,
-//! so NaN floats compare).
+//! …), the remote keys they carry, a row pull's index and a row answer read in place. A
+//! decoded message must survive a round trip: encoding it and decoding that gives the same
+//! message (compared by encoding, so NaN floats compare).
 #![no_main]
 
 use falcon_engine::proto::Msg;

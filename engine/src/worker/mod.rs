@@ -503,11 +503,13 @@ impl Worker {
         dim: u64,
         rows: &[u64],
     ) -> Result<Arc<RowPlan>> {
-        if let Some(p) = lock(&self.inner.row_plans).get(&t)
+        // Compared outside the lock, which every tensor's requests share.
+        let last = lock(&self.inner.row_plans).get(&t).cloned();
+        if let Some(p) = last
             && p.dim == dim
             && p.rows == rows
         {
-            return Ok(p.clone());
+            return Ok(p);
         }
         let spec = &self.inner.book.keymap.tensors[t];
         crate::rows::check_rows(&spec.name, spec.len, dim, rows)?;
