@@ -165,8 +165,11 @@ def main(argv=None) -> None:
             workers=workers, hetero=os.environ.get("FALCON_HETERO", ""), batch=args.batch,
             data=source, train_examples=len(x), test_examples=len(test[0]), accuracy=acc,
         )
-        print(f"ACCURACY {acc:.4f}", flush=True)
-        print("SUMMARY " + json.dumps(summary, sort_keys=True), flush=True)
+        # Each line in one write: other processes share this output, and print() writes a
+        # line's text and its newline separately where the stream is unbuffered.
+        sys.stdout.write(f"ACCURACY {acc:.4f}\n")
+        sys.stdout.write("SUMMARY " + json.dumps(summary, sort_keys=True) + "\n")
+        sys.stdout.flush()
     else:
         sys.stderr.write(f"worker {rank}: {summary['iterations']} iterations in "
                          f"{summary['secs']:.1f} s\n")
