@@ -72,18 +72,9 @@ impl RowIndex {
         }
     }
 
-    /// Calls `f(first float, floats)` for each part, in order.
-    pub fn for_each(&self, mut f: impl FnMut(usize, usize)) {
-        for (off, n) in self.iter() {
-            f(off, n)
-        }
-    }
-
     /// The parts, in order.
     pub fn to_vec(&self) -> Vec<(u32, u32)> {
-        let mut v = Vec::with_capacity(self.count as usize);
-        self.for_each(|off, n| v.push((off as u32, n as u32)));
-        v
+        self.iter().map(|(off, n)| (off as u32, n as u32)).collect()
     }
 
     /// Calls `f(i, float)` for the `i`-th float of the parts, one after another, `float` its
@@ -91,14 +82,7 @@ impl RowIndex {
     #[inline]
     pub fn each_float(&self, mut f: impl FnMut(usize, usize)) {
         if self.width != Some(1) {
-            let mut i = 0;
-            for (off, n) in self.iter() {
-                for k in 0..n {
-                    f(i + k, off + k);
-                }
-                i += n;
-            }
-            return;
+            return floats_of(self.iter(), f);
         }
         // Single floats: sixty-four one-byte gaps at a time where they are (most are).
         let (body, mut at, mut end, mut i, mut left) = (&self.body[..], 0, 0usize, 0, self.count);
@@ -128,30 +112,9 @@ impl RowIndex {
     /// was checked against) into `out`, `4 · floats()` bytes, one part after another.
     pub fn gather(&self, shard: &[u8], out: &mut [u8]) {
         if self.width == Some(1) {
-            // Single floats: sixty-four one-byte gaps at a time where they are (most are).
-            let (body, mut at, mut end, mut o, mut left) =
-                (&self.body[..], 0, 0usize, 0, self.count);
-            while left > 0 {
-                if left >= 64
-                    && let Some(block) = body.get(at..at + 64)
-                    && block.iter().fold(0u8, |m, &b| m | b) < 0x80
-                {
-                    let dst = &mut out[o..o + 256];
-                    for (&gap, d) in block.iter().zip(dst.chunks_exact_mut(4)) {
-                        let off = end + usize::from(gap);
-                        d.copy_from_slice(&shard[4 * off..4 * off + 4]);
-                        end = off + 1;
-                    }
-                    (at, o, left) = (at + 64, o + 256, left - 64);
-                    continue;
-                }
-                for _ in 0..left.min(64) {
-                    let (gap, used) = leb(&body[at..]).unwrap_or((0, 1));
-                    let off = end + gap as usize;
-                    out[o..o + 4].copy_from_slice(&shard[4 * off..4 * off + 4]);
-                    (end, at, o, left) = (off + 1, at + used, o + 4, left - 1);
-                }
-            }
+            self.each_float(|i, off| {
+                out[4 * i..4 * i + 4].copy_from_slice(&shard[4 * off..4 * off + 4]);
+            });
             return;
         }
         let mut o = 0;
@@ -203,18 +166,8 @@ impl Iterator for PartIter<'_> {
                 }
                 *left -= 1;
                 // `check_index` made sure every gap is whole and every part lies in the shard.
-                let gap = match body.get(*at) {
-                    // Most gaps are one byte.
-                    Some(&b) if b < 0x80 => {
-                        *at += 1;
-                        u64::from(b)
-                    }
-                    _ => {
-                        let (gap, used) = leb(body.get(*at..)?).ok()?;
-                        *at += used;
-                        gap
-                    }
-                };
+                let (gap, used) = leb(body.get(*at..)?).ok()?;
+                *at += used;
                 let off = *end + gap;
                 *end = off + *width;
                 Some((off as usize, *width as usize))
@@ -229,14 +182,19 @@ pub trait Parts {
     fn parts(&self) -> impl Iterator<Item = (usize, usize)>;
 
     /// Calls `f(i, float)` for the `i`-th float of the parts, `float` its place in the shard.
-    fn each_float(&self, mut f: impl FnMut(usize, usize)) {
-        let mut i = 0;
-        for (off, n) in self.parts() {
-            for k in 0..n {
-                f(i + k, off + k);
-            }
-            i += n;
+    fn each_float(&self, f: impl FnMut(usize, usize)) {
+        floats_of(self.parts(), f)
+    }
+}
+
+/// Calls `f(i, float)` for the `i`-th float of `parts`, `float` its place in the shard.
+fn floats_of(parts: impl Iterator<Item = (usize, usize)>, mut f: impl FnMut(usize, usize)) {
+    let mut i = 0;
+    for (off, n) in parts {
+        for k in 0..n {
+            f(i + k, off + k);
         }
+        i += n;
     }
 }
 
@@ -256,7 +214,8 @@ impl Parts for [(u32, u32)] {
     }
 }
 
-/// The LEB128 number at the start of `b` and its bytes, or what is wrong with it.
+/// The LEB128 number at the start of `b` and its bytes, or what is wrong with it (most gaps
+/// are one byte: that case first).
 #[inline]
 fn leb(b: &[u8]) -> std::result::Result<(u64, usize), &'static str> {
     const SHORT: &str = "a packed row index ends inside a gap";
@@ -283,6 +242,24 @@ fn leb(b: &[u8]) -> std::result::Result<(u64, usize), &'static str> {
 /// Bit 31 of an index's count: the packed form (see the module documentation).
 const PACKED: u32 = 1 << 31;
 
+/// Appends `gap` to `out` in LEB128.
+fn push_gap(out: &mut Vec<u8>, mut gap: u64) {
+    while gap >= 0x80 {
+        out.push(gap as u8 | 0x80);
+        gap >>= 7;
+    }
+    out.push(gap as u8);
+}
+
+/// Writes the head of the packed index of `count` parts of `width` floats whose gaps follow
+/// it in `out` (written into the 12 bytes left for it).
+fn packed_head(out: &mut [u8], count: u64, width: u64) {
+    let gaps = out.len() as u32 - 12;
+    out[..4].copy_from_slice(&(count as u32 | PACKED).to_le_bytes());
+    out[4..8].copy_from_slice(&(width as u32).to_le_bytes());
+    out[8..12].copy_from_slice(&gaps.to_le_bytes());
+}
+
 /// Encodes the index of `count` parts `(offset, floats)`, given in order by `parts()`, into
 /// `out` (cleared first), in one pass where it packs: packed where the parts allow it and it
 /// is smaller, else plain.
@@ -301,19 +278,11 @@ where
             packed = false;
             break;
         }
-        let mut gap = off - end;
-        while gap >= 0x80 {
-            out.push(gap as u8 | 0x80);
-            gap >>= 7;
-        }
-        out.push(gap as u8);
+        push_gap(out, off - end);
         end = off + n;
     }
     if packed && out.len() < plain {
-        let gaps = out.len() as u32 - 12;
-        out[..4].copy_from_slice(&(count as u32 | PACKED).to_le_bytes());
-        out[4..8].copy_from_slice(&(width.unwrap_or(0) as u32).to_le_bytes());
-        out[8..12].copy_from_slice(&gaps.to_le_bytes());
+        packed_head(out, count, width.unwrap_or(0));
         return;
     }
     out.clear();
@@ -344,14 +313,8 @@ pub fn read_index(
     }
     let mut head = [0u8; 12];
     read(0, &mut head[..4])?;
-    let packed = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) & PACKED != 0;
-    let head_len = if packed { 12 } else { 4 };
-    if capacity < head_len {
-        return Err(Error::Malformed(format!(
-            "a packed row index in {capacity} bytes"
-        )));
-    }
-    if packed {
+    let head_len = head_len(&head, capacity)?;
+    if head_len > 4 {
         read(4, &mut head[4..])?;
     }
     let body_len = index_body_len(&head[..head_len as usize]);
@@ -364,6 +327,20 @@ pub fn read_index(
     read(head_len, &mut body)?;
     let index = check_index(len, &head[..head_len as usize], body)?;
     Ok((index, head_len + body_len))
+}
+
+/// The length of the head of an index whose first 4 bytes are `head`'s (4 plain, 12 packed),
+/// in `capacity` bytes: a packed head that does not fit is [`Error::Malformed`].
+fn head_len(head: &[u8], capacity: u64) -> Result<u64> {
+    if u32::from_le_bytes([head[0], head[1], head[2], head[3]]) & PACKED == 0 {
+        return Ok(4);
+    }
+    if capacity < 12 {
+        return Err(Error::Malformed(format!(
+            "a packed row index in {capacity} bytes"
+        )));
+    }
+    Ok(12)
 }
 
 /// The bytes after an index's head (`head`: 4 bytes plain, 12 packed) its head announces.
@@ -433,17 +410,9 @@ fn check_index(len: u64, head: &[u8], body: Vec<u8>) -> Result<RowIndex> {
         // after them, not after every gap.
         for _ in 0..left.min(64) {
             left -= 1;
-            match body.get(at) {
-                Some(&b) if b < 0x80 => {
-                    at += 1;
-                    gaps += u128::from(b);
-                }
-                _ => {
-                    let (gap, used) = leb(&body[at..]).map_err(|e| Error::Malformed(e.into()))?;
-                    at += used;
-                    gaps += u128::from(gap);
-                }
-            }
+            let (gap, used) = leb(&body[at..]).map_err(|e| Error::Malformed(e.into()))?;
+            at += used;
+            gaps += u128::from(gap);
         }
     }
     let end = gaps + u128::from(count) * u128::from(width);
@@ -796,13 +765,6 @@ pub fn index_into(
 /// is smaller: [`encode_index`]'s choice and bytes, sixteen rows at a time where their gaps
 /// are one byte each. False where it does not pack (`out` then holds nothing of use).
 fn pack_rows(rows: &[u64], dim: u64, shard_off: u64, out: &mut Vec<u8>) -> bool {
-    fn leb(out: &mut Vec<u8>, mut gap: u64) {
-        while gap >= 0x80 {
-            out.push(gap as u8 | 0x80);
-            gap >>= 7;
-        }
-        out.push(gap as u8);
-    }
     const BLOCK: usize = 16;
     let (n, plain) = (rows.len(), 4 + 8 * rows.len());
     let Some(&first) = rows.first() else {
@@ -811,7 +773,7 @@ fn pack_rows(rows: &[u64], dim: u64, shard_off: u64, out: &mut Vec<u8>) -> bool 
     out.clear();
     out.reserve((12 + 2 * n).min(plain));
     out.extend_from_slice(&[0u8; 12]);
-    leb(out, first * dim - shard_off);
+    push_gap(out, first * dim - shard_off);
     let mut i = 1;
     while i < n {
         if out.len() >= plain {
@@ -839,17 +801,14 @@ fn pack_rows(rows: &[u64], dim: u64, shard_off: u64, out: &mut Vec<u8>) -> bool 
             if rows[i] <= rows[i - 1] {
                 return false;
             }
-            leb(out, (rows[i] - rows[i - 1] - 1) * dim);
+            push_gap(out, (rows[i] - rows[i - 1] - 1) * dim);
             i += 1;
         }
     }
     if out.len() >= plain {
         return false;
     }
-    let gaps = out.len() as u32 - 12;
-    out[..4].copy_from_slice(&(n as u32 | PACKED).to_le_bytes());
-    out[4..8].copy_from_slice(&(dim as u32).to_le_bytes());
-    out[8..12].copy_from_slice(&gaps.to_le_bytes());
+    packed_head(out, n as u64, dim);
     true
 }
 
@@ -886,14 +845,7 @@ pub fn index_of_pull(mut index: Vec<u8>) -> Result<RowIndex> {
             index.len()
         )));
     }
-    let packed = u32::from_le_bytes([index[0], index[1], index[2], index[3]]) & PACKED != 0;
-    let head_len = if packed { 12 } else { 4 };
-    if index.len() < head_len {
-        return Err(Error::Malformed(format!(
-            "a packed row index in {} bytes",
-            index.len()
-        )));
-    }
+    let head_len = head_len(&index, index.len() as u64)? as usize;
     let used = head_len as u64 + index_body_len(&index[..head_len]);
     let have = index.len() as u64;
     if used < have {
@@ -969,15 +921,21 @@ pub fn densify(
     read: impl FnMut(u64, &mut [u8]) -> Result<()>,
 ) -> Result<Vec<f32>> {
     let (index, values) = parse(len, capacity, read)?;
-    let mut grad = vec![0f32; len as usize];
+    Ok(widen(len as usize, &index, &values))
+}
+
+/// The whole gradient of `len` floats that `values` give `parts` (one part's values after
+/// another's), repeated parts summed in order, zero elsewhere.
+pub fn widen<P: Parts + ?Sized>(len: usize, parts: &P, values: &[f32]) -> Vec<f32> {
+    let mut g = vec![0f32; len];
     let mut at = 0;
-    index.for_each(|off, n| {
-        for (g, v) in grad[off..off + n].iter_mut().zip(&values[at..at + n]) {
-            *g += v;
+    for (off, n) in parts.parts() {
+        for (d, v) in g[off..off + n].iter_mut().zip(&values[at..at + n]) {
+            *d += v;
         }
         at += n;
-    });
-    Ok(grad)
+    }
+    g
 }
 
 /// Reads a row payload (as [`densify`]) into its index and its parts' values, one part

@@ -468,15 +468,7 @@ impl Arrival {
         let Some(ranges) = self.ranges else {
             return self.grad;
         };
-        let mut g = vec![0f32; len];
-        let mut at = 0;
-        ranges.for_each(|off, n| {
-            for (d, v) in g[off..off + n].iter_mut().zip(&self.grad[at..at + n]) {
-                *d += v;
-            }
-            at += n;
-        });
-        g
+        crate::rows::widen(len, &ranges, &self.grad)
     }
 }
 

@@ -13,7 +13,7 @@
 //! `GradientScale` is the seam for staleness-aware rules (DynSGD scales by 1/(d+1), ConSGD by
 //! a constant): it multiplies a gradient before it is applied, given its version staleness.
 
-use crate::rows::{Parts, RowIndex};
+use crate::rows::{Parts, RowIndex, widen};
 use serde::{Deserialize, Serialize};
 
 /// When updates are applied.
@@ -396,25 +396,12 @@ impl ShardOptimizer {
             return self.apply_parts(w, index, values);
         }
         let ranges = index.to_vec();
-        let merged = merge_repeats(&ranges, values);
-        let (ranges, values) = match &merged {
-            Some(Some((r, v))) => (r.as_slice(), v.as_slice()),
-            _ => (ranges.as_slice(), values),
-        };
-        if !self.opt.zero_is_identity() || merged == Some(None) {
+        match merge_repeats(&ranges, values) {
+            None => self.apply_parts(w, ranges.as_slice(), values),
+            Some(Some((r, v))) => self.apply_parts(w, r.as_slice(), &v),
             // Overlapping ranges must be summed before the rule sees them.
-            let mut g = vec![0f32; w.len()];
-            let mut at = 0;
-            for &(off, n) in ranges {
-                let (off, n) = (off as usize, n as usize);
-                for (d, v) in g[off..off + n].iter_mut().zip(&values[at..at + n]) {
-                    *d += v;
-                }
-                at += n;
-            }
-            return self.apply(w, &g);
+            Some(None) => self.apply(w, &widen(w.len(), ranges.as_slice(), values)),
         }
-        self.apply_parts(w, ranges, values);
     }
 
     /// Applies `values` to `parts`, none overlapping another, one part's values after
@@ -422,13 +409,7 @@ impl ShardOptimizer {
     fn apply_parts<P: Parts + ?Sized>(&mut self, w: &mut [f32], parts: &P, values: &[f32]) {
         if !self.opt.zero_is_identity() {
             // A rule that moves weights without a gradient sees the whole (zero elsewhere).
-            let mut g = vec![0f32; w.len()];
-            let mut at = 0;
-            for (off, n) in parts.parts() {
-                g[off..off + n].copy_from_slice(&values[at..at + n]);
-                at += n;
-            }
-            return self.apply(w, &g);
+            return self.apply(w, &widen(w.len(), parts, values));
         }
         let lr = self.schedule.lr(self.opt.lr(), self.step);
         self.step += 1;
