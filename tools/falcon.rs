@@ -755,10 +755,12 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let grad = w.buffer("model")?;
     let target = (w.rank() + 1) as f32;
     let mut p = vec![0f32; floats as usize];
-    // The gradient is computed a cache-sized piece at a time, from the pulled buffer straight
-    // into the pushed one: one pass over the model, as a trainer's backward pass writes its
-    // gradient once.
-    const PIECE: usize = 16 << 10;
+    // The gradient is computed a piece at a time, from the pulled buffer straight into the
+    // pushed one: one pass over the model, as a trainer's backward pass writes its gradient
+    // once. A 4 KiB piece stays in the first-level cache and its copies use the C library's
+    // vector loop: at 16 MiB the pass took 1.6–1.9 ms against 2.5–2.9 ms with 64 KiB pieces
+    // (and 1.5 ms computing in place, which the safe region API does not allow).
+    const PIECE: usize = 1 << 10;
     let mut piece = vec![0f32; PIECE.min(floats as usize)];
     if !w.rejoined() {
         w.barrier()?;
