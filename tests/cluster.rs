@@ -143,10 +143,33 @@ fn elasticbsp_over_tcp() {
 /// server, forced on whatever this host's cores): every gradient is applied once, every
 /// server's shard reaches the exact BSP answer.
 fn fan_out_is_exact(medium: &str) {
+    bsp_is_exact(medium, &[("FALCON_FAN_OUT", "on")]);
+}
+
+/// [`bsp_is_exact`] with one push_pull per iteration: each worker's pulls of the two shards
+/// all went through the servers (80), but for the first and the last (4, lock-free).
+fn push_pull_is_exact(medium: &str, env: &[(&str, &str)]) {
+    let mut env = env.to_vec();
+    env.push(("FALCON_LOOP", "push-pull"));
+    let stdout = bsp_is_exact(medium, &env);
+    for w in 0..4 {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("worker {w}: 40 iterations"))
+                    && l.contains("pulls 4 lock-free / 80 via the server")),
+            "worker {w}:\n{stdout}"
+        );
+    }
+}
+
+/// `falcon local` with 2 servers and 4 workers under BSP, with `env`: every gradient is
+/// applied once and every server's shard reaches the exact BSP answer. Returns its stdout.
+fn bsp_is_exact(medium: &str, env: &[(&str, &str)]) -> String {
     let out = Command::new(FALCON)
         .args(["local", "--servers", "2", "--workers", "4", "--iters", "40"])
         .args(["--floats", "400000", "--policy", "bsp", "--medium", medium])
-        .env("FALCON_FAN_OUT", "on")
+        .envs(env.iter().copied())
         .output()
         .expect("run falcon local");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -171,6 +194,7 @@ fn fan_out_is_exact(medium: &str) {
         );
     }
     assert!(stdout.contains("job finished"), "{stdout}");
+    stdout.into_owned()
 }
 
 #[test]
@@ -181,6 +205,32 @@ fn per_server_parts_in_flight_at_once_over_tcp() {
 #[test]
 fn per_server_parts_in_flight_at_once_over_shm() {
     fan_out_is_exact("shm");
+}
+
+#[test]
+fn push_pull_loops_reach_the_exact_bsp_answer_over_tcp() {
+    // Each iteration one push_pull: every shard's pull right behind its push, parked by BSP
+    // until the step is applied. Fanned out to both servers at once.
+    push_pull_is_exact("tcp", &[("FALCON_FAN_OUT", "on")]);
+}
+
+#[test]
+fn push_pull_loops_reach_the_exact_bsp_answer_over_shm() {
+    push_pull_is_exact("shm", &[]);
+}
+
+#[test]
+fn an_unknown_worker_loop_is_a_clear_error() {
+    let p = port();
+    let mut c = role("worker", p, 5, &[("FALCON_LOOP", "pipelined")]);
+    let status = wait_for(&mut c, Duration::from_secs(30)).expect("exits at once");
+    let out = c.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success());
+    assert!(
+        err.contains("FALCON_LOOP=pipelined: the loop is pull-push (the default) or push-pull"),
+        "{err}"
+    );
 }
 
 fn port() -> u16 {

@@ -238,6 +238,9 @@ Read by falcon role itself:
                                 (0 < GAMMA ≤ 1) every EVERY updates of a shard, as PyTorch's
                                 StepLR (default: none; the count survives a restart)
   FALCON_ITERS, FALCON_FLOATS   iterations (default 100) and model size (default 1048576)
+  FALCON_LOOP                   the synthetic worker's loop: pull-push (default: pull, then
+                                push) or push-pull (one push_pull per iteration, each
+                                shard's pull right behind its push)
   FALCON_FAULT_DROP_MS, FALCON_FAULT_DROP_EVERY  fault injection: a worker drops one of its
                                 server links every N ms, or every N iterations
   FALCON_RDMA_DEVICE, FALCON_RDMA_GID_INDEX  the RDMA device and GID index (rdma builds)
@@ -400,6 +403,7 @@ pub(crate) const ROLE_OWN_VARIABLES: &[&str] = &[
     "FALCON_LR_DECAY",
     "FALCON_ITERS",
     "FALCON_FLOATS",
+    "FALCON_LOOP",
     "FALCON_MODEL",
     "FALCON_DEVICE",
     "FALCON_DATA",
@@ -744,6 +748,16 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     }
     // FALCON_WORKLOAD=count: constant gradients (see `job_from_env`).
     let count = env(&["FALCON_WORKLOAD"]).as_deref() == Some("count");
+    let push_pull = match env(&["FALCON_LOOP"]).as_deref() {
+        None | Some("pull-push") => false,
+        Some("push-pull") => true,
+        Some(other) => {
+            return Err(format!(
+                "FALCON_LOOP={other}: the loop is pull-push (the default) or push-pull"
+            )
+            .into());
+        }
+    };
     let tensors = vec![TensorSpec {
         name: "model".into(),
         len: floats,
@@ -767,8 +781,14 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     }
     let start = Instant::now();
     let first = w.clock();
+    // With push_pull, each iteration's push brings the next iteration's values.
+    if push_pull && first < iters {
+        w.pull("model", &buf, first)?;
+    }
     for t in first..iters {
-        w.pull("model", &buf, t)?;
+        if !push_pull {
+            w.pull("model", &buf, t)?;
+        }
         for at in (0..floats as usize).step_by(PIECE) {
             let part = &mut piece[..PIECE.min(floats as usize - at)];
             buf.read_at(4 * at as u64, falcon_engine::worker::f32_bytes_mut(part))?;
@@ -780,7 +800,11 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
             }
             grad.write_at(4 * at as u64, falcon_engine::worker::f32_bytes(part))?;
         }
-        w.push("model", &grad, t)?;
+        if push_pull {
+            w.push_pull("model", &grad, &buf, t)?;
+        } else {
+            w.push("model", &grad, t)?;
+        }
         if drop_every > 0 && t > 0 && t % drop_every == 0 {
             w.drop_server_link((t / drop_every % w.server_media().len() as u64) as u32);
         }

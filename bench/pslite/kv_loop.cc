@@ -5,6 +5,9 @@
 //   PSBENCH_ITERS   iterations per worker, warm-up included (default 100)
 //   PSBENCH_LR      the servers' SGD learning rate (default 1e-3)
 //   KV_MODE         dense (default) or sparse
+//   KV_LOOP         dense: pullpush (default: ZPull, wait, ZPush, wait) or pushpull (one
+//                   ZPushPull per iteration, wait: the push and the next iteration's pull
+//                   in one request; a pull before the loop)
 //   KV_TABLE        sparse: the table's rows, one float each (default 1000000)
 //   KV_KEYS         sparse: keys drawn per iteration (default 1000)
 //
@@ -111,6 +114,12 @@ struct SgdStore {
           res.vals.append(it->second);
         }
       }
+      // A ZPushPull with lens expects the answer's lens (ps-lite checks them).
+      if (!req.lens.empty()) {
+        for (ps::Key k : req.keys) {
+          res.lens.push_back(static_cast<int>(store.find(k)->second.size()));
+        }
+      }
     }
     server->Response(meta, res);
   }
@@ -127,7 +136,7 @@ void RunServer(size_t floats, float lr) {
   ps::RegisterExitCallback([server]() { delete server; });
 }
 
-void RunWorker(size_t floats, long long iters) {
+void RunWorker(size_t floats, long long iters, bool push_pull) {
   ps::KVWorker<float> kv(0, 0);
   const int servers = ps::NumServers();
   const int rank = ps::MyRank();
@@ -148,14 +157,19 @@ void RunWorker(size_t floats, long long iters) {
   using Clock = std::chrono::steady_clock;
   Clock::time_point timed_start;
   const Clock::time_point loop_start = Clock::now();
+  if (push_pull) kv.Wait(kv.ZPull(keys, &w));
   for (long long t = 0; t < iters; ++t) {
     if (t == warmup) timed_start = Clock::now();
     auto t0 = Clock::now();
-    kv.Wait(kv.ZPull(keys, &w));
+    if (!push_pull) kv.Wait(kv.ZPull(keys, &w));
     const float* wp = w.data();
     float* gp = grad.data();
     for (size_t i = 0; i < floats; ++i) gp[i] = wp[i] - target;
-    kv.Wait(kv.ZPush(keys, grad, lens));
+    if (push_pull) {
+      kv.Wait(kv.ZPushPull(keys, grad, &w, &lens));
+    } else {
+      kv.Wait(kv.ZPush(keys, grad, lens));
+    }
     auto t1 = Clock::now();
     if (t >= warmup) {
       times_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
@@ -383,6 +397,13 @@ int main() {
     return 2;
   }
   const bool sparse = mode == "sparse";
+  const char* loop_env = std::getenv("KV_LOOP");
+  const std::string loop = (loop_env && *loop_env) ? loop_env : "pullpush";
+  if (loop != "pullpush" && loop != "pushpull") {
+    std::fprintf(stderr, "kv_loop: KV_LOOP must be pullpush or pushpull, not '%s'\n",
+                 loop.c_str());
+    return 2;
+  }
   if (floats < 1 || iters < 1 || !(lr > 0)) {
     std::fprintf(stderr, "kv_loop: PSBENCH_FLOATS and PSBENCH_ITERS must be >= 1, "
                          "PSBENCH_LR > 0\n");
@@ -416,7 +437,7 @@ int main() {
         std::fprintf(stderr, "kv_loop: fewer floats than servers\n");
         return 2;
       }
-      RunWorker(floats, iters);
+      RunWorker(floats, iters, loop == "pushpull");
     }
   }
   ps::Finalize(0, true);

@@ -2,10 +2,13 @@
 # falcon beside dmlc/ps-lite: the same worker loop (pull the whole model, grad = w - (rank+1),
 # push it; serial, waited) on both, interleaved round by round. See README.md.
 #
-#   bench/pslite/run.sh [--sparse] [--rate RATE] [--quick] [--rounds N] [--src DIR] [--out FILE]
+#   bench/pslite/run.sh [--sparse | --push-pull] [--rate RATE] [--quick] [--rounds N] [--src DIR]
+#                       [--out FILE]
 #
 # --sparse: the key-value loop instead (a table of 1 000 000 one-float keys; each iteration
 # pulls and pushes K random keys, K = 1 000 .. 1 000 000).
+# --push-pull: the dense loop with one push-pull per iteration on both sides (falcon's
+# Worker::push_pull, ps-lite's ZPushPull), the push bringing the next iteration's values.
 # --rate RATE (tc's units, e.g. 2gbit): over a link of that rate instead of loopback, 1 x 1
 # over tcp: the scheduler and server in one network namespace, the worker in another, joined
 # by a veth pair shaped with tbf both ways (root, ip and tc needed; else skipped).
@@ -25,13 +28,15 @@ QUICK=0
 SRC="${PSLITE_SRC:-}"
 OUT=""
 SPARSE=0
+PUSHPULL=0
 RATE=""
 
-usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) QUICK=1; ROUNDS=1; shift ;;
         --sparse) SPARSE=1; shift ;;
+        --push-pull) PUSHPULL=1; shift ;;
         --rate) RATE="${2:?--rate needs a rate, e.g. 2gbit}"; shift 2 ;;
         --rounds) ROUNDS="${2:?--rounds needs a number}"; shift 2 ;;
         --src) SRC="${2:?--src needs a directory}"; shift 2 ;;
@@ -41,6 +46,8 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: --rounds must be >= 1" >&2; exit 2; }
+[[ $SPARSE -eq 1 && $PUSHPULL -eq 1 ]] &&
+    { echo "run.sh: --push-pull is a dense loop; it does not go with --sparse" >&2; exit 2; }
 
 say() { echo "== $*" >&2; }
 skip() { echo "run.sh: SKIPPED: $*" >&2; exit 77; }
@@ -213,6 +220,7 @@ run_job() {
         common+=(PS_VERBOSE=0 DMLC_LOCAL="$local_" PSBENCH_FLOATS="$floats"
                  PSBENCH_ITERS="$iters" PSBENCH_LR=0.001)
         [[ $keys -gt 0 ]] && common+=(KV_MODE=sparse KV_TABLE="$floats" KV_KEYS="$keys")
+        [[ $PUSHPULL -eq 1 ]] && common+=(KV_LOOP=pushpull)
         cmd=("$KV_LOOP")
     else
         # One equal slice per server at most falcon's default shard size (4 MiB), so the
@@ -224,6 +232,7 @@ run_job() {
                  FALCON_JOB="pslite-bench-$$-$JOBN" FALCON_TOKEN=bench FALCON_MEDIUM="$medium"
                  FALCON_LR=0.001 FALCON_MAX_SHARD_BYTES="$shard" RUST_LOG=error)
         [[ $keys -gt 0 ]] && common+=(FALCON_WORKLOAD=rows FALCON_ROWS="$keys")
+        [[ $PUSHPULL -eq 1 ]] && common+=(FALCON_LOOP=push-pull)
         cmd=("$FALCON" role)
     fi
     local others=() workers=() names=() i p
@@ -412,6 +421,10 @@ CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || ech
         echo "- sparse: a table of $TABLE keys of one float; each iteration draws K keys with" \
              "replacement (duplicates dropped: 'distinct keys', ps-lite's mean, is what travels);" \
              "falcon: FALCON_WORKLOAD=rows, FALCON_MAX_SHARD_BYTES as in the dense mode"
+    fi
+    if [[ $PUSHPULL -eq 1 ]]; then
+        echo "- loop: one push-pull per iteration (falcon FALCON_LOOP=push-pull, ps-lite" \
+             "KV_LOOP=pushpull: ZPushPull), a pull before the loop"
     fi
     echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "- machine: $(nproc) CPUs, $CPU"

@@ -56,6 +56,18 @@ fn grad(w: u32, t: u64, p: &[f32]) -> Vec<f32> {
 
 #[test]
 fn bsp_with_sgd_is_bitwise_equal_to_a_single_process_reference() {
+    bsp_against_the_reference(false);
+}
+
+#[test]
+fn push_pull_under_bsp_is_bitwise_equal_to_the_same_reference() {
+    bsp_against_the_reference(true);
+}
+
+/// Three workers, two servers, BSP with the mean and SGD, six iterations with jitter; each
+/// iteration a pull then a push, or (`push_pull`) one `push_pull` bringing the next
+/// iteration's values. The result must be the reference's bit for bit.
+fn bsp_against_the_reference(push_pull: bool) {
     const W: u32 = 3;
     const ITERS: u64 = 6;
     let lr = 0.1f32;
@@ -80,7 +92,28 @@ fn bsp_with_sgd_is_bitwise_equal_to_a_single_process_reference() {
                 // Nobody pulls before the initial values are in.
                 worker.barrier().unwrap();
                 let mut p = vec![0f32; 1000];
+                let (out, gb) = (worker.buffer("w").unwrap(), worker.buffer("w").unwrap());
+                if push_pull {
+                    worker.pull("w", &out, 0).unwrap();
+                }
                 for t in 0..ITERS {
+                    if push_pull {
+                        out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))
+                            .unwrap();
+                        let g = grad(worker.rank(), t, &p);
+                        gb.write_at(0, falcon_engine::worker::f32_bytes(&g))
+                            .unwrap();
+                        // The answer may land in the region the gradient left from.
+                        let dst = if t % 2 == 0 { &out } else { &gb };
+                        worker.push_pull("w", &gb, dst, t).unwrap();
+                        if t % 2 == 1 {
+                            gb.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))
+                                .unwrap();
+                            out.write_at(0, falcon_engine::worker::f32_bytes(&p))
+                                .unwrap();
+                        }
+                        continue;
+                    }
                     worker.pull_slice("w", &mut p, t).unwrap();
                     let g = grad(worker.rank(), t, &p);
                     worker.push_slice("w", &g, t).unwrap();
@@ -118,6 +151,50 @@ fn bsp_with_sgd_is_bitwise_equal_to_a_single_process_reference() {
         report.scheduler.bytes_per_server.iter().sum::<u64>(),
         1010 * 4
     );
+}
+
+#[test]
+fn push_pull_answers_each_shard_after_its_own_push_is_applied() {
+    // One worker under ASP: every push is applied at once, so each answer must be exactly
+    // the values before it minus lr times the gradient just pushed, on every shard of both
+    // servers: a shard answered before its push was applied would hold the old values.
+    let lr = 0.25f32;
+    let mut c = cfg(2, 1, PolicySpec::Asp);
+    c.optimizer = Optimizer::Sgd { lr };
+    let cluster = LocalCluster::start(c, tensors()).unwrap();
+    let worker = cluster.workers[0].clone();
+    let (out, gb) = (worker.buffer("w").unwrap(), worker.buffer("w").unwrap());
+    worker.pull("w", &out, 0).unwrap();
+    let mut p = vec![0f32; 1000];
+    let mut next = vec![0f32; 1000];
+    for t in 0..8 {
+        out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))
+            .unwrap();
+        let g = grad(0, t, &p);
+        gb.write_at(0, falcon_engine::worker::f32_bytes(&g))
+            .unwrap();
+        worker.push_pull("w", &gb, &out, t).unwrap();
+        out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut next))
+            .unwrap();
+        for i in 0..p.len() {
+            assert_eq!(
+                next[i].to_bits(),
+                (p[i] - lr * g[i]).to_bits(),
+                "iteration {t}, float {i}"
+            );
+        }
+    }
+    assert_eq!(worker.clock(), 8);
+    // A wrong clock or length is refused as for push and pull, and nothing is sent.
+    assert!(matches!(
+        worker.push_pull("w", &gb, &out, 3),
+        Err(Error::BadClock { .. })
+    ));
+    let short = worker.buffer("b").unwrap();
+    assert!(worker.push_pull("w", &gb, &short, 8).is_err());
+    assert!(worker.push_pull("w", &short, &out, 8).is_err());
+    worker.push_pull("w", &gb, &out, 8).unwrap();
+    cluster.finish().unwrap();
 }
 
 /// `W` workers pull and push tensor "b" `N` times, worker w pushing −(w+1) each time (so

@@ -614,6 +614,41 @@ impl Worker {
         Ok(self.handle(signals, Some(self.inner.timeout)))
     }
 
+    /// Pushes `grad` as this worker's gradient for `clock`, then pulls `tensor` into `out` for
+    /// `clock + 1`: what [`Worker::push`] then [`Worker::pull`] do (BytePS's `push_pull`,
+    /// ps-lite's `ZPushPull`), shard by shard. Each shard's pull goes out on its server's link
+    /// right behind that shard's push, so the server answers it once the push is applied (when
+    /// the policy allows, as for any pull of `clock + 1`) while the next shards' pushes are
+    /// still on their way: both directions of a link carry data at once, where `push` then
+    /// `pull` uses one direction at a time. `grad` and `out` may be the same region (a shard's
+    /// answer lands only after its push has left). Under ElasticBSP, whose superstep barrier a
+    /// pull may have to wait for, it is `push` then `pull`.
+    pub fn push_pull(&self, tensor: &str, grad: &Region, out: &Region, clock: u64) -> Result<()> {
+        if self.inner.gate.is_some() {
+            self.push(tensor, grad, clock)?;
+            return self.pull(tensor, out, clock + 1);
+        }
+        let shards = self.push_shards(tensor, grad, clock)?;
+        self.check_len(self.tensor(tensor)?, out)?;
+        self.sample_interval(clock);
+        let sent = self.per_server(&shards, |s| {
+            let ack = self.write_slot(
+                s,
+                Some(grad),
+                AckOf::Push { clock },
+                PushKind::Gradient,
+                clock + 1,
+            )?;
+            self.pushed(s);
+            lock(&self.inner.stats).slow_pulls += 1;
+            Ok((ack, self.pull_slow(s, out, clock + 1)?))
+        })?;
+        let (acks, answers): (Vec<_>, Vec<_>) = sent.into_iter().unzip();
+        // Acknowledgements within the push timeout; answers as long as the policy holds them.
+        self.handle(acks, Some(self.inner.timeout)).wait()?;
+        self.handle(answers, None).wait()
+    }
+
     /// Pushes the gradient of some rows of `tensor`, seen as a table of `len / dim` rows of
     /// `dim` floats, as this worker's gradient for `clock`: `grads` holds `rows.len()` rows
     /// of `dim` floats in the order of `rows`; duplicate rows are summed; rows not named
