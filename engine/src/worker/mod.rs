@@ -620,9 +620,12 @@ impl Worker {
     /// right behind that shard's push, so the server answers it once the push is applied (when
     /// the policy allows, as for any pull of `clock + 1`) while the next shards' pushes are
     /// still on their way: both directions of a link carry data at once, where `push` then
-    /// `pull` uses one direction at a time. `grad` and `out` may be the same region (a shard's
-    /// answer lands only after its push has left). Under ElasticBSP, whose superstep barrier a
-    /// pull may have to wait for, it is `push` then `pull`.
+    /// `pull` uses one direction at a time. Each shard's answer holds this push applied, under
+    /// every policy (a lock-free `pull` after an asynchronous `push` may come before the
+    /// push is applied, since its acknowledgement precedes the apply). `grad` and `out` may be
+    /// the same region (a shard's answer lands only after its push has left). Under
+    /// ElasticBSP, whose superstep barrier a pull may have to wait for, it is `push` then
+    /// `pull`.
     pub fn push_pull(&self, tensor: &str, grad: &Region, out: &Region, clock: u64) -> Result<()> {
         if self.inner.gate.is_some() {
             self.push(tensor, grad, clock)?;
