@@ -459,6 +459,9 @@ fn c_errors_are_typed_codes_with_readable_messages() {
         "push of a row outside the table: FALCON_ERR_CONFIG: invalid configuration: row 4 of tensor \"w\": it has 4 rows of 2",
         "push of rows of a width that does not divide the tensor: FALCON_ERR_CONFIG: invalid configuration: tensor \"w\" of 8 floats cannot be rows of 3",
         "push of rows from a null array: FALCON_ERR_NULL: the gradients must not be NULL",
+        "push-pull into a null array: FALCON_ERR_NULL: the pull's destination must not be NULL",
+        "push-pull of the wrong length: FALCON_ERR_WRONG_LENGTH: tensor \"w\" has 8 floats; the buffer has 9",
+        "push-pull at a clock not the next: FALCON_ERR_BAD_CLOCK: clock 5 is not valid here: tensor \"w\" has 2 gradients pushed; the next push is clock 2",
         "errors job: every error as expected (worker 0)",
     ] {
         assert!(

@@ -252,6 +252,28 @@ int falcon_push(falcon_worker *w,
 int falcon_pull(falcon_worker *w, const char *tensor, float *out, size_t len, uint64_t clock);
 
 /**
+ * Pushes `grad` (`len` floats, the tensor's length) as this worker's gradient of `tensor`
+ * for iteration `clock` (the tensor's next), then pulls the values for `clock + 1` into
+ * `out` (`len` floats), shard by shard: each shard's pull goes right behind its push, so
+ * both directions of a link work at once, and each answer holds this push applied. Blocks
+ * until `out` is written. The gradient is copied first: `grad` and `out` may be the same
+ * array.
+ *
+ * Thread safety: as `falcon_push`.
+ *
+ * # Safety
+ *
+ * `w` is a live worker; `tensor` a NUL-terminated string; `grad` valid for reads and `out`
+ * for writes of `len` floats.
+ */
+int falcon_push_pull(falcon_worker *w,
+                     const char *tensor,
+                     const float *grad,
+                     float *out,
+                     size_t len,
+                     uint64_t clock);
+
+/**
  * Pushes the gradients of `count` rows of `tensor`, seen as a table of rows of `dim` floats,
  * as this worker's gradient for iteration `clock`: `rows` holds the row ids (duplicates are
  * summed), `grads` their `count` × `dim` gradients, row after row. Only these rows travel;

@@ -768,6 +768,54 @@ pub unsafe extern "C" fn falcon_pull(
     })
 }
 
+/// Pushes `grad` (`len` floats, the tensor's length) as this worker's gradient of `tensor`
+/// for iteration `clock` (the tensor's next), then pulls the values for `clock + 1` into
+/// `out` (`len` floats), shard by shard: each shard's pull goes right behind its push, so
+/// both directions of a link work at once, and each answer holds this push applied. Blocks
+/// until `out` is written. The gradient is copied first: `grad` and `out` may be the same
+/// array.
+///
+/// Thread safety: as `falcon_push`.
+///
+/// # Safety
+///
+/// `w` is a live worker; `tensor` a NUL-terminated string; `grad` valid for reads and `out`
+/// for writes of `len` floats.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn falcon_push_pull(
+    w: *mut FalconWorker,
+    tensor: *const c_char,
+    grad: *const f32,
+    out: *mut f32,
+    len: usize,
+    clock: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (s, name) = unsafe { (worker(w)?, text(tensor, "the tensor name")?) };
+        let t = s.tensor(name, len)?;
+        // SAFETY: forwarded contract.
+        let bytes = unsafe { float_bytes(grad, len, "the gradient") }?;
+        if out.is_null() {
+            return Err(Failure::null("the pull's destination"));
+        }
+        let sent = s.take(t)?;
+        sent.write_at(0, bytes)?;
+        let back = s.take(t)?;
+        // On an error both regions are dropped, not given back: the engine may still hold
+        // them.
+        s.w.push_pull(name, &sent, &back, clock)?;
+        // SAFETY: `out` is non-null (checked above) and valid for writes of `len` floats, the
+        // region's length, by the contract; `bytes`, which may cover the same memory, is not
+        // used again; bytes need no alignment.
+        let dest = unsafe { std::slice::from_raw_parts_mut(out.cast::<u8>(), len * 4) };
+        back.read_at(0, dest)?;
+        s.give(t, sent);
+        s.give(t, back);
+        Ok(FALCON_OK)
+    })
+}
+
 /// Pushes the gradients of `count` rows of `tensor`, seen as a table of rows of `dim` floats,
 /// as this worker's gradient for iteration `clock`: `rows` holds the row ids (duplicates are
 /// summed), `grads` their `count` × `dim` gradients, row after row. Only these rows travel;

@@ -147,9 +147,27 @@ static int job(void) {
         failures++;
     }
 
+    /* Push-pull: clock 2 pushed, the values for clock 3 back, as a pull of clock 3 sees them. */
+    float pushed_back[LEN], pulled[LEN];
+    expect("push-pull into a null array", falcon_push_pull(w, "w", grad, NULL, LEN, 2),
+           FALCON_ERR_NULL);
+    expect("push-pull of the wrong length", falcon_push_pull(w, "w", big, pushed_back, LEN + 1, 2),
+           FALCON_ERR_WRONG_LENGTH);
+    expect("push-pull at a clock not the next",
+           falcon_push_pull(w, "w", grad, pushed_back, LEN, 5), FALCON_ERR_BAD_CLOCK);
+    ok("falcon_push_pull", falcon_push_pull(w, "w", grad, pushed_back, LEN, 2));
+    ok("falcon_pull after it", falcon_pull(w, "w", pulled, LEN, 3));
+    for (int i = 0; i < LEN; i++) {
+        if (pushed_back[i] != pulled[i]) {
+            fprintf(stderr, "push-pull brought %g at %d, a pull %g\n", pushed_back[i], i, pulled[i]);
+            failures++;
+            break;
+        }
+    }
+
     ok("falcon_finish", falcon_finish(w));
     ok("falcon_finish again", falcon_finish(w));
-    expect("push after finishing", falcon_push(w, "w", grad, LEN, 2), FALCON_ERR_CONFIG);
+    expect("push after finishing", falcon_push(w, "w", grad, LEN, 3), FALCON_ERR_CONFIG);
     ok("falcon_worker_free", falcon_worker_free(w));
     ok("falcon_worker_free(NULL)", falcon_worker_free(NULL));
     if (failures == 0) printf("errors job: every error as expected (worker %u)\n", rank);

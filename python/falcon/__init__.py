@@ -83,6 +83,7 @@ __all__ = [
     "pull_async",
     "push",
     "push_async",
+    "push_pull",
     "rank",
     "size",
     "worker",
@@ -274,6 +275,13 @@ def pull_async(tensor: str, out, clock: int | None = None) -> Handle:
     """Starts a pull into `out` for `clock` (default: the tensor's current clock)."""
     w = worker()
     return w.pull_async(tensor, out, w.clock_of(tensor) if clock is None else clock)
+
+
+def push_pull(tensor: str, grad, out, clock: int | None = None) -> None:
+    """Pushes `grad` for `clock` (default: the tensor's next clock) and pulls the values for
+    the clock after it into `out`, each shard's pull right behind its push."""
+    w = worker()
+    w.push_pull(tensor, grad, out, w.clock_of(tensor) if clock is None else clock)
 
 
 def barrier() -> None:

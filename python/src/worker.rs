@@ -681,6 +681,50 @@ impl Worker {
         self.start_pull(py, tensor, out, clock)
     }
 
+    /// Pushes `grad` as this worker's gradient for `clock`, then pulls into `out` the values
+    /// for `clock + 1`, shard by shard: each shard's pull goes right behind its push, so
+    /// the two directions of a link work at once, and each answer holds this push applied.
+    /// Blocks (the GIL released) until `out` is written; `grad` is copied first.
+    fn push_pull(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<()> {
+        let staged = self.staged(tensor, grad)?;
+        let (kept, done) = match self.pull_target(tensor, out) {
+            Ok(k) => k,
+            Err(e) => {
+                self.regions.give(tensor, staged);
+                return Err(e);
+            }
+        };
+        let (w, t) = (self.w.clone(), tensor.to_string());
+        let (g, o) = (staged.region().clone(), kept.region().clone());
+        let sent = blocking(py, "push_pull", move || {
+            w.push_pull(&t, &g, &o, clock).map_err(engine_err)
+        });
+        if let Err(e) = sent {
+            // An interrupted call goes on in its thread, which holds both regions: they are
+            // not given back for reuse.
+            return Err(e);
+        }
+        self.regions.give(tensor, staged);
+        let copied = match (&done, &kept) {
+            (Done::Pull(buf), k) => Worker::drain(k.region(), buf),
+            #[cfg(feature = "cuda")]
+            (Done::PullDevice(e), Kept::Device(_, p)) => {
+                py.detach(|| crate::device::copy_out(p, e))
+            }
+            _ => Ok(()),
+        };
+        drop(done);
+        self.regions.give(tensor, kept);
+        copied
+    }
+
     /// Pushes the gradient of some rows of `tensor`, seen as a table of rows of `dim` floats
     /// (`dim` defaults to `len(grads) / len(rows)`), as this worker's gradient for `clock`:
     /// `rows` holds integer row ids (duplicates are summed), `grads` their gradients, row

@@ -28,6 +28,29 @@ def test_push_pull_values_are_exact_under_bsp(bsp1):
     assert w.runs_policy("bsp") and not w.runs_policy("ssp(3)")
 
 
+def test_push_pull_brings_the_next_clocks_values(bsp1):
+    w = bsp1
+    v = np.zeros(4, np.float32)
+    w.pull("w", v, 0)
+    g = np.arange(1, 5, dtype=np.float32)
+    for clock in range(3):
+        w.push_pull("w", g, v, clock)
+        np.testing.assert_allclose(v, -0.5 * (clock + 1) * g, rtol=1e-6)
+    assert w.clock_of("w") == 3
+    # The module-level call takes the next clock; the gradient may be the output buffer.
+    falcon.push_pull("w", v, v)
+    np.testing.assert_allclose(v, -1.5 * g + 0.5 * 1.5 * g, rtol=1e-6)
+    with pytest.raises(falcon.ClockError):
+        w.push_pull("w", g, v, 2)
+    with pytest.raises(falcon.LengthError, match="has 4 floats; the buffer has 3"):
+        w.push_pull("w", g, np.zeros(3, np.float32), 4)
+    with pytest.raises(falcon.TensorError):
+        w.push_pull("nope", g, v, 4)
+    # Nothing was lost: the next clock still works.
+    w.push_pull("w", g, v, 4)
+    assert w.clock_of("w") == 5
+
+
 def test_module_level_calls_use_the_next_clock(bsp1):
     falcon.push("w", np.ones(4, np.float32))
     out = np.zeros(4, np.float32)
