@@ -703,14 +703,11 @@ impl Worker {
         };
         let (w, t) = (self.w.clone(), tensor.to_string());
         let (g, o) = (staged.region().clone(), kept.region().clone());
-        let sent = blocking(py, "push_pull", move || {
+        // On an error (an interruption included: the call goes on in its thread, which holds
+        // both regions) the regions are not given back for reuse.
+        blocking(py, "push_pull", move || {
             w.push_pull(&t, &g, &o, clock).map_err(engine_err)
-        });
-        if let Err(e) = sent {
-            // An interrupted call goes on in its thread, which holds both regions: they are
-            // not given back for reuse.
-            return Err(e);
-        }
+        })?;
         self.regions.give(tensor, staged);
         let copied = match (&done, &kept) {
             (Done::Pull(buf), k) => Worker::drain(k.region(), buf),
