@@ -136,6 +136,28 @@ struct ParkedPull {
 }
 
 /// Tells the worker on `l` that its pull `req` was refused, and why.
+/// A gradient in a worker's slot, read a block at a time while it is applied.
+struct SlotGrad<'a> {
+    slot: &'a falcon_transport::Region,
+    /// Its floats (the slot was checked to hold them).
+    floats: usize,
+}
+
+impl crate::shard::GradSlot for SlotGrad<'_> {
+    fn len(&self) -> usize {
+        self.floats
+    }
+
+    fn read(&self, at: usize, out: &mut [f32]) {
+        // In bounds (checked when the push arrived), so the read cannot fail; were it to,
+        // the block would count as a zero gradient rather than as stale bytes.
+        let bytes = zerocopy::IntoBytes::as_mut_bytes(out);
+        if self.slot.read_at(4 * at as u64, bytes).is_err() {
+            out.fill(0.0);
+        }
+    }
+}
+
 fn refuse_pull(l: &Link, req: u32, reason: String) {
     let _ = l.send(&Msg::PullFailed { req, reason }.encode());
 }
@@ -801,6 +823,35 @@ impl Serving {
             PushKind::Init => crate::precision::Wire::F32,
             _ => self.book.wire,
         };
+        // A gradient in f32 is applied where it lies (`Grad::Slot`, acknowledged after the
+        // apply): one pass over the slot instead of a copy and a pass over the copy.
+        let floats = s.spec.len as usize;
+        if imm.kind == PushKind::Gradient
+            && wire == crate::precision::Wire::F32
+            && slot.len() >= s.spec.bytes() + SlotTrailer::BYTES
+        {
+            if let Err(e) = slot.read_at(s.spec.bytes(), &mut trailer) {
+                tracing::warn!("server {rank}: reading worker {w}'s slot: {e}");
+                return;
+            }
+            let SlotTrailer {
+                computed_on, seq, ..
+            } = SlotTrailer::from_bytes(trailer);
+            let slot = slot.clone();
+            let grad = SlotGrad {
+                slot: &slot,
+                floats,
+            };
+            let input = Input::Push {
+                conn: link,
+                worker: w,
+                seq,
+                computed_on,
+                grad: crate::shard::Grad::Slot(&grad),
+            };
+            self.feed(i, input);
+            return;
+        }
         let mut ranges = None;
         let read = match (imm.kind, wire) {
             (PushKind::Rows, _) => crate::rows::parse(s.spec.len, s.spec.bytes(), |o, buf| {
@@ -853,7 +904,7 @@ impl Serving {
                 worker: w,
                 seq,
                 computed_on,
-                grad,
+                grad: grad.into(),
             },
             PushKind::Help => Input::Help {
                 conn: link,
@@ -870,7 +921,7 @@ impl Serving {
     /// Feeds shard `i` and carries out what it says: acknowledgements at once (an async push
     /// is acknowledged before it is applied), then answers, refusals and offers. Returns the
     /// updates a resuming worker lost.
-    fn feed(&mut self, i: usize, input: Input) -> u64 {
+    fn feed(&mut self, i: usize, input: Input<'_>) -> u64 {
         let now = self.start.elapsed().as_nanos() as u64;
         let mut later = Vec::new();
         {

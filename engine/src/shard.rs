@@ -46,10 +46,87 @@ pub struct ShardConfig {
     pub max_pending_bytes: u64,
 }
 
+/// Where a dense push's gradient is, for [`Input::Push`].
+#[derive(Clone)]
+pub enum Grad<'a> {
+    /// In a vector.
+    Values(Vec<f32>),
+    /// Still where the worker wrote it (its slot on a server): read a block at a time while
+    /// it is applied, so it is read once, and copied out only where it must wait (a
+    /// synchronous step). A push of this form is acknowledged after its apply: the
+    /// acknowledgement lets the worker write the slot again.
+    Slot(&'a dyn GradSlot),
+}
+
+/// A gradient in place, read by blocks ([`Grad::Slot`]).
+pub trait GradSlot {
+    /// Its floats.
+    fn len(&self) -> usize;
+    /// Whether it has none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies floats `at .. at + out.len()` (within `len`) into `out`.
+    fn read(&self, at: usize, out: &mut [f32]);
+}
+
+impl Grad<'_> {
+    /// Its floats.
+    pub fn len(&self) -> usize {
+        match self {
+            Grad::Values(v) => v.len(),
+            Grad::Slot(s) => s.len(),
+        }
+    }
+
+    /// Whether it has none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The floats in a vector (a slot's copied out).
+    pub fn into_vec(self) -> Vec<f32> {
+        match self {
+            Grad::Values(v) => v,
+            Grad::Slot(s) => {
+                let mut v = vec![0.0; s.len()];
+                s.read(0, &mut v);
+                v
+            }
+        }
+    }
+}
+
+impl From<Vec<f32>> for Grad<'_> {
+    fn from(v: Vec<f32>) -> Self {
+        Grad::Values(v)
+    }
+}
+
+impl std::fmt::Debug for Grad<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Grad::Values(v) => f.debug_tuple("Values").field(v).finish(),
+            Grad::Slot(s) => write!(f, "Slot({} floats)", s.len()),
+        }
+    }
+}
+
+impl PartialEq for Grad<'_> {
+    /// Vectors by their floats; a slot only to itself.
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Grad::Values(a), Grad::Values(b)) => a == b,
+            (Grad::Slot(a), Grad::Slot(b)) => std::ptr::addr_eq(*a, *b),
+            _ => false,
+        }
+    }
+}
+
 /// An event for a shard. `conn` names the connection a push came on (whatever the driver
 /// uses); its acknowledgement goes back on it.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Input {
+pub enum Input<'a> {
     /// Initial values from a worker (the first one wins).
     Init {
         /// The connection.
@@ -70,7 +147,7 @@ pub enum Input {
         /// The parameter version it was computed on (`None`: the one last sent to the worker).
         computed_on: Option<u64>,
         /// The gradient (`len` floats).
-        grad: Vec<f32>,
+        grad: Grad<'a>,
     },
     /// A gradient of tasks taken from another worker (task transfer): applied at once, no
     /// clock moves.
@@ -440,19 +517,19 @@ pub struct ShardStats {
 
 /// A gradient as it arrived: the connection, the worker, its sequence number, the version it
 /// was computed on, and the values.
-struct Arrival {
+struct Arrival<'a> {
     conn: u64,
     worker: u32,
     seq: u64,
     computed_on: Option<u64>,
     /// The whole gradient, or with `ranges` the values of those ranges alone.
-    grad: Vec<f32>,
+    grad: Grad<'a>,
     ranges: Option<crate::rows::RowIndex>,
 }
 
-impl Arrival {
+impl<'a> Arrival<'a> {
     /// A whole-shard gradient.
-    fn whole(conn: u64, worker: u32, seq: u64, computed_on: Option<u64>, grad: Vec<f32>) -> Self {
+    fn whole(conn: u64, worker: u32, seq: u64, computed_on: Option<u64>, grad: Grad<'a>) -> Self {
         Arrival {
             conn,
             worker,
@@ -466,9 +543,9 @@ impl Arrival {
     /// The whole gradient of a shard of `len` floats (repeated ranges summed in order).
     fn dense(self, len: usize) -> Vec<f32> {
         let Some(ranges) = self.ranges else {
-            return self.grad;
+            return self.grad.into_vec();
         };
-        crate::rows::widen(len, &ranges, &self.grad)
+        crate::rows::widen(len, &ranges, &self.grad.into_vec())
     }
 }
 
@@ -605,7 +682,7 @@ impl ShardCore {
     pub fn handle<P: ShardParams + ?Sized>(
         &mut self,
         now: u64,
-        input: Input,
+        input: Input<'_>,
         params: &mut P,
         out: &mut dyn FnMut(Output),
     ) -> Result<()> {
@@ -645,7 +722,7 @@ impl ShardCore {
                 grad,
                 help_for,
             } => {
-                let a = Arrival::whole(conn, worker, seq, computed_on, grad);
+                let a = Arrival::whole(conn, worker, seq, computed_on, grad.into());
                 self.help(a, help_for, params, out)
             }
             Input::PushRows {
@@ -661,7 +738,7 @@ impl ShardCore {
                     worker,
                     seq,
                     computed_on,
-                    grad: values,
+                    grad: values.into(),
                     ranges: Some(ranges),
                 };
                 self.push(now, a, params, out)
@@ -719,12 +796,11 @@ impl ShardCore {
         Ok(())
     }
 
-    fn check(&self, input: &Input) -> Result<()> {
+    fn check(&self, input: &Input<'_>) -> Result<()> {
         let (worker, len) = match input {
             Input::Init { worker, values, .. } => (*worker, Some(values.len())),
-            Input::Push { worker, grad, .. } | Input::Help { worker, grad, .. } => {
-                (*worker, Some(grad.len()))
-            }
+            Input::Push { worker, grad, .. } => (*worker, Some(grad.len())),
+            Input::Help { worker, grad, .. } => (*worker, Some(grad.len())),
             Input::PushRows {
                 worker,
                 ranges,
@@ -803,7 +879,7 @@ impl ShardCore {
     fn push<P: ShardParams + ?Sized>(
         &mut self,
         now: u64,
-        a: Arrival,
+        a: Arrival<'_>,
         params: &mut P,
         out: &mut dyn FnMut(Output),
     ) {
@@ -939,7 +1015,7 @@ impl ShardCore {
 
     fn help<P: ShardParams + ?Sized>(
         &mut self,
-        a: Arrival,
+        a: Arrival<'_>,
         help_for: Option<(u32, u64)>,
         params: &mut P,
         out: &mut dyn FnMut(Output),
@@ -969,7 +1045,7 @@ impl ShardCore {
                 self.pending_bytes += self.cfg.len as u64 * 4;
                 vec![0.0; self.cfg.len]
             });
-            for (s, g) in sum.iter_mut().zip(&a.grad) {
+            for (s, g) in sum.iter_mut().zip(a.grad.into_vec()) {
                 *s += g;
             }
             self.stats.peak_pending_bytes = self.stats.peak_pending_bytes.max(self.pending_bytes);
@@ -994,7 +1070,7 @@ impl ShardCore {
     /// staleness.
     fn apply_async<P: ShardParams + ?Sized>(
         &mut self,
-        a: Arrival,
+        a: Arrival<'_>,
         of: AckOf,
         clock: Option<u64>,
         params: &mut P,
@@ -1004,33 +1080,47 @@ impl ShardCore {
             conn,
             worker: w,
             computed_on,
-            grad: mut g,
+            grad,
             ranges,
             ..
         } = a;
         let base = computed_on.unwrap_or(self.sent_version[w as usize]);
         let d = params.version().saturating_sub(base);
         let factor = self.scale.scale(d);
-        if factor != 1.0 {
-            crate::update::scale_in_place(&mut g, factor);
-        }
-        out(Output::Ack {
+        let ack = Output::Ack {
             conn,
             worker: w,
             of,
             staleness: d,
-        });
+        };
         let opt = &mut self.opt;
-        params.write(&mut |s| {
-            match &ranges {
-                Some(r) => opt.apply_ranges(s.values(), r, &g),
-                None => opt.apply(s.values(), &g),
+        let mut apply = |apply: &mut dyn FnMut(&mut ShardOptimizer, &mut [f32])| {
+            params.write(&mut |s| {
+                apply(opt, s.values());
+                if let Some(c) = clock {
+                    s.set_clock(w as usize, c + 1);
+                }
+                s.bump_version();
+            });
+        };
+        match (grad, &ranges) {
+            // Read where it lies while it is applied; the slot is free once acknowledged.
+            (Grad::Slot(slot), None) => {
+                apply(&mut |opt, v| opt.apply_blocks(v, factor, |at, b| slot.read(at, b)));
+                out(ack);
             }
-            if let Some(c) = clock {
-                s.set_clock(w as usize, c + 1);
+            (grad, ranges) => {
+                let mut g = grad.into_vec();
+                if factor != 1.0 {
+                    crate::update::scale_in_place(&mut g, factor);
+                }
+                out(ack);
+                apply(&mut |opt, v| match ranges {
+                    Some(r) => opt.apply_ranges(v, r, &g),
+                    None => opt.apply(v, &g),
+                });
             }
-            s.bump_version();
-        });
+        }
         self.stats.updates += 1;
         d
     }

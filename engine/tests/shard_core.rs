@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use falcon_engine::proto::AckOf;
 use falcon_engine::shard::{
-    Input, Output, RegionParams, ShardConfig, ShardCore, ShardParams, VecParams,
+    Grad, GradSlot, Input, Output, RegionParams, ShardConfig, ShardCore, ShardParams, VecParams,
 };
 use falcon_engine::sync::PolicySpec;
 use falcon_engine::update::{
@@ -81,12 +81,43 @@ fn floats(seed: u64) -> Vec<f32> {
     (0..LEN).map(|_| rng.f32() * 2.0 - 1.0).collect()
 }
 
+/// A gradient left where it arrived ([`Grad::Slot`]), counting the floats read from it.
+struct CountedSlot {
+    values: Vec<f32>,
+    read: std::cell::Cell<usize>,
+}
+
+impl GradSlot for CountedSlot {
+    fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    fn read(&self, at: usize, out: &mut [f32]) {
+        out.copy_from_slice(&self.values[at..at + out.len()]);
+        self.read.set(self.read.get() + out.len());
+    }
+}
+
 /// Feeds `ops` to `core` over `params`; returns every output in order.
 fn drive(ops: &[Op], core: &mut ShardCore, params: &mut dyn ShardParams) -> Vec<Output> {
+    drive_with(ops, core, params, false)
+}
+
+/// [`drive`], with the gradients of pushes left in slots when `slots`: then every
+/// acknowledgement given while a new push is handled comes after that push's gradient was
+/// read whole (an acknowledgement lets the worker write its slot again).
+fn drive_with(
+    ops: &[Op],
+    core: &mut ShardCore,
+    params: &mut dyn ShardParams,
+    slots: bool,
+) -> Vec<Output> {
     let workers = core.config().workers as usize;
     let (mut helps, mut req) = (vec![0u64; workers], 0u64);
     let mut out = Vec::new();
     for (t, o) in ops.iter().enumerate() {
+        let mut slot: Option<CountedSlot> = None;
+        let mut new_push = false;
         let now = t as u64 * 1000;
         let input = match *o {
             Op::Push { w, how, on, seed } => {
@@ -102,12 +133,22 @@ fn drive(ops: &[Op], core: &mut ShardCore, params: &mut dyn ShardParams) -> Vec<
                     1 => Some(version),
                     _ => Some(version.saturating_sub(u64::from(on))),
                 };
+                new_push = seq == next;
+                let grad = if slots {
+                    slot = Some(CountedSlot {
+                        values: floats(seed),
+                        read: std::cell::Cell::new(0),
+                    });
+                    Grad::Slot(slot.as_ref().expect("just made"))
+                } else {
+                    floats(seed).into()
+                };
                 Input::Push {
                     conn: u64::from(w) + 100,
                     worker: w,
                     seq,
                     computed_on,
-                    grad: floats(seed),
+                    grad,
                 }
             }
             Op::Help { w, seed } => {
@@ -155,8 +196,18 @@ fn drive(ops: &[Op], core: &mut ShardCore, params: &mut dyn ShardParams) -> Vec<
                 values: floats(seed),
             },
         };
-        core.handle(now, input, params, &mut |o| out.push(o))
-            .expect("valid workers and lengths");
+        let watched = slot.as_ref().filter(|_| new_push);
+        core.handle(now, input, params, &mut |o| {
+            if let (Some(s), Output::Ack { .. }) = (watched, &o) {
+                assert_eq!(
+                    s.read.get(),
+                    LEN,
+                    "acknowledged before its gradient was read whole"
+                );
+            }
+            out.push(o)
+        })
+        .expect("valid workers and lengths");
     }
     out
 }
@@ -221,6 +272,31 @@ proptest! {
         prop_assert_eq!(a.stats(), b.stats());
     }
 
+    /// A push whose gradient is left in its slot (read a block at a time while it is applied,
+    /// acknowledged after) gives every output and every bit a push of a vector gives, for
+    /// every policy, optimizer and aggregate.
+    #[test]
+    fn gradients_applied_from_their_slots_are_the_vectors_bit_for_bit(
+        p in 0..POLICIES.len(),
+        o in 0u8..3,
+        mean in any::<bool>(),
+        capped in any::<bool>(),
+        ops in prop::collection::vec(op(3), 1..120),
+    ) {
+        let agg = if mean { Aggregate::Mean } else { Aggregate::Sum };
+        let cap = if capped { 2 * LEN as u64 * 4 } else { u64::MAX };
+        let mut a = core(POLICIES[p], 3, optimizer(o), agg, cap);
+        let mut b = core(POLICIES[p], 3, optimizer(o), agg, cap);
+        let mut pa = RegionParams::new(LEN, 3).unwrap();
+        let mut pb = RegionParams::new(LEN, 3).unwrap();
+        let out_a = drive_with(&ops, &mut a, &mut pa, false);
+        let out_b = drive_with(&ops, &mut b, &mut pb, true);
+        prop_assert_eq!(out_a, out_b);
+        prop_assert_eq!(bits(&pa, 3), bits(&pb, 3));
+        prop_assert_eq!(a.state(&pa), b.state(&pb));
+        prop_assert_eq!(a.stats(), b.stats());
+    }
+
     /// A checkpointed core restored into a fresh one goes on exactly as the original. (A
     /// checkpoint keeps no policy state: the policy is rebuilt from the workers' clocks, which
     /// is exact while membership does not change, who left being the scheduler's word; Sync-opt
@@ -254,7 +330,7 @@ fn push(core: &mut ShardCore, p: &mut VecParams, w: u32, seq: u64, g: Vec<f32>) 
         worker: w,
         seq,
         computed_on: None,
-        grad: g,
+        grad: g.into(),
     };
     core.handle(0, input, p, &mut |o| out.push(o)).unwrap();
     out
@@ -371,7 +447,7 @@ fn a_pull_from_the_future_is_refused_and_bad_inputs_are_errors() {
         worker: 0,
         seq: 1,
         computed_on: None,
-        grad: vec![0.0; 3],
+        grad: vec![0.0; 3].into(),
     };
     let e = c.handle(0, short, &mut p, &mut |_| {}).unwrap_err();
     assert!(

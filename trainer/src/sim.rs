@@ -925,7 +925,7 @@ impl<'a> Sim<'a> {
             worker: w,
             seq: c + 1,
             computed_on: Some(me.seen),
-            grad: std::mem::take(&mut me.grad),
+            grad: std::mem::take(&mut me.grad).into(),
         };
         self.feed(t, push)?;
         self.pushes += 1;
