@@ -600,18 +600,22 @@ impl Worker {
     pub fn push_async(&self, tensor: &str, grad: &Region, clock: u64) -> Result<Handle> {
         let shards = self.push_shards(tensor, grad, clock)?;
         self.sample_interval(clock);
-        let signals = self.per_server(&shards, |s| {
-            let sig = self.write_slot(
-                s,
-                Some(grad),
-                AckOf::Push { clock },
-                PushKind::Gradient,
-                clock + 1,
-            )?;
-            self.pushed(s);
-            Ok(sig)
-        })?;
+        let signals = self.per_server(&shards, |s| self.push_shard(s, grad, clock))?;
         Ok(self.handle(signals, Some(self.inner.timeout)))
+    }
+
+    /// Writes shard `s`'s part of `grad` as the gradient of `clock`, counted; returns the
+    /// signal of its acknowledgement.
+    fn push_shard(&self, s: &ShardRemote, grad: &Region, clock: u64) -> Result<Arc<Signal>> {
+        let sig = self.write_slot(
+            s,
+            Some(grad),
+            AckOf::Push { clock },
+            PushKind::Gradient,
+            clock + 1,
+        )?;
+        self.pushed(s);
+        Ok(sig)
     }
 
     /// Pushes `grad` as this worker's gradient for `clock`, then pulls `tensor` into `out` for
@@ -621,11 +625,9 @@ impl Worker {
     /// the policy allows, as for any pull of `clock + 1`) while the next shards' pushes are
     /// still on their way: both directions of a link carry data at once, where `push` then
     /// `pull` uses one direction at a time. Each shard's answer holds this push applied, under
-    /// every policy (a lock-free `pull` after an asynchronous `push` may come before the
-    /// push is applied, since its acknowledgement precedes the apply). `grad` and `out` may be
-    /// the same region (a shard's answer lands only after its push has left). Under
-    /// ElasticBSP, whose superstep barrier a pull may have to wait for, it is `push` then
-    /// `pull`.
+    /// every policy and wire precision. `grad` and `out` may be the same region (a shard's
+    /// answer lands only after its push has left). Under ElasticBSP, whose superstep barrier
+    /// a pull may have to wait for, it is `push` then `pull`.
     pub fn push_pull(&self, tensor: &str, grad: &Region, out: &Region, clock: u64) -> Result<()> {
         if self.inner.gate.is_some() {
             self.push(tensor, grad, clock)?;
@@ -635,14 +637,7 @@ impl Worker {
         self.check_len(self.tensor(tensor)?, out)?;
         self.sample_interval(clock);
         let sent = self.per_server(&shards, |s| {
-            let ack = self.write_slot(
-                s,
-                Some(grad),
-                AckOf::Push { clock },
-                PushKind::Gradient,
-                clock + 1,
-            )?;
-            self.pushed(s);
+            let ack = self.push_shard(s, grad, clock)?;
             lock(&self.inner.stats).slow_pulls += 1;
             Ok((ack, self.pull_slow(s, out, clock + 1)?))
         })?;
