@@ -743,11 +743,6 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let floats: u64 = env_value(&["FALCON_FLOATS"], 1 << 20, checks::at_least_one_u64)?;
     // Fault injection (tests, the chaos run): drop a server link every N iterations.
     let drop_every: u64 = env_value(&["FALCON_FAULT_DROP_EVERY"], 0, checks::whole)?;
-    if env(&["FALCON_WORKLOAD"]).as_deref() == Some("rows") {
-        return rows_workload(cfg, rank, iters, floats);
-    }
-    // FALCON_WORKLOAD=count: constant gradients (see `job_from_env`).
-    let count = env(&["FALCON_WORKLOAD"]).as_deref() == Some("count");
     let push_pull = match env(&["FALCON_LOOP"]).as_deref() {
         None | Some("pull-push") => false,
         Some("push-pull") => true,
@@ -758,6 +753,18 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
             .into());
         }
     };
+    if env(&["FALCON_WORKLOAD"]).as_deref() == Some("rows") {
+        if push_pull {
+            return Err(
+                "FALCON_LOOP=push-pull is a loop of dense pushes; the rows workload \
+                        pulls and pushes rows"
+                    .into(),
+            );
+        }
+        return rows_workload(cfg, rank, iters, floats);
+    }
+    // FALCON_WORKLOAD=count: constant gradients (see `job_from_env`).
+    let count = env(&["FALCON_WORKLOAD"]).as_deref() == Some("count");
     let tensors = vec![TensorSpec {
         name: "model".into(),
         len: floats,

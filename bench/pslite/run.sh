@@ -31,7 +31,7 @@ SPARSE=0
 PUSHPULL=0
 RATE=""
 
-usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) QUICK=1; ROUNDS=1; shift ;;

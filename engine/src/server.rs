@@ -135,7 +135,6 @@ struct ParkedPull {
     req: u32,
 }
 
-/// Tells the worker on `l` that its pull `req` was refused, and why.
 /// A gradient in a worker's slot, read a block at a time while it is applied.
 struct SlotGrad<'a> {
     slot: &'a falcon_transport::Region,
@@ -152,12 +151,14 @@ impl crate::shard::GradSlot for SlotGrad<'_> {
         // In bounds (checked when the push arrived), so the read cannot fail; were it to,
         // the block would count as a zero gradient rather than as stale bytes.
         let bytes = zerocopy::IntoBytes::as_mut_bytes(out);
-        if self.slot.read_at(4 * at as u64, bytes).is_err() {
+        if let Err(e) = self.slot.read_at(4 * at as u64, bytes) {
+            tracing::warn!("reading a gradient in its slot: {e}; the block counts as zero");
             out.fill(0.0);
         }
     }
 }
 
+/// Tells the worker on `l` that its pull `req` was refused, and why.
 fn refuse_pull(l: &Link, req: u32, reason: String) {
     let _ = l.send(&Msg::PullFailed { req, reason }.encode());
 }
@@ -918,9 +919,9 @@ impl Serving {
         self.feed(i, input);
     }
 
-    /// Feeds shard `i` and carries out what it says: acknowledgements at once (an async push
-    /// is acknowledged before it is applied), then answers, refusals and offers. Returns the
-    /// updates a resuming worker lost.
+    /// Feeds shard `i` and carries out what it says: acknowledgements at once (as the core
+    /// gives them: an async push read from its slot after its apply, one copied out before),
+    /// then answers, refusals and offers. Returns the updates a resuming worker lost.
     fn feed(&mut self, i: usize, input: Input<'_>) -> u64 {
         let now = self.start.elapsed().as_nanos() as u64;
         let mut later = Vec::new();

@@ -52,9 +52,9 @@ pub enum Grad<'a> {
     /// In a vector.
     Values(Vec<f32>),
     /// Still where the worker wrote it (its slot on a server): read a block at a time while
-    /// it is applied, so it is read once, and copied out only where it must wait (a
-    /// synchronous step). A push of this form is acknowledged after its apply: the
-    /// acknowledgement lets the worker write the slot again.
+    /// it is applied, so it is read once, and copied out where it must wait (a synchronous
+    /// step). The acknowledgement lets the worker write the slot again, so it comes after
+    /// the apply, or after the copy.
     Slot(&'a dyn GradSlot),
 }
 
@@ -1065,9 +1065,10 @@ impl ShardCore {
         self.stats.per_worker[wi].help_pushes += 1;
     }
 
-    /// Applies worker `w`'s gradient at once, scaled by its version staleness, acknowledging
-    /// it first; with `clock`, the worker's applied count becomes `clock + 1`. Returns the
-    /// staleness.
+    /// Applies worker `w`'s gradient at once, scaled by its version staleness, and
+    /// acknowledges it: first, or after the apply for a gradient read from its slot (the
+    /// acknowledgement frees the slot); with `clock`, the worker's applied count becomes
+    /// `clock + 1`. Returns the staleness.
     fn apply_async<P: ShardParams + ?Sized>(
         &mut self,
         a: Arrival<'_>,

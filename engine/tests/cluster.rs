@@ -155,46 +155,74 @@ fn bsp_against_the_reference(push_pull: bool) {
 
 #[test]
 fn push_pull_answers_each_shard_after_its_own_push_is_applied() {
-    // One worker under ASP: every push is applied at once, so each answer must be exactly
-    // the values before it minus lr times the gradient just pushed, on every shard of both
-    // servers: a shard answered before its push was applied would hold the old values.
+    // One worker under ASP: every push is applied at once, so each answer must be what a
+    // pull of the next clock returns afterwards, and differ from the values before it, on
+    // every shard of both servers: a shard answered before its push was applied would hold
+    // the old values. In f32 the answer is exactly the values before minus lr times the
+    // gradient. A bf16 push is acknowledged before its apply; the answer still follows it.
+    use falcon_engine::precision::Wire;
+    const N: usize = 4096;
     let lr = 0.25f32;
-    let mut c = cfg(2, 1, PolicySpec::Asp);
-    c.optimizer = Optimizer::Sgd { lr };
-    let cluster = LocalCluster::start(c, tensors()).unwrap();
-    let worker = cluster.workers[0].clone();
-    let (out, gb) = (worker.buffer("w").unwrap(), worker.buffer("w").unwrap());
-    worker.pull("w", &out, 0).unwrap();
-    let mut p = vec![0f32; 1000];
-    let mut next = vec![0f32; 1000];
-    for t in 0..8 {
-        out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))
+    for wire in [Wire::F32, Wire::Bf16] {
+        let mut c = cfg(2, 1, PolicySpec::Asp);
+        c.optimizer = Optimizer::Sgd { lr };
+        c.wire = wire;
+        c.max_shard_bytes = 4096; // four shards, two on each server
+        let spec = TensorSpec {
+            name: "w".into(),
+            len: N as u64,
+        };
+        let small = TensorSpec {
+            name: "b".into(),
+            len: 10,
+        };
+        let cluster = LocalCluster::start(c, vec![spec, small]).unwrap();
+        let worker = cluster.workers[0].clone();
+        let (out, gb) = (worker.buffer("w").unwrap(), worker.buffer("w").unwrap());
+        let init: Vec<f32> = (0..N).map(|i| 1.0 + (i as f32 * 0.37).sin()).collect();
+        gb.write_at(0, falcon_engine::worker::f32_bytes(&init))
             .unwrap();
-        let g = grad(0, t, &p);
-        gb.write_at(0, falcon_engine::worker::f32_bytes(&g))
-            .unwrap();
-        worker.push_pull("w", &gb, &out, t).unwrap();
-        out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut next))
-            .unwrap();
-        for i in 0..p.len() {
+        worker.init("w", &gb).unwrap();
+        worker.pull("w", &out, 0).unwrap();
+        let mut p = vec![0f32; N];
+        let mut next = vec![0f32; N];
+        let mut later = vec![0f32; N];
+        for t in 0..8 {
+            out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut p))
+                .unwrap();
+            let g = grad(0, t, &p);
+            gb.write_at(0, falcon_engine::worker::f32_bytes(&g))
+                .unwrap();
+            worker.push_pull("w", &gb, &out, t).unwrap();
+            out.read_at(0, falcon_engine::worker::f32_bytes_mut(&mut next))
+                .unwrap();
+            worker.pull_slice("w", &mut later, t + 1).unwrap();
             assert_eq!(
-                next[i].to_bits(),
-                (p[i] - lr * g[i]).to_bits(),
-                "iteration {t}, float {i}"
+                next, later,
+                "{wire:?}, iteration {t}: the answer is the pushed values"
             );
+            let moved = next.iter().zip(&p).filter(|(a, b)| a != b).count();
+            assert!(
+                moved > 900,
+                "{wire:?}, iteration {t}: {moved} of 1000 values moved"
+            );
+            if wire == Wire::F32 {
+                let off = (0..N).find(|&i| next[i].to_bits() != (p[i] - lr * g[i]).to_bits());
+                assert_eq!(off, None, "iteration {t}: the first float off");
+            }
         }
+        assert_eq!(worker.clock(), 8);
+        // A wrong clock or length is refused as for push and pull, and nothing is sent.
+        assert!(matches!(
+            worker.push_pull("w", &gb, &out, 3),
+            Err(Error::BadClock { .. })
+        ));
+        let short = worker.buffer("b").unwrap();
+        assert!(worker.push_pull("w", &gb, &short, 8).is_err());
+        assert!(worker.push_pull("w", &short, &out, 8).is_err());
+        worker.push_pull("w", &gb, &out, 8).unwrap();
+        cluster.finish().unwrap();
     }
-    assert_eq!(worker.clock(), 8);
-    // A wrong clock or length is refused as for push and pull, and nothing is sent.
-    assert!(matches!(
-        worker.push_pull("w", &gb, &out, 3),
-        Err(Error::BadClock { .. })
-    ));
-    let short = worker.buffer("b").unwrap();
-    assert!(worker.push_pull("w", &gb, &short, 8).is_err());
-    assert!(worker.push_pull("w", &short, &out, 8).is_err());
-    worker.push_pull("w", &gb, &out, 8).unwrap();
-    cluster.finish().unwrap();
 }
 
 /// `W` workers pull and push tensor "b" `N` times, worker w pushing −(w+1) each time (so

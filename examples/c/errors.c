@@ -151,7 +151,7 @@ static int job(void) {
     float pushed_back[LEN], pulled[LEN];
     expect("push-pull into a null array", falcon_push_pull(w, "w", grad, NULL, LEN, 2),
            FALCON_ERR_NULL);
-    expect("push-pull of the wrong length", falcon_push_pull(w, "w", big, pushed_back, LEN + 1, 2),
+    expect("push-pull of the wrong length", falcon_push_pull(w, "w", big, big, LEN + 1, 2),
            FALCON_ERR_WRONG_LENGTH);
     expect("push-pull at a clock not the next",
            falcon_push_pull(w, "w", grad, pushed_back, LEN, 5), FALCON_ERR_BAD_CLOCK);

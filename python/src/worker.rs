@@ -683,7 +683,8 @@ impl Worker {
 
     /// Pushes `grad` as this worker's gradient for `clock`, then pulls into `out` the values
     /// for `clock + 1`, shard by shard: each shard's pull goes right behind its push, so
-    /// the two directions of a link work at once, and each answer holds this push applied.
+    /// the two directions of a link work at once, and each answer comes after this push was
+    /// applied (unless the policy drops it or counts it for a later step: Sync-opt's backups).
     /// Blocks (the GIL released) until `out` is written; `grad` is copied first.
     fn push_pull(
         &self,

@@ -96,6 +96,17 @@ impl Worker {
         rec: PushRecord,
         ack: AckOf,
     ) -> Result<Arc<Signal>> {
+        self.write_record_on(s, rec, ack).map(|(sig, _)| sig)
+    }
+
+    /// [`Worker::write_record`], returning also the link the push went out on (or was
+    /// deferred on, to be sent again after a reconnection).
+    pub(super) fn write_record_on(
+        &self,
+        s: &ShardRemote,
+        rec: PushRecord,
+        ack: AckOf,
+    ) -> Result<(Arc<Signal>, Link)> {
         self.wait_slot(s)?;
         let link = self.inner.link(s.server)?;
         let req = Request::Ack {
@@ -109,7 +120,7 @@ impl Worker {
         let sig = self.track(s, &link, req, what);
         let sent = self.inner.write_push(&link, s, &rec);
         self.sent_or_deferred(sent, s.server, req, "push to")?;
-        Ok(sig)
+        Ok((sig, link))
     }
 
     /// Registers `req`, answered by shard `s`'s server and about to go out on `link`.
@@ -341,6 +352,20 @@ impl Worker {
         clock: u64,
     ) -> Result<Arc<Signal>> {
         let link = self.inner.link(s.server)?;
+        self.pull_slow_on(s, &link, out, clock)
+    }
+
+    /// [`Worker::pull_slow`] on `link`: behind whatever went out on it before (a link that
+    /// failed meanwhile defers the request with everything else it carried, and a
+    /// reconnection sends pushes before pulls).
+    pub(super) fn pull_slow_on(
+        &self,
+        s: &ShardRemote,
+        link: &Link,
+        out: &Region,
+        clock: u64,
+    ) -> Result<Arc<Signal>> {
+        let link = link.clone();
         let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         s.pulled_version.store(u64::MAX, Ordering::Release);
         let what = Resend::Pull {

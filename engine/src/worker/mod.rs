@@ -101,7 +101,8 @@ pub use transfer::{Offer, StealHook};
 #[must_use = "a push or pull is only known done after wait()"]
 pub struct Handle {
     signals: Vec<Arc<Signal>>,
-    /// Pushes: the operation timeout (the server acknowledges on receipt). Pulls: none — a pull
+    /// Pushes: the operation timeout (the server acknowledges once it has read the gradient
+    /// out of the slot, or applied it from there). Pulls: none — a pull
     /// may rightly wait as long as the policy holds it (a straggler under BSP); peer death,
     /// not a clock, ends it.
     timeout: Option<Duration>,
@@ -620,30 +621,65 @@ impl Worker {
 
     /// Pushes `grad` as this worker's gradient for `clock`, then pulls `tensor` into `out` for
     /// `clock + 1`: what [`Worker::push`] then [`Worker::pull`] do (BytePS's `push_pull`,
-    /// ps-lite's `ZPushPull`), shard by shard. Each shard's pull goes out on its server's link
-    /// right behind that shard's push, so the server answers it once the push is applied (when
-    /// the policy allows, as for any pull of `clock + 1`) while the next shards' pushes are
-    /// still on their way: both directions of a link carry data at once, where `push` then
-    /// `pull` uses one direction at a time. Each shard's answer holds this push applied, under
-    /// every policy and wire precision. `grad` and `out` may be the same region (a shard's
-    /// answer lands only after its push has left). Under ElasticBSP, whose superstep barrier
-    /// a pull may have to wait for, it is `push` then `pull`.
+    /// ps-lite's `ZPushPull`), shard by shard. Each shard's pull request goes out on the link
+    /// its push took, right behind it, and its server answers it from its event loop once the
+    /// push is applied (when the policy allows, as for any pull of `clock + 1`) while the next
+    /// shards' pushes are still on their way: both directions of a link carry data at once,
+    /// where `push` then `pull` uses one direction at a time. So each answer holds this push,
+    /// unless the policy drops it or counts it for a later step (Sync-opt's backups); after a
+    /// `push`, a lock-free `pull` need not see it where the server acknowledges before it
+    /// applies (16-bit gradients). `grad` and `out` may be the same region (a shard's answer
+    /// lands only after its push has left). Under ElasticBSP the pushes go first, then the
+    /// superstep barrier a pull may have to wait for, then every shard's pull through its
+    /// server. On an error the pushes that went out stay pushed (the first error is returned
+    /// once every shard was pushed), and answers already asked for may still land in `out`.
     pub fn push_pull(&self, tensor: &str, grad: &Region, out: &Region, clock: u64) -> Result<()> {
+        let t = self.tensor(tensor)?;
+        self.check_len(t, out)?;
         if self.inner.gate.is_some() {
             self.push(tensor, grad, clock)?;
-            return self.pull(tensor, out, clock + 1);
+            self.pass_gate(clock + 1)?;
+            let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
+            let answers = self.per_server(&shards, |s| {
+                lock(&self.inner.stats).slow_pulls += 1;
+                self.pull_slow(s, out, clock + 1)
+            })?;
+            return self.handle(answers, None).wait();
         }
         let shards = self.push_shards(tensor, grad, clock)?;
-        self.check_len(self.tensor(tensor)?, out)?;
         self.sample_interval(clock);
         let sent = self.per_server(&shards, |s| {
-            let ack = self.push_shard(s, grad, clock)?;
+            let rec = data::PushRecord {
+                grad: Some(grad.clone()),
+                own: None,
+                kind: PushKind::Gradient,
+                seq: clock + 1,
+                help_for: None,
+            };
+            let (ack, link) = self.write_record_on(s, rec, AckOf::Push { clock })?;
+            self.pushed(s);
             lock(&self.inner.stats).slow_pulls += 1;
-            Ok((ack, self.pull_slow(s, out, clock + 1)?))
+            // A failed pull request does not stop the other shards' pushes: every shard of
+            // the tensor must count this clock.
+            Ok((ack, self.pull_slow_on(s, &link, out, clock + 1)))
         })?;
-        let (acks, answers): (Vec<_>, Vec<_>) = sent.into_iter().unzip();
+        let mut acks = Vec::with_capacity(sent.len());
+        let mut answers = Vec::with_capacity(sent.len());
+        let mut failed = None;
+        for (ack, answer) in sent {
+            acks.push(ack);
+            match answer {
+                Ok(a) => answers.push(a),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
         // Acknowledgements within the push timeout; answers as long as the policy holds them.
         self.handle(acks, Some(self.inner.timeout)).wait()?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
         self.handle(answers, None).wait()
     }
 
