@@ -255,7 +255,8 @@ int falcon_pull(falcon_worker *w, const char *tensor, float *out, size_t len, ui
  * Pushes `grad` (`len` floats, the tensor's length) as this worker's gradient of `tensor`
  * for iteration `clock` (the tensor's next), then pulls the values for `clock + 1` into
  * `out` (`len` floats), shard by shard: each shard's pull goes right behind its push, so
- * both directions of a link work at once, and each answer holds this push applied. Blocks
+ * both directions of a link work at once, and each answer comes after this push was applied
+ * (unless the policy drops it or counts it for a later step: Sync-opt's backups). Blocks
  * until `out` is written. The gradient is copied first: `grad` and `out` may be the same
  * array.
  *
