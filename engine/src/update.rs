@@ -476,9 +476,7 @@ impl ShardOptimizer {
             v,
         });
     }
-}
 
-impl ShardOptimizer {
     /// [`ShardOptimizer::apply`] of a gradient that lies elsewhere (a worker's slot): its
     /// `w.len()` floats are read by `read(at, block)` a block of [`APPLY_BLOCK`] at a time
     /// onto the stack, each block multiplied by `scale` as [`scale_in_place`] would (unless
@@ -496,7 +494,6 @@ impl ShardOptimizer {
         let (opt, step) = (self.opt, self.step);
         let arch = pulp::Arch::new();
         let mut block = [0f32; APPLY_BLOCK];
-        let len = w.len();
         for (k, w) in w.chunks_mut(APPLY_BLOCK).enumerate() {
             let at = k * APPLY_BLOCK;
             let n = w.len();
@@ -525,7 +522,6 @@ impl ShardOptimizer {
                 v,
             });
         }
-        debug_assert!(self.m.is_empty() || self.m.len() == len);
     }
 }
 

@@ -365,7 +365,6 @@ impl Worker {
         out: &Region,
         clock: u64,
     ) -> Result<Arc<Signal>> {
-        let link = link.clone();
         let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         s.pulled_version.store(u64::MAX, Ordering::Release);
         let what = Resend::Pull {
@@ -374,8 +373,8 @@ impl Worker {
             clock,
         };
         let req = Request::Pull(id);
-        let sig = self.track(s, &link, req, what);
-        let sent = self.inner.send_pull(&link, s, id, out, clock);
+        let sig = self.track(s, link, req, what);
+        let sent = self.inner.send_pull(link, s, id, out, clock);
         self.sent_or_deferred(sent, s.server, req, "pull from")?;
         Ok(sig)
     }
