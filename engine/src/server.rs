@@ -817,7 +817,8 @@ impl Serving {
             tracing::warn!("server {rank}: push to unknown local shard {}", imm.local);
             return;
         };
-        let slot = &s.slots[w as usize];
+        let slot = s.slots[w as usize].clone();
+        let floats = s.spec.len as usize;
         let mut trailer = [0u8; SlotTrailer::BYTES as usize];
         // Initial values travel as f32; gradients in the job's wire precision.
         let wire = match imm.kind {
@@ -826,35 +827,10 @@ impl Serving {
         };
         // A gradient in f32 is applied where it lies (`Grad::Slot`, acknowledged after the
         // apply): one pass over the slot instead of a copy and a pass over the copy.
-        let floats = s.spec.len as usize;
-        if imm.kind == PushKind::Gradient
-            && wire == crate::precision::Wire::F32
-            && slot.len() >= s.spec.bytes() + SlotTrailer::BYTES
-        {
-            if let Err(e) = slot.read_at(s.spec.bytes(), &mut trailer) {
-                tracing::warn!("server {rank}: reading worker {w}'s slot: {e}");
-                return;
-            }
-            let SlotTrailer {
-                computed_on, seq, ..
-            } = SlotTrailer::from_bytes(trailer);
-            let slot = slot.clone();
-            let grad = SlotGrad {
-                slot: &slot,
-                floats,
-            };
-            let input = Input::Push {
-                conn: link,
-                worker: w,
-                seq,
-                computed_on,
-                grad: crate::shard::Grad::Slot(&grad),
-            };
-            self.feed(i, input);
-            return;
-        }
+        let in_slot = imm.kind == PushKind::Gradient && wire == crate::precision::Wire::F32;
         let mut ranges = None;
         let read = match (imm.kind, wire) {
+            _ if in_slot => Ok(Vec::new()),
             (PushKind::Rows, _) => crate::rows::parse(s.spec.len, s.spec.bytes(), |o, buf| {
                 slot.read_at(o, buf).map_err(Error::from)
             })
@@ -866,7 +842,7 @@ impl Serving {
             (_, crate::precision::Wire::F32) => slot.read_f32_vec(0, s.spec.len as usize),
             (_, w) => {
                 // Widened in the slot, then read as f32 (the slot holds a gradient's f32 bytes).
-                crate::precision::widen_in_place(w, slot, 0, s.spec.len)
+                crate::precision::widen_in_place(w, &slot, 0, s.spec.len)
                     .and_then(|()| slot.read_f32_vec(0, s.spec.len as usize))
             }
         }
@@ -886,6 +862,10 @@ impl Serving {
             seq,
             help_for,
         } = SlotTrailer::from_bytes(trailer);
+        let in_place = SlotGrad {
+            slot: &slot,
+            floats,
+        };
         let input = match imm.kind {
             PushKind::Init => Input::Init {
                 conn: link,
@@ -905,7 +885,10 @@ impl Serving {
                 worker: w,
                 seq,
                 computed_on,
-                grad: grad.into(),
+                grad: match in_slot {
+                    true => crate::shard::Grad::Slot(&in_place),
+                    false => grad.into(),
+                },
             },
             PushKind::Help => Input::Help {
                 conn: link,
