@@ -66,6 +66,11 @@ pub struct JobConfig {
     pub rendezvous_timeout: Duration,
     /// The transport of this node.
     pub transport: TransportConfig,
+    /// Where this node's host holds more of the job's workers and servers than this process
+    /// has cores, its waits park at once instead of spinning for `transport.spin` (see
+    /// [`host_spin`]): there a spin takes the core a busy peer needs. On by default;
+    /// `FALCON_SPIN_US` turns it off, so the spin it sets holds everywhere.
+    pub spin_auto: bool,
     /// The scheduler's supervisor and parallelism manager.
     pub supervisor: SupervisorSettings,
     /// Server checkpoints and recovery (`None`: a dead server ends the job).
@@ -226,6 +231,7 @@ impl Default for JobConfig {
                 medium: Medium::Auto,
                 ..TransportConfig::default()
             },
+            spin_auto: true,
             supervisor: SupervisorSettings::default(),
             checkpoint: None,
             max_pending_bytes: 256 << 20,
@@ -252,9 +258,41 @@ impl JobConfig {
     }
 }
 
+/// How long a node's waits spin: `configured`, except where `auto` is on and the job's
+/// workers and servers on this node's host (`host_peers`, the node included) outnumber the
+/// `cores` this process may run on: then none (a wait parks at once), since each spinning
+/// wait would take a core that a peer with work needs. Open MPI's oversubscribed mode (yield
+/// when idle) rests on the same observation.
+pub fn host_spin(configured: Duration, auto: bool, host_peers: u32, cores: usize) -> Duration {
+    if auto && host_peers as usize > cores {
+        Duration::ZERO
+    } else {
+        configured
+    }
+}
+
 /// The transport-level job id of a job name (FNV-1a: stable across builds and hosts).
 pub fn job_hash(job: &str) -> u64 {
     job.bytes().fold(0xcbf29ce484222325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100000001b3)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_crowded_host_parks_at_once_unless_the_spin_was_set() {
+        let spin = Duration::from_micros(50);
+        // As many processes as cores, or fewer: the configured spin.
+        assert_eq!(host_spin(spin, true, 2, 2), spin);
+        assert_eq!(host_spin(spin, true, 1, 16), spin);
+        // More than cores: none.
+        assert_eq!(host_spin(spin, true, 3, 2), Duration::ZERO);
+        assert_eq!(host_spin(spin, true, 64, 8), Duration::ZERO);
+        // A spin the user set holds.
+        assert_eq!(host_spin(spin, false, 64, 8), spin);
+        assert!(JobConfig::default().spin_auto);
+    }
 }

@@ -701,6 +701,7 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
         d.transport.handshake_timeout,
         checks::timeout_ms,
     )?;
+    cfg.spin_auto = env.get(&["FALCON_SPIN_US"]).is_none();
     cfg.transport.spin = Duration::from_micros(env.value(
         &["FALCON_SPIN_US"],
         d.transport.spin.as_micros() as u64,
@@ -797,6 +798,7 @@ mod tests {
         assert_eq!(l.config.optimizer.lr(), DEFAULT_LR);
         assert_eq!(l.config.max_shard_bytes, d.max_shard_bytes);
         assert_eq!(l.config.heartbeat, d.heartbeat);
+        assert!(l.config.spin_auto);
         assert_eq!(l.config.suspicion, Some(DEFAULT_SUSPICION));
         assert_eq!(l.config.rendezvous_timeout, d.rendezvous_timeout);
         assert_eq!(l.config.transport.op_timeout, d.transport.op_timeout);
@@ -893,6 +895,10 @@ mod tests {
         assert_eq!(c.transport.op_timeout, Duration::from_millis(2500));
         assert_eq!(c.transport.handshake_timeout, Duration::from_millis(300));
         assert_eq!(c.transport.spin, Duration::ZERO);
+        assert!(
+            !c.spin_auto,
+            "a spin the user set holds on a crowded host too"
+        );
         assert_eq!(c.transport.max_handshakes, 7);
         assert_eq!(c.transport.max_handshakes_per_source, 3);
         assert_eq!(

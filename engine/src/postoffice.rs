@@ -108,6 +108,17 @@ pub fn rendezvous(
         },
     )?;
     book.keymap.validate(book.servers.len())?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let spin = crate::config::host_spin(cfg.transport.spin, cfg.spin_auto, book.host_peers, cores);
+    if spin != t.spin() {
+        tracing::debug!(
+            "{} {}: {} of the job's workers and servers share this host's {cores} core(s): waits park at once instead of spinning (FALCON_SPIN_US sets a spin)",
+            role.name(),
+            book.rank,
+            book.host_peers
+        );
+        t.set_spin(spin);
+    }
     Ok((sched, book, early))
 }
 

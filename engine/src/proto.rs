@@ -84,6 +84,10 @@ pub struct Book {
     pub instance: u64,
     /// Barriers fallen so far: a rejoining worker's next barrier is the one after.
     pub barriers: u64,
+    /// The job's workers and servers on this node's host at the start, this one included:
+    /// more of them than cores, and a wait parks at once instead of spinning (see
+    /// [`crate::JobConfig::spin_auto`]).
+    pub host_peers: u32,
 }
 
 /// What a worker reattaching to a server says of one shard.

@@ -40,6 +40,31 @@ pub struct Scheduler {
     t: Transport,
 }
 
+/// How many of the job's workers and servers each host holds, by host identity.
+type Hosts = BTreeMap<String, u32>;
+
+/// The host identity in a node's advertised address (`host=ID;…`, a worker's without a
+/// medium); an address without one is a host of its own.
+fn host_of(addr: &str) -> &str {
+    addr.split(';')
+        .find_map(|part| part.strip_prefix("host="))
+        .unwrap_or(addr)
+}
+
+/// Counts the nodes of each host, from their advertised addresses.
+fn per_host<'a>(addrs: impl Iterator<Item = &'a String>) -> Hosts {
+    let mut hosts = Hosts::new();
+    for a in addrs {
+        *hosts.entry(host_of(a).to_string()).or_default() += 1;
+    }
+    hosts
+}
+
+/// The job's workers and servers on the host of `addr` (at least the node itself).
+fn host_peers(hosts: &Hosts, addr: &str) -> u32 {
+    hosts.get(host_of(addr)).copied().unwrap_or(0).max(1)
+}
+
 /// A node admitted at rendezvous: its link, its address and the tensors it declared.
 struct Joined {
     link: Link,
@@ -137,12 +162,13 @@ impl Scheduler {
     /// worker is done; then shuts the servers down.
     pub fn run(self) -> Result<SchedulerReport> {
         let mut report = SchedulerReport::default();
-        let (nodes, book) = self.rendezvous(&mut report)?;
-        self.serve(nodes, book, report)
+        let (nodes, book, hosts) = self.rendezvous(&mut report)?;
+        self.serve(nodes, book, hosts, report)
     }
 
-    /// Admits S servers and W workers; returns (role, rank) → link, and the book (rank 0).
-    fn rendezvous(&self, report: &mut SchedulerReport) -> Result<(Nodes, Book)> {
+    /// Admits S servers and W workers; returns (role, rank) → link, the book (rank 0) and
+    /// how many of them each host holds.
+    fn rendezvous(&self, report: &mut SchedulerReport) -> Result<(Nodes, Book, Hosts)> {
         let cfg = &self.cfg;
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         let admission = crate::config::admission_deadline(cfg);
@@ -242,7 +268,7 @@ impl Scheduler {
         roster: &Rendezvous,
         mut st: Gathering,
         report: &mut SchedulerReport,
-    ) -> Result<(Nodes, Book)> {
+    ) -> Result<(Nodes, Book, Hosts)> {
         let cfg = &self.cfg;
         let mut nodes = BTreeMap::new();
         let mut addrs = BTreeMap::new();
@@ -295,10 +321,13 @@ impl Scheduler {
             rejoin: false,
             instance,
             barriers: 0,
+            host_peers: 1,
         };
+        let hosts = per_host(addrs.values());
         for ((role, rank), link) in &nodes {
             let book = Book {
                 rank: *rank,
+                host_peers: host_peers(&hosts, &addrs[&(*role, *rank)]),
                 ..template.clone()
             };
             link.send(&Msg::Book(book).encode())
@@ -308,12 +337,18 @@ impl Scheduler {
                     why: e.to_string(),
                 })?;
         }
-        Ok((nodes, template))
+        Ok((nodes, template, hosts))
     }
 
     /// Runs the job after rendezvous: transport completions go to the membership, whose
     /// actions the driver carries out, until it ends the job.
-    fn serve(self, nodes: Nodes, book: Book, report: SchedulerReport) -> Result<SchedulerReport> {
+    fn serve(
+        self,
+        nodes: Nodes,
+        book: Book,
+        hosts: Hosts,
+        report: SchedulerReport,
+    ) -> Result<SchedulerReport> {
         let admission = crate::config::admission_deadline(&self.cfg);
         let m = Membership::new(Settings::of(&self.cfg), report, Instant::now());
         let tick = m.tick_every(self.cfg.heartbeat);
@@ -332,6 +367,7 @@ impl Scheduler {
             joining: HashMap::new(),
             nonces: HashMap::new(),
             book,
+            hosts,
             advised: supervisor.all_threads(),
             supervisor,
             m,
@@ -374,6 +410,8 @@ struct Driver<'a> {
     nonces: HashMap<LinkId, Vec<u8>>,
     /// The book a node joining is sent (with its rank and the barriers fallen).
     book: Book,
+    /// The workers and servers on each host at the start.
+    hosts: Hosts,
     supervisor: Manager,
     /// The thread count last advised to each worker.
     advised: Vec<usize>,
@@ -517,6 +555,7 @@ impl Driver<'_> {
         }
         let b = Book {
             rank: r,
+            host_peers: host_peers(&self.hosts, &addr),
             rejoin: true,
             barriers: self.m.barriers_fallen(),
             ..self.book.clone()
@@ -577,6 +616,28 @@ mod tests {
 
     fn untils(plan: &[SuperstepPlan]) -> Vec<u64> {
         plan.iter().map(|p| p.until).collect()
+    }
+
+    #[test]
+    fn hosts_are_counted_from_advertised_addresses() {
+        let addrs = [
+            "host=a-1;tcp=10.0.0.1:9000;shm=/run/x.sock",
+            "host=a-1;tcp=10.0.0.1:9001",
+            // Workers advertise their host alone (they accept no links).
+            "host=a-1",
+            "host=b-2",
+            "garbage",
+        ]
+        .map(String::from);
+        let hosts = per_host(addrs.iter());
+        assert_eq!(hosts.get("a-1"), Some(&3));
+        assert_eq!(hosts.get("b-2"), Some(&1));
+        assert_eq!(hosts.get("garbage"), Some(&1));
+        assert_eq!(host_peers(&hosts, "host=a-1"), 3);
+        assert_eq!(host_peers(&hosts, "host=b-2;tcp=10.0.0.2:9000"), 1);
+        // A node on a host not seen at the start (one rejoining elsewhere) counts itself.
+        assert_eq!(host_peers(&hosts, "host=c-3"), 1);
+        assert_eq!(host_of("tcp=1.2.3.4:5;host=z"), "z");
     }
 
     #[test]

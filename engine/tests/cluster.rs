@@ -271,6 +271,50 @@ fn count_every_push(policy: PolicySpec, w: u32, n: u64, repeat: bool) -> (u64, u
 }
 
 #[test]
+fn a_host_crowded_with_the_jobs_nodes_parks_instead_of_spinning() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let spin = Duration::from_micros(30);
+    for auto in [true, false] {
+        let mut c = cfg(2, 2, PolicySpec::Bsp);
+        c.transport.spin = spin;
+        c.spin_auto = auto;
+        let cluster = LocalCluster::start(c, tensors()).unwrap();
+        for w in &cluster.workers {
+            // Two servers and two workers, all on this host.
+            assert_eq!(w.host_peers(), 4);
+            let want = falcon_engine::config::host_spin(spin, auto, 4, cores);
+            assert_eq!(w.spin(), want, "auto {auto}, {cores} cores");
+            if auto && cores < 4 {
+                assert_eq!(w.spin(), Duration::ZERO);
+            }
+        }
+        // Steps go on whether the waits spin or park.
+        let threads: Vec<_> = cluster
+            .workers
+            .iter()
+            .cloned()
+            .map(|worker| {
+                std::thread::spawn(move || {
+                    let mut p = vec![0f32; 10];
+                    for t in 0..20 {
+                        worker.pull_slice("b", &mut p, t).unwrap();
+                        worker.push_slice("b", &[1.0; 10], t).unwrap();
+                    }
+                    worker.pull_slice("b", &mut p, 20).unwrap();
+                    p
+                })
+            })
+            .collect();
+        let lr = JobConfig::default().optimizer.lr();
+        for h in threads {
+            let p = h.join().unwrap();
+            assert!(p.iter().all(|&x| (x + 20.0 * lr).abs() < 1e-4), "{p:?}");
+        }
+        cluster.finish().unwrap();
+    }
+}
+
+#[test]
 fn asp_applies_every_push_exactly_once() {
     let (repeats, _) = count_every_push(PolicySpec::Asp, 4, 25, false);
     assert_eq!(repeats, 0);

@@ -19,7 +19,7 @@
 //! receive buffers) are counted but never wait.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -190,13 +190,13 @@ struct CqInner {
     /// Set when the transport stops: bounded pushes stop waiting.
     stopped: AtomicBool,
     sources: Mutex<Vec<Arc<dyn CqSource>>>,
-    spin: Duration,
+    spin: Spin,
 }
 
 impl std::fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CompletionQueue")
-            .field("spin", &self.inner.spin)
+            .field("spin", &self.inner.spin.get())
             .field("cap", &self.inner.cap)
             .finish()
     }
@@ -214,9 +214,15 @@ impl CompletionQueue {
                 cap,
                 stopped: AtomicBool::new(false),
                 sources: Mutex::new(Vec::new()),
-                spin,
+                spin: Spin::new(spin),
             }),
         })
+    }
+
+    /// How long waits on this queue, and on the links and device that feed it, spin before
+    /// they park.
+    pub(crate) fn spin(&self) -> &Spin {
+        &self.inner.spin
     }
 
     pub(crate) fn doorbell(&self) -> &Arc<Doorbell> {
@@ -333,7 +339,7 @@ impl CompletionQueue {
     pub fn wait(&self, timeout: Option<Duration>) -> Result<Completion> {
         let start = Instant::now();
         if let Some(c) = spin_for(
-            self.inner.spin.min(timeout.unwrap_or(Duration::MAX)),
+            self.inner.spin.get().min(timeout.unwrap_or(Duration::MAX)),
             || self.poll(),
         ) {
             return Ok(c);
@@ -373,6 +379,30 @@ impl CompletionQueue {
         found.into_iter().for_each(|c| q.push_back(c));
         any
     }
+}
+
+/// How long a hand-off between threads spins before it parks: one value shared by a
+/// transport's completion queue, its links' threads and its RDMA device, which may change
+/// while they run (a node that learns its host is crowded stops spinning).
+#[derive(Clone, Debug)]
+pub(crate) struct Spin(Arc<AtomicU64>);
+
+impl Spin {
+    pub(crate) fn new(d: Duration) -> Self {
+        Spin(Arc::new(AtomicU64::new(nanos(d))))
+    }
+
+    pub(crate) fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set(&self, d: Duration) {
+        self.0.store(nanos(d), Ordering::Relaxed);
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Polls `poll` for up to `spin`, yielding the core now and then; `None` if nothing came.

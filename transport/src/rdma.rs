@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rdma_sys::*;
 use zerocopy::{FromBytes, FromZeros, Immutable, IntoBytes, KnownLayout};
 
-use crate::cq::{Completion, CompletionQueue, LinkId, lock, spin_for};
+use crate::cq::{Completion, CompletionQueue, LinkId, Spin, lock, spin_for};
 use crate::error::{Error, Result};
 use crate::region::{Region, RegionInner};
 
@@ -318,7 +318,7 @@ pub(crate) struct Device {
     mtu: ibv_mtu::Type,
     global: bool,
     max_chunk: u64,
-    spin: Duration,
+    spin: Spin,
     /// Registration cache: region id → (the region, its MR).
     mrs: Mutex<HashMap<u64, Registration>>,
     /// Queue pairs by number, for dispatching completions.
@@ -348,7 +348,6 @@ impl Device {
     pub(crate) fn open(
         want: Option<&str>,
         gid_index: i32,
-        spin: Duration,
         out: CompletionQueue,
     ) -> Result<Arc<Device>> {
         let list = DeviceList::get()?;
@@ -361,7 +360,7 @@ impl Device {
             if want.is_some_and(|w| w != name) {
                 continue;
             }
-            match Self::open_one(dev, &name, gid_index, spin, out.clone()) {
+            match Self::open_one(dev, &name, gid_index, out.clone()) {
                 Ok(d) => return Ok(d),
                 Err(e) => last_err = Some(e),
             }
@@ -379,9 +378,9 @@ impl Device {
         dev: *mut ibv_device,
         name: &str,
         gid_index: i32,
-        spin: Duration,
         out: CompletionQueue,
     ) -> Result<Arc<Device>> {
+        let spin = out.spin().clone();
         // SAFETY: `dev` is valid while the caller's list lives.
         let ctx = unsafe { ibv_open_device(dev) };
         if ctx.is_null() {
@@ -538,7 +537,7 @@ impl Device {
                 idle_since = Instant::now();
                 continue;
             }
-            if idle_since.elapsed() < self.spin {
+            if idle_since.elapsed() < self.spin.get() {
                 std::hint::spin_loop();
                 continue;
             }
@@ -1067,7 +1066,7 @@ impl RdmaQp {
             self.state.done.load(Ordering::Acquire) >= id
                 || self.state.failed.load(Ordering::Acquire)
         };
-        if spin_for(self.dev.spin, || done().then_some(())).is_none() {
+        if spin_for(self.dev.spin.get(), || done().then_some(())).is_none() {
             *lock(&self.state.waiter) = Some(std::thread::current());
             let start = Instant::now();
             while !done() {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 use zerocopy::{FromBytes, IntoBytes};
 
-use crate::cq::{Completion, CompletionQueue, LinkId, lock, spin_for};
+use crate::cq::{Completion, CompletionQueue, LinkId, Spin, lock, spin_for};
 use crate::error::{Error, Result, check_bounds};
 use crate::handshake::{Handshake, Local, Side};
 use crate::region::Region;
@@ -36,7 +36,7 @@ pub(crate) struct TcpSettings {
     pub(crate) handshake_timeout: Duration,
     pub(crate) max_message: u64,
     /// How long a hand-off between threads spins before it parks.
-    pub(crate) spin: Duration,
+    pub(crate) spin: Spin,
     /// The job token the handshake proves (empty: none).
     pub(crate) token: Arc<[u8]>,
 }
@@ -56,12 +56,12 @@ impl TcpSettings {
 /// Receives from `rx`: a bounded spin (see [`spin_for`]), then a parked wait.
 fn recv_spinning<T>(
     rx: &Receiver<T>,
-    spin: Duration,
+    spin: &Spin,
     timeout: Option<Duration>,
 ) -> Result<T, crossbeam_channel::RecvTimeoutError> {
     let start = std::time::Instant::now();
     let mut gone = false;
-    let got = spin_for(spin, || match rx.try_recv() {
+    let got = spin_for(spin.get(), || match rx.try_recv() {
         Ok(v) => Some(v),
         Err(crossbeam_channel::TryRecvError::Disconnected) => {
             gone = true;
@@ -137,7 +137,7 @@ pub(crate) struct TcpLink {
     writer: Arc<Mutex<TcpStream>>,
     stream: TcpStream,
     op_timeout: Duration,
-    spin: Duration,
+    spin: Spin,
     pub(crate) peer_node: u64,
 }
 
@@ -322,7 +322,7 @@ impl TcpLink {
         let writer = Arc::new(Mutex::new(clone(&stream)?));
         let (tx, rx) = crossbeam_channel::unbounded();
         {
-            let (shared, writer, spin) = (shared.clone(), writer.clone(), cfg.spin);
+            let (shared, writer, spin) = (shared.clone(), writer.clone(), cfg.spin.clone());
             std::thread::Builder::new()
                 .name(format!("falcon-tcp-resp-{id}"))
                 .spawn(move || respond_loop(rx, writer, shared, spin))
@@ -345,7 +345,7 @@ impl TcpLink {
             writer,
             stream,
             op_timeout: cfg.op_timeout,
-            spin: cfg.spin,
+            spin: cfg.spin.clone(),
             peer_node,
         })
     }
@@ -524,7 +524,7 @@ impl TcpLink {
 
     /// Waits for a posted read: `Ok` once its bytes are in the destination.
     pub(crate) fn wait_read(&self, done: &Receiver<Result<()>>) -> Result<()> {
-        match recv_spinning(done, self.spin, Some(self.op_timeout)) {
+        match recv_spinning(done, &self.spin, Some(self.op_timeout)) {
             Ok(r) => r,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                 // The progress thread may be writing into the destination right now, so the
@@ -603,10 +603,10 @@ fn respond_loop(
     rx: Receiver<Reply>,
     writer: Arc<Mutex<TcpStream>>,
     shared: Arc<Shared>,
-    spin: Duration,
+    spin: Spin,
 ) {
     let mut batch: Vec<Reply> = Vec::with_capacity(REPLY_BATCH);
-    while let Ok(reply) = recv_spinning(&rx, spin, None) {
+    while let Ok(reply) = recv_spinning(&rx, &spin, None) {
         // Answers already queued behind this one (a batch of reads) go out in the same
         // write, in order.
         batch.push(reply);

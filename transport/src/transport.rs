@@ -175,7 +175,7 @@ fn open_rdma(
             None => 0,
         },
     };
-    crate::rdma::Device::open(device.as_deref(), gid, cfg.spin, cq.clone())
+    crate::rdma::Device::open(device.as_deref(), gid, cq.clone())
 }
 
 #[cfg(not(feature = "rdma"))]
@@ -382,6 +382,7 @@ impl Transport {
         }
         let node = random_u64();
         let cq = CompletionQueue::new(cfg.spin, cfg.max_queued_bytes)?;
+        let spin = cq.spin().clone();
         let rdma = open_rdma(&cfg, &cq);
         if let Err(e) = &rdma
             && crate::RDMA_BUILT
@@ -398,7 +399,7 @@ impl Transport {
                 op_timeout: cfg.op_timeout,
                 handshake_timeout: cfg.handshake_timeout,
                 max_message: cfg.max_message,
-                spin: cfg.spin,
+                spin,
                 token: cfg.token.as_bytes().into(),
             },
             shm: ShmSettings {
@@ -537,6 +538,19 @@ impl Transport {
     /// Connects to a peer with the configured medium.
     pub fn connect(&self, peer: &PeerAddr) -> Result<Link> {
         self.connect_with(peer, self.inner.cfg.medium)
+    }
+
+    /// How long a hand-off between this transport's threads (a completion-queue wait, a tcp
+    /// read's answer, the RDMA progress thread) spins before it parks; starts at
+    /// [`TransportConfig::spin`].
+    pub fn spin(&self) -> Duration {
+        self.inner.common.cq.spin().get()
+    }
+
+    /// Changes [`Transport::spin`] for every wait from now on, on links open already too:
+    /// zero parks at once, for a process that shares its cores with busier ones.
+    pub fn set_spin(&self, spin: Duration) {
+        self.inner.common.cq.spin().set(spin);
     }
 
     /// Connects to a peer over a given medium (`Auto`: same host → shm, else rdma when a

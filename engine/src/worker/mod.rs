@@ -456,6 +456,19 @@ impl Worker {
         &self.inner.book.keymap
     }
 
+    /// How many of the job's workers and servers were on this worker's host at the start,
+    /// this one included (a trainer sharing the host's cores among them may size its own
+    /// thread pools by it).
+    pub fn host_peers(&self) -> u32 {
+        self.inner.book.host_peers
+    }
+
+    /// How long this worker's waits spin before they park: the configured spin, or none on
+    /// a host crowded with the job's processes (see [`JobConfig::spin_auto`]).
+    pub fn spin(&self) -> Duration {
+        self.inner.t.spin()
+    }
+
     /// The medium of the link to each server, by server rank.
     pub fn server_media(&self) -> Vec<&'static str> {
         (0..self.inner.servers.len())
