@@ -43,7 +43,8 @@
 //! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
 //!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`; how long a hand-off between
-//!   threads spins before it parks: `FALCON_SPIN_US`;
+//!   threads spins before it parks: `FALCON_SPIN_US` (unset: 50 µs, or none on a host where
+//!   the job's workers and servers outnumber the cores);
 //! - server checkpoints: `FALCON_CHECKPOINT_DIR`, `FALCON_CHECKPOINT_MS`,
 //!   `FALCON_RECOVERY_TIMEOUT_MS`, `FALCON_CHECKPOINT_ON_FAILURE`, and `FALCON_RESUME` (start
 //!   from them: a job stopped and started again).
