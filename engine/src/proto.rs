@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use falcon_transport::RemoteKey;
+
 use crate::error::{Error, Result};
 use crate::keys::{KeyMap, TensorSpec};
 use crate::sync::PolicySpec;
@@ -507,8 +509,8 @@ pub enum AckOf {
 }
 
 /// What a push's slot holds after the floats: the version of the parameters the gradient was
-/// computed on, the push's sequence number (a retried push is not applied twice) and, for
-/// transferred tasks, whose iteration they belong to.
+/// computed on, the push's sequence number (a retried push is not applied twice), for
+/// transferred tasks whose iteration they belong to, and a pull that rides on the push.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotTrailer {
     /// The version computed on (`None`: the one the server last sent this worker).
@@ -517,16 +519,34 @@ pub struct SlotTrailer {
     pub seq: u64,
     /// A [`PushKind::Help`] push: the straggler and the iteration its tasks were taken from.
     pub help_for: Option<(u32, u64)>,
+    /// A pull of the pushed shard for the clock `seq` names, asked for with the push
+    /// ([`crate::Worker::push_pull`]): answered as a [`Msg::PullReq`] arriving right behind
+    /// the push would be, without a message of its own.
+    pub pull: Option<TrailerPull>,
+}
+
+/// The pull a push carries in its trailer: what a [`Msg::PullReq`] says besides the shard
+/// and the clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrailerPull {
+    /// The worker's request id.
+    pub req: u32,
+    /// The answer's destination: a granted region's key ([`falcon_transport::RemoteKey`]
+    /// bytes, checked where the pull is taken) and where in it.
+    pub dst: [u8; RemoteKey::SIZE],
+    /// Where in `dst`.
+    pub dst_off: u64,
 }
 
 impl SlotTrailer {
     /// Its size on the wire: four little-endian u64 (`u64::MAX` stands for no version and no
-    /// straggler): version, sequence number, straggler, its iteration.
-    pub const BYTES: u64 = 32;
+    /// straggler): version, sequence number, straggler, its iteration; then the pull: a u32
+    /// (1: there is one), its request id (u32), the destination offset (u64) and key.
+    pub const BYTES: u64 = 48 + RemoteKey::SIZE as u64;
 
     /// The wire form.
-    pub fn to_bytes(self) -> [u8; 32] {
-        let mut b = [0u8; 32];
+    pub fn to_bytes(self) -> [u8; Self::BYTES as usize] {
+        let mut b = [0u8; Self::BYTES as usize];
         let (w, c) = self
             .help_for
             .map_or((u64::MAX, 0), |(w, c)| (u64::from(w), c));
@@ -536,20 +556,42 @@ impl SlotTrailer {
         {
             b[i * 8..(i + 1) * 8].copy_from_slice(&v.to_le_bytes());
         }
+        if let Some(p) = self.pull {
+            b[32..36].copy_from_slice(&1u32.to_le_bytes());
+            b[36..40].copy_from_slice(&p.req.to_le_bytes());
+            b[40..48].copy_from_slice(&p.dst_off.to_le_bytes());
+            b[48..].copy_from_slice(&p.dst);
+        }
         b
     }
 
-    /// Reads the wire form (any 32 bytes are a trailer; a straggler beyond `u32` is none).
-    pub fn from_bytes(b: [u8; 32]) -> SlotTrailer {
+    /// Reads the wire form (any such bytes are a trailer; a straggler beyond `u32` is none,
+    /// and so is a pull whose flag is not 1).
+    pub fn from_bytes(b: [u8; Self::BYTES as usize]) -> SlotTrailer {
         let word = |i: usize| {
             let mut w = [0u8; 8];
             w.copy_from_slice(&b[i * 8..(i + 1) * 8]);
             u64::from_le_bytes(w)
         };
+        let half = |at: usize| {
+            let mut h = [0u8; 4];
+            h.copy_from_slice(&b[at..at + 4]);
+            u32::from_le_bytes(h)
+        };
+        let pull = (half(32) == 1).then(|| {
+            let mut dst = [0u8; RemoteKey::SIZE];
+            dst.copy_from_slice(&b[48..]);
+            TrailerPull {
+                req: half(36),
+                dst,
+                dst_off: word(5),
+            }
+        });
         SlotTrailer {
             computed_on: Some(word(0)).filter(|&v| v != u64::MAX),
             seq: word(1),
             help_for: u32::try_from(word(2)).ok().map(|w| (w, word(3))),
+            pull,
         }
     }
 }
@@ -763,15 +805,35 @@ mod tests {
                 computed_on: None,
                 seq: 0,
                 help_for: None,
+                pull: None,
             },
             SlotTrailer {
                 computed_on: Some(7),
                 seq: 9,
                 help_for: Some((3, 41)),
+                pull: None,
+            },
+            SlotTrailer {
+                computed_on: Some(1),
+                seq: 2,
+                help_for: None,
+                pull: Some(TrailerPull {
+                    req: u32::MAX,
+                    dst: [0xA5; RemoteKey::SIZE],
+                    dst_off: 1 << 40,
+                }),
             },
         ] {
             assert_eq!(SlotTrailer::from_bytes(t.to_bytes()), t);
         }
+        // Any bytes are a trailer; a pull flag other than 1 is no pull.
+        let mut b = [0xFFu8; SlotTrailer::BYTES as usize];
+        assert_eq!(SlotTrailer::from_bytes(b).pull, None);
+        b[32..36].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(
+            SlotTrailer::from_bytes(b).pull.map(|p| p.req),
+            Some(u32::MAX)
+        );
         for m in [
             Msg::PushAck {
                 shard: 1,

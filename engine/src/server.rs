@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use falcon_transport::{Completion, Link, LinkId, Region, RemoteKey, Transport};
+use falcon_transport::{Completion, Link, LinkId, Op, Region, RemoteKey, Transport};
 
 use crate::auth::{self, Purpose};
 use crate::checkpoint::Checkpoint;
@@ -273,6 +273,27 @@ impl Server {
     }
 }
 
+/// An acknowledgement or answer held in the outbox, for the link it goes on.
+struct Queued {
+    link: LinkId,
+    what: Out,
+}
+
+/// What an outbox holds.
+enum Out {
+    /// A control message.
+    Msg(Vec<u8>),
+    /// A pull's answer: local shard `shard`'s values as pulled, `len` bytes into the
+    /// worker's `dst` from `dst_off`, with the request id as immediate.
+    Answer {
+        shard: usize,
+        dst: RemoteKey,
+        dst_off: u64,
+        len: u64,
+        imm: u32,
+    },
+}
+
 /// Whether the event loop goes on.
 enum Flow {
     Go,
@@ -299,6 +320,9 @@ struct Serving {
     link_of: HashMap<u32, LinkId>,
     /// Pulls waiting for their shard's policy, by (worker << 32 | request id).
     parked: HashMap<u64, ParkedPull>,
+    /// While a push is handled: the acknowledgements and answers it brings, sent after it
+    /// together, one write per link (a push-pull's acknowledgement and answer go as one).
+    outbox: Option<Vec<Queued>>,
     /// When the counters go to the scheduler's metrics next.
     next_metrics: Instant,
     /// Per helper, the last task-transfer offer sent to it (each shard's policy may make the
@@ -373,6 +397,7 @@ impl Serving {
             worker_of: HashMap::new(),
             link_of: HashMap::new(),
             parked: HashMap::new(),
+            outbox: None,
             next_metrics: Instant::now(),
             offered: HashMap::new(),
             transfers_offered: vec![0; workers],
@@ -798,9 +823,69 @@ impl Serving {
         let _ = l.send(&Msg::Resumed { lost }.encode());
     }
 
-    /// A one-sided push landed in a worker's slot: read it out (the slot is free once
-    /// acknowledged) and hand it to its shard.
+    /// A one-sided push landed in a worker's slot: its acknowledgements and answers go out
+    /// together once it is handled.
     fn on_push(&mut self, link: LinkId, v: u32) {
+        self.outbox = Some(Vec::new());
+        self.take_push(link, v);
+        self.flush_outbox();
+    }
+
+    /// Sends what the outbox holds, one batch per link in the order the links first appear.
+    /// A batch refused before anything was sent (an answer's destination the link does not
+    /// take) goes again item by item, so the others still go.
+    fn flush_outbox(&mut self) {
+        let Some(queued) = self.outbox.take() else {
+            return;
+        };
+        let mut order: Vec<LinkId> = Vec::new();
+        for q in &queued {
+            if !order.contains(&q.link) {
+                order.push(q.link);
+            }
+        }
+        for link in order {
+            let Some(l) = self.links.get(&link) else {
+                continue;
+            };
+            let ops: Vec<Op<'_>> = queued
+                .iter()
+                .filter(|q| q.link == link)
+                .map(|q| match &q.what {
+                    Out::Msg(bytes) => Op::Send(bytes),
+                    Out::Answer {
+                        shard,
+                        dst,
+                        dst_off,
+                        len,
+                        imm,
+                    } => Op::Write {
+                        src: self.shards[*shard].params.pull_region(),
+                        src_off: 0,
+                        dst,
+                        dst_off: *dst_off,
+                        len: *len,
+                        imm: Some(*imm),
+                    },
+                })
+                .collect();
+            if l.submit(&ops).is_ok() {
+                continue;
+            }
+            for op in &ops {
+                if let Err(e) = l.submit(std::slice::from_ref(op)) {
+                    tracing::warn!(
+                        "server {}: an acknowledgement or answer failed: {e}",
+                        self.book.rank
+                    );
+                }
+            }
+        }
+    }
+
+    /// Reads a push out of its slot (an f32 gradient is applied where it lies; the slot is
+    /// free once acknowledged) and hands it to its shard, then the pull riding on it.
+    fn take_push(&mut self, link: LinkId, v: u32) {
         let Some(&w) = self.worker_of.get(&link) else {
             return;
         };
@@ -861,6 +946,7 @@ impl Serving {
             computed_on,
             seq,
             help_for,
+            pull,
         } = SlotTrailer::from_bytes(trailer);
         let in_place = SlotGrad {
             slot: &slot,
@@ -900,6 +986,14 @@ impl Serving {
             },
         };
         self.feed(i, input);
+        // A pull riding on a gradient push (push-pull): taken as its request right behind the
+        // push would be. Other kinds of push never carry one; a pull there is ignored.
+        if let Some(p) = pull.filter(|_| imm.kind == PushKind::Gradient)
+            && let Some(l) = self.links.get(&link).cloned()
+        {
+            let shard = self.shards[i].spec.id;
+            self.on_pull_req(&l, shard, seq, p.req, (&p.dst, p.dst_off));
+        }
     }
 
     /// Feeds shard `i` and carries out what it says: acknowledgements at once (as the core
@@ -909,7 +1003,7 @@ impl Serving {
         let now = self.start.elapsed().as_nanos() as u64;
         let mut later = Vec::new();
         {
-            let (links, s) = (&self.links, &mut self.shards[i]);
+            let (links, s, outbox) = (&self.links, &mut self.shards[i], &mut self.outbox);
             let id = s.spec.id;
             let r = s.core.handle(now, input, &mut s.params, &mut |o| match o {
                 Output::Ack {
@@ -918,15 +1012,21 @@ impl Serving {
                     staleness,
                     ..
                 } => {
-                    if let Some(l) = links.get(&conn) {
-                        let _ = l.send(
-                            &Msg::PushAck {
-                                shard: id,
-                                of,
-                                staleness,
-                            }
-                            .encode(),
-                        );
+                    let msg = Msg::PushAck {
+                        shard: id,
+                        of,
+                        staleness,
+                    }
+                    .encode();
+                    match (outbox.as_mut(), links.get(&conn)) {
+                        (Some(ob), _) => ob.push(Queued {
+                            link: conn,
+                            what: Out::Msg(msg),
+                        }),
+                        (None, Some(l)) => {
+                            let _ = l.send(&msg);
+                        }
+                        (None, None) => {}
                     }
                 }
                 other => later.push(other),
@@ -968,21 +1068,39 @@ impl Serving {
             return;
         };
         let s = &self.shards[i];
-        let r = match p.to {
-            PullTo::Write { dst, dst_off } => l.write(
-                s.params.pull_region(),
-                0,
-                &dst,
-                dst_off,
-                self.book.wire.bytes(s.spec.len),
-                Some(p.req),
-            ),
-            PullTo::Rows(ranges) => {
+        let len = self.book.wire.bytes(s.spec.len);
+        let r = match (p.to, self.outbox.as_mut()) {
+            (PullTo::Write { dst, dst_off }, Some(ob)) => {
+                ob.push(Queued {
+                    link: p.link,
+                    what: Out::Answer {
+                        shard: i,
+                        dst,
+                        dst_off,
+                        len,
+                        imm: p.req,
+                    },
+                });
+                Ok(())
+            }
+            (PullTo::Write { dst, dst_off }, None) => {
+                l.write(s.params.pull_region(), 0, &dst, dst_off, len, Some(p.req))
+            }
+            (PullTo::Rows(ranges), ob) => {
                 // Gathered straight into the answer (ranges were checked against the shard).
                 let v = zerocopy::IntoBytes::as_bytes(s.params.values());
                 let n = ranges.floats() as usize;
                 let msg = Msg::encode_rows(p.req, 4 * n, |out| ranges.gather(v, out));
-                l.send(&msg)
+                match ob {
+                    Some(ob) => {
+                        ob.push(Queued {
+                            link: p.link,
+                            what: Out::Msg(msg),
+                        });
+                        Ok(())
+                    }
+                    None => l.send(&msg),
+                }
             }
         };
         if let Err(e) = r {

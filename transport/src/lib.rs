@@ -50,7 +50,7 @@ mod wire;
 pub use addr::{Medium, PeerAddr, host_id};
 pub use cq::{Completion, CompletionQueue, LinkId};
 pub use error::{Error, Result};
-pub use link::{Link, PendingReads, ReadOp};
+pub use link::{Link, Op, PendingReads, ReadOp};
 pub use region::{F32Region, Region, RemoteKey};
 pub use transport::{AdmissionCounts, Transport, TransportConfig};
 

@@ -132,6 +132,37 @@ impl std::ops::Deref for Shared {
     }
 }
 
+/// A frame about to go out: its header and its payload.
+pub(crate) struct Frame<'a> {
+    header: FrameHeader,
+    payload: &'a [u8],
+}
+
+impl<'a> Frame<'a> {
+    /// A control message.
+    pub(crate) fn send(data: &'a [u8]) -> Self {
+        let mut header = FrameHeader::new(Op::Send);
+        header.len = (data.len() as u64).into();
+        Frame {
+            header,
+            payload: data,
+        }
+    }
+
+    /// A one-sided write of `payload` into the peer's region `region` from `offset`.
+    pub(crate) fn write(payload: &'a [u8], region: u64, offset: u64, imm: Option<u32>) -> Self {
+        let mut header = FrameHeader::new(Op::Write);
+        header.region = region.into();
+        header.offset = offset.into();
+        header.len = (payload.len() as u64).into();
+        if let Some(imm) = imm {
+            header.imm = imm.into();
+            header.flags = FLAG_IMM.into();
+        }
+        Frame { header, payload }
+    }
+}
+
 pub(crate) struct TcpLink {
     shared: Arc<Shared>,
     writer: Arc<Mutex<TcpStream>>,
@@ -411,9 +442,18 @@ impl TcpLink {
     }
 
     pub(crate) fn send(&self, data: &[u8]) -> Result<()> {
-        let mut h = FrameHeader::new(Op::Send);
-        h.len = (data.len() as u64).into();
-        self.send_frame(&h, data)
+        let f = Frame::send(data);
+        self.send_frame(&f.header, f.payload)
+    }
+
+    /// Sends `frames` in order, in as few writes as the socket takes (one, mostly).
+    pub(crate) fn send_all(&self, frames: &[Frame<'_>]) -> Result<()> {
+        let mut bufs = Vec::with_capacity(2 * frames.len());
+        for f in frames {
+            bufs.push(IoSlice::new(f.header.as_bytes()));
+            bufs.push(IoSlice::new(f.payload));
+        }
+        self.send_frames(&mut bufs)
     }
 
     pub(crate) fn grant(&self, region: &Region) {
@@ -440,17 +480,10 @@ impl TcpLink {
         offset: u64,
         imm: Option<u32>,
     ) -> Result<()> {
-        let mut h = FrameHeader::new(Op::Write);
-        h.region = region.into();
-        h.offset = offset.into();
-        h.len = len.into();
-        if let Some(imm) = imm {
-            h.imm = imm.into();
-            h.flags = FLAG_IMM.into();
-        }
         // SAFETY: the caller bounds-checked [src, src+len) inside a live source region.
         let payload = unsafe { std::slice::from_raw_parts(src, len as usize) };
-        self.send_frame(&h, payload)
+        let f = Frame::write(payload, region, offset, imm);
+        self.send_frame(&f.header, f.payload)
     }
 
     pub(crate) fn read(

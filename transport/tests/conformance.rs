@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use falcon_transport::{
-    Completion, Error, Link, Medium, PeerAddr, ReadOp, Region, RemoteKey, Transport,
+    Completion, Error, Link, Medium, Op, PeerAddr, ReadOp, Region, RemoteKey, Transport,
 };
 
 /// Grants `region` on `link` and sends its key as a message.
@@ -62,6 +62,81 @@ fn ordering_of_writes_and_immediates(medium: Medium) {
         }
     }
     let _ab = writer.join().unwrap();
+}
+
+/// A submitted batch takes effect as its ops one by one would: writes visible by the
+/// immediate that follows them, the message after both; a bad write fails the whole batch
+/// before anything is sent, and the link stays usable.
+fn submitted_batches(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    let target = Region::new(3 * 4096).unwrap();
+    share(&ba, &target);
+    let key = recv_key(&a);
+    let src = Region::new(3 * 4096).unwrap();
+    for round in 0..50u64 {
+        let data = pattern(round, 3 * 4096);
+        src.write_at(0, &data).unwrap();
+        let msg = round.to_le_bytes();
+        // A trailer-like write without an immediate, a write with one, then a message.
+        ab.submit(&[
+            Op::Write {
+                src: &src,
+                src_off: 2 * 4096,
+                dst: &key,
+                dst_off: 2 * 4096,
+                len: 4096,
+                imm: None,
+            },
+            Op::Write {
+                src: &src,
+                src_off: 0,
+                dst: &key,
+                dst_off: 0,
+                len: 2 * 4096,
+                imm: Some(round as u32),
+            },
+            Op::Send(&msg),
+        ])
+        .unwrap();
+        match next(b.cq()) {
+            Completion::WriteImm { link, imm } => {
+                assert_eq!((link, imm), (ba.id(), round as u32));
+                let mut got = vec![0u8; 3 * 4096];
+                target.read_at(0, &mut got).unwrap();
+                assert_eq!(
+                    got, data,
+                    "round {round}: both writes visible at the immediate"
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(next_message(b.cq()), msg, "the message after the writes");
+    }
+    // A write beyond the target: nothing of the batch is sent.
+    let before = pattern(999, 3 * 4096);
+    src.write_at(0, &before).unwrap();
+    let err = ab
+        .submit(&[
+            Op::Send(b"first"),
+            Op::Write {
+                src: &src,
+                src_off: 0,
+                dst: &key,
+                dst_off: 4096,
+                len: 3 * 4096,
+                imm: Some(7),
+            },
+        ])
+        .unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+    assert!(
+        b.cq().wait(Some(Duration::from_millis(200))).is_err(),
+        "nothing of a refused batch arrives"
+    );
+    // An empty batch is nothing; the link still carries a batch.
+    ab.submit(&[]).unwrap();
+    ab.submit(&[Op::Send(b"after")]).unwrap();
+    assert_eq!(next_message(b.cq()), b"after");
 }
 
 /// A read issued after a write sees it; reads return exactly the remote bytes.
@@ -691,6 +766,13 @@ macro_rules! conformance {
                     return;
                 }
                 super::bounds_and_grants($medium)
+            }
+            #[test]
+            fn submitted_batches() {
+                if skip($medium) {
+                    return;
+                }
+                super::submitted_batches($medium)
             }
             #[test]
             fn grant_keeps_region_alive() {

@@ -5,14 +5,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use falcon_transport::{Link, ReadOp, Region};
+use falcon_transport::{Link, Op, ReadOp, Region, RemoteKey};
 
 use super::tracker::{Request, Signal};
 use super::{Inner, ShardRemote, Worker, lock};
 use crate::error::{Error, Result};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::precision::Wire;
-use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer};
+use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer, TrailerPull};
 
 /// A push as it must be written again (after a reconnection).
 #[derive(Clone)]
@@ -96,17 +96,65 @@ impl Worker {
         rec: PushRecord,
         ack: AckOf,
     ) -> Result<Arc<Signal>> {
-        self.write_record_on(s, rec, ack).map(|(sig, _)| sig)
+        let (link, req, sig) = self.track_push(s, &rec, ack)?;
+        let sent = self.inner.write_push(&link, s, &rec, None);
+        self.sent_or_deferred(sent, s.server, req, "push to")?;
+        Ok(sig)
     }
 
-    /// [`Worker::write_record`], returning also the link the push went out on (or was
-    /// deferred on, to be sent again after a reconnection).
-    pub(super) fn write_record_on(
+    /// As [`Worker::write_record`], asking in the same write for the shard's values for
+    /// `clock` into `out`: the pull rides in the push's trailer, so its server takes it right
+    /// behind the push. Returns the push's signal and the answer's (or why the pull could not
+    /// be asked for: the push went out anyway). Sent again after a reconnection, the push goes
+    /// first and the pull as a request of its own.
+    pub(super) fn write_record_and_pull(
         &self,
         s: &ShardRemote,
         rec: PushRecord,
         ack: AckOf,
-    ) -> Result<(Arc<Signal>, Link)> {
+        (out, clock): (&Region, u64),
+    ) -> Result<(Arc<Signal>, Result<Arc<Signal>>)> {
+        let (link, req, sig) = self.track_push(s, &rec, ack)?;
+        let pull = self
+            .inner
+            .pull_dst(&link, out)
+            .map_err(|e| self.inner.server_error(s.server, e))
+            .map(|dst| {
+                let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+                s.pulled_version.store(u64::MAX, Ordering::Release);
+                let what = Resend::Pull {
+                    shard: self.inner.shard_index(s),
+                    out: out.clone(),
+                    clock,
+                };
+                let answer = self.track(s, &link, Request::Pull(id), what);
+                let rides = TrailerPull {
+                    req: id,
+                    dst: dst.to_bytes(),
+                    dst_off: s.spec.offset * 4,
+                };
+                (answer, rides)
+            });
+        let rides = pull.as_ref().ok().map(|(_, rides)| *rides);
+        let sent = self.inner.write_push(&link, s, &rec, rides);
+        if let (Err(e), Some(rides)) = (&sent, rides)
+            && !self.deferred(e)
+        {
+            // The pull went nowhere: its request is withdrawn with the push's.
+            lock(&self.inner.requests).take(Request::Pull(rides.req));
+        }
+        self.sent_or_deferred(sent, s.server, req, "push to")?;
+        Ok((sig, pull.map(|(answer, _)| answer)))
+    }
+
+    /// Waits for shard `s`'s slot, then registers a push of `rec` on the server's current
+    /// link; returns the link, the request and its signal.
+    fn track_push(
+        &self,
+        s: &ShardRemote,
+        rec: &PushRecord,
+        ack: AckOf,
+    ) -> Result<(Link, Request, Arc<Signal>)> {
         self.wait_slot(s)?;
         let link = self.inner.link(s.server)?;
         let req = Request::Ack {
@@ -118,9 +166,7 @@ impl Worker {
             rec: rec.clone(),
         };
         let sig = self.track(s, &link, req, what);
-        let sent = self.inner.write_push(&link, s, &rec);
-        self.sent_or_deferred(sent, s.server, req, "push to")?;
-        Ok((sig, link))
+        Ok((link, req, sig))
     }
 
     /// Registers `req`, answered by shard `s`'s server and about to go out on `link`.
@@ -153,12 +199,18 @@ impl Worker {
         let Err(e) = sent else {
             return Ok(());
         };
-        if self.inner.book.recovery && e.is_fatal_for_link() {
+        if self.deferred(&e) {
             tracing::debug!("worker: {what} server {server} deferred: {e}");
             return Ok(());
         }
         lock(&self.inner.requests).take(req);
         Err(self.inner.server_error(server, e))
+    }
+
+    /// Whether a send that failed with `e` is deferred to the reconnection (with recovery, a
+    /// failure of the link itself) rather than the caller's error.
+    fn deferred(&self, e: &falcon_transport::Error) -> bool {
+        self.inner.book.recovery && e.is_fatal_for_link()
     }
 
     /// The lock-free path: meta, check, parameters, sequence again. Ok(false) if the policy
@@ -403,13 +455,15 @@ impl Inner {
     }
 
     /// Writes a push on `link`: the slot's trailer (the version the gradient was computed
-    /// from, the sequence number), then the gradient with its immediate (same link, so the
-    /// trailer lands first).
+    /// from, the sequence number, a pull riding on the push), then the gradient with its
+    /// immediate, in one batch (so the trailer lands first, and over tcp both go in one
+    /// write).
     pub(super) fn write_push(
         &self,
         link: &Link,
         s: &ShardRemote,
         rec: &PushRecord,
+        pull: Option<TrailerPull>,
     ) -> std::result::Result<(), falcon_transport::Error> {
         let Some(keys) = *s.keys.read().unwrap_or_else(|p| p.into_inner()) else {
             return Err(falcon_transport::Error::Closed {
@@ -423,16 +477,17 @@ impl Inner {
             computed_on: Some(v).filter(|&v| v != u64::MAX),
             seq: rec.seq,
             help_for: rec.help_for,
+            pull,
         };
         scratch.write_at(0, &trailer.to_bytes())?;
-        link.write(
-            &scratch,
-            0,
-            &keys.slot,
-            s.spec.bytes(),
-            SlotTrailer::BYTES,
-            None,
-        )?;
+        let trailer = Op::Write {
+            src: &scratch,
+            src_off: 0,
+            dst: &keys.slot,
+            dst_off: s.spec.bytes(),
+            len: SlotTrailer::BYTES,
+            imm: None,
+        };
         let imm = Some(
             Immediate {
                 kind: rec.kind,
@@ -447,14 +502,21 @@ impl Inner {
         } else {
             s.spec.offset * 4
         };
-        match &rec.grad {
-            Some(g) if rec.kind == PushKind::Rows => {
-                link.write(g, 0, &keys.slot, 0, rec.own.unwrap_or(0), imm)
-            }
+        let into_slot = |src, src_off, len| Op::Write {
+            src,
+            src_off,
+            dst: &keys.slot,
+            dst_off: 0,
+            len,
+            imm,
+        };
+        let encoded;
+        let values = match &rec.grad {
+            Some(g) if rec.kind == PushKind::Rows => into_slot(g, 0, rec.own.unwrap_or(0)),
             Some(g) if wire != Wire::F32 && rec.kind != PushKind::Init => {
                 let bytes = wire.bytes(s.spec.len);
                 let mut buf = lock(&s.push_buf);
-                let region = match buf.as_ref() {
+                encoded = match buf.as_ref() {
                     Some(r) => r.clone(),
                     None => {
                         let r = Region::new(bytes)?;
@@ -462,12 +524,13 @@ impl Inner {
                         r
                     }
                 };
-                crate::precision::encode_region(wire, g, src_off, s.spec.len, &region)?;
-                link.write(&region, 0, &keys.slot, 0, bytes, imm)
+                crate::precision::encode_region(wire, g, src_off, s.spec.len, &encoded)?;
+                into_slot(&encoded, 0, bytes)
             }
-            Some(g) => link.write(g, src_off, &keys.slot, 0, s.spec.bytes(), imm),
-            None => link.write(&scratch, 0, &keys.slot, 0, 0, imm),
-        }
+            Some(g) => into_slot(g, src_off, s.spec.bytes()),
+            None => into_slot(&scratch, 0, 0),
+        };
+        link.submit(&[trailer, values])
     }
 
     /// With 16-bit values on the wire, a pull put the shard's values encoded at the start of
@@ -480,6 +543,23 @@ impl Inner {
         crate::precision::widen_in_place(self.book.wire, out, s.spec.offset * 4, s.spec.len)
     }
 
+    /// The key of `out` on `link`, granted there the first time (cached).
+    pub(super) fn pull_dst(
+        &self,
+        link: &Link,
+        out: &Region,
+    ) -> std::result::Result<RemoteKey, falcon_transport::Error> {
+        let mut grants = lock(&self.grants);
+        match grants.get(&(link.id(), out.id())) {
+            Some(k) => Ok(*k),
+            None => {
+                let k = link.grant(out)?;
+                grants.insert((link.id(), out.id()), k);
+                Ok(k)
+            }
+        }
+    }
+
     /// Sends a pull request on `link`, granting the destination on it first (cached).
     pub(super) fn send_pull(
         &self,
@@ -489,17 +569,7 @@ impl Inner {
         out: &Region,
         clock: u64,
     ) -> std::result::Result<(), falcon_transport::Error> {
-        let dst = {
-            let mut grants = lock(&self.grants);
-            match grants.get(&(link.id(), out.id())) {
-                Some(k) => *k,
-                None => {
-                    let k = link.grant(out)?;
-                    grants.insert((link.id(), out.id()), k);
-                    k
-                }
-            }
-        };
+        let dst = self.pull_dst(link, out)?;
         let msg = Msg::PullReq {
             shard: s.spec.id,
             clock,
@@ -519,7 +589,7 @@ impl Inner {
         for (req, sig, what) in stale {
             let sent = match (&what, req) {
                 (Resend::Push { shard, rec }, _) => {
-                    self.write_push(&link, &self.shards[*shard], rec)
+                    self.write_push(&link, &self.shards[*shard], rec, None)
                 }
                 (Resend::Pull { shard, out, clock }, Request::Pull(id)) => {
                     self.send_pull(&link, &self.shards[*shard], id, out, *clock)

@@ -669,12 +669,15 @@ impl Worker {
                 seq: clock + 1,
                 help_for: None,
             };
-            let (ack, link) = self.write_record_on(s, rec, AckOf::Push { clock })?;
+            // The pull rides in the push's trailer: one write, answered with the push's
+            // acknowledgement in one write back.
+            let (ack, answer) =
+                self.write_record_and_pull(s, rec, AckOf::Push { clock }, (out, clock + 1))?;
             self.pushed(s);
             lock(&self.inner.stats).slow_pulls += 1;
             // A failed pull request does not stop the other shards' pushes: every shard of
             // the tensor must count this clock.
-            Ok((ack, self.pull_slow_on(s, &link, out, clock + 1)))
+            Ok((ack, answer))
         })?;
         let mut acks = Vec::with_capacity(sent.len());
         let mut answers = Vec::with_capacity(sent.len());
