@@ -116,6 +116,20 @@ fn a_killed_worker_restarts_and_rejoins_at_the_current_clock() {
 
 #[test]
 fn dropped_connections_are_reestablished_and_nothing_is_applied_twice() {
+    dropped_connections("pull-push", &[]);
+}
+
+#[test]
+fn dropped_connections_under_push_pull_resend_the_pushes_and_their_pulls() {
+    // A push-pull's pull rides in its push's trailer; after a reconnection the push goes
+    // again without it and the pull as a request of its own: every answer still comes. A
+    // thread also drops links every few milliseconds, mid-flight.
+    dropped_connections("push-pull", &[("FALCON_FAULT_DROP_MS", "7")]);
+}
+
+/// Workers of the `worker_loop` drop a server link every 25 iterations (and as `extra`
+/// says): every drop is reattached, and every push is applied exactly once.
+fn dropped_connections(worker_loop: &str, extra: &[(&str, &str)]) {
     let iters = 600u64;
     let job = Job::new(
         "drops",
@@ -128,7 +142,12 @@ fn dropped_connections_are_reestablished_and_nothing_is_applied_twice() {
             ("FALCON_FLOATS", "20000"),
             ("FALCON_MAX_SHARD_BYTES", "16384"),
             ("FALCON_FAULT_DROP_EVERY", "25"),
-        ],
+            ("FALCON_LOOP", worker_loop),
+        ]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect::<Vec<_>>(),
     );
     let sched = job.start("scheduler", None);
     let servers: Vec<Child> = (0..2).map(|r| job.start("server", Some(r))).collect();
@@ -142,6 +161,12 @@ fn dropped_connections_are_reestablished_and_nothing_is_applied_twice() {
         reconnects >= 2 * (iters / 25 - 1),
         "every drop was reattached: {reconnects}"
     );
+    if !extra.is_empty() {
+        assert!(
+            reconnects > 2 * (iters / 25),
+            "the dropping thread dropped links too: {reconnects}"
+        );
+    }
     for (r, s) in servers.into_iter().enumerate() {
         let (out, _) = succeeds(s, &format!("server {r}"), Duration::from_secs(30));
         let gradients = number_after(&out, &format!("server {r}:")).unwrap();
