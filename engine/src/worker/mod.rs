@@ -634,9 +634,11 @@ impl Worker {
 
     /// Pushes `grad` as this worker's gradient for `clock`, then pulls `tensor` into `out` for
     /// `clock + 1`: what [`Worker::push`] then [`Worker::pull`] do (BytePS's `push_pull`,
-    /// ps-lite's `ZPushPull`), shard by shard. Each shard's pull request goes out on the link
-    /// its push took, right behind it, and its server answers it from its event loop once the
-    /// push is applied (when the policy allows, as for any pull of `clock + 1`) while the next
+    /// ps-lite's `ZPushPull`), shard by shard. Each shard's pull request rides in its push (one
+    /// write on the link), and its server answers it once the push is applied, in one write
+    /// with the push's acknowledgement where both are ready then (when the policy allows, as
+    /// for any pull of
+    /// `clock + 1`; after a reconnection the pull follows its resent push) while the next
     /// shards' pushes are still on their way: both directions of a link carry data at once,
     /// where `push` then `pull` uses one direction at a time. So each answer holds this push,
     /// unless the policy drops it or counts it for a later step (Sync-opt's backups); after a
