@@ -712,6 +712,10 @@ impl Serving {
         let (dst, dst_off) = dst;
         let bytes = self.shards[i].spec.bytes();
         let dst = match RemoteKey::from_bytes(dst) {
+            Ok(k) if k.owner != l.peer_node() => {
+                fail("pull destination key is not of the worker asking".into());
+                return;
+            }
             Ok(k) if dst_off.checked_add(bytes).is_some_and(|e| e <= k.len) => k,
             _ => {
                 fail("pull destination key is malformed or too short".into());
@@ -833,7 +837,7 @@ impl Serving {
 
     /// Sends what the outbox holds, one batch per link in the order the links first appear.
     /// A batch refused before anything was sent (an answer's destination the link does not
-    /// take) goes again item by item, so the others still go.
+    /// take) goes again item by item, so the others still go; a closed link's is dropped.
     fn flush_outbox(&mut self) {
         let Some(queued) = self.outbox.take() else {
             return;
@@ -869,8 +873,17 @@ impl Serving {
                     },
                 })
                 .collect();
-            if l.submit(&ops).is_ok() {
-                continue;
+            match l.submit(&ops) {
+                Ok(()) => continue,
+                Err(e) if e.is_fatal_for_link() => {
+                    // Its closure comes as a completion of its own.
+                    tracing::debug!(
+                        "server {}: a link closed under its answers: {e}",
+                        self.book.rank
+                    );
+                    continue;
+                }
+                Err(_) => {}
             }
             for op in &ops {
                 if let Err(e) = l.submit(std::slice::from_ref(op)) {
