@@ -320,8 +320,9 @@ struct Serving {
     link_of: HashMap<u32, LinkId>,
     /// Pulls waiting for their shard's policy, by (worker << 32 | request id).
     parked: HashMap<u64, ParkedPull>,
-    /// While a push is handled: the acknowledgements and answers it brings, sent after it
-    /// together, one write per link (a push-pull's acknowledgement and answer go as one).
+    /// While a push with a pull riding on it is handled: the acknowledgements and answers it
+    /// brings, sent after it together, one write per link (its acknowledgement and answer go
+    /// as one).
     outbox: Option<Vec<Queued>>,
     /// When the counters go to the scheduler's metrics next.
     next_metrics: Instant,
@@ -827,10 +828,11 @@ impl Serving {
         let _ = l.send(&Msg::Resumed { lost }.encode());
     }
 
-    /// A one-sided push landed in a worker's slot: its acknowledgements and answers go out
-    /// together once it is handled.
+    /// A one-sided push landed in a worker's slot. One with a pull riding on it has its
+    /// acknowledgement and answers go out together once it is handled; any other's go at
+    /// once (a gradient copied out of its slot is acknowledged before its apply, so the
+    /// worker goes on while the server applies).
     fn on_push(&mut self, link: LinkId, v: u32) {
-        self.outbox = Some(Vec::new());
         self.take_push(link, v);
         self.flush_outbox();
     }
@@ -998,10 +1000,15 @@ impl Serving {
                 help_for,
             },
         };
-        self.feed(i, input);
         // A pull riding on a gradient push (push-pull): taken as its request right behind the
-        // push would be. Other kinds of push never carry one; a pull there is ignored.
-        if let Some(p) = pull.filter(|_| imm.kind == PushKind::Gradient)
+        // push would be, its answer sent with the push's acknowledgement. Other kinds of push
+        // never carry one; a pull there is ignored.
+        let pull = pull.filter(|_| imm.kind == PushKind::Gradient);
+        if pull.is_some() {
+            self.outbox = Some(Vec::new());
+        }
+        self.feed(i, input);
+        if let Some(p) = pull
             && let Some(l) = self.links.get(&link).cloned()
         {
             let shard = self.shards[i].spec.id;

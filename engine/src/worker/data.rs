@@ -120,14 +120,7 @@ impl Worker {
             .pull_dst(&link, out)
             .map_err(|e| self.inner.server_error(s.server, e))
             .map(|dst| {
-                let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-                s.pulled_version.store(u64::MAX, Ordering::Release);
-                let what = Resend::Pull {
-                    shard: self.inner.shard_index(s),
-                    out: out.clone(),
-                    clock,
-                };
-                let answer = self.track(s, &link, Request::Pull(id), what);
+                let (id, answer) = self.track_pull(s, &link, out, clock);
                 let rides = TrailerPull {
                     req: id,
                     dst: dst.to_bytes(),
@@ -407,6 +400,26 @@ impl Worker {
         self.pull_slow_on(s, &link, out, clock)
     }
 
+    /// Registers a slow-path pull of shard `s` into `out` for `clock`, about to go out on
+    /// `link` (the values this worker last read are no longer what it holds); returns the
+    /// request id and its signal.
+    fn track_pull(
+        &self,
+        s: &ShardRemote,
+        link: &Link,
+        out: &Region,
+        clock: u64,
+    ) -> (u32, Arc<Signal>) {
+        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        s.pulled_version.store(u64::MAX, Ordering::Release);
+        let what = Resend::Pull {
+            shard: self.inner.shard_index(s),
+            out: out.clone(),
+            clock,
+        };
+        (id, self.track(s, link, Request::Pull(id), what))
+    }
+
     /// [`Worker::pull_slow`] on `link`: behind whatever went out on it before (a link that
     /// failed meanwhile defers the request with everything else it carried, and a
     /// reconnection sends pushes before pulls).
@@ -417,15 +430,8 @@ impl Worker {
         out: &Region,
         clock: u64,
     ) -> Result<Arc<Signal>> {
-        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-        s.pulled_version.store(u64::MAX, Ordering::Release);
-        let what = Resend::Pull {
-            shard: self.inner.shard_index(s),
-            out: out.clone(),
-            clock,
-        };
+        let (id, sig) = self.track_pull(s, link, out, clock);
         let req = Request::Pull(id);
-        let sig = self.track(s, link, req, what);
         let sent = self.inner.send_pull(link, s, id, out, clock);
         self.sent_or_deferred(sent, s.server, req, "pull from")?;
         Ok(sig)
