@@ -127,6 +127,16 @@ fn dropped_connections_under_push_pull_resend_the_pushes_and_their_pulls() {
     dropped_connections("push-pull", &[("FALCON_FAULT_DROP_MS", "7")]);
 }
 
+#[test]
+fn dropped_shm_links_under_push_pull_resend_the_pushes_and_their_pulls() {
+    // Over shm a link closed under a push-pull can fail the pull's grant too: the pull then
+    // waits for the reconnection with its push.
+    dropped_connections(
+        "push-pull",
+        &[("FALCON_FAULT_DROP_MS", "7"), ("FALCON_MEDIUM", "shm")],
+    );
+}
+
 /// Workers of the `worker_loop` drop a server link every 25 iterations (and as `extra`
 /// says): every drop is reattached, and every push is applied exactly once.
 fn dropped_connections(worker_loop: &str, extra: &[(&str, &str)]) {

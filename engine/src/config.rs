@@ -68,7 +68,8 @@ pub struct JobConfig {
     pub transport: TransportConfig,
     /// Where this node's host holds more of the job's workers and servers than this process
     /// has cores, its waits park at once instead of spinning for `transport.spin` (see
-    /// [`host_spin`]): there a spin takes the core a busy peer needs. On by default;
+    /// [`host_spin`]): there a spin takes the core a busy peer needs. On by default, so a
+    /// `transport.spin` set in code is overridden on such a host unless this is false;
     /// `FALCON_SPIN_US` turns it off, so the spin it sets holds everywhere.
     pub spin_auto: bool,
     /// The scheduler's supervisor and parallelism manager.

@@ -838,8 +838,9 @@ impl Serving {
     }
 
     /// Sends what the outbox holds, one batch per link in the order the links first appear.
-    /// A batch refused before anything was sent (an answer's destination the link does not
-    /// take) goes again item by item, so the others still go; a closed link's is dropped.
+    /// A batch refused by its checks before anything was sent (an answer's destination the
+    /// link does not take) goes again item by item, so the others still go; after any other
+    /// failure (some ops may have gone out) nothing goes again.
     fn flush_outbox(&mut self) {
         let Some(queued) = self.outbox.take() else {
             return;
@@ -877,15 +878,20 @@ impl Serving {
                 .collect();
             match l.submit(&ops) {
                 Ok(()) => continue,
-                Err(e) if e.is_fatal_for_link() => {
-                    // Its closure comes as a completion of its own.
+                // Refused by the checks before anything went out: each op on its own.
+                Err(
+                    falcon_transport::Error::Config(_)
+                    | falcon_transport::Error::OutOfBounds { .. },
+                ) => {}
+                Err(e) => {
+                    // Some may have gone out (shm and rdma issue op by op): none again. A
+                    // closed link's closure comes as a completion of its own.
                     tracing::debug!(
-                        "server {}: a link closed under its answers: {e}",
+                        "server {}: acknowledgements or answers failed: {e}",
                         self.book.rank
                     );
                     continue;
                 }
-                Err(_) => {}
             }
             for op in &ops {
                 if let Err(e) = l.submit(std::slice::from_ref(op)) {

@@ -114,30 +114,39 @@ impl Worker {
         ack: AckOf,
         (out, clock): (&Region, u64),
     ) -> Result<(Arc<Signal>, Result<Arc<Signal>>)> {
+        // The trailer's pull is for the clock its push's sequence number names.
+        debug_assert_eq!(
+            clock, rec.seq,
+            "a riding pull is for the clock after its push"
+        );
         let (link, req, sig) = self.track_push(s, &rec, ack)?;
-        let pull = self
-            .inner
-            .pull_dst(&link, out)
-            .map_err(|e| self.inner.server_error(s.server, e))
-            .map(|dst| {
-                let (id, answer) = self.track_pull(s, &link, out, clock);
-                let rides = TrailerPull {
-                    req: id,
-                    dst: dst.to_bytes(),
-                    dst_off: s.spec.offset * 4,
-                };
-                (answer, rides)
-            });
-        let rides = pull.as_ref().ok().map(|(_, rides)| *rides);
+        let (id, answer) = self.track_pull(s, &link, out, clock);
+        let pull = Request::Pull(id);
+        let rides = match self.inner.pull_dst(&link, out) {
+            Ok(dst) => Some(TrailerPull {
+                req: id,
+                dst: dst.to_bytes(),
+                dst_off: s.spec.offset * 4,
+            }),
+            // The link failed: the pull waits for the reconnection with the push, and goes
+            // as a request of its own behind it.
+            Err(e) if self.deferred(&e) => None,
+            Err(e) => {
+                lock(&self.inner.requests).take(pull);
+                let sent = self.inner.write_push(&link, s, &rec, None);
+                self.sent_or_deferred(sent, s.server, req, "push to")?;
+                return Ok((sig, Err(self.inner.server_error(s.server, e))));
+            }
+        };
         let sent = self.inner.write_push(&link, s, &rec, rides);
-        if let (Err(e), Some(rides)) = (&sent, rides)
+        if let Err(e) = &sent
             && !self.deferred(e)
         {
             // The pull went nowhere: its request is withdrawn with the push's.
-            lock(&self.inner.requests).take(Request::Pull(rides.req));
+            lock(&self.inner.requests).take(pull);
         }
         self.sent_or_deferred(sent, s.server, req, "push to")?;
-        Ok((sig, pull.map(|(answer, _)| answer)))
+        Ok((sig, Ok(answer)))
     }
 
     /// Waits for shard `s`'s slot, then registers a push of `rec` on the server's current
