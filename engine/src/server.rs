@@ -294,6 +294,27 @@ enum Out {
     },
 }
 
+/// Sends `msg` on `link` now, or holds it in `outbox` while a push with a pull riding on it
+/// is handled.
+fn send_or_hold(
+    outbox: Option<&mut Vec<Queued>>,
+    links: &HashMap<LinkId, Link>,
+    link: LinkId,
+    msg: Vec<u8>,
+) -> std::result::Result<(), falcon_transport::Error> {
+    match (outbox, links.get(&link)) {
+        (Some(ob), _) => {
+            ob.push(Queued {
+                link,
+                what: Out::Msg(msg),
+            });
+            Ok(())
+        }
+        (None, Some(l)) => l.send(&msg),
+        (None, None) => Ok(()),
+    }
+}
+
 /// Whether the event loop goes on.
 enum Flow {
     Go,
@@ -1044,16 +1065,7 @@ impl Serving {
                         staleness,
                     }
                     .encode();
-                    match (outbox.as_mut(), links.get(&conn)) {
-                        (Some(ob), _) => ob.push(Queued {
-                            link: conn,
-                            what: Out::Msg(msg),
-                        }),
-                        (None, Some(l)) => {
-                            let _ = l.send(&msg);
-                        }
-                        (None, None) => {}
-                    }
+                    let _ = send_or_hold(outbox.as_mut(), links, conn, msg);
                 }
                 other => later.push(other),
             });
@@ -1117,16 +1129,7 @@ impl Serving {
                 let v = zerocopy::IntoBytes::as_bytes(s.params.values());
                 let n = ranges.floats() as usize;
                 let msg = Msg::encode_rows(p.req, 4 * n, |out| ranges.gather(v, out));
-                match ob {
-                    Some(ob) => {
-                        ob.push(Queued {
-                            link: p.link,
-                            what: Out::Msg(msg),
-                        });
-                        Ok(())
-                    }
-                    None => l.send(&msg),
-                }
+                send_or_hold(ob, &self.links, p.link, msg)
             }
         };
         if let Err(e) = r {

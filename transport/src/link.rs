@@ -270,9 +270,38 @@ impl Link {
         len: u64,
         imm: Option<u32>,
     ) -> Result<()> {
+        let ptr = self.check_write(src, src_off, dst, dst_off, len)?;
+        self.issue_write(src, ptr, dst, dst_off, len, imm)
+    }
+
+    /// Checks a write (the key is for this peer, both ranges in bounds); returns where its
+    /// bytes start in `src`.
+    fn check_write(
+        &self,
+        src: &Region,
+        src_off: u64,
+        dst: &RemoteKey,
+        dst_off: u64,
+        len: u64,
+    ) -> Result<*mut u8> {
         self.check_key(dst)?;
         let ptr = src.span("local write source", src_off, len)?;
         check_bounds("remote write destination", dst_off, len, dst.len)?;
+        Ok(ptr)
+    }
+
+    /// Issues a write [`Link::check_write`] passed: `len` bytes at `ptr`, inside `src`.
+    fn issue_write(
+        &self,
+        src: &Region,
+        ptr: *mut u8,
+        dst: &RemoteKey,
+        dst_off: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        #[cfg(not(feature = "rdma"))]
+        let _ = src;
         match &self.inner.imp {
             LinkImpl::Shm(l) => l.write(ptr, len, dst.region, dst_off, imm),
             LinkImpl::Tcp(l) => l.write(ptr, len, dst.region, dst_off, imm),
@@ -292,9 +321,9 @@ impl Link {
     /// sent. Over shm and rdma the ops are issued one by one; an error stops the batch there.
     pub fn submit(&self, ops: &[Op<'_>]) -> Result<()> {
         // Each write's source, checked (null for a message).
-        let mut sources = Vec::with_capacity(ops.len());
-        for op in ops {
-            sources.push(match *op {
+        let sources = ops
+            .iter()
+            .map(|op| match *op {
                 Op::Write {
                     src,
                     src_off,
@@ -302,54 +331,45 @@ impl Link {
                     dst_off,
                     len,
                     ..
-                } => {
-                    self.check_key(dst)?;
-                    check_bounds("remote write destination", dst_off, len, dst.len)?;
-                    src.span("local write source", src_off, len)?
-                }
-                Op::Send(_) => std::ptr::null(),
-            });
-        }
-        match &self.inner.imp {
-            LinkImpl::Tcp(l) => {
-                let frames: Vec<crate::tcp::Frame<'_>> = ops
-                    .iter()
-                    .zip(sources)
-                    .map(|(op, ptr)| match *op {
-                        Op::Write {
-                            dst,
-                            dst_off,
-                            len,
-                            imm,
-                            ..
-                        } => {
-                            // SAFETY: `ptr..ptr + len` was checked above to lie inside `src`,
-                            // which `ops` borrows for as long as the frames live.
-                            let payload = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
-                            crate::tcp::Frame::write(payload, dst.region, dst_off, imm)
-                        }
-                        Op::Send(data) => crate::tcp::Frame::send(data),
-                    })
-                    .collect();
-                l.send_all(&frames)
-            }
-            _ => {
-                for op in ops {
-                    match *op {
-                        Op::Write {
-                            src,
-                            src_off,
-                            dst,
-                            dst_off,
-                            len,
-                            imm,
-                        } => self.write(src, src_off, dst, dst_off, len, imm)?,
-                        Op::Send(data) => self.send(data)?,
+                } => self.check_write(src, src_off, dst, dst_off, len),
+                Op::Send(_) => Ok(std::ptr::null_mut()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let checked = ops.iter().zip(sources);
+        if let LinkImpl::Tcp(l) = &self.inner.imp {
+            let frames: Vec<crate::tcp::Frame<'_>> = checked
+                .map(|(op, ptr)| match *op {
+                    Op::Write {
+                        dst,
+                        dst_off,
+                        len,
+                        imm,
+                        ..
+                    } => {
+                        // SAFETY: `ptr..ptr + len` was checked above to lie inside `src`,
+                        // which `ops` borrows for as long as the frames live.
+                        let payload = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
+                        crate::tcp::Frame::write(payload, dst.region, dst_off, imm)
                     }
-                }
-                Ok(())
+                    Op::Send(data) => crate::tcp::Frame::send(data),
+                })
+                .collect();
+            return l.send_all(&frames);
+        }
+        for (op, ptr) in checked {
+            match *op {
+                Op::Write {
+                    src,
+                    dst,
+                    dst_off,
+                    len,
+                    imm,
+                    ..
+                } => self.issue_write(src, ptr, dst, dst_off, len, imm)?,
+                Op::Send(data) => self.send(data)?,
             }
         }
+        Ok(())
     }
 
     /// One-sided read of `len` bytes from the peer's region `src` at `src_off` into

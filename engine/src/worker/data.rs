@@ -122,31 +122,27 @@ impl Worker {
         let (link, req, sig) = self.track_push(s, &rec, ack)?;
         let (id, answer) = self.track_pull(s, &link, out, clock);
         let pull = Request::Pull(id);
-        let rides = match self.inner.pull_dst(&link, out) {
-            Ok(dst) => Some(TrailerPull {
-                req: id,
-                dst: dst.to_bytes(),
-                dst_off: s.spec.offset * 4,
-            }),
+        let (rides, refused) = match self.inner.pull_dst(&link, out) {
+            Ok(dst) => {
+                let rides = TrailerPull {
+                    req: id,
+                    dst: dst.to_bytes(),
+                    dst_off: s.spec.offset * 4,
+                };
+                (Some(rides), None)
+            }
             // The link failed: the pull waits for the reconnection with the push, and goes
             // as a request of its own behind it.
-            Err(e) if self.deferred(&e) => None,
-            Err(e) => {
-                lock(&self.inner.requests).take(pull);
-                let sent = self.inner.write_push(&link, s, &rec, None);
-                self.sent_or_deferred(sent, s.server, req, "push to")?;
-                return Ok((sig, Err(self.inner.server_error(s.server, e))));
-            }
+            Err(e) if self.deferred(&e) => (None, None),
+            Err(e) => (None, Some(self.inner.server_error(s.server, e))),
         };
         let sent = self.inner.write_push(&link, s, &rec, rides);
-        if let Err(e) = &sent
-            && !self.deferred(e)
-        {
-            // The pull went nowhere: its request is withdrawn with the push's.
+        if refused.is_some() || sent.as_ref().is_err_and(|e| !self.deferred(e)) {
+            // The pull goes nowhere: its request is withdrawn.
             lock(&self.inner.requests).take(pull);
         }
         self.sent_or_deferred(sent, s.server, req, "push to")?;
-        Ok((sig, Ok(answer)))
+        Ok((sig, refused.map_or(Ok(answer), Err)))
     }
 
     /// Waits for shard `s`'s slot, then registers a push of `rec` on the server's current
@@ -406,7 +402,11 @@ impl Worker {
         clock: u64,
     ) -> Result<Arc<Signal>> {
         let link = self.inner.link(s.server)?;
-        self.pull_slow_on(s, &link, out, clock)
+        let (id, sig) = self.track_pull(s, &link, out, clock);
+        let req = Request::Pull(id);
+        let sent = self.inner.send_pull(&link, s, id, out, clock);
+        self.sent_or_deferred(sent, s.server, req, "pull from")?;
+        Ok(sig)
     }
 
     /// Registers a slow-path pull of shard `s` into `out` for `clock`, about to go out on
@@ -427,23 +427,6 @@ impl Worker {
             clock,
         };
         (id, self.track(s, link, Request::Pull(id), what))
-    }
-
-    /// [`Worker::pull_slow`] on `link`: behind whatever went out on it before (a link that
-    /// failed meanwhile defers the request with everything else it carried, and a
-    /// reconnection sends pushes before pulls).
-    pub(super) fn pull_slow_on(
-        &self,
-        s: &ShardRemote,
-        link: &Link,
-        out: &Region,
-        clock: u64,
-    ) -> Result<Arc<Signal>> {
-        let (id, sig) = self.track_pull(s, link, out, clock);
-        let req = Request::Pull(id);
-        let sent = self.inner.send_pull(link, s, id, out, clock);
-        self.sent_or_deferred(sent, s.server, req, "pull from")?;
-        Ok(sig)
     }
 }
 
