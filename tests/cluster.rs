@@ -814,32 +814,29 @@ fn a_stopped_train_run_resumes_from_its_checkpoints_and_refuses_another_jobs() {
     let _ = std::fs::remove_dir_all(&root);
     let (save, out) = (root.join("save"), root.join("out"));
     let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/fashion-mnist-sample");
+    // Long enough to outlast the servers' first checkpoint (they checkpoint every second)
+    // by well over the time the kill waits after it, on a fast machine too.
+    const ITERS: u64 = 6000;
+    let iters = ITERS.to_string();
     let train = |extra: &[&str]| {
         let mut c = Command::new(FALCON);
-        c.args([
-            "train",
-            "--quiet",
-            "--uniform",
-            "--policy",
-            "bsp",
-            "--iters",
-            "1500",
-        ])
-        .args([
-            "--model",
-            "mlp:784-10",
-            "--batch",
-            "16",
-            "--tasks",
-            "2",
-            "--medium",
-            "tcp",
-        ])
-        .args(["--data", sample, "--out"])
-        .arg(&out)
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        c.args(["train", "--quiet", "--uniform", "--policy", "bsp"])
+            .args(["--iters", &iters])
+            .args([
+                "--model",
+                "mlp:784-10",
+                "--batch",
+                "16",
+                "--tasks",
+                "2",
+                "--medium",
+                "tcp",
+            ])
+            .args(["--data", sample, "--out"])
+            .arg(&out)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         c
     };
     // A run stopped hard once its servers have checkpointed.
@@ -860,7 +857,7 @@ fn a_stopped_train_run_resumes_from_its_checkpoints_and_refuses_another_jobs() {
         "resumed from the servers' checkpoints at iteration ",
     )
     .unwrap_or_else(|| panic!("no resume line:\n{stdout}"));
-    assert!(0 < at && at < 1500, "resumed at {at}");
+    assert!(0 < at && at < ITERS, "resumed at {at}");
     let json = std::fs::read_to_string(out.join("bsp.json")).unwrap();
     assert_eq!(report_field(&json, "resumed_at"), at.to_string());
     let accuracy: f64 = report_field(&json, "final_accuracy").parse().unwrap();
