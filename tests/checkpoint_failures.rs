@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use common::{Job, line_with, number_after, succeeds, wait_for};
+use common::{Job, line_with, number_after, output_of, succeeds, wait_for};
 
 /// Waits for `file` to exist (a checkpoint written).
 fn wait_for_file(file: &Path) {
@@ -181,8 +181,7 @@ fn under_stop_the_scheduler_ends_the_job_naming_the_server_and_the_reason() {
     let broken = Instant::now();
     let status = wait_for(&mut sched, Duration::from_secs(20)).expect("the scheduler ended");
     let after = broken.elapsed();
-    let out = sched.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (_, err) = output_of(&sched);
     assert!(!status.success(), "the job failed: {err}");
     let line = line_with(&err, "falcon: error:");
     assert!(
@@ -222,8 +221,7 @@ fn an_unknown_failure_action_is_refused_naming_the_allowed_ones() {
     );
     let mut sched = job.start("scheduler", None);
     let status = wait_for(&mut sched, Duration::from_secs(10)).expect("it exits at once");
-    let out = sched.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (_, err) = output_of(&sched);
     assert!(!status.success());
     let line = line_with(&err, "falcon: error:");
     assert!(

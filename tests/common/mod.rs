@@ -3,8 +3,11 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub const FALCON: &str = env!("CARGO_BIN_EXE_falcon");
@@ -15,6 +18,23 @@ pub fn port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Where each process a job started writes, by pid: files, not pipes, so that a process that
+/// logs a lot (a worker logging every dropped link) never blocks on a full pipe while the
+/// test waits on another one.
+static OUTPUT: Mutex<BTreeMap<u32, (PathBuf, PathBuf)>> = Mutex::new(BTreeMap::new());
+static STARTED: AtomicU64 = AtomicU64::new(0);
+
+/// What `child` (started by [`Job::start`]) wrote so far: stdout and stderr.
+pub fn output_of(child: &Child) -> (String, String) {
+    let paths = OUTPUT.lock().unwrap().get(&child.id()).cloned();
+    let read = |p: &PathBuf| {
+        std::fs::read(p)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    };
+    paths.map_or_else(Default::default, |(o, e)| (read(&o), read(&e)))
 }
 
 /// A job's shared settings: ps-lite's variables, checkpoints in `dir`.
@@ -54,23 +74,37 @@ impl Job {
     }
 
     pub fn start(&self, role: &str, rank: Option<u32>) -> Child {
+        let logs = self.logs();
+        std::fs::create_dir_all(&logs).expect("a folder for the output");
+        let n = STARTED.fetch_add(1, Ordering::Relaxed);
+        let (out, err) = (
+            logs.join(format!("{role}-{n}.out")),
+            logs.join(format!("{role}-{n}.err")),
+        );
         let mut c = Command::new(FALCON);
         c.arg("role")
             .env("DMLC_ROLE", role)
             .envs(self.vars.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .stdout(std::fs::File::create(&out).expect("stdout file"))
+            .stderr(std::fs::File::create(&err).expect("stderr file"));
         if let Some(r) = rank {
             c.env("FALCON_RANK", r.to_string());
         }
-        c.spawn().expect("spawn role")
+        let child = c.spawn().expect("spawn role");
+        OUTPUT.lock().unwrap().insert(child.id(), (out, err));
+        child
+    }
+
+    /// Where the job's processes write (beside `dir`, which a test may replace by a file).
+    fn logs(&self) -> PathBuf {
+        std::env::temp_dir().join(format!("falcon-logs-{}", self.port))
     }
 }
 
 impl Drop for Job {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-        let _ = self.port;
+        let _ = std::fs::remove_dir_all(self.logs());
     }
 }
 
@@ -86,14 +120,12 @@ pub fn wait_for(child: &mut Child, limit: Duration) -> Option<std::process::Exit
     None
 }
 
-/// Waits for `child` to end successfully; returns its stdout and stderr.
+/// Waits for `child` (started by [`Job::start`]) to end successfully; returns its stdout and
+/// stderr.
 pub fn succeeds(mut child: Child, what: &str, limit: Duration) -> (String, String) {
     let status = wait_for(&mut child, limit);
-    let out = child.wait_with_output().unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    );
+    let _ = child.wait();
+    let (stdout, stderr) = output_of(&child);
     assert!(
         status.is_some_and(|s| s.success()),
         "{what} failed ({status:?}):\n{stdout}\n{stderr}"
