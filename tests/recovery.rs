@@ -137,9 +137,31 @@ fn dropped_shm_links_under_push_pull_resend_the_pushes_and_their_pulls() {
     );
 }
 
+#[test]
+fn dropped_shm_links_while_servers_read_gradients_in_the_workers_memory() {
+    // Shards of 64 KiB over shm: each server reads a gradient where its worker holds it. A
+    // push whose link closed goes again, in place again, on the new link; applied once.
+    for worker_loop in ["pull-push", "push-pull"] {
+        let outs = dropped_connections(
+            worker_loop,
+            &[
+                ("FALCON_FAULT_DROP_MS", "7"),
+                ("FALCON_MEDIUM", "shm"),
+                ("FALCON_FLOATS", "32768"),
+                ("FALCON_MAX_SHARD_BYTES", "65536"),
+            ],
+        );
+        for out in outs {
+            let in_place = number_after(&out, "pushed in place ").expect("counted");
+            assert!(in_place >= 2 * 600, "{worker_loop}: {out}");
+        }
+    }
+}
+
 /// Workers of the `worker_loop` drop a server link every 25 iterations (and as `extra`
-/// says): every drop is reattached, and every push is applied exactly once.
-fn dropped_connections(worker_loop: &str, extra: &[(&str, &str)]) {
+/// says): every drop is reattached, and every push is applied exactly once. Returns what
+/// the workers printed.
+fn dropped_connections(worker_loop: &str, extra: &[(&str, &str)]) -> Vec<String> {
     let iters = 600u64;
     let job = Job::new(
         "drops",
@@ -163,9 +185,11 @@ fn dropped_connections(worker_loop: &str, extra: &[(&str, &str)]) {
     let servers: Vec<Child> = (0..2).map(|r| job.start("server", Some(r))).collect();
     let workers: Vec<Child> = (0..2).map(|r| job.start("worker", Some(r))).collect();
     let mut reconnects = 0;
+    let mut outs = Vec::new();
     for (r, w) in workers.into_iter().enumerate() {
         let (out, _) = succeeds(w, &format!("worker {r}"), Duration::from_secs(120));
         reconnects += number_after(&out, "reconnects ").expect("reconnects counted");
+        outs.push(out);
     }
     assert!(
         reconnects >= 2 * (iters / 25 - 1),
@@ -186,6 +210,7 @@ fn dropped_connections(worker_loop: &str, extra: &[(&str, &str)]) {
         assert_eq!(gradients, shards * 2 * iters, "{out}");
     }
     succeeds(sched, "the scheduler", Duration::from_secs(30));
+    outs
 }
 
 #[test]

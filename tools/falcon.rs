@@ -827,7 +827,7 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     let stats = w.stats();
     let bytes = 2.0 * iters as f64 * floats as f64 * 4.0;
     outln!(
-        "worker {}: {} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server, blocked {:.1} ms in pulls, {:.1} ms at superstep barriers, {} task offers, reconnects {}, lost updates {}",
+        "worker {}: {} iterations in {secs:.2} s ({:.1} it/s, {:.2} GB/s pushed+pulled), w[0] = {:.4} (targets' mean {mean}), pulls {} lock-free / {} via the server, shard pushes {} (pushed in place {}), blocked {:.1} ms in pulls, {:.1} ms at superstep barriers, {} task offers, reconnects {}, lost updates {}",
         w.rank(),
         iters - first,
         iters as f64 / secs,
@@ -835,6 +835,8 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
         p[0],
         stats.fast_pulls,
         stats.slow_pulls,
+        stats.pushes,
+        stats.pushes_in_place,
         stats.pull_wait.as_secs_f64() * 1e3,
         stats.barrier_wait.as_secs_f64() * 1e3,
         stats.offers,

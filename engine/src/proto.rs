@@ -523,6 +523,20 @@ pub struct SlotTrailer {
     /// ([`crate::Worker::push_pull`]): answered as a [`Msg::PullReq`] arriving right behind
     /// the push would be, without a message of its own.
     pub pull: Option<TrailerPull>,
+    /// A gradient left where the worker holds it: its values are not in the slot, the server
+    /// reads them from the worker's memory (shm maps it; see [`TrailerSrc`]).
+    pub src: Option<TrailerSrc>,
+}
+
+/// Where a gradient left in the worker's memory lies: a region the worker granted on the link
+/// ([`falcon_transport::RemoteKey`] bytes, checked where the push is taken) and the offset of
+/// the shard's first float in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrailerSrc {
+    /// The region's key.
+    pub key: [u8; RemoteKey::SIZE],
+    /// Where the shard's values start in it.
+    pub off: u64,
 }
 
 /// The pull a push carries in its trailer: what a [`Msg::PullReq`] says besides the shard
@@ -541,8 +555,10 @@ pub struct TrailerPull {
 impl SlotTrailer {
     /// Its size on the wire: four little-endian u64 (`u64::MAX` stands for no version and no
     /// straggler): version, sequence number, straggler, its iteration; then the pull: a u32
-    /// (1: there is one), its request id (u32), the destination offset (u64) and key.
-    pub const BYTES: u64 = 48 + RemoteKey::SIZE as u64;
+    /// (1: there is one), its request id (u32), the destination offset (u64) and key; then
+    /// the gradient's place in the worker's memory: a u32 (1: it is there, not in the slot),
+    /// four reserved bytes, the offset (u64) and the key.
+    pub const BYTES: u64 = 64 + 2 * RemoteKey::SIZE as u64;
 
     /// The wire form.
     pub fn to_bytes(self) -> [u8; Self::BYTES as usize] {
@@ -560,7 +576,12 @@ impl SlotTrailer {
             b[32..36].copy_from_slice(&1u32.to_le_bytes());
             b[36..40].copy_from_slice(&p.req.to_le_bytes());
             b[40..48].copy_from_slice(&p.dst_off.to_le_bytes());
-            b[48..].copy_from_slice(&p.dst);
+            b[48..88].copy_from_slice(&p.dst);
+        }
+        if let Some(src) = self.src {
+            b[88..92].copy_from_slice(&1u32.to_le_bytes());
+            b[96..104].copy_from_slice(&src.off.to_le_bytes());
+            b[104..].copy_from_slice(&src.key);
         }
         b
     }
@@ -580,18 +601,24 @@ impl SlotTrailer {
         };
         let pull = (half(32) == 1).then(|| {
             let mut dst = [0u8; RemoteKey::SIZE];
-            dst.copy_from_slice(&b[48..]);
+            dst.copy_from_slice(&b[48..88]);
             TrailerPull {
                 req: half(36),
                 dst,
                 dst_off: word(5),
             }
         });
+        let src = (half(88) == 1).then(|| {
+            let mut key = [0u8; RemoteKey::SIZE];
+            key.copy_from_slice(&b[104..]);
+            TrailerSrc { key, off: word(12) }
+        });
         SlotTrailer {
             computed_on: Some(word(0)).filter(|&v| v != u64::MAX),
             seq: word(1),
             help_for: u32::try_from(word(2)).ok().map(|w| (w, word(3))),
             pull,
+            src,
         }
     }
 }
@@ -806,12 +833,14 @@ mod tests {
                 seq: 0,
                 help_for: None,
                 pull: None,
+                src: None,
             },
             SlotTrailer {
                 computed_on: Some(7),
                 seq: 9,
                 help_for: Some((3, 41)),
                 pull: None,
+                src: None,
             },
             SlotTrailer {
                 computed_on: Some(1),
@@ -822,13 +851,33 @@ mod tests {
                     dst: [0xA5; RemoteKey::SIZE],
                     dst_off: 1 << 40,
                 }),
+                src: Some(TrailerSrc {
+                    key: [0x5A; RemoteKey::SIZE],
+                    off: (1 << 33) + 4,
+                }),
+            },
+            SlotTrailer {
+                computed_on: None,
+                seq: 3,
+                help_for: None,
+                pull: None,
+                src: Some(TrailerSrc {
+                    key: [1; RemoteKey::SIZE],
+                    off: 0,
+                }),
             },
         ] {
             assert_eq!(SlotTrailer::from_bytes(t.to_bytes()), t);
         }
-        // Any bytes are a trailer; a pull flag other than 1 is no pull.
+        // Any bytes are a trailer; a pull or source flag other than 1 is none.
         let mut b = [0xFFu8; SlotTrailer::BYTES as usize];
         assert_eq!(SlotTrailer::from_bytes(b).pull, None);
+        assert_eq!(SlotTrailer::from_bytes(b).src, None);
+        b[88..92].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(
+            SlotTrailer::from_bytes(b).src.map(|s| s.off),
+            Some(u64::MAX)
+        );
         b[32..36].copy_from_slice(&1u32.to_le_bytes());
         assert_eq!(
             SlotTrailer::from_bytes(b).pull.map(|p| p.req),

@@ -158,6 +158,67 @@ impl crate::shard::GradSlot for SlotGrad<'_> {
     }
 }
 
+/// A gradient left in the worker's memory (shm), read a block at a time out of its mapping
+/// while it is applied.
+struct PeerGrad<'a> {
+    link: &'a Link,
+    key: RemoteKey,
+    /// Where its first float lies in the worker's region.
+    off: u64,
+    /// Its floats (the range was checked to lie in the worker's mapping).
+    floats: usize,
+}
+
+impl PeerGrad<'_> {
+    /// The gradient a trailer names, once its key is the worker's and its whole range lies in
+    /// the worker's mapping: what is wrong otherwise.
+    fn checked<'a>(
+        link: &'a Link,
+        src: &crate::proto::TrailerSrc,
+        floats: usize,
+    ) -> std::result::Result<PeerGrad<'a>, String> {
+        let key = RemoteKey::from_bytes(&src.key).map_err(|e| e.to_string())?;
+        let grad = PeerGrad {
+            link,
+            key,
+            off: src.off,
+            floats,
+        };
+        // Its first and last float, read through the mapping's own bounds.
+        let last = src
+            .off
+            .checked_add(4 * floats.saturating_sub(1) as u64)
+            .ok_or("its range overflows")?;
+        let mut probe = [0u8; 4];
+        for at in [src.off, last] {
+            link.read_mapped(&key, at, &mut probe)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(grad)
+    }
+}
+
+impl crate::shard::GradSlot for PeerGrad<'_> {
+    fn len(&self) -> usize {
+        self.floats
+    }
+
+    fn read(&self, at: usize, out: &mut [f32]) {
+        // In the mapping (checked when the push arrived); were the worker to revoke its region
+        // meanwhile, the block would count as a zero gradient rather than as stale bytes.
+        let bytes = zerocopy::IntoBytes::as_mut_bytes(out);
+        if let Err(e) = self
+            .link
+            .read_mapped(&self.key, self.off + 4 * at as u64, bytes)
+        {
+            tracing::warn!(
+                "reading a gradient in the worker's memory: {e}; the block counts as zero"
+            );
+            out.fill(0.0);
+        }
+    }
+}
+
 /// Tells the worker on `l` that its pull `req` was refused, and why.
 fn refuse_pull(l: &Link, req: u32, reason: String) {
     let _ = l.send(&Msg::PullFailed { req, reason }.encode());
@@ -989,10 +1050,36 @@ impl Serving {
             seq,
             help_for,
             pull,
+            src,
         } = SlotTrailer::from_bytes(trailer);
         let in_place = SlotGrad {
             slot: &slot,
             floats,
+        };
+        // A gradient the worker left in its memory (shm): read there, in place of the slot.
+        let peer_link;
+        let in_peer = match src {
+            None => None,
+            Some(src) => {
+                peer_link = self.links.get(&link).cloned();
+                let checked = match (&peer_link, in_slot) {
+                    (Some(l), true) => PeerGrad::checked(l, &src, floats),
+                    (None, _) => Err("its link is gone".to_string()),
+                    (_, false) => {
+                        Err("only an f32 gradient may be left in the worker's memory".to_string())
+                    }
+                };
+                match checked {
+                    Ok(g) => Some(g),
+                    Err(e) => {
+                        tracing::warn!(
+                            "server {rank}: worker {w}: a push to shard {} names its gradient in the worker's memory, which cannot be read: {e}; ignored",
+                            s.spec.id
+                        );
+                        return;
+                    }
+                }
+            }
         };
         let input = match imm.kind {
             PushKind::Init => Input::Init {
@@ -1013,9 +1100,10 @@ impl Serving {
                 worker: w,
                 seq,
                 computed_on,
-                grad: match in_slot {
-                    true => crate::shard::Grad::Slot(&in_place),
-                    false => grad.into(),
+                grad: match (&in_peer, in_slot) {
+                    (Some(g), _) => crate::shard::Grad::Slot(g),
+                    (None, true) => crate::shard::Grad::Slot(&in_place),
+                    (None, false) => grad.into(),
                 },
             },
             PushKind::Help => Input::Help {

@@ -740,6 +740,94 @@ fn bf16_and_f16_on_the_wire_are_exactly_the_rounded_arithmetic() {
     }
 }
 
+/// Over shm a large f32 gradient is not copied into the slot: the server reads it where the
+/// worker holds it, under a synchronous step (copied out) and an asynchronous one (applied
+/// where it lies), in a push-pull too; every push counts exactly once. Small shards, 16-bit
+/// gradients and tcp keep the slot.
+#[test]
+fn large_gradients_over_shm_are_read_in_the_workers_memory() {
+    use falcon_engine::precision::Wire;
+    use falcon_transport::Medium;
+    const N: u64 = 8;
+    const LEN: u64 = 1 << 16; // 256 KiB: two shards of 128 KiB, one a server
+    let cases = [
+        (Medium::Shm, Wire::F32, PolicySpec::Bsp, false, true),
+        (Medium::Shm, Wire::F32, PolicySpec::Asp, false, true),
+        (Medium::Shm, Wire::F32, PolicySpec::Asp, true, true),
+        (Medium::Shm, Wire::F32, PolicySpec::Bsp, true, true),
+        (Medium::Shm, Wire::Bf16, PolicySpec::Bsp, false, false),
+        (Medium::Tcp, Wire::F32, PolicySpec::Bsp, false, false),
+    ];
+    for (medium, wire, policy, push_pull, in_place) in cases {
+        let what = format!("{policy:?} over {medium:?}, {wire:?}, push_pull {push_pull}");
+        let mut c = cfg(2, 2, policy);
+        c.optimizer = Optimizer::Sgd { lr: 1.0 };
+        c.aggregate = Aggregate::Sum;
+        c.wire = wire;
+        c.transport.medium = medium;
+        c.max_shard_bytes = 128 << 10;
+        let specs = vec![
+            TensorSpec {
+                name: "w".into(),
+                len: LEN,
+            },
+            TensorSpec {
+                name: "b".into(),
+                len: 10,
+            },
+        ];
+        let cluster = LocalCluster::start(c, specs).unwrap();
+        let threads: Vec<_> = cluster
+            .workers
+            .iter()
+            .cloned()
+            .map(|worker| {
+                std::thread::spawn(move || {
+                    let out = worker.buffer("w").unwrap();
+                    let grad = worker.buffer("w").unwrap();
+                    // Whole numbers, exact in bf16 too: -(rank + 1) + i % 3.
+                    let g: Vec<f32> = (0..LEN)
+                        .map(|i| (i % 3) as f32 - (worker.rank() + 1) as f32)
+                        .collect();
+                    grad.write_at(0, falcon_engine::worker::f32_bytes(&g))
+                        .unwrap();
+                    if push_pull {
+                        worker.pull("w", &out, 0).unwrap();
+                    }
+                    for t in 0..N {
+                        if push_pull {
+                            worker.push_pull("w", &grad, &out, t).unwrap();
+                        } else {
+                            worker.pull("w", &out, t).unwrap();
+                            worker.push("w", &grad, t).unwrap();
+                        }
+                        worker.push_slice("b", &[1.0; 10], t).unwrap();
+                    }
+                    worker.stats()
+                })
+            })
+            .collect();
+        let stats: Vec<_> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+        let keymap = cluster.workers[0].keymap().clone();
+        let shards_w = keymap.shards_of(0).count() as u64;
+        assert_eq!(shards_w, 2, "{what}");
+        let report = cluster.finish().unwrap();
+        let w = report.tensor(&keymap, "w").unwrap();
+        for (i, &x) in w.iter().enumerate() {
+            // Σ over ranks 1, 2 of (rank − i % 3), N times, subtracted (lr 1).
+            let want = N as f32 * (3.0 - 2.0 * (i % 3) as f32);
+            assert_eq!(x, want, "{what}: w[{i}]");
+        }
+        let b = report.tensor(&keymap, "b").unwrap();
+        assert!(b.iter().all(|&x| x == -2.0 * N as f32), "{what}: {b:?}");
+        for st in &stats {
+            // Every push of w read in place, none of b (10 floats: below the bound).
+            let want = if in_place { N * shards_w } else { 0 };
+            assert_eq!(st.pushes_in_place, want, "{what}");
+        }
+    }
+}
+
 const ROWS: u64 = 500;
 const DIM: u64 = 2;
 const BATCH: usize = 16;

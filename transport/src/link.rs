@@ -396,6 +396,32 @@ impl Link {
         }
     }
 
+    /// Whether the peer's granted regions are mapped into this process (shm), so that
+    /// [`Link::read_mapped`] reads them with a plain copy, without the peer.
+    pub fn maps_peer_memory(&self) -> bool {
+        matches!(self.inner.imp, LinkImpl::Shm(_))
+    }
+
+    /// Copies `out.len()` bytes of the peer's region `src`, from `src_off`, into `out`, here
+    /// and now: where [`Link::maps_peer_memory`] (shm), a copy out of the peer's mapping.
+    /// Unlike [`Link::read`] it needs no registered destination, and it still reads after
+    /// the link closed, while the mapping lasts (the peer's memory stays mapped until the
+    /// link is dropped or the region revoked). Other media refuse it with
+    /// [`Error::Config`]; a key of another node, a region never granted on this link or a
+    /// range outside it are refused with nothing read.
+    pub fn read_mapped(&self, src: &RemoteKey, src_off: u64, out: &mut [u8]) -> Result<()> {
+        self.check_key(src)?;
+        let len = out.len() as u64;
+        check_bounds("remote read source", src_off, len, src.len)?;
+        match &self.inner.imp {
+            LinkImpl::Shm(l) => l.read_mapped(out, src.region, src_off),
+            _ => Err(Error::Config(format!(
+                "reading a peer's memory in place needs shm, not {}",
+                self.medium()
+            ))),
+        }
+    }
+
     /// One-sided reads (each as [`Link::read`]), carried out by the peer in the order given;
     /// returns when all their bytes are in place, or with the first error once none is still
     /// under way. Over tcp the requests go out back to back and their answers are awaited

@@ -501,6 +501,20 @@ impl ShmLink {
         })
     }
 
+    /// [`crate::Link::read_mapped`]: a copy out of the peer's mapping, open link or not.
+    pub(crate) fn read_mapped(&self, out: &mut [u8], region: u64, offset: u64) -> Result<()> {
+        self.with_mapping(region, |map| {
+            check_bounds("remote read", offset, out.len() as u64, map.len())?;
+            // SAFETY: the source [offset, offset+len) is inside the peer's mapping (checked
+            // against the size verified when mapping it), alive under the read lock; `out` is
+            // a live exclusive slice of `len` bytes; the peer may write its memory meanwhile
+            // (the bytes are plain data, copied as they are), and a mapping never overlaps a
+            // slice of ours unless a process grants a region to itself, hence `copy`.
+            unsafe { std::ptr::copy(map.ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
+            Ok(())
+        })
+    }
+
     pub(crate) fn close(&self) {
         if self.shared.closing.swap(true, Ordering::AcqRel) {
             return;

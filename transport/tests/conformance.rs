@@ -64,6 +64,61 @@ fn ordering_of_writes_and_immediates(medium: Medium) {
     let _ab = writer.join().unwrap();
 }
 
+/// Over shm the peer's granted memory is mapped here and read in place, with the key's and the
+/// mapping's bounds checked, also after the link closed; other media refuse such a read.
+fn mapped_reads(medium: Medium) {
+    let (a, b, ab, ba) = pair(medium);
+    let target = Region::new(2 * 4096).unwrap();
+    share(&ba, &target);
+    let key = recv_key(&a);
+    let data = pattern(5, 2 * 4096);
+    target.write_at(0, &data).unwrap();
+    let mut out = vec![0u8; 1000];
+    if !matches!(medium, Medium::Shm) {
+        assert!(!ab.maps_peer_memory());
+        let err = ab.read_mapped(&key, 0, &mut out).unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{err}");
+        return;
+    }
+    assert!(ab.maps_peer_memory());
+    ab.read_mapped(&key, 100, &mut out).unwrap();
+    assert_eq!(out, data[100..1100]);
+    // The peer's later writes are what the next read sees.
+    let again = pattern(6, 2 * 4096);
+    target.write_at(0, &again).unwrap();
+    ab.read_mapped(&key, 4096, &mut out).unwrap();
+    assert_eq!(out, again[4096..5096]);
+    // Past the region's end, another node's key, a region never granted: refused.
+    let err = ab.read_mapped(&key, 2 * 4096 - 4, &mut out).unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+    let err = ab.read_mapped(&key, u64::MAX - 2, &mut out).unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+    let other = RemoteKey {
+        owner: key.owner ^ 1,
+        ..key
+    };
+    let err = ab.read_mapped(&other, 0, &mut out).unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    let unknown = RemoteKey {
+        region: key.region + 1000,
+        ..key
+    };
+    let err = ab.read_mapped(&unknown, 0, &mut out).unwrap_err();
+    assert!(matches!(err, Error::UnknownRegion(_)), "{err}");
+    // A key that claims more than the mapping holds is held to the mapping.
+    let longer = RemoteKey {
+        len: 1 << 30,
+        ..key
+    };
+    let err = ab.read_mapped(&longer, 2 * 4096, &mut out).unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+    // Closed, the mapping still reads until the link is dropped.
+    ab.close();
+    ab.read_mapped(&key, 0, &mut out).unwrap();
+    assert_eq!(out, again[..1000]);
+    drop(b);
+}
+
 /// A submitted batch takes effect as its ops one by one would: writes visible by the
 /// immediate that follows them, the message after both; a bad write fails the whole batch
 /// before anything is sent, and the link stays usable.
@@ -766,6 +821,13 @@ macro_rules! conformance {
                     return;
                 }
                 super::bounds_and_grants($medium)
+            }
+            #[test]
+            fn mapped_reads() {
+                if skip($medium) {
+                    return;
+                }
+                super::mapped_reads($medium)
             }
             #[test]
             fn submitted_batches() {

@@ -12,7 +12,7 @@ use super::{Inner, ShardRemote, Worker, lock};
 use crate::error::{Error, Result};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::precision::Wire;
-use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer, TrailerPull};
+use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer, TrailerPull, TrailerSrc};
 
 /// A push as it must be written again (after a reconnection).
 #[derive(Clone)]
@@ -27,6 +27,16 @@ pub(super) struct PushRecord {
     /// Transferred tasks: the straggler and iteration they were taken from.
     pub(super) help_for: Option<(u32, u64)>,
 }
+
+/// The smallest shard whose f32 gradient a push over shm leaves in the worker's memory for
+/// the server to read there. Below it the copy into the slot costs about what the server's
+/// reads out of another process's memory cost, and the slot keeps the worker's region free
+/// of a peer's reads.
+pub(super) const IN_PLACE_MIN_BYTES: u64 = 64 << 10;
+
+/// The most regions a worker grants one server link (pull destinations and gradients left
+/// in place together) before its pushes from a region not yet granted go into the slot.
+pub(super) const IN_PLACE_MAX_REGIONS: usize = 16;
 
 /// What a tracked request keeps so that it can be sent again on a new link.
 #[derive(Clone)]
@@ -122,7 +132,7 @@ impl Worker {
         let (link, req, sig) = self.track_push(s, &rec, ack)?;
         let (id, answer) = self.track_pull(s, &link, out, clock);
         let pull = Request::Pull(id);
-        let (rides, refused) = match self.inner.pull_dst(&link, out) {
+        let (rides, refused) = match self.inner.granted(&link, out) {
             Ok(dst) => {
                 let rides = TrailerPull {
                     req: id,
@@ -455,7 +465,9 @@ impl Inner {
     /// Writes a push on `link`: the slot's trailer (the version the gradient was computed
     /// from, the sequence number, a pull riding on the push), then the gradient with its
     /// immediate, in one batch (so the trailer lands first, and over tcp both go in one
-    /// write).
+    /// write). Over shm a dense f32 gradient of at least [`IN_PLACE_MIN_BYTES`] is not
+    /// copied: the trailer names where it lies in `grad` (granted on the link), and goes
+    /// with the immediate alone.
     pub(super) fn write_push(
         &self,
         link: &Link,
@@ -469,30 +481,6 @@ impl Inner {
                 reason: "not reached yet".into(),
             });
         };
-        let scratch = lock(&s.scratch);
-        let v = s.pulled_version.load(Ordering::Acquire);
-        let trailer = SlotTrailer {
-            computed_on: Some(v).filter(|&v| v != u64::MAX),
-            seq: rec.seq,
-            help_for: rec.help_for,
-            pull,
-        };
-        scratch.write_at(0, &trailer.to_bytes())?;
-        let trailer = Op::Write {
-            src: &scratch,
-            src_off: 0,
-            dst: &keys.slot,
-            dst_off: s.spec.bytes(),
-            len: SlotTrailer::BYTES,
-            imm: None,
-        };
-        let imm = Some(
-            Immediate {
-                kind: rec.kind,
-                local: s.local,
-            }
-            .pack(),
-        );
         let wire = self.book.wire;
         // Where this shard's values start in `grad`.
         let src_off = if rec.own.is_some() {
@@ -500,6 +488,54 @@ impl Inner {
         } else {
             s.spec.offset * 4
         };
+        // Over shm a large f32 gradient stays where it is: the server maps this worker's
+        // memory and applies it from there (acknowledging after the apply, or after copying
+        // it out), so the push moves the trailer alone, not the values.
+        let in_place = match &rec.grad {
+            Some(g)
+                if link.maps_peer_memory()
+                    && rec.kind == PushKind::Gradient
+                    && rec.own.is_none()
+                    && wire == Wire::F32
+                    && s.spec.bytes() >= IN_PLACE_MIN_BYTES =>
+            {
+                self.granted_source(link, g)?.map(|key| TrailerSrc {
+                    key: key.to_bytes(),
+                    off: src_off,
+                })
+            }
+            _ => None,
+        };
+        let scratch = lock(&s.scratch);
+        let v = s.pulled_version.load(Ordering::Acquire);
+        let trailer = SlotTrailer {
+            computed_on: Some(v).filter(|&v| v != u64::MAX),
+            seq: rec.seq,
+            help_for: rec.help_for,
+            pull,
+            src: in_place,
+        };
+        scratch.write_at(0, &trailer.to_bytes())?;
+        let imm = Some(
+            Immediate {
+                kind: rec.kind,
+                local: s.local,
+            }
+            .pack(),
+        );
+        let trailer_op = |imm| Op::Write {
+            src: &scratch,
+            src_off: 0,
+            dst: &keys.slot,
+            dst_off: s.spec.bytes(),
+            len: SlotTrailer::BYTES,
+            imm,
+        };
+        if in_place.is_some() {
+            link.submit(&[trailer_op(imm)])?;
+            lock(&self.stats).pushes_in_place += 1;
+            return Ok(());
+        }
         let into_slot = |src, src_off, len| Op::Write {
             src,
             src_off,
@@ -528,7 +564,7 @@ impl Inner {
             Some(g) => into_slot(g, src_off, s.spec.bytes()),
             None => into_slot(&scratch, 0, 0),
         };
-        link.submit(&[trailer, values])
+        link.submit(&[trailer_op(None), values])
     }
 
     /// With 16-bit values on the wire, a pull put the shard's values encoded at the start of
@@ -541,8 +577,9 @@ impl Inner {
         crate::precision::widen_in_place(self.book.wire, out, s.spec.offset * 4, s.spec.len)
     }
 
-    /// The key of `out` on `link`, granted there the first time (cached).
-    pub(super) fn pull_dst(
+    /// The key of `out` on `link` (a pull's destination, a gradient left in place), granted
+    /// there the first time (cached).
+    pub(super) fn granted(
         &self,
         link: &Link,
         out: &Region,
@@ -558,6 +595,28 @@ impl Inner {
         }
     }
 
+    /// The key of `grad` on `link` for a push that leaves it in place, granted there the
+    /// first time (cached); `None` once the link holds [`IN_PLACE_MAX_REGIONS`] grants and
+    /// `grad` is not among them. A grant keeps its region mapped by the server until the link
+    /// ends, so a caller pushing from a fresh region every step must not pile them up: past
+    /// the bound its pushes are copied into the slot.
+    pub(super) fn granted_source(
+        &self,
+        link: &Link,
+        grad: &Region,
+    ) -> std::result::Result<Option<RemoteKey>, falcon_transport::Error> {
+        {
+            let grants = lock(&self.grants);
+            if let Some(k) = grants.get(&(link.id(), grad.id())) {
+                return Ok(Some(*k));
+            }
+            if grants.keys().filter(|(l, _)| *l == link.id()).count() >= IN_PLACE_MAX_REGIONS {
+                return Ok(None);
+            }
+        }
+        self.granted(link, grad).map(Some)
+    }
+
     /// Sends a pull request on `link`, granting the destination on it first (cached).
     pub(super) fn send_pull(
         &self,
@@ -567,7 +626,7 @@ impl Inner {
         out: &Region,
         clock: u64,
     ) -> std::result::Result<(), falcon_transport::Error> {
-        let dst = self.pull_dst(link, out)?;
+        let dst = self.granted(link, out)?;
         let msg = Msg::PullReq {
             shard: s.spec.id,
             clock,

@@ -319,6 +319,9 @@ pub struct WorkerStats {
     pub slow_pulls: u64,
     /// Shard pushes.
     pub pushes: u64,
+    /// Shard pushes whose f32 gradient went over shm without a copy: the server read it in
+    /// this worker's memory (shards of at least 64 KiB); a resent push counts again.
+    pub pushes_in_place: u64,
     /// Time spent waiting at ElasticBSP barriers (from the report to the plan's arrival).
     pub barrier_wait: Duration,
     /// ElasticBSP supersteps this worker took part in (plans received).
@@ -610,7 +613,9 @@ impl Worker {
         self.push_async(tensor, grad, clock)?.wait()
     }
 
-    /// Starts a push; `grad` may be reused once the handle's `wait` returns.
+    /// Starts a push; `grad` may be reused once the handle's `wait` returns, not before: a
+    /// push is sent again from it after a reconnection, and over shm a server reads a large
+    /// f32 gradient straight out of it (see [`WorkerStats::pushes_in_place`]).
     pub fn push_async(&self, tensor: &str, grad: &Region, clock: u64) -> Result<Handle> {
         let shards = self.push_shards(tensor, grad, clock)?;
         self.sample_interval(clock);
