@@ -828,6 +828,37 @@ fn large_gradients_over_shm_are_read_in_the_workers_memory() {
     }
 }
 
+/// A worker pushing from a fresh region every step does not pile up grants on its links: past
+/// 16 regions a link its pushes go into the slot, and every one is applied.
+#[test]
+fn pushes_from_fresh_regions_stop_being_read_in_place_past_the_bound() {
+    use falcon_transport::Medium;
+    const N: u64 = 24;
+    let mut c = cfg(1, 1, PolicySpec::Asp);
+    c.optimizer = Optimizer::Sgd { lr: 1.0 };
+    c.transport.medium = Medium::Shm;
+    c.max_shard_bytes = 1 << 20;
+    let specs = vec![TensorSpec {
+        name: "w".into(),
+        len: 1 << 15, // 128 KiB: one shard
+    }];
+    let cluster = LocalCluster::start(c, specs).unwrap();
+    let worker = cluster.workers[0].clone();
+    for t in 0..N {
+        let grad = worker.buffer("w").unwrap();
+        grad.write_at(0, falcon_engine::worker::f32_bytes(&vec![-1.0; 1 << 15]))
+            .unwrap();
+        worker.push("w", &grad, t).unwrap();
+    }
+    let st = worker.stats();
+    assert_eq!(st.pushes, N);
+    assert_eq!(st.pushes_in_place, 16, "{st:?}");
+    let keymap = worker.keymap().clone();
+    let report = cluster.finish().unwrap();
+    let w = report.tensor(&keymap, "w").unwrap();
+    assert!(w.iter().all(|&x| x == N as f32), "{:?}", &w[..4]);
+}
+
 const ROWS: u64 = 500;
 const DIM: u64 = 2;
 const BATCH: usize = 16;
