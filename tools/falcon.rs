@@ -214,6 +214,8 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_SPIN_US                how long a hand-off between threads spins before it parks,
                                 0 to 10000 (default 50, or 0 where the job's workers and
                                 servers on a host outnumber its cores; set, it holds there too)
+  FALCON_SHM_IN_PLACE           over shm, servers read a large gradient in the worker's
+                                memory instead of a copy in the slot: 1 (default) or 0
   FALCON_MAX_HANDSHAKES         connections waiting for admission at once (default 128);
   FALCON_MAX_HANDSHAKES_PER_SOURCE  from one address (default 32); more are closed at once
   FALCON_CHECKPOINT_DIR         server checkpoints there (default: none)

@@ -10,6 +10,7 @@
 //!   copy the values to the device.
 //!
 //! `cargo run --release --features cuda -p falcon-engine --example device_pushpull [REPS]`
+//! (`FALCON_SHM_IN_PLACE=0`: every shm push copied into the server's slot, as `falcon role` does)
 use std::time::{Duration, Instant};
 
 use falcon_engine::keys::TensorSpec;
@@ -57,6 +58,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ..JobConfig::default()
         };
         cfg.transport.medium = medium;
+        // As `falcon role` reads it: 0 copies every shm push into the slot.
+        cfg.shm_in_place = std::env::var("FALCON_SHM_IN_PLACE").map_or(true, |v| v.trim() != "0");
         let tensors = SIZES
             .iter()
             .map(|b| TensorSpec {

@@ -72,6 +72,11 @@ pub struct JobConfig {
     /// `transport.spin` set in code is overridden on such a host unless this is false;
     /// `FALCON_SPIN_US` turns it off, so the spin it sets holds everywhere.
     pub spin_auto: bool,
+    /// Over shm, a push of a dense f32 shard of at least 64 KiB leaves the gradient where the
+    /// worker holds it and the server reads it there, instead of copying it into the slot
+    /// (one memory pass fewer per pushed byte). On by default; `FALCON_SHM_IN_PLACE=0` turns
+    /// it off (a worker's setting; servers read whichever way a push says).
+    pub shm_in_place: bool,
     /// The scheduler's supervisor and parallelism manager.
     pub supervisor: SupervisorSettings,
     /// Server checkpoints and recovery (`None`: a dead server ends the job).
@@ -233,6 +238,7 @@ impl Default for JobConfig {
                 ..TransportConfig::default()
             },
             spin_auto: true,
+            shm_in_place: true,
             supervisor: SupervisorSettings::default(),
             checkpoint: None,
             max_pending_bytes: 256 << 20,

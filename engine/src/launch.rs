@@ -123,6 +123,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_OP_TIMEOUT_MS",
     "FALCON_HANDSHAKE_TIMEOUT_MS",
     "FALCON_SPIN_US",
+    "FALCON_SHM_IN_PLACE",
     "FALCON_MAX_HANDSHAKES",
     "FALCON_MAX_HANDSHAKES_PER_SOURCE",
     "FALCON_CHECKPOINT_DIR",
@@ -352,6 +353,19 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
         match self.get(names) {
             None => Ok(default),
             Some(set) => parse(&set.value).map_err(|e| set.refused(e)),
+        }
+    }
+
+    /// A yes or no (1, true, yes, on; 0, false, no, off); unset: `default`; anything else
+    /// refused, `meaning` saying what each answer does.
+    fn yes_no(&self, var: &'static str, default: bool, meaning: &str) -> Result<bool, LaunchError> {
+        let Some(set) = self.get(&[var]) else {
+            return Ok(default);
+        };
+        match set.value.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(true),
+            "0" | "false" | "no" | "off" => Ok(false),
+            _ => Err(set.refused(format!("not a yes or no: {meaning}"))),
         }
     }
 
@@ -637,22 +651,16 @@ fn checkpoints<F: Fn(&str) -> Option<String>>(
                 .map_err(|_| "not an action on a failed checkpoint write: warn or stop")
         },
     )?;
-    let mut resume = false;
-    if let Some(set) = env.get(&["FALCON_RESUME"]) {
-        resume = match set.value.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "yes" | "on" => true,
-            "0" | "false" | "no" | "off" => false,
-            _ => {
-                return Err(
-                    set.refused("not a yes or no: 1 (resume from FALCON_CHECKPOINT_DIR) or 0")
-                );
-            }
-        };
-        if resume && env.get(&["FALCON_CHECKPOINT_DIR"]).is_none() {
-            return Err(
-                set.refused("there is nothing to resume from: set FALCON_CHECKPOINT_DIR too")
-            );
-        }
+    let resume = env.yes_no(
+        "FALCON_RESUME",
+        false,
+        "1 (resume from FALCON_CHECKPOINT_DIR) or 0",
+    )?;
+    if resume
+        && env.get(&["FALCON_CHECKPOINT_DIR"]).is_none()
+        && let Some(set) = env.get(&["FALCON_RESUME"])
+    {
+        return Err(set.refused("there is nothing to resume from: set FALCON_CHECKPOINT_DIR too"));
     }
     if let Some(dir) = env.get(&["FALCON_CHECKPOINT_DIR"]) {
         let c = CheckpointSettings::new(dir.value);
@@ -703,6 +711,11 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
         checks::timeout_ms,
     )?;
     cfg.spin_auto = env.get(&["FALCON_SPIN_US"]).is_none();
+    cfg.shm_in_place = env.yes_no(
+        "FALCON_SHM_IN_PLACE",
+        d.shm_in_place,
+        "1 (over shm a large gradient is read where the worker holds it) or 0 (copied into the slot)",
+    )?;
     cfg.transport.spin = Duration::from_micros(env.value(
         &["FALCON_SPIN_US"],
         d.transport.spin.as_micros() as u64,
@@ -800,6 +813,7 @@ mod tests {
         assert_eq!(l.config.max_shard_bytes, d.max_shard_bytes);
         assert_eq!(l.config.heartbeat, d.heartbeat);
         assert!(l.config.spin_auto);
+        assert!(l.config.shm_in_place);
         assert_eq!(l.config.suspicion, Some(DEFAULT_SUSPICION));
         assert_eq!(l.config.rendezvous_timeout, d.rendezvous_timeout);
         assert_eq!(l.config.transport.op_timeout, d.transport.op_timeout);
@@ -869,6 +883,7 @@ mod tests {
             ("FALCON_OP_TIMEOUT_MS", "2500"),
             ("FALCON_HANDSHAKE_TIMEOUT_MS", "300"),
             ("FALCON_SPIN_US", "0"),
+            ("FALCON_SHM_IN_PLACE", "Off"),
             ("FALCON_MAX_HANDSHAKES", "7"),
             ("FALCON_MAX_HANDSHAKES_PER_SOURCE", "3"),
             ("FALCON_CHECKPOINT_DIR", "/tmp/ckpt"),
@@ -900,6 +915,7 @@ mod tests {
             !c.spin_auto,
             "a spin the user set holds on a crowded host too"
         );
+        assert!(!c.shm_in_place);
         assert_eq!(c.transport.max_handshakes, 7);
         assert_eq!(c.transport.max_handshakes_per_source, 3);
         assert_eq!(
@@ -1119,6 +1135,11 @@ mod tests {
                 ("FALCON_CHECKPOINT_DIR", "/tmp/c")
             ]),
             "FALCON_RESUME=maybe: not a yes or no: 1 (resume from FALCON_CHECKPOINT_DIR) or 0"
+        );
+        assert_eq!(
+            with(&[("FALCON_SHM_IN_PLACE", "2")]),
+            "FALCON_SHM_IN_PLACE=2: not a yes or no: 1 (over shm a large gradient is read where \
+             the worker holds it) or 0 (copied into the slot)"
         );
         assert_eq!(
             with(&[("FALCON_METRICS_ADDR", "localhost")]),

@@ -743,24 +743,29 @@ fn bf16_and_f16_on_the_wire_are_exactly_the_rounded_arithmetic() {
 /// Over shm a large f32 gradient is not copied into the slot: the server reads it where the
 /// worker holds it, under a synchronous step (copied out) and an asynchronous one (applied
 /// where it lies), in a push-pull too; every push counts exactly once. Small shards, 16-bit
-/// gradients and tcp keep the slot.
+/// gradients, tcp and a worker with `shm_in_place` off keep the slot.
 #[test]
 fn large_gradients_over_shm_are_read_in_the_workers_memory() {
     use falcon_engine::precision::Wire;
     use falcon_transport::Medium;
     const N: u64 = 8;
     const LEN: u64 = 1 << 16; // 256 KiB: two shards of 128 KiB, one a server
+    // (medium, wire, policy, push_pull, JobConfig::shm_in_place, read in place)
     let cases = [
-        (Medium::Shm, Wire::F32, PolicySpec::Bsp, false, true),
-        (Medium::Shm, Wire::F32, PolicySpec::Asp, false, true),
-        (Medium::Shm, Wire::F32, PolicySpec::Asp, true, true),
-        (Medium::Shm, Wire::F32, PolicySpec::Bsp, true, true),
-        (Medium::Shm, Wire::Bf16, PolicySpec::Bsp, false, false),
-        (Medium::Tcp, Wire::F32, PolicySpec::Bsp, false, false),
+        (Medium::Shm, Wire::F32, PolicySpec::Bsp, false, true, true),
+        (Medium::Shm, Wire::F32, PolicySpec::Asp, false, true, true),
+        (Medium::Shm, Wire::F32, PolicySpec::Asp, true, true, true),
+        (Medium::Shm, Wire::F32, PolicySpec::Bsp, true, true, true),
+        (Medium::Shm, Wire::F32, PolicySpec::Asp, false, false, false),
+        (Medium::Shm, Wire::Bf16, PolicySpec::Bsp, false, true, false),
+        (Medium::Tcp, Wire::F32, PolicySpec::Bsp, false, true, false),
     ];
-    for (medium, wire, policy, push_pull, in_place) in cases {
-        let what = format!("{policy:?} over {medium:?}, {wire:?}, push_pull {push_pull}");
+    for (medium, wire, policy, push_pull, allowed, in_place) in cases {
+        let what = format!(
+            "{policy:?} over {medium:?}, {wire:?}, push_pull {push_pull}, allowed {allowed}"
+        );
         let mut c = cfg(2, 2, policy);
+        c.shm_in_place = allowed;
         c.optimizer = Optimizer::Sgd { lr: 1.0 };
         c.aggregate = Aggregate::Sum;
         c.wire = wire;

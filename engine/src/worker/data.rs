@@ -493,7 +493,8 @@ impl Inner {
         // it out), so the push moves the trailer alone, not the values.
         let in_place = match &rec.grad {
             Some(g)
-                if link.maps_peer_memory()
+                if self.shm_in_place
+                    && link.maps_peer_memory()
                     && rec.kind == PushKind::Gradient
                     && rec.own.is_none()
                     && wire == Wire::F32

@@ -294,6 +294,8 @@ struct Inner {
     next_barrier: AtomicU64,
     staging: Mutex<HashMap<usize, Region>>,
     timeout: Duration,
+    /// [`JobConfig::shm_in_place`].
+    shm_in_place: bool,
     stop: AtomicBool,
     stats: Mutex<WorkerStats>,
     /// ElasticBSP's gate; None under every other policy.
@@ -404,6 +406,7 @@ impl Worker {
             next_barrier: AtomicU64::new(first_barrier),
             staging: Mutex::new(HashMap::new()),
             timeout: cfg.transport.op_timeout,
+            shm_in_place: cfg.shm_in_place,
             stop: AtomicBool::new(false),
             stats: Mutex::new(WorkerStats::default()),
             offers: Mutex::new(Offers::default()),
