@@ -59,7 +59,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         };
         cfg.transport.medium = medium;
         // As `falcon role` reads it: 0 copies every shm push into the slot.
-        cfg.shm_in_place = std::env::var("FALCON_SHM_IN_PLACE").map_or(true, |v| v.trim() != "0");
+        cfg.shm_in_place = !std::env::var("FALCON_SHM_IN_PLACE").is_ok_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "0" | "false" | "no" | "off"
+            )
+        });
         let tensors = SIZES
             .iter()
             .map(|b| TensorSpec {

@@ -38,7 +38,8 @@
 //!   `FALCON_ADVERTISE`;
 //! - the job: `FALCON_JOB`, `FALCON_TOKEN`, `FALCON_POLICY`, `FALCON_LR`, `FALCON_OPTIMIZER`,
 //!   `FALCON_AGGREGATE`, `FALCON_SCALE`,
-//!   `FALCON_MAX_SHARD_BYTES`, `FALCON_FAN_OUT`, `FALCON_WIRE`, `FALCON_MEDIUM`;
+//!   `FALCON_MAX_SHARD_BYTES`, `FALCON_FAN_OUT`, `FALCON_WIRE`, `FALCON_MEDIUM`,
+//!   `FALCON_SHM_IN_PLACE`;
 //! - the scheduler's metrics endpoint: `FALCON_METRICS_ADDR` (`IP:PORT`);
 //! - the heartbeat and the timeouts: `FALCON_HEARTBEAT_MS`, `FALCON_SUSPICION_MS`,
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
@@ -504,6 +505,11 @@ impl Launch {
                 .parse::<Medium>()
                 .map_err(|_| "not a medium: auto, shm, tcp or rdma")
         })?;
+        cfg.shm_in_place = env.yes_no(
+            "FALCON_SHM_IN_PLACE",
+            cfg.shm_in_place,
+            "1 (over shm a large gradient is read where the worker holds it) or 0 (copied into the slot)",
+        )?;
         cfg.transport.bind = Some(bind_address(&env, role, (&uri, port), scheduler_tcp)?);
         if let Some(set) = env.get(&["FALCON_ADVERTISE"]) {
             cfg.transport.advertise = Some(set.value.trim().parse().map_err(|_| {
@@ -711,11 +717,6 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
         checks::timeout_ms,
     )?;
     cfg.spin_auto = env.get(&["FALCON_SPIN_US"]).is_none();
-    cfg.shm_in_place = env.yes_no(
-        "FALCON_SHM_IN_PLACE",
-        d.shm_in_place,
-        "1 (over shm a large gradient is read where the worker holds it) or 0 (copied into the slot)",
-    )?;
     cfg.transport.spin = Duration::from_micros(env.value(
         &["FALCON_SPIN_US"],
         d.transport.spin.as_micros() as u64,

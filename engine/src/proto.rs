@@ -12,9 +12,11 @@ use crate::sync::PolicySpec;
 use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
-/// Bumped whenever `Msg` changes shape (2: ElasticBSP's `Superstep` and `Plan`; 6: server
-/// recovery and worker rejoin; 7: typed acknowledgements and refused pulls; 10: metrics).
-const VERSION: u8 = 11;
+/// Bumped whenever `Msg` or the slot trailer changes shape (2: ElasticBSP's `Superstep` and
+/// `Plan`; 6: server recovery and worker rejoin; 7: typed acknowledgements and refused pulls;
+/// 10: metrics; 12: the trailer names a gradient left in the worker's memory, so nodes of
+/// older builds, whose slots are shorter, are refused by name, not by a failed write).
+const VERSION: u8 = 12;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -167,6 +167,8 @@ struct PeerGrad<'a> {
     off: u64,
     /// Its floats (the range was checked to lie in the worker's mapping).
     floats: usize,
+    /// A block already failed (its warning given: one a push).
+    failed: std::cell::Cell<bool>,
 }
 
 impl PeerGrad<'_> {
@@ -183,6 +185,7 @@ impl PeerGrad<'_> {
             key,
             off: src.off,
             floats,
+            failed: std::cell::Cell::new(false),
         };
         // Its first and last float, read through the mapping's own bounds.
         let last = src
@@ -211,9 +214,11 @@ impl crate::shard::GradSlot for PeerGrad<'_> {
             .link
             .read_mapped(&self.key, self.off + 4 * at as u64, bytes)
         {
-            tracing::warn!(
-                "reading a gradient in the worker's memory: {e}; the block counts as zero"
-            );
+            if !self.failed.replace(true) {
+                tracing::warn!(
+                    "reading a gradient in the worker's memory: {e}; its unreadable blocks count as zero"
+                );
+            }
             out.fill(0.0);
         }
     }
@@ -1076,6 +1081,10 @@ impl Serving {
                             "server {rank}: worker {w}: a push to shard {} names its gradient in the worker's memory, which cannot be read: {e}; ignored",
                             s.spec.id
                         );
+                        // A pull riding on it is refused, not left waiting.
+                        if let (Some(p), Some(l)) = (pull, &peer_link) {
+                            refuse_pull(l, p.req, format!("its push was refused: {e}"));
+                        }
                         return;
                     }
                 }

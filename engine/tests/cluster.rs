@@ -864,6 +864,63 @@ fn pushes_from_fresh_regions_stop_being_read_in_place_past_the_bound() {
     assert!(w.iter().all(|&x| x == N as f32), "{:?}", &w[..4]);
 }
 
+/// A worker that names memory it does not hold for a push read in place (another node's key,
+/// a region it never granted, a range past its region) has that push refused: nothing of it
+/// is applied, the worker gets a typed error, and the server goes on serving the others.
+#[test]
+fn a_push_naming_memory_the_worker_does_not_hold_is_refused() {
+    use falcon_engine::worker::ForgeSource;
+    use falcon_transport::{Medium, RemoteKey};
+    use std::sync::Arc;
+    const LEN: u64 = 1 << 15; // 128 KiB: one shard, read in place
+    let forgeries: [(&str, ForgeSource); 3] = [
+        (
+            "another node's key",
+            Arc::new(|k: &mut RemoteKey, _: &mut u64| k.owner ^= 1),
+        ),
+        (
+            "a region never granted",
+            Arc::new(|k: &mut RemoteKey, _: &mut u64| k.region += 1000),
+        ),
+        (
+            "a range past the region",
+            Arc::new(|_: &mut RemoteKey, off: &mut u64| *off += 4),
+        ),
+    ];
+    for (what, forge) in forgeries {
+        let mut c = cfg(1, 2, PolicySpec::Asp);
+        c.optimizer = Optimizer::Sgd { lr: 1.0 };
+        c.transport.medium = Medium::Shm;
+        c.transport.op_timeout = Duration::from_secs(2);
+        c.max_shard_bytes = 1 << 20;
+        let specs = vec![TensorSpec {
+            name: "w".into(),
+            len: LEN,
+        }];
+        let cluster = LocalCluster::start(c, specs).unwrap();
+        let liar = cluster.workers[0].clone();
+        let honest = cluster.workers[1].clone();
+        let ones = vec![-1.0f32; LEN as usize];
+        let grad = liar.buffer("w").unwrap();
+        grad.write_at(0, falcon_engine::worker::f32_bytes(&ones))
+            .unwrap();
+        liar.forge_in_place_sources(forge);
+        let err = liar.push("w", &grad, 0).unwrap_err();
+        assert!(matches!(err, Error::Timeout(..)), "{what}: {err}");
+        assert_eq!(liar.stats().pushes_in_place, 1, "{what}");
+        // The honest worker's pushes, read in place too, are all that is applied.
+        for t in 0..3 {
+            honest.push_slice("w", &ones, t).unwrap();
+        }
+        assert_eq!(honest.stats().pushes_in_place, 3, "{what}");
+        let mut p = vec![0f32; LEN as usize];
+        honest.pull_slice("w", &mut p, 3).unwrap();
+        assert!(p.iter().all(|&x| x == 3.0), "{what}: {:?}", &p[..4]);
+        drop(liar);
+        let _ = cluster.finish();
+    }
+}
+
 const ROWS: u64 = 500;
 const DIM: u64 = 2;
 const BATCH: usize = 16;

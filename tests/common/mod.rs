@@ -26,9 +26,13 @@ pub fn port() -> u16 {
 static OUTPUT: Mutex<BTreeMap<u32, (PathBuf, PathBuf)>> = Mutex::new(BTreeMap::new());
 static STARTED: AtomicU64 = AtomicU64::new(0);
 
-/// What `child` (started by [`Job::start`]) wrote so far: stdout and stderr.
+/// What `child` (started by [`Job::start`]) wrote so far: stdout and stderr (looked up by
+/// pid: ask before this test starts another process, which could reuse a reaped child's).
 pub fn output_of(child: &Child) -> (String, String) {
-    let paths = OUTPUT.lock().unwrap().get(&child.id()).cloned();
+    read_output(OUTPUT.lock().unwrap().get(&child.id()).cloned())
+}
+
+fn read_output(paths: Option<(PathBuf, PathBuf)>) -> (String, String) {
     let read = |p: &PathBuf| {
         std::fs::read(p)
             .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -95,16 +99,20 @@ impl Job {
         child
     }
 
-    /// Where the job's processes write (beside `dir`, which a test may replace by a file).
+    /// Where the job's processes write (beside `dir`, which a test may replace by a file);
+    /// the test process's id keeps test binaries run side by side apart.
     fn logs(&self) -> PathBuf {
-        std::env::temp_dir().join(format!("falcon-logs-{}", self.port))
+        std::env::temp_dir().join(format!("falcon-logs-{}-{}", std::process::id(), self.port))
     }
 }
 
 impl Drop for Job {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-        let _ = std::fs::remove_dir_all(self.logs());
+        // A failing test keeps its processes' output to look at.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(self.logs());
+        }
     }
 }
 
@@ -123,9 +131,10 @@ pub fn wait_for(child: &mut Child, limit: Duration) -> Option<std::process::Exit
 /// Waits for `child` (started by [`Job::start`]) to end successfully; returns its stdout and
 /// stderr.
 pub fn succeeds(mut child: Child, what: &str, limit: Duration) -> (String, String) {
+    let paths = OUTPUT.lock().unwrap().get(&child.id()).cloned();
     let status = wait_for(&mut child, limit);
     let _ = child.wait();
-    let (stdout, stderr) = output_of(&child);
+    let (stdout, stderr) = read_output(paths);
     assert!(
         status.is_some_and(|s| s.success()),
         "{what} failed ({status:?}):\n{stdout}\n{stderr}"

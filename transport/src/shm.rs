@@ -506,10 +506,13 @@ impl ShmLink {
         self.with_mapping(region, |map| {
             check_bounds("remote read", offset, out.len() as u64, map.len())?;
             // SAFETY: the source [offset, offset+len) is inside the peer's mapping (checked
-            // against the size verified when mapping it), alive under the read lock; `out` is
-            // a live exclusive slice of `len` bytes; the peer may write its memory meanwhile
-            // (the bytes are plain data, copied as they are), and a mapping never overlaps a
-            // slice of ours unless a process grants a region to itself, hence `copy`.
+            // against the size verified when mapping it; the memfd is sealed against
+            // shrinking, so every page of it is there), alive under the read lock; `out` is a
+            // live exclusive slice of `len` bytes. The peer may write its memory meanwhile:
+            // as for `read`, that race is accepted by design, the copy goes through raw
+            // pointers, never references, and the bytes are plain data, whatever they hold.
+            // A mapping never overlaps a slice of ours unless a process grants a region to
+            // itself, hence `copy`.
             unsafe { std::ptr::copy(map.ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
             Ok(())
         })

@@ -613,6 +613,7 @@ impl Inner {
             "worker {}: reattached to server {r} ({lost} acknowledged updates lost)",
             self.book.rank
         );
+        self.forget_old_grants();
         self.resync(r);
     }
 }

@@ -1,11 +1,12 @@
 //! The data path: writing a push into this worker's slot on a shard's server, and pulling a
 //! shard — the lock-free one-sided path, or a request the server's policy answers.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use falcon_transport::{Link, Op, ReadOp, Region, RemoteKey};
+use falcon_transport::{Link, LinkId, Op, ReadOp, Region, RemoteKey};
 
 use super::tracker::{Request, Signal};
 use super::{Inner, ShardRemote, Worker, lock};
@@ -34,8 +35,8 @@ pub(super) struct PushRecord {
 /// of a peer's reads.
 pub(super) const IN_PLACE_MIN_BYTES: u64 = 64 << 10;
 
-/// The most regions a worker grants one server link (pull destinations and gradients left
-/// in place together) before its pushes from a region not yet granted go into the slot.
+/// The most gradient regions a worker grants one server link for pushes read in place; a
+/// push from a further region goes into the slot.
 pub(super) const IN_PLACE_MAX_REGIONS: usize = 16;
 
 /// What a tracked request keeps so that it can be sent again on a new link.
@@ -500,9 +501,15 @@ impl Inner {
                     && wire == Wire::F32
                     && s.spec.bytes() >= IN_PLACE_MIN_BYTES =>
             {
-                self.granted_source(link, g)?.map(|key| TrailerSrc {
-                    key: key.to_bytes(),
-                    off: src_off,
+                self.granted_source(link, g)?.map(|mut key| {
+                    let mut off = src_off;
+                    if let Some(forge) = lock(&self.forge_source).as_ref() {
+                        forge(&mut key, &mut off);
+                    }
+                    TrailerSrc {
+                        key: key.to_bytes(),
+                        off,
+                    }
                 })
             }
             _ => None,
@@ -597,25 +604,48 @@ impl Inner {
     }
 
     /// The key of `grad` on `link` for a push that leaves it in place, granted there the
-    /// first time (cached); `None` once the link holds [`IN_PLACE_MAX_REGIONS`] grants and
-    /// `grad` is not among them. A grant keeps its region mapped by the server until the link
-    /// ends, so a caller pushing from a fresh region every step must not pile them up: past
-    /// the bound its pushes are copied into the slot.
+    /// first time (cached); `None` once [`IN_PLACE_MAX_REGIONS`] gradient regions are granted
+    /// on the link and `grad` is not among them, or when the grant fails other than by the
+    /// link closing (the push then goes into the slot). A grant keeps its region mapped by
+    /// the server until the link ends, so a caller pushing from a fresh region every step
+    /// must not pile them up.
     pub(super) fn granted_source(
         &self,
         link: &Link,
         grad: &Region,
     ) -> std::result::Result<Option<RemoteKey>, falcon_transport::Error> {
-        {
-            let grants = lock(&self.grants);
-            if let Some(k) = grants.get(&(link.id(), grad.id())) {
-                return Ok(Some(*k));
+        let mut grants = lock(&self.grants);
+        if let Some(k) = grants.get(&(link.id(), grad.id())) {
+            return Ok(Some(*k));
+        }
+        let mut sources = lock(&self.source_grants);
+        let n = sources.entry(link.id()).or_default();
+        if *n >= IN_PLACE_MAX_REGIONS {
+            return Ok(None);
+        }
+        match link.grant(grad) {
+            Ok(k) => {
+                grants.insert((link.id(), grad.id()), k);
+                *n += 1;
+                Ok(Some(k))
             }
-            if grants.keys().filter(|(l, _)| *l == link.id()).count() >= IN_PLACE_MAX_REGIONS {
-                return Ok(None);
+            Err(e @ falcon_transport::Error::Closed { .. }) => Err(e),
+            Err(e) => {
+                tracing::debug!(
+                    "worker: granting a gradient region failed ({e}); the push is copied"
+                );
+                Ok(None)
             }
         }
-        self.granted(link, grad).map(Some)
+    }
+
+    /// Forgets the grants made on links no longer in use (after a reattachment).
+    pub(super) fn forget_old_grants(&self) {
+        let live: HashSet<LinkId> = (0..self.servers.len())
+            .filter_map(|r| self.up_link(r).map(|l| l.id()))
+            .collect();
+        lock(&self.grants).retain(|(l, _), _| live.contains(l));
+        lock(&self.source_grants).retain(|l, _| live.contains(l));
     }
 
     /// Sends a pull request on `link`, granting the destination on it first (cached).

@@ -97,6 +97,10 @@ use tracker::{Signal, Tracker};
 use transfer::Offers;
 pub use transfer::{Offer, StealHook};
 
+/// Rewrites a gradient's key and offset ([`Worker::forge_in_place_sources`]).
+#[doc(hidden)]
+pub type ForgeSource = Arc<dyn Fn(&mut RemoteKey, &mut u64) + Send + Sync>;
+
 /// A push or pull in flight. `wait` returns when every shard is done.
 #[must_use = "a push or pull is only known done after wait()"]
 pub struct Handle {
@@ -139,12 +143,21 @@ impl Handle {
         self.signals.iter().all(|s| s.done())
     }
 
-    /// Waits for completion.
+    /// Waits for completion. A push's handle returns only once every part has completed or
+    /// timed out, failed parts included, so that no server still reads the caller's memory
+    /// (a gradient read in place over shm) when it returns with an error; its first error.
     pub fn wait(self) -> Result<()> {
+        let mut first = None;
         for s in &self.signals {
-            s.wait(self.timeout)?;
+            if let Err(e) = s.wait(self.timeout) {
+                if self.timeout.is_none() {
+                    // A pull waits as long as its policy holds it: the first error ends it.
+                    return Err(e);
+                }
+                first.get_or_insert(e);
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 }
 
@@ -289,6 +302,9 @@ struct Inner {
     /// the rows just pushed) reuses it instead of splitting and indexing them again.
     row_plans: Mutex<HashMap<usize, Arc<RowPlan>>>,
     grants: Mutex<HashMap<(LinkId, u64), RemoteKey>>,
+    /// Of those, the gradient regions granted for pushes read in place, per link (taken
+    /// under `grants`' lock).
+    source_grants: Mutex<HashMap<LinkId, usize>>,
     next_req: AtomicU32,
     /// The sequence number of the last barrier this worker entered.
     next_barrier: AtomicU64,
@@ -310,6 +326,8 @@ struct Inner {
     advised: AtomicU32,
     /// Answers a helper's steal: (iteration, most tasks) → the task range given away.
     steal_hook: Mutex<Option<StealHook>>,
+    /// A fault-injection seam: rewrites where a push read in place says its gradient lies.
+    forge_source: Mutex<Option<ForgeSource>>,
 }
 
 /// Counters of one worker.
@@ -402,6 +420,7 @@ impl Worker {
             row_answers: Mutex::new(HashMap::new()),
             row_plans: Mutex::new(HashMap::new()),
             grants: Mutex::new(HashMap::new()),
+            source_grants: Mutex::new(HashMap::new()),
             next_req: AtomicU32::new(1),
             next_barrier: AtomicU64::new(first_barrier),
             staging: Mutex::new(HashMap::new()),
@@ -412,6 +431,7 @@ impl Worker {
             offers: Mutex::new(Offers::default()),
             advised: AtomicU32::new(0),
             steal_hook: Mutex::new(None),
+            forge_source: Mutex::new(None),
         });
         Inner::start_threads(&inner, cfg.heartbeat)?;
         Ok(Worker { inner })
@@ -1010,6 +1030,13 @@ impl Worker {
             lock(&self.inner.stats).pushes += 1;
         }
         Ok(self.handle(signals, Some(self.inner.timeout)))
+    }
+
+    /// From now on, rewrites the key and offset that a push read in place names (a worker
+    /// lying about its memory), as `forge` says. A fault-injection seam for tests.
+    #[doc(hidden)]
+    pub fn forge_in_place_sources(&self, forge: ForgeSource) {
+        *lock(&self.inner.forge_source) = Some(forge);
     }
 
     /// Sends the last push of `tensor` again, as a retry after a lost acknowledgement would
