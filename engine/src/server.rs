@@ -704,9 +704,35 @@ impl Serving {
         let Some(l) = self.links.get(&link).cloned() else {
             return Ok(());
         };
+        // A handshake step that fails concerns this link alone (most often a peer that
+        // closed it mid-handshake): the link goes, the server goes on.
+        let handshake = |r: Result<()>, server: &mut Serving| {
+            if let Err(e) = r {
+                match &e {
+                    Error::Transport(falcon_transport::Error::Closed { .. }) => tracing::debug!(
+                        "server {}: a handshake ended with its link: {e}",
+                        server.book.rank
+                    ),
+                    _ => tracing::warn!(
+                        "server {}: a handshake failed: {e}; closing that link",
+                        server.book.rank
+                    ),
+                }
+                l.close();
+                server.links.remove(&link);
+                server.unattached.remove(&link);
+                server.nonces.remove(&link);
+            }
+        };
         match Msg::decode(data) {
-            Ok(Msg::Knock) => auth::challenge(&l, &mut self.nonces)?,
-            Ok(Msg::Attach { rank, proof }) => self.on_attach(&l, rank, &proof)?,
+            Ok(Msg::Knock) => {
+                let r = auth::challenge(&l, &mut self.nonces);
+                handshake(r, self);
+            }
+            Ok(Msg::Attach { rank, proof }) => {
+                let r = self.on_attach(&l, rank, &proof);
+                handshake(r, self);
+            }
             Ok(Msg::PullReq {
                 shard,
                 clock,
