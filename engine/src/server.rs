@@ -650,16 +650,38 @@ impl Serving {
             }
             Completion::Closed { link, .. } => {
                 self.drain_accepted();
-                self.links.remove(&link);
-                self.unattached.remove(&link);
-                self.nonces.remove(&link);
-                if let Some(w) = self.worker_of.remove(&link) {
-                    self.link_of.remove(&w);
-                }
-                self.parked.retain(|_, p| p.link != link);
+                self.forget_link(link);
             }
         }
         Ok(Flow::Go)
+    }
+
+    /// Forgets `link` and what is kept for it: its worker, its pulls waiting for a policy.
+    fn forget_link(&mut self, link: LinkId) {
+        self.links.remove(&link);
+        self.unattached.remove(&link);
+        self.nonces.remove(&link);
+        if let Some(w) = self.worker_of.remove(&link) {
+            self.link_of.remove(&w);
+        }
+        self.parked.retain(|_, p| p.link != link);
+    }
+
+    /// A handshake step on `l` failed. That concerns this link alone (most often a peer
+    /// that closed it mid-handshake): the link goes, the server goes on.
+    fn handshake_failed(&mut self, l: &Link, e: &Error) {
+        match e {
+            Error::Transport(falcon_transport::Error::Closed { .. }) => tracing::debug!(
+                "server {}: a handshake ended with its link: {e}",
+                self.book.rank
+            ),
+            _ => tracing::warn!(
+                "server {}: a handshake failed: {e}; closing that link",
+                self.book.rank
+            ),
+        }
+        l.close();
+        self.forget_link(l.id());
     }
 
     fn on_scheduler(&mut self, data: &[u8]) -> Result<Flow> {
@@ -704,34 +726,16 @@ impl Serving {
         let Some(l) = self.links.get(&link).cloned() else {
             return Ok(());
         };
-        // A handshake step that fails concerns this link alone (most often a peer that
-        // closed it mid-handshake): the link goes, the server goes on.
-        let handshake = |r: Result<()>, server: &mut Serving| {
-            if let Err(e) = r {
-                match &e {
-                    Error::Transport(falcon_transport::Error::Closed { .. }) => tracing::debug!(
-                        "server {}: a handshake ended with its link: {e}",
-                        server.book.rank
-                    ),
-                    _ => tracing::warn!(
-                        "server {}: a handshake failed: {e}; closing that link",
-                        server.book.rank
-                    ),
-                }
-                l.close();
-                server.links.remove(&link);
-                server.unattached.remove(&link);
-                server.nonces.remove(&link);
-            }
-        };
         match Msg::decode(data) {
             Ok(Msg::Knock) => {
-                let r = auth::challenge(&l, &mut self.nonces);
-                handshake(r, self);
+                if let Err(e) = auth::challenge(&l, &mut self.nonces) {
+                    self.handshake_failed(&l, &e);
+                }
             }
             Ok(Msg::Attach { rank, proof }) => {
-                let r = self.on_attach(&l, rank, &proof);
-                handshake(r, self);
+                if let Err(e) = self.on_attach(&l, rank, &proof) {
+                    self.handshake_failed(&l, &e);
+                }
             }
             Ok(Msg::PullReq {
                 shard,
@@ -784,8 +788,7 @@ impl Serving {
             };
             let _ = l.send(&m.encode());
             l.close();
-            self.links.remove(&link);
-            self.unattached.remove(&link);
+            self.forget_link(link);
             return Ok(());
         }
         // A worker reconnecting (its old link dropped, perhaps not yet noticed here): the new
@@ -1088,11 +1091,10 @@ impl Serving {
             floats,
         };
         // A gradient the worker left in its memory (shm): read there, in place of the slot.
-        let peer_link;
+        let peer_link = src.and_then(|_| self.links.get(&link).cloned());
         let in_peer = match src {
             None => None,
             Some(src) => {
-                peer_link = self.links.get(&link).cloned();
                 let checked = match (&peer_link, in_slot) {
                     (Some(l), true) => PeerGrad::checked(l, &src, floats),
                     (None, _) => Err("its link is gone".to_string()),
