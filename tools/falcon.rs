@@ -216,6 +216,9 @@ Environment: the launch contract, the same for a worker process of one's own
                                 servers on a host outnumber its cores; set, it holds there too)
   FALCON_SHM_IN_PLACE           over shm, servers read a large gradient in the worker's
                                 memory instead of a copy in the slot: 1 (default) or 0
+  FALCON_HELPER_THREADS         threads that share large copies and applies, 0 to 16
+                                (default one fewer than the cores, at most 3; 0 where the
+                                job's workers and servers on a host outnumber its cores)
   FALCON_MAX_HANDSHAKES         connections waiting for admission at once (default 128);
   FALCON_MAX_HANDSHAKES_PER_SOURCE  from one address (default 32); more are closed at once
   FALCON_CHECKPOINT_DIR         server checkpoints there (default: none)

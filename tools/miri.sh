@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Miri over the lock-free core's logic on plain memory: the shm ring (push, pop, wrap-around
 # behind PAD records, a full ring, hostile bytes and cursors, a producer and a consumer
-# thread) and the shard meta block's seqlock (write/read sections, the lock-free staleness
-# check, a writer and readers on threads). Miri reports undefined behaviour in the unsafe
-# code and data races between threads; the threaded tests run under several schedules.
+# thread), the shard meta block's seqlock (write/read sections, the lock-free staleness
+# check, a writer and readers on threads) and the helper threads that share large copies
+# and applies (a pass handed to parked threads, its lifetime erased). Miri reports
+# undefined behaviour in the unsafe code and data races between threads; the threaded tests
+# run under several schedules.
 #
 # Miri cannot map a memfd, so the ring's memfd-backed tests are ignored under it (visibly:
 # "ignored, maps a memfd"); their heap-backed twins run the same protocol code.
@@ -62,6 +64,11 @@ run "transport ring (push, pop, wrap, full, hostile bytes)" \
 run "transport ring, producer and consumer threads, seeds $seeds" \
     env MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-many-seeds=$seeds" \
     cargo +nightly miri test -p falcon-transport --lib ring::tests::producer_and_consumer
+# The helper threads of `spread` park for good once started: Miri must not count them (or
+# what they hold) as leaks when a test's main thread ends.
+run "transport spread (work shared with helper threads), seeds 0..2" \
+    env MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-ignore-leaks -Zmiri-many-seeds=0..2" \
+    cargo +nightly miri test -p falcon-transport --lib spread::tests::
 run "engine meta block (layout, staleness bound)" \
     cargo +nightly miri test -p falcon-engine --lib meta::
 run "engine meta seqlock, writer and reader threads, seeds $seeds" \

@@ -162,6 +162,21 @@ pub fn spin_us(s: &str) -> Result<u64, BadValue> {
     }
 }
 
+/// A number of helper threads: 0 to [`falcon_transport::spread::MAX_HELPERS`].
+pub fn helper_threads(s: &str) -> Result<usize, BadValue> {
+    let n: usize = number(s, "a whole number of threads")?;
+    let most = falcon_transport::spread::MAX_HELPERS;
+    if n <= most {
+        Ok(n)
+    } else {
+        Err(BadValue::OutOfRange {
+            what: "a number of helper threads",
+            allowed: "0 to 16",
+            value: n.to_string(),
+        })
+    }
+}
+
 /// A suspicion timeout in milliseconds; 0 means never.
 pub fn suspicion_ms(s: &str) -> Result<u64, BadValue> {
     number(s, "a whole number of milliseconds (0: never)")

@@ -77,6 +77,12 @@ pub struct JobConfig {
     /// (one memory pass fewer per pushed byte). On by default; `FALCON_SHM_IN_PLACE=0` turns
     /// it off (a worker's setting; servers read whichever way a push says).
     pub shm_in_place: bool,
+    /// Helper threads that share a node's large memory passes (an shm copy of a large shard,
+    /// a server's apply of one) with the thread that makes them, see
+    /// [`falcon_transport::spread`]. `None` (the default): one fewer than the cores, at most
+    /// three, and none where the host holds more of the job's workers and servers than it has
+    /// cores (see [`host_helpers`]); `FALCON_HELPER_THREADS` sets it.
+    pub helper_threads: Option<usize>,
     /// The scheduler's supervisor and parallelism manager.
     pub supervisor: SupervisorSettings,
     /// Server checkpoints and recovery (`None`: a dead server ends the job).
@@ -239,6 +245,7 @@ impl Default for JobConfig {
             },
             spin_auto: true,
             shm_in_place: true,
+            helper_threads: None,
             supervisor: SupervisorSettings::default(),
             checkpoint: None,
             max_pending_bytes: 256 << 20,
@@ -278,6 +285,18 @@ pub fn host_spin(configured: Duration, auto: bool, host_peers: u32, cores: usize
     }
 }
 
+/// The helper threads a node uses ([`JobConfig::helper_threads`]): as set, else one fewer
+/// than `cores` (at most three), and none where the job's workers and servers on this host
+/// (`host_peers`) outnumber the cores: there every core has a busy process, and a helper
+/// would only take turns with one.
+pub fn host_helpers(configured: Option<usize>, host_peers: u32, cores: usize) -> usize {
+    match configured {
+        Some(n) => n,
+        None if host_peers as usize > cores => 0,
+        None => cores.saturating_sub(1).min(3),
+    }
+}
+
 /// The transport-level job id of a job name (FNV-1a: stable across builds and hosts).
 pub fn job_hash(job: &str) -> u64 {
     job.bytes().fold(0xcbf29ce484222325u64, |h, b| {
@@ -301,5 +320,19 @@ mod tests {
         // A spin the user set holds.
         assert_eq!(host_spin(spin, false, 64, 8), spin);
         assert!(JobConfig::default().spin_auto);
+    }
+
+    #[test]
+    fn helpers_follow_the_free_cores_unless_set() {
+        // One process a core or fewer: one fewer than the cores, at most three.
+        assert_eq!(host_helpers(None, 2, 2), 1);
+        assert_eq!(host_helpers(None, 1, 1), 0);
+        assert_eq!(host_helpers(None, 4, 16), 3);
+        // A crowded host: none.
+        assert_eq!(host_helpers(None, 4, 2), 0);
+        // Set: as set, crowded or not.
+        assert_eq!(host_helpers(Some(2), 4, 2), 2);
+        assert_eq!(host_helpers(Some(0), 1, 16), 0);
+        assert_eq!(JobConfig::default().helper_threads, None);
     }
 }

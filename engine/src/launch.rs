@@ -45,7 +45,9 @@
 //!   `FALCON_RENDEZVOUS_TIMEOUT_MS`, `FALCON_OP_TIMEOUT_MS`, `FALCON_HANDSHAKE_TIMEOUT_MS`,
 //!   `FALCON_MAX_HANDSHAKES`, `FALCON_MAX_HANDSHAKES_PER_SOURCE`; how long a hand-off between
 //!   threads spins before it parks: `FALCON_SPIN_US` (unset: 50 µs, or none on a host where
-//!   the job's workers and servers outnumber the cores);
+//!   the job's workers and servers outnumber the cores); the threads that share a large
+//!   copy or apply: `FALCON_HELPER_THREADS` (unset: one fewer than the cores, at most three,
+//!   or none on such a host);
 //! - server checkpoints: `FALCON_CHECKPOINT_DIR`, `FALCON_CHECKPOINT_MS`,
 //!   `FALCON_RECOVERY_TIMEOUT_MS`, `FALCON_CHECKPOINT_ON_FAILURE`, and `FALCON_RESUME` (start
 //!   from them: a job stopped and started again).
@@ -125,6 +127,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_HANDSHAKE_TIMEOUT_MS",
     "FALCON_SPIN_US",
     "FALCON_SHM_IN_PLACE",
+    "FALCON_HELPER_THREADS",
     "FALCON_MAX_HANDSHAKES",
     "FALCON_MAX_HANDSHAKES_PER_SOURCE",
     "FALCON_CHECKPOINT_DIR",
@@ -722,6 +725,10 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
         d.transport.spin.as_micros() as u64,
         checks::spin_us,
     )?);
+    if env.get(&["FALCON_HELPER_THREADS"]).is_some() {
+        cfg.helper_threads =
+            Some(env.value(&["FALCON_HELPER_THREADS"], 0, checks::helper_threads)?);
+    }
     checks::suspicion_fits(cfg.heartbeat, cfg.suspicion)?;
     cfg.transport.max_handshakes = env.value(
         &["FALCON_MAX_HANDSHAKES"],
@@ -815,6 +822,7 @@ mod tests {
         assert_eq!(l.config.heartbeat, d.heartbeat);
         assert!(l.config.spin_auto);
         assert!(l.config.shm_in_place);
+        assert_eq!(l.config.helper_threads, None);
         assert_eq!(l.config.suspicion, Some(DEFAULT_SUSPICION));
         assert_eq!(l.config.rendezvous_timeout, d.rendezvous_timeout);
         assert_eq!(l.config.transport.op_timeout, d.transport.op_timeout);
@@ -885,6 +893,7 @@ mod tests {
             ("FALCON_HANDSHAKE_TIMEOUT_MS", "300"),
             ("FALCON_SPIN_US", "0"),
             ("FALCON_SHM_IN_PLACE", "Off"),
+            ("FALCON_HELPER_THREADS", "2"),
             ("FALCON_MAX_HANDSHAKES", "7"),
             ("FALCON_MAX_HANDSHAKES_PER_SOURCE", "3"),
             ("FALCON_CHECKPOINT_DIR", "/tmp/ckpt"),
@@ -917,6 +926,7 @@ mod tests {
             "a spin the user set holds on a crowded host too"
         );
         assert!(!c.shm_in_place);
+        assert_eq!(c.helper_threads, Some(2));
         assert_eq!(c.transport.max_handshakes, 7);
         assert_eq!(c.transport.max_handshakes_per_source, 3);
         assert_eq!(
@@ -1170,6 +1180,14 @@ mod tests {
         assert_eq!(
             with(&[("FALCON_SPIN_US", "20000")]),
             "FALCON_SPIN_US=20000: a spin must be 0 to 10000 µs (longer burns a core for nothing); 20000 µs is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_HELPER_THREADS", "17")]),
+            "FALCON_HELPER_THREADS=17: a number of helper threads must be 0 to 16; 17 is not"
+        );
+        assert_eq!(
+            with(&[("FALCON_HELPER_THREADS", "-1")]),
+            "FALCON_HELPER_THREADS=-1: not a whole number of threads"
         );
         assert!(
             with(&[

@@ -119,6 +119,8 @@ pub fn rendezvous(
         );
         t.set_spin(spin);
     }
+    let helpers = crate::config::host_helpers(cfg.helper_threads, book.host_peers, cores);
+    falcon_transport::spread::set_helpers(helpers);
     Ok((sched, book, early))
 }
 

@@ -168,7 +168,7 @@ struct PeerGrad<'a> {
     /// Its floats (the range was checked to lie in the worker's mapping).
     floats: usize,
     /// A block already failed (its warning given: one a push).
-    failed: std::cell::Cell<bool>,
+    failed: std::sync::atomic::AtomicBool,
 }
 
 impl PeerGrad<'_> {
@@ -185,7 +185,7 @@ impl PeerGrad<'_> {
             key,
             off: src.off,
             floats,
-            failed: std::cell::Cell::new(false),
+            failed: std::sync::atomic::AtomicBool::new(false),
         };
         // Its first and last float, read through the mapping's own bounds.
         let last = src
@@ -214,7 +214,7 @@ impl crate::shard::GradSlot for PeerGrad<'_> {
             .link
             .read_mapped(&self.key, self.off + 4 * at as u64, bytes)
         {
-            if !self.failed.replace(true) {
+            if !self.failed.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 tracing::warn!(
                     "reading a gradient in the worker's memory: {e}; its unreadable blocks count as zero"
                 );

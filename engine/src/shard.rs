@@ -58,8 +58,9 @@ pub enum Grad<'a> {
     Slot(&'a dyn GradSlot),
 }
 
-/// A gradient in place, read by blocks ([`Grad::Slot`]).
-pub trait GradSlot {
+/// A gradient in place, read by blocks ([`Grad::Slot`]); a large one by several threads at
+/// once.
+pub trait GradSlot: Sync {
     /// Its floats.
     fn len(&self) -> usize;
     /// Whether it has none.

@@ -464,17 +464,25 @@ impl ShardOptimizer {
         let lr = self.schedule.lr(self.opt.lr(), self.step);
         self.step += 1;
         let lr_floor = floor_for(lr);
-        let (opt, m, v) = (self.opt, &mut self.m, &mut self.v);
-        pulp::Arch::new().dispatch(ApplyOp {
-            opt,
-            lr,
-            lr_floor,
-            step: self.step,
-            w,
-            g,
-            m,
-            v,
-        });
+        let (opt, step) = (self.opt, self.step);
+        let mut parts = spread_parts(w, &mut self.m, &mut self.v);
+        let one = |p: &mut Part<'_>| {
+            let g = &g[p.at..p.at + p.w.len()];
+            pulp::Arch::new().dispatch(ApplyOp {
+                opt,
+                lr,
+                lr_floor,
+                step,
+                w: &mut *p.w,
+                g,
+                m: &mut *p.m,
+                v: &mut *p.v,
+            })
+        };
+        match parts.as_mut_slice() {
+            [p] => one(p),
+            parts => falcon_transport::spread::for_each_mut(parts, |_, p| one(p)),
+        }
     }
 
     /// [`ShardOptimizer::apply`] of a gradient that lies elsewhere (a worker's slot): its
@@ -486,41 +494,83 @@ impl ShardOptimizer {
         &mut self,
         w: &mut [f32],
         scale: f32,
-        mut read: impl FnMut(usize, &mut [f32]),
+        read: impl Fn(usize, &mut [f32]) + Sync,
     ) {
         let lr = self.schedule.lr(self.opt.lr(), self.step);
         self.step += 1;
         let lr_floor = floor_for(lr);
         let (opt, step) = (self.opt, self.step);
-        let arch = pulp::Arch::new();
-        let mut block = [0f32; APPLY_BLOCK];
-        for (k, w) in w.chunks_mut(APPLY_BLOCK).enumerate() {
-            let at = k * APPLY_BLOCK;
-            let n = w.len();
-            let g = &mut block[..n];
-            read(at, g);
-            if scale != 1.0 {
-                scale_in_place(g, scale);
+        let one = |p: &mut Part<'_>| {
+            let arch = pulp::Arch::new();
+            let mut block = [0f32; APPLY_BLOCK];
+            let (mut m, mut v) = (&mut *p.m, &mut *p.v);
+            for (k, w) in p.w.chunks_mut(APPLY_BLOCK).enumerate() {
+                let n = w.len();
+                let g = &mut block[..n];
+                read(p.at + k * APPLY_BLOCK, g);
+                if scale != 1.0 {
+                    scale_in_place(g, scale);
+                }
+                // Momentum keeps `m`, Adam both, Adagrad `v`; the others are empty.
+                let (mn, vn) = (n.min(m.len()), n.min(v.len()));
+                let (mb, mr) = std::mem::take(&mut m).split_at_mut(mn);
+                let (vb, vr) = std::mem::take(&mut v).split_at_mut(vn);
+                (m, v) = (mr, vr);
+                arch.dispatch(ApplyOp {
+                    opt,
+                    lr,
+                    lr_floor,
+                    step,
+                    w,
+                    g,
+                    m: mb,
+                    v: vb,
+                });
             }
-            // Momentum keeps `m`, Adam both, Adagrad `v`; the others are empty.
-            let m = match self.m.len() {
-                0 => &mut [][..],
-                _ => &mut self.m[at..at + n],
-            };
-            let v = match self.v.len() {
-                0 => &mut [][..],
-                _ => &mut self.v[at..at + n],
-            };
-            arch.dispatch(ApplyOp {
-                opt,
-                lr,
-                lr_floor,
-                step,
-                w,
-                g,
-                m,
-                v,
-            });
+        };
+        let mut parts = spread_parts(w, &mut self.m, &mut self.v);
+        match parts.as_mut_slice() {
+            [p] => one(p),
+            parts => falcon_transport::spread::for_each_mut(parts, |_, p| one(p)),
+        }
+    }
+}
+
+/// Floats of a shard that one thread updates at a time when a large apply is shared with
+/// the process's helper threads ([`falcon_transport::spread`]); a shard of fewer than two
+/// parts is updated by its caller alone. A multiple of [`APPLY_BLOCK`].
+pub const SPREAD_FLOATS: usize = 64 * APPLY_BLOCK;
+
+/// A part of a shard's update: its first float, its weights and its optimizer state (empty
+/// where the rule keeps none).
+struct Part<'a> {
+    at: usize,
+    w: &'a mut [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+}
+
+/// `w` and its state cut into parts of [`SPREAD_FLOATS`] (one part when shorter).
+fn spread_parts<'a>(w: &'a mut [f32], m: &'a mut [f32], v: &'a mut [f32]) -> Vec<Part<'a>> {
+    let n = w.len();
+    let mut parts = Vec::with_capacity(n.div_ceil(SPREAD_FLOATS).max(1));
+    let (mut w, mut m, mut v) = (w, m, v);
+    let mut at = 0;
+    loop {
+        let take = SPREAD_FLOATS.min(w.len());
+        let (wp, wr) = w.split_at_mut(take);
+        let (mp, mr) = m.split_at_mut(take.min(m.len()));
+        let (vp, vr) = v.split_at_mut(take.min(v.len()));
+        parts.push(Part {
+            at,
+            w: wp,
+            m: mp,
+            v: vp,
+        });
+        at += take;
+        (w, m, v) = (wr, mr, vr);
+        if w.is_empty() {
+            return parts;
         }
     }
 }
@@ -902,17 +952,28 @@ mod tests {
             Optimizer::Adagrad { lr: 0.1, eps: 1e-8 },
         ];
         let mut rng = fastrand::Rng::with_seed(7);
-        // Shorter than a block, a whole block, and blocks with a ragged end.
-        for len in [5, APPLY_BLOCK, 3 * APPLY_BLOCK + 17] {
+        // Large passes shared with helper threads, where a host has them.
+        falcon_transport::spread::set_helpers(2);
+        // Shorter than a block, a whole block, blocks with a ragged end, and parts (shared
+        // with helpers) with a ragged end.
+        for len in [
+            5,
+            APPLY_BLOCK,
+            3 * APPLY_BLOCK + 17,
+            2 * SPREAD_FLOATS + 3 * APPLY_BLOCK + 17,
+        ] {
             for opt in opts {
                 let sched: Arc<dyn LrSchedule> = Arc::new(StepDecay {
                     every: 2,
                     gamma: 0.5,
                 });
                 let mut a = ShardOptimizer::new(opt, sched.clone(), len);
-                let mut b = ShardOptimizer::new(opt, sched, len);
+                let mut b = ShardOptimizer::new(opt, sched.clone(), len);
+                // The rule over the whole shard at once, on this thread: the reference.
+                let (mut mr, mut vr) = (a.m.clone(), a.v.clone());
                 let mut wa: Vec<f32> = (0..len).map(|_| rng.f32() - 0.5).collect();
                 let mut wb = wa.clone();
+                let mut wr = wa.clone();
                 for step in 0..5 {
                     // Ordinary values, some tiny ones (flushed) and a staleness scale.
                     let g: Vec<f32> = (0..len)
@@ -926,18 +987,33 @@ mod tests {
                     if scale != 1.0 {
                         scale_in_place(&mut scaled, scale);
                     }
+                    let lr = sched.lr(opt.lr(), step);
+                    apply_rule(
+                        opt,
+                        lr,
+                        floor_for(lr),
+                        step + 1,
+                        &mut wr,
+                        &scaled,
+                        &mut mr,
+                        &mut vr,
+                    );
                     a.apply(&mut wa, &scaled);
-                    let mut reads = Vec::new();
+                    let reads = std::sync::Mutex::new(Vec::new());
                     b.apply_blocks(&mut wb, scale, |at, out| {
-                        reads.push((at, out.len()));
+                        reads.lock().unwrap().push((at, out.len()));
                         out.copy_from_slice(&g[at..at + out.len()]);
                     });
-                    assert!(
-                        wa.iter().zip(&wb).all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "{} at {len} floats, step {step}",
-                        opt.name()
-                    );
-                    // Every float read once, in order, a block at a time.
+                    for (w, how) in [(&wa, "apply"), (&wb, "apply_blocks")] {
+                        assert!(
+                            wr.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{how}: {} at {len} floats, step {step}",
+                            opt.name()
+                        );
+                    }
+                    // Every float read once, a block at a time.
+                    let mut reads = reads.into_inner().unwrap();
+                    reads.sort_unstable();
                     let mut next = 0;
                     for (at, n) in reads {
                         assert_eq!(at, next);
@@ -947,6 +1023,7 @@ mod tests {
                     assert_eq!(next, len);
                 }
                 assert_eq!(a.state(), b.state());
+                assert_eq!(a.state(), (&mr[..], &vr[..], 5));
             }
         }
     }

@@ -743,13 +743,14 @@ fn bf16_and_f16_on_the_wire_are_exactly_the_rounded_arithmetic() {
 /// Over shm a large f32 gradient is not copied into the slot: the server reads it where the
 /// worker holds it, under a synchronous step (copied out) and an asynchronous one (applied
 /// where it lies), in a push-pull too; every push counts exactly once. Small shards, 16-bit
-/// gradients, tcp and a worker with `shm_in_place` off keep the slot.
+/// gradients, tcp and a worker with `shm_in_place` off keep the slot. The shards are large
+/// enough for their copies and applies to be shared with helper threads.
 #[test]
 fn large_gradients_over_shm_are_read_in_the_workers_memory() {
     use falcon_engine::precision::Wire;
     use falcon_transport::Medium;
     const N: u64 = 8;
-    const LEN: u64 = 1 << 16; // 256 KiB: two shards of 128 KiB, one a server
+    const LEN: u64 = 1 << 18; // 1 MiB: two shards of 512 KiB, one a server
     // (medium, wire, policy, push_pull, JobConfig::shm_in_place, read in place)
     let cases = [
         (Medium::Shm, Wire::F32, PolicySpec::Bsp, false, true, true),
@@ -770,7 +771,8 @@ fn large_gradients_over_shm_are_read_in_the_workers_memory() {
         c.aggregate = Aggregate::Sum;
         c.wire = wire;
         c.transport.medium = medium;
-        c.max_shard_bytes = 128 << 10;
+        c.max_shard_bytes = 512 << 10;
+        c.helper_threads = Some(2);
         let specs = vec![
             TensorSpec {
                 name: "w".into(),

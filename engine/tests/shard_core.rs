@@ -84,7 +84,7 @@ fn floats(seed: u64) -> Vec<f32> {
 /// A gradient left where it arrived ([`Grad::Slot`]), counting the floats read from it.
 struct CountedSlot {
     values: Vec<f32>,
-    read: std::cell::Cell<usize>,
+    read: std::sync::atomic::AtomicUsize,
 }
 
 impl GradSlot for CountedSlot {
@@ -94,7 +94,8 @@ impl GradSlot for CountedSlot {
 
     fn read(&self, at: usize, out: &mut [f32]) {
         out.copy_from_slice(&self.values[at..at + out.len()]);
-        self.read.set(self.read.get() + out.len());
+        self.read
+            .fetch_add(out.len(), std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -137,7 +138,7 @@ fn drive_with(
                 let grad = if slots {
                     slot = Some(CountedSlot {
                         values: floats(seed),
-                        read: std::cell::Cell::new(0),
+                        read: std::sync::atomic::AtomicUsize::new(0),
                     });
                     Grad::Slot(slot.as_ref().expect("just made"))
                 } else {
@@ -200,7 +201,7 @@ fn drive_with(
         core.handle(now, input, params, &mut |o| {
             if let (Some(s), Output::Ack { .. }) = (watched, &o) {
                 assert_eq!(
-                    s.read.get(),
+                    s.read.load(std::sync::atomic::Ordering::Relaxed),
                     LEN,
                     "acknowledged before its gradient was read whole"
                 );

@@ -42,6 +42,7 @@ mod rdma;
 mod region;
 mod ring;
 mod shm;
+pub mod spread;
 mod state;
 mod tcp;
 mod transport;

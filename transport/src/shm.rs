@@ -480,8 +480,9 @@ impl ShmLink {
             // SAFETY: the destination [offset, offset+len) is inside the peer's mapping
             // (checked against the size verified when mapping it), alive under the read lock;
             // the source was bounds-checked by the caller; distinct mappings, so no overlap
-            // unless a process grants a region to itself, hence `copy` (memmove).
-            unsafe { std::ptr::copy(src, map.ptr().add(offset as usize), len as usize) };
+            // unless a process grants a region to itself, hence `copy` (memmove). A long copy
+            // is shared with helper threads, which touch the ranges only during the call.
+            unsafe { crate::spread::copy(src, map.ptr().add(offset as usize), len as usize) };
             Ok(())
         })?;
         if let Some(imm) = imm {
@@ -496,7 +497,7 @@ impl ShmLink {
         self.with_mapping(region, |map| {
             check_bounds("remote read", offset, len, map.len())?;
             // SAFETY: as in `write`, with source and destination swapped.
-            unsafe { std::ptr::copy(map.ptr().add(offset as usize), dst, len as usize) };
+            unsafe { crate::spread::copy(map.ptr().add(offset as usize), dst, len as usize) };
             Ok(())
         })
     }
