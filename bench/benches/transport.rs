@@ -72,6 +72,13 @@ fn main() {
     // this: emulated, it shows function, not speed).
     let summary_only = std::env::var_os("FALCON_BENCH_QUICK").is_some() && !test_mode;
     let quick = test_mode || std::env::var_os("FALCON_BENCH_QUICK").is_some();
+    // FALCON_HELPER_THREADS as a node reads it: the helpers that share long shm copies.
+    if let Some(n) = std::env::var("FALCON_HELPER_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        falcon_transport::spread::set_helpers(n);
+    }
     let media = transport::available_media();
     if !summary_only {
         let mut c = Criterion::default().configure_from_args();

@@ -21,9 +21,12 @@ use std::time::Duration;
 /// The most helper threads a process starts.
 pub const MAX_HELPERS: usize = 16;
 
-/// Bytes of a copy that [`copy`] hands out at a time; copies shorter than two of these run on
-/// the caller's thread alone.
+/// Bytes of a copy that [`copy`] hands out at a time.
 pub const COPY_CHUNK: usize = 256 << 10;
+
+/// The shortest copy [`copy`] shares with the helpers; shorter ones run on the caller's
+/// thread alone (a helper's wake-up would cost more than it saves).
+pub const COPY_SHARED_FROM: usize = 2 << 20;
 
 /// Passes handed to helpers so far (see [`shared_passes`]).
 static SHARED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -267,7 +270,7 @@ pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) + Sync) 
 /// whole call, from any thread. The ranges must not overlap unless they are equal (a chunk of
 /// one may then be copied while another thread copies another chunk).
 pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
-    if len < 2 * COPY_CHUNK || helpers() == 0 {
+    if len < COPY_SHARED_FROM || helpers() == 0 {
         // SAFETY: the caller's contract.
         unsafe { std::ptr::copy(src, dst, len) };
         return;
@@ -337,9 +340,9 @@ mod tests {
     fn a_long_copy_is_the_plain_copy() {
         let _turn = turn();
         set_helpers(3);
-        let mut src = vec![7u8; 5 * COPY_CHUNK + 123];
+        let mut src = vec![7u8; COPY_SHARED_FROM + COPY_CHUNK + 123];
         // Marks at every chunk's ends, so a chunk copied to the wrong place shows.
-        for k in 0..6 {
+        for k in 0..src.len().div_ceil(COPY_CHUNK) {
             for at in [
                 k * COPY_CHUNK,
                 (k * COPY_CHUNK + COPY_CHUNK - 1).min(src.len() - 1),
