@@ -162,6 +162,9 @@ pub fn spin_us(s: &str) -> Result<u64, BadValue> {
     }
 }
 
+// The bound `helper_threads` names in its refusal.
+const _: () = assert!(falcon_transport::spread::MAX_HELPERS == 16);
+
 /// A number of helper threads: 0 to [`falcon_transport::spread::MAX_HELPERS`].
 pub fn helper_threads(s: &str) -> Result<usize, BadValue> {
     let n: usize = number(s, "a whole number of threads")?;

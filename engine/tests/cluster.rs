@@ -744,7 +744,7 @@ fn bf16_and_f16_on_the_wire_are_exactly_the_rounded_arithmetic() {
 /// worker holds it, under a synchronous step (copied out) and an asynchronous one (applied
 /// where it lies), in a push-pull too; every push counts exactly once. Small shards, 16-bit
 /// gradients, tcp and a worker with `shm_in_place` off keep the slot. The shards are large
-/// enough for their copies and applies to be shared with helper threads.
+/// enough for their applies to be shared with helper threads (two parts each).
 #[test]
 fn large_gradients_over_shm_are_read_in_the_workers_memory() {
     use falcon_engine::precision::Wire;

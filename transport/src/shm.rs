@@ -478,10 +478,12 @@ impl ShmLink {
         self.with_mapping(region, |map| {
             check_bounds("remote write", offset, len, map.len())?;
             // SAFETY: the destination [offset, offset+len) is inside the peer's mapping
-            // (checked against the size verified when mapping it), alive under the read lock;
-            // the source was bounds-checked by the caller; distinct mappings, so no overlap
-            // unless a process grants a region to itself, hence `copy` (memmove). A long copy
-            // is shared with helper threads, which touch the ranges only during the call.
+            // (checked against the size verified when mapping it), alive under the read lock,
+            // which is held until the copy returns, helpers' chunks included; the source was
+            // bounds-checked by the caller and lives for the call. The peer's mapping is an
+            // mmap of its own, so its addresses never overlap a range of ours (a region a
+            // process granted to itself aliases physically, not virtually), as
+            // `spread::copy` requires.
             unsafe { crate::spread::copy(src, map.ptr().add(offset as usize), len as usize) };
             Ok(())
         })?;

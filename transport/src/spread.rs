@@ -14,7 +14,7 @@
 //! three.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -28,11 +28,11 @@ pub const COPY_CHUNK: usize = 256 << 10;
 /// thread alone (a helper's wake-up would cost more than it saves).
 pub const COPY_SHARED_FROM: usize = 2 << 20;
 
-/// Passes handed to helpers so far (see [`shared_passes`]).
+/// Passes a helper took part in so far (see [`shared_passes`]).
 static SHARED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// How many passes this process has handed to its helpers so far (a pass that ran on its
-/// caller's thread alone does not count), for tests and diagnostics.
+/// How many passes of this process a helper thread took part in so far (ran at least one
+/// chunk of), for tests and diagnostics.
 pub fn shared_passes() -> u64 {
     SHARED.load(Ordering::Relaxed)
 }
@@ -69,19 +69,22 @@ struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
     n: usize,
     next: AtomicUsize,
-    /// Helpers allowed to join (the first `allowed` to look).
-    allowed: usize,
-    panicked: AtomicBool,
+    /// Whether a helper ran a chunk.
+    helped: std::sync::atomic::AtomicBool,
+    /// What a chunk that panicked on a helper panicked with (the first such).
+    panicked: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
 
 impl Job<'_> {
-    /// Claims and runs chunks until none is left.
-    fn work(&self) {
+    /// Claims and runs chunks until none is left; whether it ran any.
+    fn work(&self) -> bool {
+        let mut ran = false;
         loop {
             let k = self.next.fetch_add(1, Ordering::Relaxed);
             if k >= self.n {
-                return;
+                return ran;
             }
+            ran = true;
             (self.f)(k);
         }
     }
@@ -91,10 +94,10 @@ impl Job<'_> {
 #[derive(Clone, Copy)]
 struct JobPtr(*const Job<'static>);
 
-// SAFETY: a `JobPtr` is only dereferenced by helpers between joining the job (under the
-// pool's lock, while it is published) and leaving it; `run` keeps the job alive and
-// unpublishes it under the same lock, then waits until every helper that joined has left.
-// The job's contents are `Sync` (`f` is `Sync`, the rest atomics).
+// SAFETY: a `JobPtr` is only dereferenced by a helper that joined the job (under the pool's
+// lock, while it was published), until it leaves it; `run` keeps the job alive, unpublishes
+// it under the same lock, then waits until every helper that joined it has left. The job's
+// contents are `Sync` (`f` is `Sync`, the rest atomics and a mutex).
 unsafe impl Send for JobPtr {}
 
 struct Slot {
@@ -105,6 +108,8 @@ struct Slot {
     inside: usize,
     /// Helpers that joined the published job.
     joined: usize,
+    /// Helpers the published job may have (the first to look).
+    allowed: usize,
     /// Helper threads started.
     started: usize,
 }
@@ -125,6 +130,7 @@ fn pool() -> &'static Pool {
             epoch: 0,
             inside: 0,
             joined: 0,
+            allowed: 0,
             started: 0,
         }),
         wake: Condvar::new(),
@@ -153,11 +159,13 @@ pub fn run(n: usize, f: &(dyn Fn(usize) + Sync)) {
         f,
         n,
         next: AtomicUsize::new(0),
-        allowed: want,
-        panicked: AtomicBool::new(false),
+        helped: std::sync::atomic::AtomicBool::new(false),
+        panicked: Mutex::new(None),
     };
-    {
+    let epoch = {
         let mut s = lock(p);
+        // Published only while no helper is inside a pass: those that joined an earlier one
+        // have all left it, so whoever is inside below is inside this one.
         if s.job.is_some() || s.inside > 0 {
             // Another pass has the helpers: this one runs here.
             drop(s);
@@ -178,15 +186,19 @@ pub fn run(n: usize, f: &(dyn Fn(usize) + Sync)) {
         s.job = Some(JobPtr(erased.cast()));
         s.epoch = s.epoch.wrapping_add(1);
         s.joined = 0;
-    }
-    SHARED.fetch_add(1, Ordering::Relaxed);
+        s.allowed = want;
+        s.epoch
+    };
     p.wake.notify_all();
-    let mine = catch_unwind(AssertUnwindSafe(|| job.work()));
+    let mine = catch_unwind(AssertUnwindSafe(|| {
+        job.work();
+    }));
     {
         let mut s = lock(p);
-        // No helper joins from here on; wait for those inside to leave.
+        // No helper joins from here on; wait for those inside to leave. Once they have, a
+        // later pass may be published (and helpers join it): that one is not waited for.
         s.job = None;
-        while s.inside > 0 {
+        while s.inside > 0 && s.epoch == epoch {
             s = p
                 .left
                 .wait_timeout(s, Duration::from_millis(10))
@@ -194,11 +206,19 @@ pub fn run(n: usize, f: &(dyn Fn(usize) + Sync)) {
                 .0;
         }
     }
+    if job.helped.load(Ordering::Relaxed) {
+        SHARED.fetch_add(1, Ordering::Relaxed);
+    }
     if let Err(e) = mine {
         std::panic::resume_unwind(e);
     }
-    if job.panicked.load(Ordering::Relaxed) {
-        panic!("a helper thread panicked in a shared memory pass");
+    let theirs = job
+        .panicked
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if let Some(e) = theirs {
+        std::panic::resume_unwind(e);
     }
 }
 
@@ -220,9 +240,7 @@ fn helper() {
                     && s.epoch != seen
                 {
                     seen = s.epoch;
-                    // SAFETY: published under this lock, so still alive (see `JobPtr`).
-                    let allowed = unsafe { (*j.0).allowed };
-                    if s.joined < allowed {
+                    if s.joined < s.allowed {
                         s.joined += 1;
                         s.inside += 1;
                         break j;
@@ -231,16 +249,34 @@ fn helper() {
                 s = p.wake.wait(s).unwrap_or_else(|e| e.into_inner());
             }
         };
+        // Leaves the job however the work ends.
+        let _leave = Leave(p);
         // SAFETY: this helper joined the job under the lock while it was published and counts
-        // in `inside` until it leaves below; `run` keeps the job alive until `inside` is zero.
+        // in `inside` until `_leave` drops; `run` keeps the job alive until then.
         let j = unsafe { &*job.0 };
-        if catch_unwind(AssertUnwindSafe(|| j.work())).is_err() {
-            j.panicked.store(true, Ordering::Relaxed);
+        let ran = catch_unwind(AssertUnwindSafe(|| j.work()));
+        if !matches!(ran, Ok(false)) {
+            j.helped.store(true, Ordering::Relaxed);
         }
-        let mut s = lock(p);
+        if let Err(e) = ran {
+            // The caller panics with it (the first one kept).
+            j.panicked
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(e);
+        }
+    }
+}
+
+/// A helper's leaving of the job it joined: `inside` counted down, the caller woken.
+struct Leave(&'static Pool);
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        let mut s = lock(self.0);
         s.inside -= 1;
         if s.inside == 0 {
-            p.left.notify_all();
+            self.0.left.notify_all();
         }
     }
 }
@@ -336,6 +372,82 @@ mod tests {
         });
     }
 
+    fn on_a_helper() -> bool {
+        std::thread::current().name() == Some("falcon-helper")
+    }
+
+    /// Waits (yielding) until `done`, for at most a few seconds (Miri: a bounded number of
+    /// turns); whether it came.
+    fn wait_for(done: impl Fn() -> bool) -> bool {
+        let start = std::time::Instant::now();
+        for turn in 0u64.. {
+            if done() {
+                return true;
+            }
+            if (cfg!(miri) && turn > 100_000) || start.elapsed() > Duration::from_secs(10) {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        false
+    }
+
+    #[test]
+    fn a_helper_takes_chunks_while_the_caller_is_busy() {
+        let _turn = turn();
+        set_helpers(1);
+        let helped = AtomicUsize::new(0);
+        let before = shared_passes();
+        run(8, &|k| {
+            if on_a_helper() {
+                helped.fetch_add(1, Ordering::Relaxed);
+            } else if k == 0 {
+                // The caller holds its first chunk until a helper has run one.
+                assert!(
+                    wait_for(|| helped.load(Ordering::Relaxed) > 0),
+                    "no helper came"
+                );
+            }
+        });
+        assert!(helped.load(Ordering::Relaxed) > 0);
+        assert_eq!(shared_passes(), before + 1);
+    }
+
+    #[test]
+    fn a_panic_on_a_helper_reaches_the_caller_with_its_message() {
+        let _turn = turn();
+        set_helpers(1);
+        let panicked = AtomicUsize::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            run(8, &|k| {
+                if on_a_helper() {
+                    panicked.fetch_add(1, Ordering::Relaxed);
+                    panic!("chunk {k} on a helper");
+                } else if k == 0 {
+                    assert!(
+                        wait_for(|| panicked.load(Ordering::Relaxed) > 0),
+                        "no helper came"
+                    );
+                }
+            })
+        }));
+        let e = r.expect_err("the helper's panic reaches the caller");
+        let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.ends_with("on a helper"), "{msg}");
+        // The helper lives on and takes part in the next pass.
+        let helped = AtomicUsize::new(0);
+        run(8, &|k| {
+            if on_a_helper() {
+                helped.fetch_add(1, Ordering::Relaxed);
+            } else if k == 0 {
+                assert!(
+                    wait_for(|| helped.load(Ordering::Relaxed) > 0),
+                    "no helper came"
+                );
+            }
+        });
+    }
+
     #[test]
     fn a_long_copy_is_the_plain_copy() {
         let _turn = turn();
@@ -351,14 +463,9 @@ mod tests {
             }
         }
         let mut dst = vec![0u8; src.len()];
-        let before = shared_passes();
         // SAFETY: both vectors hold `src.len()` bytes and do not overlap.
         unsafe { copy(src.as_ptr(), dst.as_mut_ptr(), src.len()) };
         assert_eq!(src, dst);
-        assert!(
-            shared_passes() > before,
-            "the copy was handed to the helpers"
-        );
     }
 
     #[test]
