@@ -73,11 +73,14 @@ fn main() {
     let summary_only = std::env::var_os("FALCON_BENCH_QUICK").is_some() && !test_mode;
     let quick = test_mode || std::env::var_os("FALCON_BENCH_QUICK").is_some();
     // FALCON_HELPER_THREADS as a node reads it: the helpers that share long shm copies.
-    if let Some(n) = std::env::var("FALCON_HELPER_THREADS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-    {
-        falcon_transport::spread::set_helpers(n);
+    if let Ok(v) = std::env::var("FALCON_HELPER_THREADS") {
+        match falcon_engine::checks::helper_threads(&v) {
+            Ok(n) => falcon_transport::spread::set_helpers(n),
+            Err(e) => {
+                eprintln!("FALCON_HELPER_THREADS={v}: {e}");
+                std::process::exit(2);
+            }
+        }
     }
     let media = transport::available_media();
     if !summary_only {

@@ -293,7 +293,7 @@ pub fn host_helpers(configured: Option<usize>, host_peers: u32, cores: usize) ->
     match configured {
         Some(n) => n,
         None if host_peers as usize > cores => 0,
-        None => cores.saturating_sub(1).min(3),
+        None => falcon_transport::spread::helpers_for_cores(cores),
     }
 }
 

@@ -725,10 +725,9 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
         d.transport.spin.as_micros() as u64,
         checks::spin_us,
     )?);
-    if env.get(&["FALCON_HELPER_THREADS"]).is_some() {
-        cfg.helper_threads =
-            Some(env.value(&["FALCON_HELPER_THREADS"], 0, checks::helper_threads)?);
-    }
+    cfg.helper_threads = env.value(&["FALCON_HELPER_THREADS"], cfg.helper_threads, |s| {
+        checks::helper_threads(s).map(Some)
+    })?;
     checks::suspicion_fits(cfg.heartbeat, cfg.suspicion)?;
     cfg.transport.max_handshakes = env.value(
         &["FALCON_MAX_HANDSHAKES"],

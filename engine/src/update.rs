@@ -465,24 +465,18 @@ impl ShardOptimizer {
         self.step += 1;
         let lr_floor = floor_for(lr);
         let (opt, step) = (self.opt, self.step);
-        let mut parts = spread_parts(w, &mut self.m, &mut self.v);
-        let one = |p: &mut Part<'_>| {
-            let g = &g[p.at..p.at + p.w.len()];
+        for_each_part(w, &mut self.m, &mut self.v, |p| {
             pulp::Arch::new().dispatch(ApplyOp {
                 opt,
                 lr,
                 lr_floor,
                 step,
+                g: &g[p.at..p.at + p.w.len()],
                 w: &mut *p.w,
-                g,
                 m: &mut *p.m,
                 v: &mut *p.v,
             })
-        };
-        match parts.as_mut_slice() {
-            [p] => one(p),
-            parts => falcon_transport::spread::for_each_mut(parts, |_, p| one(p)),
-        }
+        });
     }
 
     /// [`ShardOptimizer::apply`] of a gradient that lies elsewhere (a worker's slot): its
@@ -500,22 +494,26 @@ impl ShardOptimizer {
         self.step += 1;
         let lr_floor = floor_for(lr);
         let (opt, step) = (self.opt, self.step);
-        let one = |p: &mut Part<'_>| {
+        for_each_part(w, &mut self.m, &mut self.v, |p| {
             let arch = pulp::Arch::new();
             let mut block = [0f32; APPLY_BLOCK];
-            let (mut m, mut v) = (&mut *p.m, &mut *p.v);
             for (k, w) in p.w.chunks_mut(APPLY_BLOCK).enumerate() {
+                let at = k * APPLY_BLOCK;
                 let n = w.len();
                 let g = &mut block[..n];
-                read(p.at + k * APPLY_BLOCK, g);
+                read(p.at + at, g);
                 if scale != 1.0 {
                     scale_in_place(g, scale);
                 }
                 // Momentum keeps `m`, Adam both, Adagrad `v`; the others are empty.
-                let (mn, vn) = (n.min(m.len()), n.min(v.len()));
-                let (mb, mr) = std::mem::take(&mut m).split_at_mut(mn);
-                let (vb, vr) = std::mem::take(&mut v).split_at_mut(vn);
-                (m, v) = (mr, vr);
+                let m = match p.m.len() {
+                    0 => &mut [][..],
+                    _ => &mut p.m[at..at + n],
+                };
+                let v = match p.v.len() {
+                    0 => &mut [][..],
+                    _ => &mut p.v[at..at + n],
+                };
                 arch.dispatch(ApplyOp {
                     opt,
                     lr,
@@ -523,16 +521,11 @@ impl ShardOptimizer {
                     step,
                     w,
                     g,
-                    m: mb,
-                    v: vb,
+                    m,
+                    v,
                 });
             }
-        };
-        let mut parts = spread_parts(w, &mut self.m, &mut self.v);
-        match parts.as_mut_slice() {
-            [p] => one(p),
-            parts => falcon_transport::spread::for_each_mut(parts, |_, p| one(p)),
-        }
+        });
     }
 }
 
@@ -550,29 +543,30 @@ struct Part<'a> {
     v: &'a mut [f32],
 }
 
-/// `w` and its state cut into parts of [`SPREAD_FLOATS`] (one part when shorter).
-fn spread_parts<'a>(w: &'a mut [f32], m: &'a mut [f32], v: &'a mut [f32]) -> Vec<Part<'a>> {
-    let n = w.len();
-    let mut parts = Vec::with_capacity(n.div_ceil(SPREAD_FLOATS).max(1));
-    let (mut w, mut m, mut v) = (w, m, v);
-    let mut at = 0;
-    loop {
-        let take = SPREAD_FLOATS.min(w.len());
-        let (wp, wr) = w.split_at_mut(take);
-        let (mp, mr) = m.split_at_mut(take.min(m.len()));
-        let (vp, vr) = v.split_at_mut(take.min(v.len()));
-        parts.push(Part {
-            at,
-            w: wp,
-            m: mp,
-            v: vp,
-        });
-        at += take;
-        (w, m, v) = (wr, mr, vr);
-        if w.is_empty() {
-            return parts;
-        }
+/// Runs `one` on every part of `w` and its state ([`SPREAD_FLOATS`] floats a part), the
+/// parts shared with the helper threads; a shard of one part is updated here, as it is.
+fn for_each_part(w: &mut [f32], m: &mut [f32], v: &mut [f32], one: impl Fn(&mut Part<'_>) + Sync) {
+    if w.len() <= SPREAD_FLOATS {
+        return one(&mut Part { at: 0, w, m, v });
     }
+    let mut parts: Vec<Part<'_>> = w
+        .chunks_mut(SPREAD_FLOATS)
+        .enumerate()
+        .map(|(k, w)| Part {
+            at: k * SPREAD_FLOATS,
+            w,
+            m: &mut [],
+            v: &mut [],
+        })
+        .collect();
+    // State the rule keeps is as long as `w`; state it does not keep is empty.
+    for (p, m) in parts.iter_mut().zip(m.chunks_mut(SPREAD_FLOATS)) {
+        p.m = m;
+    }
+    for (p, v) in parts.iter_mut().zip(v.chunks_mut(SPREAD_FLOATS)) {
+        p.v = v;
+    }
+    falcon_transport::spread::for_each_mut(&mut parts, |_, p| one(p));
 }
 
 /// Floats of a gradient read onto the stack at a time by [`ShardOptimizer::apply_blocks`].

@@ -52,9 +52,14 @@ pub fn helpers() -> usize {
 fn default_helpers() -> usize {
     static DEFAULT: OnceLock<usize> = OnceLock::new();
     *DEFAULT.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        cores.saturating_sub(1).min(3)
+        helpers_for_cores(std::thread::available_parallelism().map_or(1, |n| n.get()))
     })
+}
+
+/// The helpers a process with `cores` cores to itself uses by default: one fewer than the
+/// cores, at most three.
+pub fn helpers_for_cores(cores: usize) -> usize {
+    cores.saturating_sub(1).min(3)
 }
 
 /// Sets how many helper threads share large passes (at most [`MAX_HELPERS`]; 0: none, every
@@ -380,36 +385,40 @@ mod tests {
     /// turns); whether it came.
     fn wait_for(done: impl Fn() -> bool) -> bool {
         let start = std::time::Instant::now();
-        for turn in 0u64.. {
-            if done() {
-                return true;
-            }
-            if (cfg!(miri) && turn > 100_000) || start.elapsed() > Duration::from_secs(10) {
+        let mut turns = 0u64;
+        while !done() {
+            turns += 1;
+            if (cfg!(miri) && turns > 100_000) || start.elapsed() > Duration::from_secs(10) {
                 return false;
             }
             std::thread::yield_now();
         }
-        false
+        true
     }
 
-    #[test]
-    fn a_helper_takes_chunks_while_the_caller_is_busy() {
-        let _turn = turn();
-        set_helpers(1);
+    /// A pass whose caller holds its first chunk until a helper has run one: how many
+    /// chunks helpers ran.
+    fn pass_with_a_helper() -> usize {
         let helped = AtomicUsize::new(0);
-        let before = shared_passes();
         run(8, &|k| {
             if on_a_helper() {
                 helped.fetch_add(1, Ordering::Relaxed);
             } else if k == 0 {
-                // The caller holds its first chunk until a helper has run one.
                 assert!(
                     wait_for(|| helped.load(Ordering::Relaxed) > 0),
                     "no helper came"
                 );
             }
         });
-        assert!(helped.load(Ordering::Relaxed) > 0);
+        helped.into_inner()
+    }
+
+    #[test]
+    fn a_helper_takes_chunks_while_the_caller_is_busy() {
+        let _turn = turn();
+        set_helpers(1);
+        let before = shared_passes();
+        assert!(pass_with_a_helper() > 0);
         assert_eq!(shared_passes(), before + 1);
     }
 
@@ -435,17 +444,7 @@ mod tests {
         let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
         assert!(msg.ends_with("on a helper"), "{msg}");
         // The helper lives on and takes part in the next pass.
-        let helped = AtomicUsize::new(0);
-        run(8, &|k| {
-            if on_a_helper() {
-                helped.fetch_add(1, Ordering::Relaxed);
-            } else if k == 0 {
-                assert!(
-                    wait_for(|| helped.load(Ordering::Relaxed) > 0),
-                    "no helper came"
-                );
-            }
-        });
+        assert!(pass_with_a_helper() > 0);
     }
 
     #[test]
