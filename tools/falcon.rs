@@ -219,6 +219,8 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_HELPER_THREADS         threads that share large copies and applies, 0 to 16
                                 (default one fewer than the cores, at most 3; 0 where the
                                 job's workers and servers on a host outnumber its cores)
+  FALCON_TCP_STREAMS            tcp connections per worker-server link, 1 to 8 (default 2):
+                                a payload of 256 KiB or more is split over them
   FALCON_MAX_HANDSHAKES         connections waiting for admission at once (default 128);
   FALCON_MAX_HANDSHAKES_PER_SOURCE  from one address (default 32); more are closed at once
   FALCON_CHECKPOINT_DIR         server checkpoints there (default: none)

@@ -180,6 +180,23 @@ pub fn helper_threads(s: &str) -> Result<usize, BadValue> {
     }
 }
 
+// The bound `tcp_streams` names in its refusal.
+const _: () = assert!(falcon_transport::MAX_TCP_STREAMS == 8);
+
+/// A number of TCP connections per link: 1 to [`falcon_transport::MAX_TCP_STREAMS`].
+pub fn tcp_streams(s: &str) -> Result<u32, BadValue> {
+    let n: u32 = number(s, "a whole number of connections")?;
+    if (1..=falcon_transport::MAX_TCP_STREAMS).contains(&n) {
+        Ok(n)
+    } else {
+        Err(BadValue::OutOfRange {
+            what: "a number of tcp connections per link",
+            allowed: "1 to 8",
+            value: n.to_string(),
+        })
+    }
+}
+
 /// A suspicion timeout in milliseconds; 0 means never.
 pub fn suspicion_ms(s: &str) -> Result<u64, BadValue> {
     number(s, "a whole number of milliseconds (0: never)")

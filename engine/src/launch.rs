@@ -47,7 +47,8 @@
 //!   threads spins before it parks: `FALCON_SPIN_US` (unset: 50 µs, or none on a host where
 //!   the job's workers and servers outnumber the cores); the threads that share a large
 //!   copy or apply: `FALCON_HELPER_THREADS` (unset: one fewer than the cores, at most three,
-//!   or none on such a host);
+//!   or none on such a host); TCP connections per tcp link a worker opens to a server:
+//!   `FALCON_TCP_STREAMS` (1 to 8, default 2);
 //! - server checkpoints: `FALCON_CHECKPOINT_DIR`, `FALCON_CHECKPOINT_MS`,
 //!   `FALCON_RECOVERY_TIMEOUT_MS`, `FALCON_CHECKPOINT_ON_FAILURE`, and `FALCON_RESUME` (start
 //!   from them: a job stopped and started again).
@@ -128,6 +129,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_SPIN_US",
     "FALCON_SHM_IN_PLACE",
     "FALCON_HELPER_THREADS",
+    "FALCON_TCP_STREAMS",
     "FALCON_MAX_HANDSHAKES",
     "FALCON_MAX_HANDSHAKES_PER_SOURCE",
     "FALCON_CHECKPOINT_DIR",
@@ -728,6 +730,11 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
     cfg.helper_threads = env.value(&["FALCON_HELPER_THREADS"], cfg.helper_threads, |s| {
         checks::helper_threads(s).map(Some)
     })?;
+    cfg.transport.tcp_streams = env.value(
+        &["FALCON_TCP_STREAMS"],
+        cfg.transport.tcp_streams,
+        checks::tcp_streams,
+    )?;
     checks::suspicion_fits(cfg.heartbeat, cfg.suspicion)?;
     cfg.transport.max_handshakes = env.value(
         &["FALCON_MAX_HANDSHAKES"],

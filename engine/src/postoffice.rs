@@ -36,7 +36,7 @@ pub fn rendezvous(
     let mut last_said = Instant::now();
     let sched = loop {
         attempt += 1;
-        match t.connect_with(&addr, falcon_transport::Medium::Auto) {
+        match t.connect_control(&addr) {
             Ok(l) => break l,
             // Not listening yet, or at its admission limit: retry until the deadline.
             Err(

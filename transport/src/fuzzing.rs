@@ -35,7 +35,7 @@ pub fn frame_header(data: &[u8]) {
     assert_eq!(op as u16, h.op.get());
     let (offset, len) = (h.offset.get(), h.len.get());
     match op {
-        Op::Write | Op::ReadReq => {
+        Op::Write | Op::ReadReq | Op::Part => {
             if check_bounds("fuzzed frame", offset, len, REGION).is_ok() {
                 assert!(
                     offset <= REGION && len <= REGION - offset,
@@ -43,7 +43,14 @@ pub fn frame_header(data: &[u8]) {
                 );
             }
         }
-        Op::Hello | Op::Send | Op::ReadResp | Op::Error | Op::Bye | Op::Proof => {}
+        Op::Hello
+        | Op::Send
+        | Op::ReadResp
+        | Op::Error
+        | Op::Bye
+        | Op::Proof
+        | Op::Lanes
+        | Op::Bind => {}
     }
 }
 

@@ -253,7 +253,7 @@ impl Handshake {
                         theirs: h.region.get(),
                         ours: self.local.job,
                     })
-                } else if h.imm.get() > crate::tcp::HELLO_RDMA {
+                } else if h.imm.get() > crate::tcp::HELLO_LANE {
                     Err(Error::Malformed(format!(
                         "hello asks for unknown medium {}",
                         h.imm.get()

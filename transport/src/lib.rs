@@ -53,7 +53,8 @@ pub use cq::{Completion, CompletionQueue, LinkId};
 pub use error::{Error, Result};
 pub use link::{Link, Op, PendingReads, ReadOp};
 pub use region::{F32Region, Region, RemoteKey};
-pub use transport::{AdmissionCounts, Transport, TransportConfig};
+pub use tcp::split_sends as tcp_split_sends;
+pub use transport::{AdmissionCounts, MAX_TCP_STREAMS, TCP_SPLIT_FROM, Transport, TransportConfig};
 
 /// RDMA device discovery, for diagnostics (`falcon doctor`).
 #[cfg(feature = "rdma")]

@@ -151,6 +151,16 @@ impl Link {
         }
     }
 
+    /// How many TCP connections a tcp link sends on (its first and the others that joined it,
+    /// see [`crate::TransportConfig::tcp_streams`]); 0 for other media. The peer's others
+    /// join the accepting side a moment after the link is accepted.
+    pub fn tcp_connections(&self) -> usize {
+        match &self.inner.imp {
+            LinkImpl::Tcp(l) => l.connections(),
+            _ => 0,
+        }
+    }
+
     /// A human-readable name of the peer.
     pub fn peer(&self) -> &str {
         match &self.inner.imp {

@@ -66,7 +66,19 @@ pub struct TransportConfig {
     pub rdma_device: Option<String>,
     /// GID index for RoCE (`None`: `$FALCON_RDMA_GID_INDEX`, else 0, which soft-RoCE needs).
     pub rdma_gid_index: Option<i32>,
+    /// TCP connections per tcp link this side opens ([`Transport::connect`]), 1 to
+    /// [`MAX_TCP_STREAMS`]: a write or read answer of [`TCP_SPLIT_FROM`] bytes or more is cut
+    /// into a piece per connection, sent at once from the caller and the process's helper
+    /// threads ([`crate::spread`]), as one TCP stream runs on one core. Default 2. A link a
+    /// peer opened uses the connections that peer opened.
+    pub tcp_streams: u32,
 }
+
+/// The most TCP connections one tcp link uses.
+pub const MAX_TCP_STREAMS: u32 = crate::wire::MAX_LANES;
+/// Writes and read answers of this many bytes or more are split over a tcp link's
+/// connections.
+pub const TCP_SPLIT_FROM: u64 = tcp::SPLIT_FROM;
 
 impl Default for TransportConfig {
     fn default() -> Self {
@@ -88,6 +100,7 @@ impl Default for TransportConfig {
             max_queued_bytes: 256 << 20,
             rdma_device: None,
             rdma_gid_index: None,
+            tcp_streams: 2,
         }
     }
 }
@@ -291,6 +304,19 @@ fn admitted_tcp(common: &Arc<Common>, stream: TcpStream, peer: Peer, tx: &Sender
         tracing::warn!("{}: tcp link setup failed: {e}", common.local);
         return;
     }
+    if peer.ask == tcp::HELLO_LANE {
+        // Its binding may wait for the link's announcement: off the wall's thread.
+        let common = common.clone();
+        let _ = spawn("falcon-tcp-bind", move || {
+            if let Err(e) = tcp::bind_lane(stream, peer.node, &common.tcp) {
+                tracing::warn!(
+                    "{}: a tcp link's extra connection was refused: {e}",
+                    common.local
+                );
+            }
+        });
+        return;
+    }
     let (open, gate) = crossbeam_channel::bounded::<()>(0);
     if peer.ask == tcp::HELLO_RDMA {
         // The queue-pair exchange blocks on an admitted peer: off the wall's thread.
@@ -375,6 +401,12 @@ impl std::fmt::Debug for Transport {
 impl Transport {
     /// Creates a transport and starts its listeners.
     pub fn new(cfg: TransportConfig) -> Result<Transport> {
+        if !(1..=MAX_TCP_STREAMS).contains(&cfg.tcp_streams) {
+            return Err(Error::Config(format!(
+                "tcp_streams is {}: it must be 1 to {MAX_TCP_STREAMS}",
+                cfg.tcp_streams
+            )));
+        }
         if cfg.max_queued_bytes == 0 {
             return Err(Error::Config(
                 "max_queued_bytes must be at least 1 (u64::MAX: no cap)".into(),
@@ -401,6 +433,7 @@ impl Transport {
                 max_message: cfg.max_message,
                 spin,
                 token: cfg.token.as_bytes().into(),
+                registry: Default::default(),
             },
             shm: ShmSettings {
                 job: cfg.job,
@@ -540,6 +573,20 @@ impl Transport {
         self.connect_with(peer, self.inner.cfg.medium)
     }
 
+    /// Connects to a peer for control messages only: as [`Transport::connect_with`] with
+    /// `Auto`, but a tcp link keeps to one connection ([`TransportConfig::tcp_streams`] is
+    /// for links that move tensors).
+    pub fn connect_control(&self, peer: &PeerAddr) -> Result<Link> {
+        let same_host = peer.host == self.inner.addr.host;
+        if peer.tcp.is_some()
+            && !(same_host && peer.shm.is_some())
+            && self.inner.common.rdma.is_err()
+        {
+            return self.connect_tcp_with(peer, tcp::HELLO_TCP, 1);
+        }
+        self.connect_with(peer, Medium::Auto)
+    }
+
     /// How long a hand-off between this transport's threads (a completion-queue wait, a tcp
     /// read's answer, the RDMA progress thread) spins before it parks; starts at
     /// [`TransportConfig::spin`].
@@ -637,6 +684,10 @@ impl Transport {
     }
 
     fn connect_tcp(&self, peer: &PeerAddr, ask: u32) -> Result<Link> {
+        self.connect_tcp_with(peer, ask, self.inner.cfg.tcp_streams)
+    }
+
+    fn connect_tcp_with(&self, peer: &PeerAddr, ask: u32, lanes: u32) -> Result<Link> {
         let addr = peer.tcp.ok_or_else(|| Error::Unreachable {
             medium: if ask == tcp::HELLO_RDMA {
                 "rdma"
@@ -660,6 +711,7 @@ impl Transport {
             return rdma_link(c, stream, peer_node, None);
         }
         let link = TcpLink::start(c.link_id(), stream, peer_node, &c.tcp, c.cq.clone())?;
+        link.open_lanes(addr, &c.tcp, lanes);
         Ok(Link::new(LinkImpl::Tcp(link), self.inner.node))
     }
 }

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 /// "FLCN" as a little-endian u32.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"FLCN");
 /// Version of the wire protocol; bumped on any incompatible change.
-pub(crate) const VERSION: u16 = 2;
+pub(crate) const VERSION: u16 = 3;
 
 /// Operations of a tcp frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +34,15 @@ pub(crate) enum Op {
     Bye = 7,
     /// The handshake's proof that the sender knows the job token (see `handshake`).
     Proof = 8,
+    /// A piece of a split write, on any connection of a link: `len` bytes into (`region`,
+    /// `offset`); `req` = the split write's id (see [`FLAG_PARTS`]).
+    Part = 9,
+    /// On a link's first connection, from the side that connected: the link's other
+    /// connections follow, joining under key `req`; `imm` = how many.
+    Lanes = 10,
+    /// The first frame on one of a link's other connections: it joins the link whose key is
+    /// `req`, as connection `imm`.
+    Bind = 11,
 }
 
 impl Op {
@@ -47,6 +56,9 @@ impl Op {
             6 => Op::Error,
             7 => Op::Bye,
             8 => Op::Proof,
+            9 => Op::Part,
+            10 => Op::Lanes,
+            11 => Op::Bind,
             _ => return None,
         })
     }
@@ -64,12 +76,59 @@ impl Op {
             Op::Error => "error",
             Op::Bye => "goodbye",
             Op::Proof => "proof",
+            Op::Part => "split-write piece",
+            Op::Lanes => "lanes",
+            Op::Bind => "bind",
         }
     }
 }
 
 /// Frame flag: the write carries an immediate.
 pub(crate) const FLAG_IMM: u32 = 1;
+/// Frame flag: the write is the first piece of a split write whose other pieces come as
+/// [`Op::Part`] frames with the same `req`, on the link's other connections; bits 8..16 of
+/// the flags say how many pieces there are in all (2 to [`MAX_LANES`]). Its completion (the
+/// immediate) is delivered once every piece has landed.
+pub(crate) const FLAG_PARTS: u32 = 2;
+/// Where a split write's piece count sits in the flags.
+const PARTS_SHIFT: u32 = 8;
+const PARTS_MASK: u32 = 0xff << PARTS_SHIFT;
+
+/// The most connections one tcp link uses (its first and the others together).
+pub(crate) const MAX_LANES: u32 = 8;
+
+/// Payloads cut into pieces line up on this many bytes.
+const PIECE_ALIGN: u64 = 4096;
+
+/// The flags of a split write's first piece: `imm` flagged or not, `parts` pieces in all.
+pub(crate) fn parts_flags(imm: bool, parts: u32) -> u32 {
+    (if imm { FLAG_IMM } else { 0 }) | FLAG_PARTS | (parts << PARTS_SHIFT)
+}
+
+/// How many pieces a write's flags announce (1: not split).
+pub(crate) fn parts_of(flags: u32) -> u32 {
+    if flags & FLAG_PARTS == 0 {
+        1
+    } else {
+        (flags & PARTS_MASK) >> PARTS_SHIFT
+    }
+}
+
+/// Piece `i` of `total` bytes cut into `parts` (offset, length): equal pieces on
+/// [`PIECE_ALIGN`] boundaries, the last one shorter. Both ends of a link cut the same way, so
+/// a receiver can check that a piece is one of the plan's.
+pub(crate) fn piece(total: u64, parts: u32, i: u32) -> (u64, u64) {
+    let parts = u64::from(parts.max(1));
+    let chunk = total.div_ceil(parts).div_ceil(PIECE_ALIGN) * PIECE_ALIGN;
+    let at = (chunk * u64::from(i)).min(total);
+    (at, chunk.min(total - at))
+}
+
+/// Which piece of `total` bytes cut into `parts` starts at `offset` with `len` bytes, if any
+/// (an empty piece never counts).
+pub(crate) fn piece_index(total: u64, parts: u32, offset: u64, len: u64) -> Option<u32> {
+    (0..parts).find(|&i| len > 0 && piece(total, parts, i) == (offset, len))
+}
 
 /// A tcp frame header (48 bytes), followed by `len` payload bytes for ops that carry one.
 #[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable)]
@@ -120,7 +179,14 @@ impl FrameHeader {
         }
         let op = Op::from_u16(h.op.get())
             .ok_or_else(|| Error::Malformed(format!("frame op {}", h.op.get())))?;
-        if h.flags.get() & !FLAG_IMM != 0 || (h.flags.get() != 0 && op != Op::Write) {
+        let flags = h.flags.get();
+        let parts = parts_of(flags);
+        let split_ok =
+            flags & FLAG_PARTS == 0 && flags & PARTS_MASK == 0 || (2..=MAX_LANES).contains(&parts);
+        if flags & !(FLAG_IMM | FLAG_PARTS | PARTS_MASK) != 0
+            || !split_ok
+            || (flags != 0 && op != Op::Write)
+        {
             return Err(Error::Malformed(format!(
                 "frame flags {:#x} on a {} frame",
                 h.flags.get(),
@@ -239,6 +305,67 @@ impl CtlPacket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_split_plan_covers_every_byte_once_on_page_boundaries() {
+        for total in [
+            256u64 << 10,
+            (256 << 10) + 1,
+            5 << 20,
+            (8 << 20) + 4099,
+            64 << 20,
+        ] {
+            for parts in 2..=MAX_LANES {
+                let mut at = 0;
+                for i in 0..parts {
+                    let (off, len) = piece(total, parts, i);
+                    assert_eq!(off, at, "{total} in {parts}: piece {i} follows the last");
+                    assert!(len > 0, "{total} in {parts}: piece {i} is not empty");
+                    assert_eq!(off % PIECE_ALIGN, 0);
+                    assert_eq!(piece_index(total, parts, off, len), Some(i));
+                    at += len;
+                }
+                assert_eq!(at, total, "{total} in {parts}: the pieces add up");
+                assert_eq!(
+                    piece_index(total, parts, 1, 10),
+                    None,
+                    "not a piece of the plan"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn split_flags_are_checked() {
+        let raw = |op: Op, flags: u32| {
+            let mut h = FrameHeader::new(op);
+            h.flags = flags.into();
+            let raw: [u8; FRAME_HEADER] = h.as_bytes().try_into().unwrap();
+            FrameHeader::decode(&raw).map(|(_, h)| parts_of(h.flags.get()))
+        };
+        assert_eq!(raw(Op::Write, parts_flags(true, 2)).unwrap(), 2);
+        assert_eq!(
+            raw(Op::Write, parts_flags(false, MAX_LANES)).unwrap(),
+            MAX_LANES
+        );
+        assert_eq!(raw(Op::Write, FLAG_IMM).unwrap(), 1);
+        for bad in [
+            FLAG_PARTS,
+            FLAG_PARTS | (1 << PARTS_SHIFT),
+            FLAG_PARTS | ((MAX_LANES + 1) << PARTS_SHIFT),
+            2 << PARTS_SHIFT,
+            1 << 20,
+        ] {
+            assert!(
+                matches!(raw(Op::Write, bad), Err(Error::Malformed(_))),
+                "{bad:#x}"
+            );
+        }
+        assert!(matches!(
+            raw(Op::Part, parts_flags(false, 2)),
+            Err(Error::Malformed(_))
+        ));
+    }
 
     #[test]
     fn frame_header_round_trips_and_rejects_garbage() {

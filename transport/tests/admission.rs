@@ -42,7 +42,14 @@ fn only_a_peer_with_the_token_becomes_a_link() {
         "the stranger never became a link"
     );
     assert_eq!(server.admission().refused, 1);
-    let friend = with("s3cret", TransportConfig::default());
+    // One connection per link, so that one admission is one link.
+    let friend = with(
+        "s3cret",
+        TransportConfig {
+            tcp_streams: 1,
+            ..TransportConfig::default()
+        },
+    );
     let link = friend.connect_with(server.address(), Medium::Tcp).unwrap();
     // The accepted link is handed out before its first message: both are there, in order.
     link.send(b"first").unwrap();
