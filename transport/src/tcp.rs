@@ -616,36 +616,53 @@ impl TcpLink {
 
     /// Sends `frames` in order. Where the link has other connections, a write payload of
     /// [`SPLIT_FROM`] bytes or more is cut into a piece per connection: the first piece goes
-    /// in its place on the first connection (flagged [`crate::wire::FLAG_PARTS`]), the others as
-    /// [`Op::Part`] frames on the others, all sent at once (the calling thread and the
-    /// process's helper threads, [`crate::spread`]). Returns once every byte is sent.
+    /// in its place on the first connection (flagged [`crate::wire::FLAG_PARTS`]), the others
+    /// as [`Op::Part`] frames on the others, all sent at once (the calling thread and the
+    /// process's helper threads, [`crate::spread`]). The frames before a split one are sent
+    /// before its pieces, and those after it once every piece is sent, so every frame's bytes
+    /// are read from memory after the one before, as separate calls would read them. Returns
+    /// once every byte is sent.
     fn send_split(&self, frames: &[Frame<'_>]) -> Result<()> {
         let lanes = self.shared.sending_lanes();
         let big = |f: &Frame<'_>| {
-            f.header.op.get() == Op::Write as u16 && f.payload.len() as u64 >= SPLIT_FROM
+            !lanes.is_empty()
+                && f.header.op.get() == Op::Write as u16
+                && f.payload.len() as u64 >= SPLIT_FROM
         };
-        if lanes.is_empty() || !frames.iter().any(big) {
+        let whole = |frames: &[Frame<'_>]| {
             let mut bufs = Vec::with_capacity(2 * frames.len());
             for f in frames {
                 bufs.push(IoSlice::new(f.header.as_bytes()));
                 bufs.push(IoSlice::new(f.payload));
             }
-            return self.send_frames(&mut bufs);
-        }
-        let parts = lanes.len() as u32 + 1;
-        // Per connection, its frames in order.
-        let mut plan: Vec<Vec<(FrameHeader, &[u8])>> = vec![Vec::new(); parts as usize];
-        for f in frames {
+            self.send_frames(&mut bufs)
+        };
+        let mut from = 0;
+        for (k, f) in frames.iter().enumerate() {
             if !big(f) {
-                plan[0].push((f.header, f.payload));
                 continue;
             }
-            let id = self.shared.next_split.fetch_add(1, Ordering::Relaxed);
-            SPLIT_SENDS.fetch_add(1, Ordering::Relaxed);
-            let total = f.payload.len() as u64;
-            for i in 0..parts {
+            if from < k {
+                whole(&frames[from..k])?;
+            }
+            from = k + 1;
+            self.send_pieces(f, &lanes)?;
+        }
+        if from < frames.len() {
+            whole(&frames[from..])?;
+        }
+        Ok(())
+    }
+
+    /// Sends one write cut into a piece per connection (see [`TcpLink::send_split`]).
+    fn send_pieces(&self, f: &Frame<'_>, lanes: &[Arc<Mutex<TcpStream>>]) -> Result<()> {
+        let parts = lanes.len() as u32 + 1;
+        let id = self.shared.next_split.fetch_add(1, Ordering::Relaxed);
+        SPLIT_SENDS.fetch_add(1, Ordering::Relaxed);
+        let total = f.payload.len() as u64;
+        let pieces: Vec<(FrameHeader, &[u8])> = (0..parts)
+            .map(|i| {
                 let (off, len) = piece(total, parts, i);
-                let payload = &f.payload[off as usize..(off + len) as usize];
                 let mut h = if i == 0 {
                     let mut h = f.header;
                     let imm = f.header.flags.get() & FLAG_IMM != 0;
@@ -659,15 +676,13 @@ impl TcpLink {
                 };
                 h.len = len.into();
                 h.req = id.into();
-                plan[i as usize].push((h, payload));
-            }
-        }
+                (h, &f.payload[off as usize..(off + len) as usize])
+            })
+            .collect();
         let failed: Mutex<Option<Error>> = Mutex::new(None);
         crate::spread::run(parts as usize, &|i| {
-            let mut bufs: Vec<IoSlice<'_>> = plan[i]
-                .iter()
-                .flat_map(|(h, p)| [IoSlice::new(h.as_bytes()), IoSlice::new(p)])
-                .collect();
+            let (h, p) = &pieces[i];
+            let mut bufs = [IoSlice::new(h.as_bytes()), IoSlice::new(p)];
             let w = if i == 0 {
                 &*self.writer
             } else {
@@ -975,9 +990,9 @@ fn respond_loop(
         }
         let lanes = shared.sending_lanes();
         let parts = lanes.len() as u32 + 1;
-        // Per connection, the frames to write; an answer split over the connections is sent
-        // (every piece) before anything behind it, so the answers' bytes are still read in
-        // order.
+        // Per connection, the frames to write. An answer split over the connections is sent
+        // after everything before it and before anything behind it, so the answers' bytes are
+        // still read from memory in order.
         let mut plan: Vec<Vec<(FrameHeader, &[u8])>> = vec![Vec::new(); parts as usize];
         let mut r = Ok(());
         for reply in &batch {
@@ -996,6 +1011,17 @@ fn respond_loop(
                     // until after the writes below.
                     let payload = unsafe { std::slice::from_raw_parts(ptr, *len as usize) };
                     let split = parts > 1 && *len >= SPLIT_FROM;
+                    if split && !plan[0].is_empty() {
+                        // The answers before this one go out first, whole: a helper writing
+                        // a piece must not read the values before the first connection's
+                        // writer has read what comes before them (a seqlock reader's first
+                        // sequence, say).
+                        r = write_plan(&writer, &lanes, &plan);
+                        plan[0].clear();
+                        if r.is_err() {
+                            break;
+                        }
+                    }
                     for i in 0..if split { parts } else { 1 } {
                         let (at, n) = if split {
                             piece(*len, parts, i)
