@@ -146,8 +146,9 @@ fn recv_spinning<T>(
 
 /// A raw pointer into a region, for a read in flight.
 struct Dst(*mut u8);
-// SAFETY: the pointer targets a region kept alive by `PendingRead::_region`, and only the
-// progress thread writes through it, once.
+// SAFETY: the pointer targets a region kept alive by `PendingRead::_region` (and, for a piece
+// of a split answer, by the clone of it the landing thread holds); each byte is written by
+// one thread, the one that took the whole answer or claimed the piece.
 unsafe impl Send for Dst {}
 
 struct PendingRead {
@@ -200,6 +201,8 @@ struct Shared {
     parts: Mutex<HashMap<u64, u32>>,
     parts_cv: Condvar,
     next_split: AtomicU64,
+    /// The other connections whose reader has ended.
+    lanes_ended: std::sync::atomic::AtomicU32,
     /// Where the peer's lanes find this link (the accepting side, once announced).
     registry: LaneRegistry,
     announced: AtomicBool,
@@ -241,8 +244,18 @@ impl Shared {
                 "more than {MAX_LANES} connections for one link"
             )));
         }
-        self.check_open()?;
-        lock(&self.streams).push(clone(&stream)?);
+        {
+            // Under the lock `shut_all` takes: a link closing or failed gets no more.
+            let mut streams = lock(&self.streams);
+            self.check_open()?;
+            if self.closing.load(Ordering::Acquire) || lock(&self.failure).is_some() {
+                return Err(Error::Closed {
+                    peer: self.peer.clone(),
+                    reason: "closing".into(),
+                });
+            }
+            streams.push(clone(&stream)?);
+        }
         let reader = clone(&stream)?;
         let shared = self.clone();
         std::thread::Builder::new()
@@ -522,6 +535,7 @@ impl TcpLink {
             parts: Mutex::new(HashMap::new()),
             parts_cv: Condvar::new(),
             next_split: AtomicU64::new(1),
+            lanes_ended: Default::default(),
             registry: cfg.registry.clone(),
             announced: AtomicBool::new(false),
         });
@@ -1177,8 +1191,8 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Arc<Shared>)
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) };
                 s.read_exact(dst).map_err(|e| lost(shared, e))?;
                 let parts = parts_of(h.flags.get());
-                if parts > 1 {
-                    wait_parts(shared, h.req.get(), parts - 1)?;
+                if parts > 1 && !wait_parts(shared, h.req.get(), parts - 1)? {
+                    return Ok(());
                 }
                 if h.flags.get() & FLAG_IMM != 0 {
                     shared.cq.push(Completion::WriteImm {
@@ -1274,9 +1288,23 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Arc<Shared>)
 fn read_answer(s: &mut TcpStream, shared: &Shared, h: &FrameHeader) -> Result<()> {
     let (req, len, at, parts) = (h.req.get(), h.len.get(), h.offset.get(), h.imm.get());
     if parts <= 1 {
-        let p = lock(&shared.pending)
-            .remove(&req)
-            .ok_or_else(|| Error::Malformed(format!("read response for unknown request {req}")))?;
+        let p = {
+            let mut pending = lock(&shared.pending);
+            // A whole answer to a read whose pieces are landing would write under them.
+            if pending.get(&req).is_some_and(|p| p.claimed != 0) {
+                drop(pending);
+                let e = Error::Malformed(format!(
+                    "a whole read response for request {req}, which came in pieces"
+                ));
+                if let Some(p) = lock(&shared.pending).remove(&req) {
+                    let _ = p.done.send(Err(e.clone()));
+                }
+                return Err(e);
+            }
+            pending.remove(&req).ok_or_else(|| {
+                Error::Malformed(format!("read response for unknown request {req}"))
+            })?
+        };
         if p.len != len || at != 0 {
             let e = Error::Malformed(format!(
                 "read response of {len} bytes at {at} for a {}-byte read",
@@ -1305,7 +1333,7 @@ fn read_answer(s: &mut TcpStream, shared: &Shared, h: &FrameHeader) -> Result<()
         }
         Err(e)
     };
-    let dst = {
+    let (dst, _kept) = {
         let mut pending = lock(&shared.pending);
         let Some(p) = pending.get_mut(&req) else {
             drop(pending);
@@ -1326,12 +1354,16 @@ fn read_answer(s: &mut TcpStream, shared: &Shared, h: &FrameHeader) -> Result<()
         p.claimed |= 1 << i;
         // SAFETY: the piece [at, at+len) lies inside the read's p.len bytes (it is one of the
         // plan's pieces), which were bounds-checked inside p._region.
-        Dst(unsafe { p.dst.0.add(at as usize) })
+        let dst = Dst(unsafe { p.dst.0.add(at as usize) });
+        // This thread's own hold on the destination: the entry may go (a failure elsewhere
+        // ends the read) while the piece is still landing.
+        (dst, p._region.clone())
     };
     // SAFETY: `dst` is this piece's own range of the destination (claimed above, so no other
-    // thread writes it); the region stays alive in the entry, and the requester waits until
-    // the last piece lands. Should the link fail meanwhile, the requester is told so and the
-    // bytes land in its region as a late remote write would.
+    // thread writes it, and a whole answer to the same read is refused); `_kept` keeps the
+    // region mapped until the piece has landed, and the requester waits until the last piece
+    // has. Should the read fail meanwhile, the requester is told so and the bytes land in its
+    // region as a late remote write would.
     let out = unsafe { std::slice::from_raw_parts_mut(dst.0, len as usize) };
     if let Err(e) = s.read_exact(out) {
         let e = lost(shared, e);
@@ -1374,14 +1406,27 @@ fn write_part(s: &mut TcpStream, shared: &Shared, h: &FrameHeader) -> Result<()>
 }
 
 /// The first piece of split write `id` has landed: wait until its `want` other pieces have
-/// (the link's other connections), so its completion follows every byte of it.
-fn wait_parts(shared: &Shared, id: u64, want: u32) -> Result<()> {
+/// (the link's other connections), so its completion follows every byte of it. `Ok(true)`:
+/// they have; `Ok(false)`: this side is closing the link (the reader stops, as at a clean
+/// end); an error if one of the other connections ended or the link failed first, or the
+/// pieces are later than the operation deadline.
+fn wait_parts(shared: &Shared, id: u64, want: u32) -> Result<bool> {
     let deadline = Instant::now() + shared.op_timeout;
     let mut parts = lock(&shared.parts);
     loop {
         if parts.get(&id).is_some_and(|&n| n >= want) {
             parts.remove(&id);
-            return Ok(());
+            return Ok(true);
+        }
+        if shared.closing.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        if shared.lanes_ended.load(Ordering::Acquire) > 0 {
+            return Err(Error::Closed {
+                peer: shared.peer.clone(),
+                reason: "one of the link's connections ended while a split write was landing"
+                    .into(),
+            });
         }
         if !shared.is_open() || lock(&shared.failure).is_some() {
             return Err(lock(&shared.failure)
@@ -1398,6 +1443,8 @@ fn wait_parts(shared: &Shared, id: u64, want: u32) -> Result<()> {
                 shared.op_timeout,
             ));
         }
+        // Bounded, so a close whose wake-up came between the checks above and the wait is
+        // seen soon.
         parts = shared
             .parts_cv
             .wait_timeout(parts, left.min(Duration::from_millis(100)))
@@ -1435,6 +1482,10 @@ fn lane_loop(mut s: TcpStream, shared: Arc<Shared>) {
             }
         }
     })();
+    // A reader waiting for this connection's pieces learns that none will come.
+    shared.lanes_ended.fetch_add(1, Ordering::AcqRel);
+    drop(lock(&shared.parts));
+    shared.parts_cv.notify_all();
     if let Err(e) = r {
         shared.fail_from_lane(e);
     }

@@ -40,8 +40,12 @@ fn key_of(t: &Transport) -> RemoteKey {
     RemoteKey::from_bytes(&next_message(t.cq())).expect("key")
 }
 
+/// The split counter is the process's: the tests that read it take turns.
+static COUNTED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Large payloads both ways, split over `streams` connections.
 fn split_both_ways(streams: u32) {
+    let _turn = COUNTED.lock().unwrap_or_else(|p| p.into_inner());
     falcon_transport::spread::set_helpers(3);
     let a = with_streams(streams, Duration::from_secs(30));
     let b = with_streams(1, Duration::from_secs(30));
@@ -77,12 +81,21 @@ fn split_both_ways(streams: u32) {
             Completion::WriteImm { imm, .. } => assert_eq!(imm, 10 + round),
             other => panic!("expected the large write's completion, got {other:?}"),
         }
+        // The last piece first: it travels on another connection than the first.
+        let mut tail = vec![0u8; 4096];
+        at_b.read_at((LEN - 1 - 4096) as u64, &mut tail).unwrap();
+        assert!(
+            tail == data[LEN - 3 - 4096..LEN - 3],
+            "the last piece landed"
+        );
         let mut got = vec![0u8; LEN - 4];
         at_b.read_at(3, &mut got).unwrap();
         assert!(
             got == data[1..LEN - 3],
             "every piece landed before the completion"
         );
+        // The next round's bytes must land again to be seen.
+        at_b.fill(0);
         assert!(matches!(next(b.cq()), Completion::WriteImm { imm, .. } if imm == 20 + round));
         assert_eq!(next_message(b.cq()), b"behind");
     }
@@ -169,6 +182,37 @@ fn large_payloads_split_over_two_connections_arrive_whole_and_in_order() {
 #[test]
 fn large_payloads_split_over_four_connections_arrive_whole_and_in_order() {
     split_both_ways(4);
+}
+
+#[test]
+fn closing_a_link_while_a_split_write_waits_for_its_pieces_is_an_orderly_close_at_once() {
+    // The operation deadline is long: the close must not wait for it.
+    let b = with_streams(1, Duration::from_secs(30));
+    let a = with_streams(1, Duration::from_secs(30));
+    let ab = a.connect_with(b.address(), Medium::Tcp).unwrap();
+    let ba = b.accept(Some(T)).unwrap();
+    let region = Region::new(4096).unwrap();
+    let key = ba.grant(&region).unwrap();
+    // The first of two pieces, whose other never comes.
+    let mut f = header(WRITE, 1, 1 | 2 | (2 << 8), key.region, 0, 16, 9);
+    f.extend_from_slice(&[5u8; 16]);
+    ab.inject_raw(&f).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let start = Instant::now();
+    ba.close();
+    assert!(
+        wait_closed(b.cq(), ba.id()).is_none(),
+        "the close is orderly"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "closed in {:?}",
+        start.elapsed()
+    );
+    assert!(
+        !matches!(b.cq().poll(), Some(Completion::WriteImm { .. })),
+        "the unfinished write is not completed"
+    );
 }
 
 #[test]
