@@ -153,12 +153,14 @@ struct Common {
     /// shm handshakes in flight, and their cap.
     shm_pending: std::sync::atomic::AtomicUsize,
     max_shm_pending: usize,
+    /// Extra tcp connections of links waiting for their binding (capped as handshakes are).
+    binds_pending: std::sync::atomic::AtomicUsize,
 }
 
-/// Counts an shm handshake out when its thread ends, however it ends.
-struct ShmPendingGuard<'a>(&'a std::sync::atomic::AtomicUsize);
+/// Counts a pending handshake or binding out when its thread ends, however it ends.
+struct PendingGuard<'a>(&'a std::sync::atomic::AtomicUsize);
 
-impl Drop for ShmPendingGuard<'_> {
+impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
@@ -305,9 +307,19 @@ fn admitted_tcp(common: &Arc<Common>, stream: TcpStream, peer: Peer, tx: &Sender
         return;
     }
     if peer.ask == tcp::HELLO_LANE {
-        // Its binding may wait for the link's announcement: off the wall's thread.
+        // Its binding may wait for the link's announcement: off the wall's thread, and no
+        // more of them at once than handshakes may be in flight.
+        if common.binds_pending.fetch_add(1, Ordering::AcqRel) >= common.max_shm_pending {
+            common.binds_pending.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(
+                "{}: closed a tcp link's extra connection at once: too many waiting to bind",
+                common.local
+            );
+            return;
+        }
         let common = common.clone();
         let _ = spawn("falcon-tcp-bind", move || {
+            let _done = PendingGuard(&common.binds_pending);
             if let Err(e) = tcp::bind_lane(stream, peer.node, &common.tcp) {
                 tracing::warn!(
                     "{}: a tcp link's extra connection was refused: {e}",
@@ -447,6 +459,7 @@ impl Transport {
             rdma,
             admit: Arc::default(),
             shm_pending: Default::default(),
+            binds_pending: Default::default(),
             max_shm_pending: cfg.max_handshakes.max(1),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -749,7 +762,7 @@ fn unix_accept_loop(listener: Arc<OwnedFd>, common: Arc<Common>, tx: Sender<Resu
         }
         let (common, tx) = (common.clone(), tx.clone());
         let _ = spawn("falcon-shm-handshake", move || {
-            let _done = ShmPendingGuard(&common.shm_pending);
+            let _done = PendingGuard(&common.shm_pending);
             let id = common.link_id();
             match ShmLink::accept(id, sock, format!("shm-peer#{id}"), &common.shm, &common.cq) {
                 Ok(link) => {
