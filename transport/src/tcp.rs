@@ -201,8 +201,8 @@ struct Shared {
     parts: Mutex<HashMap<u64, u32>>,
     parts_cv: Condvar,
     next_split: AtomicU64,
-    /// The other connections whose reader has ended.
-    lanes_ended: std::sync::atomic::AtomicU32,
+    /// Whether the reader of one of the other connections has ended.
+    lane_ended: AtomicBool,
     /// Where the peer's lanes find this link (the accepting side, once announced).
     registry: LaneRegistry,
     announced: AtomicBool,
@@ -302,6 +302,40 @@ impl<'a> Frame<'a> {
             header.flags = FLAG_IMM.into();
         }
         Frame { header, payload }
+    }
+}
+
+/// The I/O slices of `frames`, headers and payloads in order, for one vectored write.
+fn slices<'a>(frames: &'a [Frame<'a>]) -> Vec<IoSlice<'a>> {
+    frames
+        .iter()
+        .flat_map(|f| [IoSlice::new(f.header.as_bytes()), IoSlice::new(f.payload)])
+        .collect()
+}
+
+/// `payload` cut into `parts` pieces (see [`piece`]): (index, offset, bytes) each.
+fn pieces(payload: &[u8], parts: u32) -> impl Iterator<Item = (u32, u64, &[u8])> {
+    (0..parts).map(move |i| {
+        let (at, n) = piece(payload.len() as u64, parts, i);
+        (i, at, &payload[at as usize..(at + n) as usize])
+    })
+}
+
+/// Runs `f(0)` … `f(n - 1)` at once, on this thread and the process's helper threads
+/// ([`crate::spread`]), and returns the first error, once every call has returned.
+fn at_once<E: Send>(
+    n: usize,
+    f: impl Fn(usize) -> std::result::Result<(), E> + Sync,
+) -> std::result::Result<(), E> {
+    let failed: Mutex<Option<E>> = Mutex::new(None);
+    crate::spread::run(n, &|i| {
+        if let Err(e) = f(i) {
+            lock(&failed).get_or_insert(e);
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 
@@ -535,7 +569,7 @@ impl TcpLink {
             parts: Mutex::new(HashMap::new()),
             parts_cv: Condvar::new(),
             next_split: AtomicU64::new(1),
-            lanes_ended: Default::default(),
+            lane_ended: AtomicBool::new(false),
             registry: cfg.registry.clone(),
             announced: AtomicBool::new(false),
         });
@@ -643,14 +677,7 @@ impl TcpLink {
                 && f.header.op.get() == Op::Write as u16
                 && f.payload.len() as u64 >= SPLIT_FROM
         };
-        let whole = |frames: &[Frame<'_>]| {
-            let mut bufs = Vec::with_capacity(2 * frames.len());
-            for f in frames {
-                bufs.push(IoSlice::new(f.header.as_bytes()));
-                bufs.push(IoSlice::new(f.payload));
-            }
-            self.send_frames(&mut bufs)
-        };
+        let whole = |frames: &[Frame<'_>]| self.send_frames(&mut slices(frames));
         let mut from = 0;
         for (k, f) in frames.iter().enumerate() {
             if !big(f) {
@@ -673,46 +700,32 @@ impl TcpLink {
         let parts = lanes.len() as u32 + 1;
         let id = self.shared.next_split.fetch_add(1, Ordering::Relaxed);
         SPLIT_SENDS.fetch_add(1, Ordering::Relaxed);
-        let total = f.payload.len() as u64;
-        let pieces: Vec<(FrameHeader, &[u8])> = (0..parts)
-            .map(|i| {
-                let (off, len) = piece(total, parts, i);
-                let mut h = if i == 0 {
+        let frames: Vec<Frame<'_>> = pieces(f.payload, parts)
+            .map(|(i, at, payload)| {
+                let mut header = if i == 0 {
                     let mut h = f.header;
-                    let imm = f.header.flags.get() & FLAG_IMM != 0;
-                    h.flags = parts_flags(imm, parts).into();
+                    h.flags = parts_flags(f.header.flags.get() & FLAG_IMM != 0, parts).into();
                     h
                 } else {
                     let mut h = FrameHeader::new(Op::Part);
                     h.region = f.header.region;
-                    h.offset = (f.header.offset.get() + off).into();
+                    h.offset = (f.header.offset.get() + at).into();
                     h
                 };
-                h.len = len.into();
-                h.req = id.into();
-                (h, &f.payload[off as usize..(off + len) as usize])
+                header.len = (payload.len() as u64).into();
+                header.req = id.into();
+                Frame { header, payload }
             })
             .collect();
-        let failed: Mutex<Option<Error>> = Mutex::new(None);
-        crate::spread::run(parts as usize, &|i| {
-            let (h, p) = &pieces[i];
-            let mut bufs = [IoSlice::new(h.as_bytes()), IoSlice::new(p)];
+        at_once(frames.len(), |i| {
             let w = if i == 0 {
                 &*self.writer
             } else {
                 &*lanes[i - 1]
             };
-            if let Err(e) = self.send_on(w, &mut bufs) {
-                lock(&failed).get_or_insert(e);
-            }
-        });
-        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => {
-                self.shared.shut_all();
-                Err(e)
-            }
-            None => Ok(()),
-        }
+            self.send_on(w, &mut slices(&frames[i..=i]))
+        })
+        .inspect_err(|_| self.shared.shut_all())
     }
 
     /// After a send found the connection gone: did the kernel time it out? The progress
@@ -1007,7 +1020,7 @@ fn respond_loop(
         // Per connection, the frames to write. An answer split over the connections is sent
         // after everything before it and before anything behind it, so the answers' bytes are
         // still read from memory in order.
-        let mut plan: Vec<Vec<(FrameHeader, &[u8])>> = vec![Vec::new(); parts as usize];
+        let mut plan: Vec<Vec<Frame<'_>>> = (0..parts).map(|_| Vec::new()).collect();
         let mut r = Ok(());
         for reply in &batch {
             match reply {
@@ -1036,20 +1049,15 @@ fn respond_loop(
                             break;
                         }
                     }
-                    for i in 0..if split { parts } else { 1 } {
-                        let (at, n) = if split {
-                            piece(*len, parts, i)
-                        } else {
-                            (0, *len)
-                        };
-                        let mut h = FrameHeader::new(Op::ReadResp);
-                        h.req = (*req).into();
-                        h.len = n.into();
+                    for (i, at, payload) in pieces(payload, if split { parts } else { 1 }) {
+                        let mut header = FrameHeader::new(Op::ReadResp);
+                        header.req = (*req).into();
+                        header.len = (payload.len() as u64).into();
                         if split {
-                            h.offset = at.into();
-                            h.imm = parts.into();
+                            header.offset = at.into();
+                            header.imm = parts.into();
                         }
-                        plan[i as usize].push((h, &payload[at as usize..(at + n) as usize]));
+                        plan[i as usize].push(Frame { header, payload });
                     }
                     if split {
                         SPLIT_SENDS.fetch_add(1, Ordering::Relaxed);
@@ -1061,7 +1069,10 @@ fn respond_loop(
                     let mut h = FrameHeader::new(Op::Error);
                     h.req = (*req).into();
                     h.len = (reason.len() as u64).into();
-                    plan[0].push((h, reason.as_bytes()));
+                    plan[0].push(Frame {
+                        header: h,
+                        payload: reason.as_bytes(),
+                    });
                 }
             }
             if r.is_err() {
@@ -1087,13 +1098,10 @@ fn respond_loop(
 fn write_plan(
     writer: &Mutex<TcpStream>,
     lanes: &[Arc<Mutex<TcpStream>>],
-    plan: &[Vec<(FrameHeader, &[u8])>],
+    plan: &[Vec<Frame<'_>>],
 ) -> std::io::Result<()> {
-    let write = |w: &Mutex<TcpStream>, frames: &[(FrameHeader, &[u8])]| {
-        let mut bufs: Vec<IoSlice<'_>> = frames
-            .iter()
-            .flat_map(|(h, p)| [IoSlice::new(h.as_bytes()), IoSlice::new(p)])
-            .collect();
+    let write = |w: &Mutex<TcpStream>, frames: &[Frame<'_>]| {
+        let mut bufs = slices(frames);
         if cfg!(any(target_arch = "x86", target_arch = "x86_64")) {
             write_all_vectored(&mut lock(w), &mut bufs)
         } else {
@@ -1108,23 +1116,17 @@ fn write_plan(
             })
         }
     };
-    let active = plan.iter().filter(|f| !f.is_empty()).count();
-    if active <= 1 {
+    if plan.iter().filter(|f| !f.is_empty()).count() <= 1 {
         return write(writer, &plan[0]);
     }
-    let failed: Mutex<Option<std::io::Error>> = Mutex::new(None);
-    crate::spread::run(plan.len(), &|i| {
+    at_once(plan.len(), |i| {
         let w = if i == 0 { writer } else { &*lanes[i - 1] };
-        if !plan[i].is_empty()
-            && let Err(e) = write(w, &plan[i])
-        {
-            lock(&failed).get_or_insert(e);
+        if plan[i].is_empty() {
+            Ok(())
+        } else {
+            write(w, &plan[i])
         }
-    });
-    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    })
 }
 
 fn recv_loop(mut s: TcpStream, replies: Sender<Reply>, shared: Arc<Shared>) {
@@ -1288,27 +1290,20 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Arc<Shared>)
 fn read_answer(s: &mut TcpStream, shared: &Shared, h: &FrameHeader) -> Result<()> {
     let (req, len, at, parts) = (h.req.get(), h.len.get(), h.offset.get(), h.imm.get());
     if parts <= 1 {
-        let p = {
-            let mut pending = lock(&shared.pending);
-            // A whole answer to a read whose pieces are landing would write under them.
-            if pending.get(&req).is_some_and(|p| p.claimed != 0) {
-                drop(pending);
-                let e = Error::Malformed(format!(
-                    "a whole read response for request {req}, which came in pieces"
-                ));
-                if let Some(p) = lock(&shared.pending).remove(&req) {
-                    let _ = p.done.send(Err(e.clone()));
-                }
-                return Err(e);
-            }
-            pending.remove(&req).ok_or_else(|| {
-                Error::Malformed(format!("read response for unknown request {req}"))
-            })?
-        };
-        if p.len != len || at != 0 {
+        let p = lock(&shared.pending)
+            .remove(&req)
+            .ok_or_else(|| Error::Malformed(format!("read response for unknown request {req}")))?;
+        // A whole answer to a read whose pieces are landing would write under them (each
+        // landing piece holds the destination itself).
+        if p.len != len || at != 0 || p.claimed != 0 {
             let e = Error::Malformed(format!(
-                "read response of {len} bytes at {at} for a {}-byte read",
-                p.len
+                "read response of {len} bytes at {at} for a {}-byte read{}",
+                p.len,
+                if p.claimed != 0 {
+                    " answered in pieces"
+                } else {
+                    ""
+                }
             ));
             let _ = p.done.send(Err(e.clone()));
             return Err(e);
@@ -1421,7 +1416,7 @@ fn wait_parts(shared: &Shared, id: u64, want: u32) -> Result<bool> {
         if shared.closing.load(Ordering::Acquire) {
             return Ok(false);
         }
-        if shared.lanes_ended.load(Ordering::Acquire) > 0 {
+        if shared.lane_ended.load(Ordering::Acquire) {
             return Err(Error::Closed {
                 peer: shared.peer.clone(),
                 reason: "one of the link's connections ended while a split write was landing"
@@ -1483,7 +1478,7 @@ fn lane_loop(mut s: TcpStream, shared: Arc<Shared>) {
         }
     })();
     // A reader waiting for this connection's pieces learns that none will come.
-    shared.lanes_ended.fetch_add(1, Ordering::AcqRel);
+    shared.lane_ended.store(true, Ordering::Release);
     drop(lock(&shared.parts));
     shared.parts_cv.notify_all();
     if let Err(e) = r {

@@ -590,14 +590,7 @@ impl Transport {
     /// `Auto`, but a tcp link keeps to one connection ([`TransportConfig::tcp_streams`] is
     /// for links that move tensors).
     pub fn connect_control(&self, peer: &PeerAddr) -> Result<Link> {
-        let same_host = peer.host == self.inner.addr.host;
-        if peer.tcp.is_some()
-            && !(same_host && peer.shm.is_some())
-            && self.inner.common.rdma.is_err()
-        {
-            return self.connect_tcp_with(peer, tcp::HELLO_TCP, 1);
-        }
-        self.connect_with(peer, Medium::Auto)
+        self.connect_via(peer, Medium::Auto, 1)
     }
 
     /// How long a hand-off between this transport's threads (a completion-queue wait, a tcp
@@ -616,36 +609,43 @@ impl Transport {
     /// Connects to a peer over a given medium (`Auto`: same host → shm, else rdma when a
     /// device is available, else tcp).
     pub fn connect_with(&self, peer: &PeerAddr, medium: Medium) -> Result<Link> {
+        self.connect_via(peer, medium, self.inner.cfg.tcp_streams)
+    }
+
+    /// As [`Transport::connect_with`], a tcp link opening `lanes` connections.
+    fn connect_via(&self, peer: &PeerAddr, medium: Medium, lanes: u32) -> Result<Link> {
         let same_host = peer.host == self.inner.addr.host;
         match medium {
             Medium::Shm => self.connect_shm(peer),
-            Medium::Tcp => self.connect_tcp(peer, tcp::HELLO_TCP),
+            Medium::Tcp => self.connect_tcp(peer, tcp::HELLO_TCP, lanes),
             Medium::Rdma => {
                 if let Err(e) = &self.inner.common.rdma {
                     return Err(e.clone());
                 }
-                self.connect_tcp(peer, tcp::HELLO_RDMA)
+                self.connect_tcp(peer, tcp::HELLO_RDMA, lanes)
             }
             Medium::Auto if same_host && peer.shm.is_some() => match self.connect_shm(peer) {
                 Ok(l) => Ok(l),
                 Err(e @ Error::WrongJob { .. }) => Err(e),
                 Err(e) if peer.tcp.is_some() => {
                     tracing::warn!("shm connection to {peer} failed ({e}); falling back to tcp");
-                    self.connect_tcp(peer, tcp::HELLO_TCP)
+                    self.connect_tcp(peer, tcp::HELLO_TCP, lanes)
                 }
                 Err(e) => Err(e),
             },
-            Medium::Auto if self.inner.common.rdma.is_ok() => match self
-                .connect_tcp(peer, tcp::HELLO_RDMA)
-            {
-                Ok(l) => Ok(l),
-                Err(e @ Error::WrongJob { .. }) => Err(e),
-                Err(e) => {
-                    tracing::warn!("rdma connection to {peer} failed ({e}); falling back to tcp");
-                    self.connect_tcp(peer, tcp::HELLO_TCP)
+            Medium::Auto if self.inner.common.rdma.is_ok() => {
+                match self.connect_tcp(peer, tcp::HELLO_RDMA, lanes) {
+                    Ok(l) => Ok(l),
+                    Err(e @ Error::WrongJob { .. }) => Err(e),
+                    Err(e) => {
+                        tracing::warn!(
+                            "rdma connection to {peer} failed ({e}); falling back to tcp"
+                        );
+                        self.connect_tcp(peer, tcp::HELLO_TCP, lanes)
+                    }
                 }
-            },
-            Medium::Auto => self.connect_tcp(peer, tcp::HELLO_TCP),
+            }
+            Medium::Auto => self.connect_tcp(peer, tcp::HELLO_TCP, lanes),
         }
     }
 
@@ -696,11 +696,7 @@ impl Transport {
         Ok(Link::new(LinkImpl::Shm(link), self.inner.node))
     }
 
-    fn connect_tcp(&self, peer: &PeerAddr, ask: u32) -> Result<Link> {
-        self.connect_tcp_with(peer, ask, self.inner.cfg.tcp_streams)
-    }
-
-    fn connect_tcp_with(&self, peer: &PeerAddr, ask: u32, lanes: u32) -> Result<Link> {
+    fn connect_tcp(&self, peer: &PeerAddr, ask: u32, lanes: u32) -> Result<Link> {
         let addr = peer.tcp.ok_or_else(|| Error::Unreachable {
             medium: if ask == tcp::HELLO_RDMA {
                 "rdma"

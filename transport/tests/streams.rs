@@ -184,19 +184,49 @@ fn large_payloads_split_over_four_connections_arrive_whole_and_in_order() {
     split_both_ways(4);
 }
 
-#[test]
-fn closing_a_link_while_a_split_write_waits_for_its_pieces_is_an_orderly_close_at_once() {
-    // The operation deadline is long: the close must not wait for it.
-    let b = with_streams(1, Duration::from_secs(30));
+/// A one-connection link from a raw-frame injector `a` to `b` (whose operations time out
+/// after `op_timeout`), and the key of a 4 KiB region `b` granted on it; the transports and
+/// the region stay alive with the links.
+struct Injected {
+    _a: Transport,
+    b: Transport,
+    ab: Link,
+    ba: Link,
+    _region: Region,
+    key: RemoteKey,
+}
+
+fn injected(op_timeout: Duration) -> Injected {
+    let b = with_streams(1, op_timeout);
     let a = with_streams(1, Duration::from_secs(30));
     let ab = a.connect_with(b.address(), Medium::Tcp).unwrap();
     let ba = b.accept(Some(T)).unwrap();
     let region = Region::new(4096).unwrap();
     let key = ba.grant(&region).unwrap();
-    // The first of two pieces, whose other never comes.
-    let mut f = header(WRITE, 1, 1 | 2 | (2 << 8), key.region, 0, 16, 9);
+    Injected {
+        _a: a,
+        b,
+        ab,
+        ba,
+        _region: region,
+        key,
+    }
+}
+
+/// The first of two pieces of a 16-byte write into `region` with an immediate, whose other
+/// piece never comes.
+fn first_of_two(region: u64) -> Vec<u8> {
+    let mut f = header(WRITE, 1, 1 | 2 | (2 << 8), region, 0, 16, 9);
     f.extend_from_slice(&[5u8; 16]);
-    ab.inject_raw(&f).unwrap();
+    f
+}
+
+#[test]
+fn closing_a_link_while_a_split_write_waits_for_its_pieces_is_an_orderly_close_at_once() {
+    // The operation deadline is long: the close must not wait for it.
+    let t = injected(Duration::from_secs(30));
+    let (b, ab, ba) = (&t.b, &t.ab, &t.ba);
+    ab.inject_raw(&first_of_two(t.key.region)).unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let start = Instant::now();
     ba.close();
@@ -284,11 +314,7 @@ fn split_frames_abused_by_a_peer_close_its_link_with_a_typed_error() {
     let cases: Vec<(&str, Frame, Check)> = vec![
         (
             "a split write whose other pieces never come",
-            Box::new(|region| {
-                let mut f = header(WRITE, 1, 1 | 2 | (2 << 8), region, 0, 16, 9);
-                f.extend_from_slice(&[5u8; 16]);
-                f
-            }),
+            Box::new(first_of_two),
             |e| matches!(e, Error::Timeout(..)),
         ),
         (
@@ -332,12 +358,8 @@ fn split_frames_abused_by_a_peer_close_its_link_with_a_typed_error() {
         ),
     ];
     for (what, frame, expected) in cases {
-        let b = with_streams(1, Duration::from_millis(500));
-        let a = with_streams(1, Duration::from_secs(30));
-        let ab = a.connect_with(b.address(), Medium::Tcp).unwrap();
-        let ba = b.accept(Some(T)).unwrap();
-        let region = Region::new(4096).unwrap();
-        let key = ba.grant(&region).unwrap();
+        let t = injected(Duration::from_millis(500));
+        let (b, ab, ba, key) = (&t.b, &t.ab, &t.ba, &t.key);
         let start = Instant::now();
         ab.inject_raw(&frame(key.region)).unwrap();
         let err = wait_closed(b.cq(), ba.id());
