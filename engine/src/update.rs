@@ -433,21 +433,18 @@ impl ShardOptimizer {
                 }
             }
             _ => {
-                // A block of steps first, in one pass over its values (several at a time),
-                // then its floats' weights; the floats come in order.
-                const BLOCK: usize = 1024;
-                let mut steps = [0f32; BLOCK];
-                let mut base = 0;
-                parts.each_float(|i, off| {
-                    if i == base + BLOCK || i == 0 {
-                        base = i;
-                        let block = &values[i..values.len().min(i + BLOCK)];
-                        for (d, &g) in steps.iter_mut().zip(block) {
-                            *d = lr * keep(g, lr_floor);
-                        }
+                // A block's steps first, in one pass over its values (several at a time),
+                // then its floats' weights, in order.
+                parts.each_block(|i, offs| {
+                    let mut steps = [0f32; crate::rows::BLOCK];
+                    let steps = &mut steps[..offs.len()];
+                    for (d, &g) in steps.iter_mut().zip(&values[i..i + offs.len()]) {
+                        *d = lr * keep(g, lr_floor);
                     }
-                    let wi = &mut w[off];
-                    *wi = keep(*wi - steps[i - base], TINY);
+                    for (&off, &step) in offs.iter().zip(steps.iter()) {
+                        let wi = &mut w[off];
+                        *wi = keep(*wi - step, TINY);
+                    }
                 });
             }
         }
@@ -893,6 +890,53 @@ mod tests {
             }
         }
         assert!(forms.iter().all(|&k| k >= 5), "plain and packed: {forms:?}");
+    }
+
+    #[test]
+    fn a_long_packed_index_applies_as_the_whole_gradient_block_after_block() {
+        // Sorted single floats and rows of 3 over several blocks of places, with a tail and
+        // gaps of more than a byte (read one by one), under every rule.
+        let mut rng = fastrand::Rng::with_seed(21);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut long = 0;
+        for round in 0..40 {
+            let dim = [1u64, 1, 3][round % 3];
+            let table = 5_000u64;
+            let len = (table * dim) as usize;
+            let every = [1u64, 7, 200][round % 3];
+            let mut rows: Vec<u64> = (0..rng.usize(1..1500))
+                .map(|_| rng.u64(0..table) / every * every)
+                .collect();
+            rows.sort_unstable();
+            rows.dedup();
+            let n = rows.len() * dim as usize;
+            let values: Vec<f32> = (0..n).map(|_| rng.f32() - 0.5).collect();
+            let mut dense = vec![0f32; len];
+            for (k, &r) in rows.iter().enumerate() {
+                for j in 0..dim as usize {
+                    dense[(r * dim) as usize + j] = values[k * dim as usize + j];
+                }
+            }
+            let mut raw = Vec::new();
+            let parts = || rows.iter().map(|&r| (r * dim, dim));
+            crate::rows::encode_index(rows.len() as u64, parts, &mut raw);
+            let index = crate::rows::index_of_pull(raw).unwrap();
+            if index.disjoint() && n > 2 * crate::rows::BLOCK {
+                long += 1;
+            }
+            let w0: Vec<f32> = (0..len).map(|_| rng.f32() - 0.5).collect();
+            for opt in opts() {
+                let mut a = ShardOptimizer::new(opt, Arc::new(Constant), len);
+                let mut b = ShardOptimizer::new(opt, Arc::new(Constant), len);
+                let (mut wa, mut wb) = (w0.clone(), w0.clone());
+                for _ in 0..2 {
+                    a.apply_ranges(&mut wa, &index, &values);
+                    b.apply(&mut wb, &dense);
+                }
+                assert_eq!(bits(&wa), bits(&wb), "{opt:?}, round {round}, {n} floats");
+            }
+        }
+        assert!(long >= 20, "{long} packed indexes over several blocks");
     }
 
     #[test]
