@@ -288,6 +288,64 @@ fn a_job_starts_from_environment_variables_alone() {
     }
 }
 
+/// The row-sparse workload of `falcon role` (the key-value loop the ps-lite benchmark runs),
+/// rows drawn in each iteration or in sets before the loop: both workers finish every
+/// iteration with the rows they asked for; too many rows drawn ahead is refused by name.
+#[test]
+fn the_rows_workload_runs_with_rows_drawn_in_the_loop_or_ahead() {
+    for sets in ["0", "3"] {
+        let p = port();
+        let env = [
+            ("FALCON_WORKLOAD", "rows"),
+            ("FALCON_ROWS", "700"),
+            ("FALCON_ROWS_SETS", sets),
+        ];
+        let mut procs = vec![role("scheduler", p, 30, &env), role("server", p, 30, &env)];
+        procs.push(role("worker", p, 30, &env));
+        procs.push(role("worker", p, 30, &env));
+        let mut stdout = String::new();
+        for mut c in procs {
+            let status = wait_for(&mut c, Duration::from_secs(60)).expect("finishes");
+            let out = c.wait_with_output().unwrap();
+            assert!(
+                status.success(),
+                "sets {sets}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            stdout.push_str(&String::from_utf8_lossy(&out.stdout));
+        }
+        for w in 0..2 {
+            assert!(
+                stdout
+                    .lines()
+                    .any(|l| l.starts_with(&format!("worker {w}: 30 iterations"))
+                        && l.contains("700 rows pulled and pushed each")),
+                "sets {sets}, worker {w}:\n{stdout}"
+            );
+        }
+    }
+    let p = port();
+    let env = [
+        ("FALCON_WORKLOAD", "rows"),
+        ("FALCON_ROWS", "50000"),
+        ("FALCON_ROWS_SETS", "3000"),
+    ];
+    let mut procs = vec![role("scheduler", p, 5, &env), role("server", p, 5, &env)];
+    let mut worker = role("worker", p, 5, &env);
+    let status = wait_for(&mut worker, Duration::from_secs(30)).expect("exits at once");
+    let out = worker.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success());
+    assert!(
+        err.contains("FALCON_ROWS_SETS=3000 sets of FALCON_ROWS=50000 rows: at most 2^27 rows"),
+        "{err}"
+    );
+    for c in &mut procs {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
 #[test]
 fn a_dead_server_is_a_prompt_typed_error_for_the_workers() {
     let p = port();

@@ -236,8 +236,9 @@ Read by falcon role itself:
   FALCON_WORKLOAD               a worker's work: synthetic (default), count (every gradient
                                 -1, exactly-once checks), rows (row-sparse: a table of
                                 FALCON_FLOATS rows of one float, each iteration pulls and
-                                pushes FALCON_ROWS random rows, default 1000) or train (with FALCON_MODEL,
-                                FALCON_DATA, FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
+                                pushes FALCON_ROWS random rows, default 1000; with
+                                FALCON_ROWS_SETS=N, N sets of them drawn before the loop,
+                                used in turn) or train (with FALCON_MODEL, FALCON_DATA, FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
                                 FALCON_SEED, FALCON_DEVICE: cpu, cuda or auto, the
                                 default; cuda needs a build with feature cuda)
   FALCON_HETERO                 workers' heterogeneity, RANKS:SPEC;... (checked by every role)
@@ -406,6 +407,7 @@ pub(crate) fn knee_run(quick: bool, dir: &std::path::Path) -> Res {
 pub(crate) const ROLE_OWN_VARIABLES: &[&str] = &[
     "FALCON_WORKLOAD",
     "FALCON_ROWS",
+    "FALCON_ROWS_SETS",
     "FALCON_HETERO",
     "FALCON_LR_DECAY",
     "FALCON_ITERS",
@@ -686,11 +688,22 @@ pub(crate) fn spawn_link_dropper(w: &Worker) -> Res {
 
 /// The row-sparse workload (the key-value loop of ps-lite's users): a table of `rows` rows of
 /// one float; each iteration pulls `FALCON_ROWS` distinct random rows, and pushes a gradient
-/// for them (the value minus the worker's target, as the synthetic workload).
+/// for them (the value minus the worker's target, as the synthetic workload). The rows are
+/// drawn in the iteration, or with `FALCON_ROWS_SETS=N` as N sets before the loop, used in
+/// turn (a key-value benchmark's loop then times the pushes and pulls alone, as ps-lite's
+/// own benchmark does with its keys).
 fn rows_workload(cfg: &JobConfig, rank: Option<u32>, iters: u64, rows: u64) -> Res {
     let per: u64 = env_value(&["FALCON_ROWS"], 1000, checks::at_least_one_u64)?;
     if per > rows {
         return Err(format!("FALCON_ROWS={per} is more than the table's {rows} rows").into());
+    }
+    let sets: u64 = env_value(&["FALCON_ROWS_SETS"], 0, checks::whole)?;
+    if sets.saturating_mul(per) > 1 << 27 {
+        return Err(format!(
+            "FALCON_ROWS_SETS={sets} sets of FALCON_ROWS={per} rows: at most 2^27 rows \
+             (1 GiB of row ids) are drawn ahead"
+        )
+        .into());
     }
     let tensors = vec![TensorSpec {
         name: "table".into(),
@@ -700,23 +713,16 @@ fn rows_workload(cfg: &JobConfig, rank: Option<u32>, iters: u64, rows: u64) -> R
     crate::logs::label(format!("worker {}", w.rank()));
     let target = (w.rank() + 1) as f32;
     let mut rng = fastrand::Rng::with_seed(u64::from(w.rank()) + 1);
-    if !w.rejoined() {
-        w.barrier()?;
-    }
-    let start = Instant::now();
-    let first = w.clock();
-    let mut vals = vec![0f32; per as usize];
-    let mut grads = vec![0f32; per as usize];
     let mut seen = vec![0u64; rows.div_ceil(64) as usize];
-    for t in first..iters {
-        // Distinct sorted ids, as a key-value request carries them: `per` draws marked in a
-        // bitmap of the table, read back in order (as the ps-lite loop beside it does).
+    // Distinct sorted ids, as a key-value request carries them: `per` draws marked in a
+    // bitmap of the table, read back in order (as the ps-lite loop beside it does).
+    let mut draw = |ids: &mut Vec<u64>| {
         seen.iter_mut().for_each(|b| *b = 0);
         for _ in 0..per {
             let r = rng.u64(0..rows);
             seen[(r / 64) as usize] |= 1 << (r % 64);
         }
-        let mut ids = Vec::with_capacity(per as usize);
+        ids.clear();
         for (i, &word) in seen.iter().enumerate() {
             let mut b = word;
             while b != 0 {
@@ -724,12 +730,35 @@ fn rows_workload(cfg: &JobConfig, rank: Option<u32>, iters: u64, rows: u64) -> R
                 b &= b - 1;
             }
         }
+    };
+    let pool: Vec<Vec<u64>> = (0..sets)
+        .map(|_| {
+            let mut ids = Vec::with_capacity(per as usize);
+            draw(&mut ids);
+            ids
+        })
+        .collect();
+    let mut fresh = Vec::with_capacity(per as usize);
+    if !w.rejoined() {
+        w.barrier()?;
+    }
+    let start = Instant::now();
+    let first = w.clock();
+    let mut vals = vec![0f32; per as usize];
+    let mut grads = vec![0f32; per as usize];
+    for t in first..iters {
+        let ids = if pool.is_empty() {
+            draw(&mut fresh);
+            &fresh
+        } else {
+            &pool[(t % sets) as usize]
+        };
         let n = ids.len();
-        w.pull_rows("table", 1, &ids, &mut vals[..n], t)?;
+        w.pull_rows("table", 1, ids, &mut vals[..n], t)?;
         for (g, v) in grads.iter_mut().zip(&vals[..n]) {
             *g = v - target;
         }
-        w.push_rows("table", 1, &ids, &grads[..n], t)?;
+        w.push_rows("table", 1, ids, &grads[..n], t)?;
     }
     let secs = start.elapsed().as_secs_f64();
     w.barrier()?;

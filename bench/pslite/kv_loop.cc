@@ -10,6 +10,9 @@
 //                   in one request; a pull before the loop)
 //   KV_TABLE        sparse: the table's rows, one float each (default 1000000)
 //   KV_KEYS         sparse: keys drawn per iteration (default 1000)
+//   KV_SETS         sparse: 0 (default) draws the keys in each iteration; N >= 1 draws N
+//                   sets of them before the loop (then a barrier of the workers) and uses
+//                   them in turn, as falcon's FALCON_ROWS_SETS
 //
 // Layout ("dense"): the model is split into one slice per server; slice s is stored under
 // one key, the first key of server s's range (Postoffice::GetServerKeyRanges), so ps-lite's
@@ -40,9 +43,9 @@
 // gets exactly its block; the mapping is monotone, so sorted rows give sorted keys. A server
 // keeps its block as a flat float array indexed by key - range begin, applies w -= lr * g per
 // pushed key and answers a pull with the values of the requested keys (a fresh SArray, the keys
-// shared with the request). The RESULT line adds mode=sparse, table=T, keys=K, mean_keys
-// (distinct keys per iteration, the mean) and gen_us (the mean time to draw the keys and map
-// them to ps-lite keys, inside each iteration).
+// shared with the request). The RESULT line adds mode=sparse, table=T, keys=K, sets=N,
+// mean_keys (distinct keys per iteration, the mean) and gen_us (the mean time to draw the
+// keys and map them to ps-lite keys inside each iteration; 0 with KV_SETS >= 1).
 
 #include <algorithm>
 #include <chrono>
@@ -281,7 +284,7 @@ void RunSparseServer(uint64_t table, float lr) {
   ps::RegisterExitCallback([server]() { delete server; });
 }
 
-void RunSparseWorker(uint64_t table, uint64_t nkeys, long long iters) {
+void RunSparseWorker(uint64_t table, uint64_t nkeys, long long iters, long long sets) {
   ps::KVWorker<float> kv(0, 0);
   const int servers = ps::NumServers();
   const int rank = ps::MyRank();
@@ -293,26 +296,11 @@ void RunSparseWorker(uint64_t table, uint64_t nkeys, long long iters) {
   WyRand rng(static_cast<uint64_t>(rank) + 1);
   std::vector<uint64_t> rows(nkeys);
   std::vector<uint64_t> bits((table + 63) / 64);
-  // Buffers of K entries; each iteration uses their first n (a zero-copy segment).
-  ps::SArray<ps::Key> keys_buf(nkeys);
-  ps::SArray<float> vals_buf(nkeys);
-  ps::SArray<float> grad_buf(nkeys);
-
-  long long warmup = iters / 10;
-  std::vector<double> times_us;
-  times_us.reserve(static_cast<size_t>(iters));
-  double gen_us_sum = 0;
-  double keys_sum = 0;
-  size_t last_n = 0;
-  using Clock = std::chrono::steady_clock;
-  Clock::time_point timed_start;
-  const Clock::time_point loop_start = Clock::now();
-  for (long long t = 0; t < iters; ++t) {
-    if (t == warmup) timed_start = Clock::now();
-    auto t0 = Clock::now();
-    // K draws with replacement, sorted, duplicates dropped: the set falcon's rows worker
-    // draws (it sorts and dedups a vector); here a bitmap of the table gives the same sorted
-    // set in O(K + T/64), so the drawing costs ps-lite's loop as little as possible.
+  // K draws with replacement, sorted, duplicates dropped: the set falcon's rows worker
+  // draws (it sorts and dedups a vector); here a bitmap of the table gives the same sorted
+  // set in O(K + T/64), so the drawing costs ps-lite's loop as little as possible. Written
+  // as ps-lite keys into `kp`; returns how many.
+  auto draw = [&](ps::Key* kp) {
     std::fill(bits.begin(), bits.end(), 0);
     for (uint64_t j = 0; j < nkeys; ++j) {
       uint64_t r = rng.Below(table);
@@ -327,14 +315,46 @@ void RunSparseWorker(uint64_t table, uint64_t nkeys, long long iters) {
         b &= b - 1;
       }
     }
-    ps::Key* kp = keys_buf.data();
     int s = 0;
     for (size_t j = 0; j < n; ++j) {
       while (rows[j] >= lo[s + 1]) ++s;
       kp[j] = ranges[s].begin() + (rows[j] - lo[s]);
     }
+    return n;
+  };
+  // Buffers of K entries; each iteration uses their first n (a zero-copy segment).
+  ps::SArray<ps::Key> keys_buf(nkeys);
+  ps::SArray<float> vals_buf(nkeys);
+  ps::SArray<float> grad_buf(nkeys);
+  // KV_SETS >= 1: the key sets drawn now, used in turn by the loop.
+  std::vector<ps::SArray<ps::Key>> pool;
+  for (long long k = 0; k < sets; ++k) {
+    ps::SArray<ps::Key> set(nkeys);
+    size_t n = draw(set.data());
+    pool.push_back(set.segment(0, n));
+  }
+  if (sets > 0) ps::Postoffice::Get()->Barrier(0, ps::kWorkerGroup);
+
+  long long warmup = iters / 10;
+  std::vector<double> times_us;
+  times_us.reserve(static_cast<size_t>(iters));
+  double gen_us_sum = 0;
+  double keys_sum = 0;
+  size_t last_n = 0;
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point timed_start;
+  const Clock::time_point loop_start = Clock::now();
+  for (long long t = 0; t < iters; ++t) {
+    if (t == warmup) timed_start = Clock::now();
+    auto t0 = Clock::now();
+    ps::SArray<ps::Key> keys;
+    if (pool.empty()) {
+      keys = keys_buf.segment(0, draw(keys_buf.data()));
+    } else {
+      keys = pool[static_cast<size_t>(t % sets)];
+    }
+    const size_t n = keys.size();
     auto tg = Clock::now();
-    ps::SArray<ps::Key> keys = keys_buf.segment(0, n);
     ps::SArray<float> vals = vals_buf.segment(0, n);
     ps::SArray<float> grad = grad_buf.segment(0, n);
     kv.Wait(kv.ZPull(keys, &vals));
@@ -368,11 +388,11 @@ void RunSparseWorker(uint64_t table, uint64_t nkeys, long long iters) {
     float v = vals_buf[j];
     if (!(v == v) || std::abs(v) > 4.0f * ps::NumWorkers()) { ok = false; break; }
   }
-  std::printf("RESULT role=worker rank=%d mode=sparse table=%llu keys=%llu iters=%lld "
+  std::printf("RESULT role=worker rank=%d mode=sparse table=%llu keys=%llu sets=%lld iters=%lld "
               "secs=%.6f it_s=%.3f p50_us=%.3f mean_us=%.3f all_iters=%lld all_secs=%.6f "
               "all_it_s=%.3f mean_keys=%.1f gen_us=%.3f v0=%.6f\n",
               rank, static_cast<unsigned long long>(table),
-              static_cast<unsigned long long>(nkeys), timed, secs, timed / secs, p50, mean,
+              static_cast<unsigned long long>(nkeys), sets, timed, secs, timed / secs, p50, mean,
               iters, all_secs, iters / all_secs, keys_sum / iters, gen_us_sum / iters,
               static_cast<double>(vals_buf[0]));
   std::fflush(stdout);
@@ -392,6 +412,7 @@ int main() {
   const std::string mode = (mode_env && *mode_env) ? mode_env : "dense";
   const long long table = EnvInt("KV_TABLE", 1000000);
   const long long nkeys = EnvInt("KV_KEYS", 1000);
+  const long long sets = EnvInt("KV_SETS", 0);
   if (mode != "dense" && mode != "sparse") {
     std::fprintf(stderr, "kv_loop: KV_MODE must be dense or sparse, not '%s'\n", mode.c_str());
     return 2;
@@ -413,6 +434,10 @@ int main() {
     std::fprintf(stderr, "kv_loop: sparse mode needs 1 <= KV_KEYS <= KV_TABLE\n");
     return 2;
   }
+  if (sparse && (sets < 0 || sets > 1024)) {
+    std::fprintf(stderr, "kv_loop: KV_SETS must be 0 .. 1024\n");
+    return 2;
+  }
   // Start without its barrier, install the server's handle, then meet: with ps::Start(0) a
   // worker's first request can reach a server before its handle is set (ps-lite's own tests
   // have that race; it aborts with "Check failed: request_handle_").
@@ -431,7 +456,7 @@ int main() {
         std::fprintf(stderr, "kv_loop: fewer table rows than servers\n");
         return 2;
       }
-      RunSparseWorker(static_cast<uint64_t>(table), static_cast<uint64_t>(nkeys), iters);
+      RunSparseWorker(static_cast<uint64_t>(table), static_cast<uint64_t>(nkeys), iters, sets);
     } else {
       if (static_cast<size_t>(ps::NumServers()) > floats) {
         std::fprintf(stderr, "kv_loop: fewer floats than servers\n");

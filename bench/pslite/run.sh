@@ -2,11 +2,14 @@
 # falcon beside dmlc/ps-lite: the same worker loop (pull the whole model, grad = w - (rank+1),
 # push it; serial, waited) on both, interleaved round by round. See README.md.
 #
-#   bench/pslite/run.sh [--sparse | --push-pull] [--rate RATE] [--quick] [--rounds N] [--src DIR]
-#                       [--out FILE]
+#   bench/pslite/run.sh [--sparse [--draw-in-loop] | --push-pull] [--rate RATE] [--quick]
+#                       [--rounds N] [--src DIR] [--out FILE]
 #
 # --sparse: the key-value loop instead (a table of 1 000 000 one-float keys; each iteration
-# pulls and pushes K random keys, K = 1 000 .. 1 000 000).
+# pulls and pushes K random keys, K = 1 000 .. 1 000 000). Each worker draws 8 key sets
+# before its loop and uses them in turn (ps-lite's own benchmark builds its keys before its
+# loop too): the loop times the pushes and pulls. --draw-in-loop: a fresh set drawn in each
+# iteration, inside the timed loop, on both sides.
 # --push-pull: the dense loop with one push-pull per iteration on both sides (falcon's
 # Worker::push_pull, ps-lite's ZPushPull), the push bringing the next iteration's values.
 # --rate RATE (tc's units, e.g. 2gbit): over a link of that rate instead of loopback, 1 x 1
@@ -28,14 +31,16 @@ QUICK=0
 SRC="${PSLITE_SRC:-}"
 OUT=""
 SPARSE=0
+SETS=8
 PUSHPULL=0
 RATE=""
 
-usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) QUICK=1; ROUNDS=1; shift ;;
         --sparse) SPARSE=1; shift ;;
+        --draw-in-loop) SETS=0; shift ;;
         --push-pull) PUSHPULL=1; shift ;;
         --rate) RATE="${2:?--rate needs a rate, e.g. 2gbit}"; shift 2 ;;
         --rounds) ROUNDS="${2:?--rounds needs a number}"; shift 2 ;;
@@ -46,6 +51,8 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: --rounds must be >= 1" >&2; exit 2; }
+[[ $SPARSE -eq 0 && $SETS -eq 0 ]] &&
+    { echo "run.sh: --draw-in-loop is an option of --sparse" >&2; exit 2; }
 [[ $SPARSE -eq 1 && $PUSHPULL -eq 1 ]] &&
     { echo "run.sh: --push-pull is a dense loop; it does not go with --sparse" >&2; exit 2; }
 
@@ -219,7 +226,8 @@ run_job() {
         [[ "$medium" == ipc ]] && local_=1
         common+=(PS_VERBOSE=0 DMLC_LOCAL="$local_" PSBENCH_FLOATS="$floats"
                  PSBENCH_ITERS="$iters" PSBENCH_LR=0.001)
-        [[ $keys -gt 0 ]] && common+=(KV_MODE=sparse KV_TABLE="$floats" KV_KEYS="$keys")
+        [[ $keys -gt 0 ]] &&
+            common+=(KV_MODE=sparse KV_TABLE="$floats" KV_KEYS="$keys" KV_SETS="$SETS")
         [[ $PUSHPULL -eq 1 ]] && common+=(KV_LOOP=pushpull)
         cmd=("$KV_LOOP")
     else
@@ -231,7 +239,8 @@ run_job() {
         common+=(FALCON_POLICY=asp FALCON_FLOATS="$floats" FALCON_ITERS="$iters"
                  FALCON_JOB="pslite-bench-$$-$JOBN" FALCON_TOKEN=bench FALCON_MEDIUM="$medium"
                  FALCON_LR=0.001 FALCON_MAX_SHARD_BYTES="$shard" RUST_LOG=error)
-        [[ $keys -gt 0 ]] && common+=(FALCON_WORKLOAD=rows FALCON_ROWS="$keys")
+        [[ $keys -gt 0 ]] &&
+            common+=(FALCON_WORKLOAD=rows FALCON_ROWS="$keys" FALCON_ROWS_SETS="$SETS")
         [[ $PUSHPULL -eq 1 ]] && common+=(FALCON_LOOP=push-pull)
         cmd=("$FALCON" role)
     fi
@@ -421,6 +430,13 @@ CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || ech
         echo "- sparse: a table of $TABLE keys of one float; each iteration draws K keys with" \
              "replacement (duplicates dropped: 'distinct keys', ps-lite's mean, is what travels);" \
              "falcon: FALCON_WORKLOAD=rows, FALCON_MAX_SHARD_BYTES as in the dense mode"
+        if [[ $SETS -gt 0 ]]; then
+            echo "- keys: each worker draws $SETS sets before its loop and uses them in turn" \
+                 "(KV_SETS, FALCON_ROWS_SETS): the loop times the pushes and pulls"
+        else
+            echo "- keys: a fresh set drawn in each iteration, inside the timed loop" \
+                 "(--draw-in-loop), on both sides"
+        fi
     fi
     if [[ $PUSHPULL -eq 1 ]]; then
         echo "- loop: one push-pull per iteration (falcon FALCON_LOOP=push-pull, ps-lite" \

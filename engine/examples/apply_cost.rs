@@ -111,18 +111,32 @@ fn rows(w0: &[f32], g: &[f32], rounds: usize, rng: &mut fastrand::Rng) {
         dst.copy_from_slice(values);
         std::hint::black_box(&dst);
     });
+    println!();
+    println!("| {k} rows of {n} (one float each) | ns per row | × memcpy ({copy:.3} ns per row) |");
+    println!("|---|---|---|");
     let mut w = w0.to_vec();
-    let mut o = ShardOptimizer::new(Optimizer::Sgd { lr: 1e-3 }, Arc::new(Constant), w.len());
-    let apply = per_row(k, rounds, || o.apply_ranges(&mut w, &index, values));
+    for (name, opt) in [
+        ("sgd", Optimizer::Sgd { lr: 1e-3 }),
+        (
+            "adagrad",
+            Optimizer::Adagrad {
+                lr: 1e-3,
+                eps: 1e-8,
+            },
+        ),
+    ] {
+        let mut o = ShardOptimizer::new(opt, Arc::new(Constant), w.len());
+        let apply = per_row(k, rounds, || o.apply_ranges(&mut w, &index, values));
+        println!(
+            "| {name}, rows applied | {apply:.3} | {:.2} |",
+            apply / copy
+        );
+    }
     let mut out = vec![0u8; 4 * k];
     let gather = per_row(k, rounds, || {
         index.gather(zerocopy::IntoBytes::as_bytes(w.as_slice()), &mut out);
         std::hint::black_box(&out);
     });
-    println!();
-    println!("| {k} rows of {n} (one float each) | ns per row | × memcpy ({copy:.3} ns per row) |");
-    println!("|---|---|---|");
-    println!("| sgd, rows applied | {apply:.3} | {:.2} |", apply / copy);
     println!(
         "| rows gathered (a pull's answer) | {gather:.3} | {:.2} |",
         gather / copy

@@ -13,7 +13,7 @@
 //! `GradientScale` is the seam for staleness-aware rules (DynSGD scales by 1/(d+1), ConSGD by
 //! a constant): it multiplies a gradient before it is applied, given its version staleness.
 
-use crate::rows::{Parts, RowIndex, widen};
+use crate::rows::{Parts, Piece, RowIndex, widen};
 use serde::{Deserialize, Serialize};
 
 /// When updates are applied.
@@ -391,8 +391,16 @@ impl ShardOptimizer {
     /// zero. Under SGD and Adagrad (a zero gradient leaves a value and its state alone) this
     /// is exactly [`ShardOptimizer::apply`] of the whole gradient, at the cost of the ranges;
     /// under momentum and Adam it widens the gradient and applies that. One update either way.
+    /// A long packed index (a key-value request's rows) is applied in pieces shared with the
+    /// process's helper threads ([`RowIndex::spread`]): the pieces' rows lie in disjoint
+    /// ranges of `w`, and every float's update is the same as in one pass.
     pub fn apply_ranges(&mut self, w: &mut [f32], index: &RowIndex, values: &[f32]) {
         if index.disjoint() {
+            if self.opt.zero_is_identity()
+                && let Some(pieces) = index.spread()
+            {
+                return self.apply_pieces(w, index, &pieces, values);
+            }
             return self.apply_parts(w, index, values);
         }
         let ranges = index.to_vec();
@@ -419,35 +427,60 @@ impl ShardOptimizer {
         let mut at = 0;
         match self.opt {
             Optimizer::Adagrad { eps, .. } => {
-                let sq_floor = TINY.sqrt() * (1.0 + 1e-6);
                 let v = &mut self.v;
                 for (off, n) in parts.parts() {
                     for j in 0..n {
-                        let (gi, wi, vi) = (values[at + j], &mut w[off + j], &mut v[off + j]);
-                        let g2 = keep(gi, sq_floor);
-                        *vi = keep(*vi + g2 * g2, TINY);
-                        let step = lr * keep(gi, lr_floor) / (vi.sqrt() + eps);
-                        *wi = keep(*wi - keep(step, TINY), TINY);
+                        let (wi, vi) = (&mut w[off + j], &mut v[off + j]);
+                        adagrad_one(wi, vi, values[at + j], lr, lr_floor, eps);
                     }
                     at += n;
                 }
             }
-            _ => {
-                // A block's steps first, in one pass over its values (several at a time),
-                // then its floats' weights, in order.
-                parts.each_block(|i, offs| {
-                    let mut steps = [0f32; crate::rows::BLOCK];
-                    let steps = &mut steps[..offs.len()];
-                    for (d, &g) in steps.iter_mut().zip(&values[i..i + offs.len()]) {
-                        *d = lr * keep(g, lr_floor);
-                    }
-                    for (&off, &step) in offs.iter().zip(steps.iter()) {
-                        let wi = &mut w[off];
-                        *wi = keep(*wi - step, TINY);
-                    }
-                });
-            }
+            _ => parts.each_block(|i, offs| {
+                sgd_block(w, 0, offs, &values[i..i + offs.len()], lr, lr_floor)
+            }),
         }
+    }
+
+    /// [`ShardOptimizer::apply_parts`] of a packed index cut into `pieces`, shared with the
+    /// helper threads: each piece updates its own range of `w` (and of Adagrad's state).
+    fn apply_pieces(&mut self, w: &mut [f32], index: &RowIndex, pieces: &[Piece], values: &[f32]) {
+        let lr = self.schedule.lr(self.opt.lr(), self.step);
+        self.step += 1;
+        let lr_floor = floor_for(lr);
+        let opt = self.opt;
+        let stateful = self.v.len() == w.len();
+        let mut shares = Vec::with_capacity(pieces.len());
+        let (mut rest_w, mut rest_v, mut from) = (w, self.v.as_mut_slice(), 0);
+        for p in pieces {
+            let (_, tail) = rest_w.split_at_mut(p.lo - from);
+            let (w, tail) = tail.split_at_mut(p.hi - p.lo);
+            rest_w = tail;
+            let v = if stateful {
+                let (_, tail) = rest_v.split_at_mut(p.lo - from);
+                let (v, tail) = tail.split_at_mut(p.hi - p.lo);
+                rest_v = tail;
+                v
+            } else {
+                &mut []
+            };
+            from = p.hi;
+            shares.push((p, w, v));
+        }
+        falcon_transport::spread::for_each_mut(&mut shares, |_, (p, w, v)| {
+            index.each_block_in(p, |i, offs| {
+                let g = &values[i..i + offs.len()];
+                match opt {
+                    Optimizer::Adagrad { eps, .. } => {
+                        for (&off, &gi) in offs.iter().zip(g) {
+                            let k = off - p.lo;
+                            adagrad_one(&mut w[k], &mut v[k], gi, lr, lr_floor, eps);
+                        }
+                    }
+                    _ => sgd_block(w, p.lo, offs, g, lr, lr_floor),
+                }
+            })
+        });
     }
 
     /// Applies gradient `g` (already aggregated and scaled) to `w`.
@@ -703,6 +736,32 @@ fn merge_repeats(
     Some(Some((out_r, out_v)))
 }
 
+/// SGD on a block of single floats: `offs` their places in `w` plus `base`, `g` their
+/// gradients. The block's steps first, in one pass over its values (several at a time), then
+/// its floats' weights, in order.
+#[inline(always)]
+fn sgd_block(w: &mut [f32], base: usize, offs: &[usize], g: &[f32], lr: f32, lr_floor: f32) {
+    let mut steps = [0f32; crate::rows::BLOCK];
+    let steps = &mut steps[..offs.len()];
+    for (d, &g) in steps.iter_mut().zip(g) {
+        *d = lr * keep(g, lr_floor);
+    }
+    for (&off, &step) in offs.iter().zip(steps.iter()) {
+        let wi = &mut w[off - base];
+        *wi = keep(*wi - step, TINY);
+    }
+}
+
+/// Adagrad on one float: its weight, its sum of squared gradients and its gradient.
+#[inline(always)]
+fn adagrad_one(wi: &mut f32, vi: &mut f32, gi: f32, lr: f32, lr_floor: f32, eps: f32) {
+    let sq_floor = TINY.sqrt() * (1.0 + 1e-6);
+    let g2 = keep(gi, sq_floor);
+    *vi = keep(*vi + g2 * g2, TINY);
+    let step = lr * keep(gi, lr_floor) / (vi.sqrt() + eps);
+    *wi = keep(*wi - keep(step, TINY), TINY);
+}
+
 /// The smallest normal `f32`: below it a value is denormal (subnormal).
 pub const TINY: f32 = f32::MIN_POSITIVE;
 
@@ -937,6 +996,52 @@ mod tests {
             }
         }
         assert!(long >= 20, "{long} packed indexes over several blocks");
+    }
+
+    #[test]
+    fn a_packed_index_applied_in_pieces_is_the_whole_gradient() {
+        // Pieces as the helpers take them, small here; and a request long enough to be
+        // shared where the process has helpers: bit for bit the dense update.
+        let mut rng = fastrand::Rng::with_seed(22);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (round, (table, draws)) in [(3_000u64, 700usize), (5_000, 2_000), (1_000_000, 400_000)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut rows: Vec<u64> = (0..draws).map(|_| rng.u64(0..table)).collect();
+            rows.sort_unstable();
+            rows.dedup();
+            let len = table as usize;
+            let values: Vec<f32> = (0..rows.len()).map(|_| rng.f32() - 0.5).collect();
+            let mut dense = vec![0f32; len];
+            for (k, &r) in rows.iter().enumerate() {
+                dense[r as usize] = values[k];
+            }
+            let mut raw = Vec::new();
+            crate::rows::encode_index(rows.len() as u64, || rows.iter().map(|&r| (r, 1)), &mut raw);
+            let index = crate::rows::index_of_pull(raw).unwrap();
+            let pieces = index.cut(128).unwrap();
+            assert!(pieces.len() > 3, "{} pieces", pieces.len());
+            let w0: Vec<f32> = (0..len).map(|_| rng.f32() - 0.5).collect();
+            for opt in [
+                Optimizer::Sgd { lr: 0.1 },
+                Optimizer::Adagrad { lr: 0.1, eps: 1e-8 },
+            ] {
+                let mut a = ShardOptimizer::new(opt, Arc::new(Constant), len);
+                let mut b = ShardOptimizer::new(opt, Arc::new(Constant), len);
+                let mut c = ShardOptimizer::new(opt, Arc::new(Constant), len);
+                let (mut wa, mut wb, mut wc) = (w0.clone(), w0.clone(), w0.clone());
+                for _ in 0..2 {
+                    a.apply_pieces(&mut wa, &index, &pieces, &values);
+                    b.apply(&mut wb, &dense);
+                    c.apply_ranges(&mut wc, &index, &values);
+                }
+                assert_eq!(bits(&wa), bits(&wb), "{opt:?}, round {round}: in pieces");
+                assert_eq!(bits(&wc), bits(&wb), "{opt:?}, round {round}: apply_ranges");
+                assert_eq!(bits(a.state().1), bits(b.state().1), "{opt:?} state");
+                assert_eq!(a.steps(), 2);
+            }
+        }
     }
 
     #[test]
