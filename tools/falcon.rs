@@ -238,7 +238,8 @@ Read by falcon role itself:
                                 FALCON_FLOATS rows of one float, each iteration pulls and
                                 pushes FALCON_ROWS random rows, default 1000; with
                                 FALCON_ROWS_SETS=N, N sets of them drawn before the loop,
-                                used in turn) or train (with FALCON_MODEL, FALCON_DATA, FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
+                                used in turn) or train (with FALCON_MODEL, FALCON_DATA,
+                                FALCON_BATCH, FALCON_TASKS, FALCON_THREADS,
                                 FALCON_SEED, FALCON_DEVICE: cpu, cuda or auto, the
                                 default; cuda needs a build with feature cuda)
   FALCON_HETERO                 workers' heterogeneity, RANKS:SPEC;... (checked by every role)

@@ -45,7 +45,7 @@
 // pushed key and answers a pull with the values of the requested keys (a fresh SArray, the keys
 // shared with the request). The RESULT line adds mode=sparse, table=T, keys=K, sets=N,
 // mean_keys (distinct keys per iteration, the mean) and gen_us (the mean time to draw the
-// keys and map them to ps-lite keys inside each iteration; 0 with KV_SETS >= 1).
+// keys and map them to ps-lite keys inside each iteration; about 0 with KV_SETS >= 1).
 
 #include <algorithm>
 #include <chrono>
@@ -434,8 +434,9 @@ int main() {
     std::fprintf(stderr, "kv_loop: sparse mode needs 1 <= KV_KEYS <= KV_TABLE\n");
     return 2;
   }
-  if (sparse && (sets < 0 || sets > 1024)) {
-    std::fprintf(stderr, "kv_loop: KV_SETS must be 0 .. 1024\n");
+  // As falcon's FALCON_ROWS_SETS: at most 2^27 keys (1 GiB of them) drawn ahead.
+  if (sparse && (sets < 0 || sets > (1LL << 27) / nkeys)) {
+    std::fprintf(stderr, "kv_loop: KV_SETS must be 0 .. 2^27 / KV_KEYS\n");
     return 2;
   }
   // Start without its barrier, install the server's handle, then meet: with ps::Start(0) a

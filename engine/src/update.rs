@@ -391,9 +391,10 @@ impl ShardOptimizer {
     /// zero. Under SGD and Adagrad (a zero gradient leaves a value and its state alone) this
     /// is exactly [`ShardOptimizer::apply`] of the whole gradient, at the cost of the ranges;
     /// under momentum and Adam it widens the gradient and applies that. One update either way.
-    /// A long packed index (a key-value request's rows) is applied in pieces shared with the
-    /// process's helper threads ([`RowIndex::spread`]): the pieces' rows lie in disjoint
-    /// ranges of `w`, and every float's update is the same as in one pass.
+    /// Under SGD and Adagrad a long packed index (a key-value request's rows) is applied in
+    /// pieces shared with the process's helper threads where it has any
+    /// ([`RowIndex::spread`]): the pieces' rows lie in disjoint ranges of `w`, and every
+    /// float's update is the same as in one pass.
     pub fn apply_ranges(&mut self, w: &mut [f32], index: &RowIndex, values: &[f32]) {
         if index.disjoint() {
             if self.opt.zero_is_identity()
@@ -424,17 +425,14 @@ impl ShardOptimizer {
         let lr_floor = floor_for(lr);
         // The rules written out per element: a call per range costs more than the update
         // when ranges are single rows of one float.
-        let mut at = 0;
         match self.opt {
             Optimizer::Adagrad { eps, .. } => {
                 let v = &mut self.v;
-                for (off, n) in parts.parts() {
-                    for j in 0..n {
-                        let (wi, vi) = (&mut w[off + j], &mut v[off + j]);
-                        adagrad_one(wi, vi, values[at + j], lr, lr_floor, eps);
+                parts.each_block(|i, offs| {
+                    for (&off, &gi) in offs.iter().zip(&values[i..i + offs.len()]) {
+                        adagrad_one(&mut w[off], &mut v[off], gi, lr, lr_floor, eps);
                     }
-                    at += n;
-                }
+                })
             }
             _ => parts.each_block(|i, offs| {
                 sgd_block(w, 0, offs, &values[i..i + offs.len()], lr, lr_floor)
@@ -449,7 +447,9 @@ impl ShardOptimizer {
         self.step += 1;
         let lr_floor = floor_for(lr);
         let opt = self.opt;
-        let stateful = self.v.len() == w.len();
+        // Adagrad keeps a sum of squares per float, as long as `w`; SGD keeps nothing.
+        let stateful = matches!(opt, Optimizer::Adagrad { .. });
+        debug_assert!(!stateful || self.v.len() == w.len());
         let mut shares = Vec::with_capacity(pieces.len());
         let (mut rest_w, mut rest_v, mut from) = (w, self.v.as_mut_slice(), 0);
         for p in pieces {
@@ -1004,21 +1004,28 @@ mod tests {
         // shared where the process has helpers: bit for bit the dense update.
         let mut rng = fastrand::Rng::with_seed(22);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for (round, (table, draws)) in [(3_000u64, 700usize), (5_000, 2_000), (1_000_000, 400_000)]
-            .into_iter()
-            .enumerate()
-        {
+        let cases = [
+            (3_000u64, 700usize, 1u64),
+            (2_000, 2_000, 3),
+            (1_000_000, 400_000, 1),
+        ];
+        for (round, (table, draws, dim)) in cases.into_iter().enumerate() {
             let mut rows: Vec<u64> = (0..draws).map(|_| rng.u64(0..table)).collect();
             rows.sort_unstable();
             rows.dedup();
-            let len = table as usize;
-            let values: Vec<f32> = (0..rows.len()).map(|_| rng.f32() - 0.5).collect();
+            let len = (table * dim) as usize;
+            let values: Vec<f32> = (0..rows.len() * dim as usize)
+                .map(|_| rng.f32() - 0.5)
+                .collect();
             let mut dense = vec![0f32; len];
             for (k, &r) in rows.iter().enumerate() {
-                dense[r as usize] = values[k];
+                for j in 0..dim as usize {
+                    dense[(r * dim) as usize + j] = values[k * dim as usize + j];
+                }
             }
             let mut raw = Vec::new();
-            crate::rows::encode_index(rows.len() as u64, || rows.iter().map(|&r| (r, 1)), &mut raw);
+            let parts = || rows.iter().map(|&r| (r * dim, dim));
+            crate::rows::encode_index(rows.len() as u64, parts, &mut raw);
             let index = crate::rows::index_of_pull(raw).unwrap();
             let pieces = index.cut(128).unwrap();
             assert!(pieces.len() > 3, "{} pieces", pieces.len());
