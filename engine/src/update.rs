@@ -951,6 +951,21 @@ mod tests {
         assert!(forms.iter().all(|&k| k >= 5), "plain and packed: {forms:?}");
     }
 
+    /// The index of `rows` (distinct, `dim` floats each) as it travels, and the dense
+    /// gradient of `len` floats that `values` (one row's after another's) give them.
+    fn rows_and_dense(len: usize, dim: u64, rows: &[u64], values: &[f32]) -> (RowIndex, Vec<f32>) {
+        let mut dense = vec![0f32; len];
+        for (k, &r) in rows.iter().enumerate() {
+            for j in 0..dim as usize {
+                dense[(r * dim) as usize + j] = values[k * dim as usize + j];
+            }
+        }
+        let mut raw = Vec::new();
+        let parts = || rows.iter().map(|&r| (r * dim, dim));
+        crate::rows::encode_index(rows.len() as u64, parts, &mut raw);
+        (crate::rows::index_of_pull(raw).unwrap(), dense)
+    }
+
     #[test]
     fn a_long_packed_index_applies_as_the_whole_gradient_block_after_block() {
         // Sorted single floats and rows of 3 over several blocks of places, with a tail and
@@ -970,16 +985,7 @@ mod tests {
             rows.dedup();
             let n = rows.len() * dim as usize;
             let values: Vec<f32> = (0..n).map(|_| rng.f32() - 0.5).collect();
-            let mut dense = vec![0f32; len];
-            for (k, &r) in rows.iter().enumerate() {
-                for j in 0..dim as usize {
-                    dense[(r * dim) as usize + j] = values[k * dim as usize + j];
-                }
-            }
-            let mut raw = Vec::new();
-            let parts = || rows.iter().map(|&r| (r * dim, dim));
-            crate::rows::encode_index(rows.len() as u64, parts, &mut raw);
-            let index = crate::rows::index_of_pull(raw).unwrap();
+            let (index, dense) = rows_and_dense(len, dim, &rows, &values);
             if index.disjoint() && n > 2 * crate::rows::BLOCK {
                 long += 1;
             }
@@ -1017,16 +1023,7 @@ mod tests {
             let values: Vec<f32> = (0..rows.len() * dim as usize)
                 .map(|_| rng.f32() - 0.5)
                 .collect();
-            let mut dense = vec![0f32; len];
-            for (k, &r) in rows.iter().enumerate() {
-                for j in 0..dim as usize {
-                    dense[(r * dim) as usize + j] = values[k * dim as usize + j];
-                }
-            }
-            let mut raw = Vec::new();
-            let parts = || rows.iter().map(|&r| (r * dim, dim));
-            crate::rows::encode_index(rows.len() as u64, parts, &mut raw);
-            let index = crate::rows::index_of_pull(raw).unwrap();
+            let (index, dense) = rows_and_dense(len, dim, &rows, &values);
             let pieces = index.cut(128).unwrap();
             assert!(pieces.len() > 3, "{} pieces", pieces.len());
             let w0: Vec<f32> = (0..len).map(|_| rng.f32() - 0.5).collect();
