@@ -101,8 +101,8 @@ impl RowIndex {
     /// Where this index is long enough to be worth sharing with the process's helper threads
     /// ([`falcon_transport::spread`]), packed, and the process has helpers: its pieces of
     /// [`SPREAD_PIECE`] parts (where the helpers are busy with another pass, the caller
-    /// visits every piece itself). A row costs a
-    /// server 1–2 ns to visit (a cache miss in a large table). Measured on two cores, one
+    /// visits every piece itself). A row costs a server 1–2 ns to visit (a cache miss in a
+    /// large table). Measured on two cores, one
     /// worker and one server: a request of 630 k rows ran 1.12× as fast shared, one of
     /// 95 k rows 0.9× (the helper's wake-up and the second core's other work cost more than
     /// the half pass saves), hence [`SPREAD_FROM`].
@@ -160,26 +160,9 @@ impl RowIndex {
             let count = per.min(self.count - done);
             // `check_index` made sure every gap is whole and every part lies in the shard.
             let (first_gap, _) = leb(body.get(byte..)?).ok()?;
-            let (mut at, mut e, mut left) = (byte, end, count);
-            while left > 0 {
-                if left >= BLOCK as u64
-                    && let Some(block) = body.get(at..at + BLOCK)
-                    && let Some(sum) = one_byte_gaps(block)
-                {
-                    (e, at, left) = (
-                        e + sum + BLOCK as u64 * width,
-                        at + BLOCK,
-                        left - BLOCK as u64,
-                    );
-                    continue;
-                }
-                // Else the next block's gaps (or the rest) one by one: a block is tried again
-                // only after them, not after every gap.
-                for _ in 0..left.min(BLOCK as u64) {
-                    let (gap, used) = leb(body.get(at..)?).ok()?;
-                    (e, at, left) = (e + gap + width, at + used, left - 1);
-                }
-            }
+            // Its last part ends after its gaps and its parts.
+            let (at, gaps) = sum_gaps(body, byte, count).ok()?;
+            let e = end + gaps as u64 + count * width;
             pieces.push(Piece {
                 byte,
                 count,
@@ -554,6 +537,32 @@ fn index_body_len(head: &[u8]) -> u64 {
     }
 }
 
+/// The sum of the `count` gaps of a packed index's `body` from byte `at`, and the byte after
+/// them: sixty-four one-byte gaps at a time where they are (most are), else the next
+/// sixty-four (or the rest) one by one, so a block is tried again only after them. Summed
+/// wide: 2^31 gaps of up to 64 bits each cannot overflow 128.
+fn sum_gaps(
+    body: &[u8],
+    mut at: usize,
+    count: u64,
+) -> std::result::Result<(usize, u128), &'static str> {
+    let (mut gaps, mut left) = (0u128, count);
+    while left > 0 {
+        if left >= BLOCK as u64
+            && let Some(block) = body.get(at..at + BLOCK)
+            && let Some(sum) = one_byte_gaps(block)
+        {
+            (gaps, at, left) = (gaps + u128::from(sum), at + BLOCK, left - BLOCK as u64);
+            continue;
+        }
+        for _ in 0..left.min(BLOCK as u64) {
+            let (gap, used) = leb(body.get(at..).unwrap_or(&[]))?;
+            (gaps, at, left) = (gaps + u128::from(gap), at + used, left - 1);
+        }
+    }
+    Ok((at, gaps))
+}
+
 /// Checks the index of head `head` and body `body` against a shard of `len` floats.
 fn check_index(len: u64, head: &[u8], body: Vec<u8>) -> Result<RowIndex> {
     let bad = |what: String| Err(Error::Malformed(what));
@@ -587,28 +596,7 @@ fn check_index(len: u64, head: &[u8], body: Vec<u8>) -> Result<RowIndex> {
         ));
     }
     // The last part ends furthest: after every gap and every part but the last's width.
-    // (Summed wide: 2^31 gaps of up to 64 bits each cannot overflow 128.)
-    let (mut at, mut gaps, mut left) = (0usize, 0u128, count);
-    while left > 0 {
-        // Sixty-four gaps of one byte each at a time, where they are (most are).
-        if left >= 64
-            && let Some(block) = body.get(at..at + 64)
-            && let Some(sum) = one_byte_gaps(block)
-        {
-            gaps += u128::from(sum);
-            at += 64;
-            left -= 64;
-            continue;
-        }
-        // Else the next sixty-four (or the rest) one by one: a block is tried again only
-        // after them, not after every gap.
-        for _ in 0..left.min(64) {
-            left -= 1;
-            let (gap, used) = leb(&body[at..]).map_err(|e| Error::Malformed(e.into()))?;
-            at += used;
-            gaps += u128::from(gap);
-        }
-    }
+    let (at, gaps) = sum_gaps(&body, 0, count).map_err(|e| Error::Malformed(e.into()))?;
     let end = gaps + u128::from(count) * u128::from(width);
     if end > u128::from(len) {
         return bad(format!(

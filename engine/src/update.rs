@@ -420,32 +420,22 @@ impl ShardOptimizer {
             // A rule that moves weights without a gradient sees the whole (zero elsewhere).
             return self.apply(w, &widen(w.len(), parts, values));
         }
+        let rate = self.next_rate();
+        let (opt, v) = (self.opt, &mut self.v);
+        parts.each_block(|i, offs| rows_block(opt, rate, w, v, 0, offs, &values[i..]));
+    }
+
+    /// The rate of the next update and its floor ([`floor_for`]); counts the update.
+    fn next_rate(&mut self) -> (f32, f32) {
         let lr = self.schedule.lr(self.opt.lr(), self.step);
         self.step += 1;
-        let lr_floor = floor_for(lr);
-        // The rules written out per element: a call per range costs more than the update
-        // when ranges are single rows of one float.
-        match self.opt {
-            Optimizer::Adagrad { eps, .. } => {
-                let v = &mut self.v;
-                parts.each_block(|i, offs| {
-                    for (&off, &gi) in offs.iter().zip(&values[i..i + offs.len()]) {
-                        adagrad_one(&mut w[off], &mut v[off], gi, lr, lr_floor, eps);
-                    }
-                })
-            }
-            _ => parts.each_block(|i, offs| {
-                sgd_block(w, 0, offs, &values[i..i + offs.len()], lr, lr_floor)
-            }),
-        }
+        (lr, floor_for(lr))
     }
 
     /// [`ShardOptimizer::apply_parts`] of a packed index cut into `pieces`, shared with the
     /// helper threads: each piece updates its own range of `w` (and of Adagrad's state).
     fn apply_pieces(&mut self, w: &mut [f32], index: &RowIndex, pieces: &[Piece], values: &[f32]) {
-        let lr = self.schedule.lr(self.opt.lr(), self.step);
-        self.step += 1;
-        let lr_floor = floor_for(lr);
+        let rate = self.next_rate();
         let opt = self.opt;
         // Adagrad keeps a sum of squares per float, as long as `w`; SGD keeps nothing.
         let stateful = matches!(opt, Optimizer::Adagrad { .. });
@@ -469,16 +459,7 @@ impl ShardOptimizer {
         }
         falcon_transport::spread::for_each_mut(&mut shares, |_, (p, w, v)| {
             index.each_block_in(p, |i, offs| {
-                let g = &values[i..i + offs.len()];
-                match opt {
-                    Optimizer::Adagrad { eps, .. } => {
-                        for (&off, &gi) in offs.iter().zip(g) {
-                            let k = off - p.lo;
-                            adagrad_one(&mut w[k], &mut v[k], gi, lr, lr_floor, eps);
-                        }
-                    }
-                    _ => sgd_block(w, p.lo, offs, g, lr, lr_floor),
-                }
+                rows_block(opt, rate, w, v, p.lo, offs, &values[i..])
             })
         });
     }
@@ -491,9 +472,7 @@ impl ShardOptimizer {
     /// tiny updates costs what an ordinary one does instead of several times more.
     pub fn apply(&mut self, w: &mut [f32], g: &[f32]) {
         debug_assert_eq!(w.len(), g.len());
-        let lr = self.schedule.lr(self.opt.lr(), self.step);
-        self.step += 1;
-        let lr_floor = floor_for(lr);
+        let (lr, lr_floor) = self.next_rate();
         let (opt, step) = (self.opt, self.step);
         for_each_part(w, &mut self.m, &mut self.v, |p| {
             pulp::Arch::new().dispatch(ApplyOp {
@@ -520,9 +499,7 @@ impl ShardOptimizer {
         scale: f32,
         read: impl Fn(usize, &mut [f32]) + Sync,
     ) {
-        let lr = self.schedule.lr(self.opt.lr(), self.step);
-        self.step += 1;
-        let lr_floor = floor_for(lr);
+        let (lr, lr_floor) = self.next_rate();
         let (opt, step) = (self.opt, self.step);
         for_each_part(w, &mut self.m, &mut self.v, |p| {
             let arch = pulp::Arch::new();
@@ -734,6 +711,31 @@ fn merge_repeats(
         }
     }
     Some(Some((out_r, out_v)))
+}
+
+/// A row rule that leaves untouched rows alone (SGD, else Adagrad with its state `v`) on a
+/// block of floats: `offs` their places in `w` (and `v`) plus `base`, `g` their gradients
+/// (from the first). The rules are written out per element: a call per range costs more
+/// than the update when ranges are single rows of one float.
+#[inline(always)]
+fn rows_block(
+    opt: Optimizer,
+    (lr, lr_floor): (f32, f32),
+    w: &mut [f32],
+    v: &mut [f32],
+    base: usize,
+    offs: &[usize],
+    g: &[f32],
+) {
+    match opt {
+        Optimizer::Adagrad { eps, .. } => {
+            for (&off, &gi) in offs.iter().zip(g) {
+                let k = off - base;
+                adagrad_one(&mut w[k], &mut v[k], gi, lr, lr_floor, eps);
+            }
+        }
+        _ => sgd_block(w, base, offs, &g[..offs.len()], lr, lr_floor),
+    }
 }
 
 /// SGD on a block of single floats: `offs` their places in `w` plus `base`, `g` their

@@ -150,9 +150,11 @@ struct Common {
     rdma: std::result::Result<RdmaDevice, Error>,
     /// What the tcp admission wall did.
     admit: Arc<AdmitStats>,
-    /// shm handshakes in flight, and their cap.
+    /// shm handshakes in flight.
     shm_pending: std::sync::atomic::AtomicUsize,
-    max_shm_pending: usize,
+    /// The cap on shm handshakes in flight, and apart on extra tcp connections waiting to
+    /// bind (`max_handshakes`).
+    max_pending: usize,
     /// Extra tcp connections of links waiting for their binding (capped as handshakes are).
     binds_pending: std::sync::atomic::AtomicUsize,
 }
@@ -309,7 +311,7 @@ fn admitted_tcp(common: &Arc<Common>, stream: TcpStream, peer: Peer, tx: &Sender
     if peer.ask == tcp::HELLO_LANE {
         // Its binding may wait for the link's announcement: off the wall's thread, and no
         // more of them at once than handshakes may be in flight.
-        if common.binds_pending.fetch_add(1, Ordering::AcqRel) >= common.max_shm_pending {
+        if common.binds_pending.fetch_add(1, Ordering::AcqRel) >= common.max_pending {
             common.binds_pending.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(
                 "{}: closed a tcp link's extra connection at once: too many waiting to bind",
@@ -460,7 +462,7 @@ impl Transport {
             admit: Arc::default(),
             shm_pending: Default::default(),
             binds_pending: Default::default(),
-            max_shm_pending: cfg.max_handshakes.max(1),
+            max_pending: cfg.max_handshakes.max(1),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut addr = PeerAddr {
@@ -747,7 +749,7 @@ fn unix_accept_loop(listener: Arc<OwnedFd>, common: Arc<Common>, tx: Sender<Resu
             };
         // Local peers of this user only (the socket's directory is 0700); still, handshakes
         // in flight are capped like tcp's.
-        if common.shm_pending.fetch_add(1, Ordering::AcqRel) >= common.max_shm_pending {
+        if common.shm_pending.fetch_add(1, Ordering::AcqRel) >= common.max_pending {
             common.shm_pending.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(
                 "{}: closed an shm peer at once: too many handshakes in flight",
