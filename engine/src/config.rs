@@ -222,6 +222,12 @@ impl Default for SupervisorSettings {
     }
 }
 
+/// The largest message a role takes from a peer that connected to it until it knows what
+/// the peer may send: control messages (a hello with its tensor list, heartbeats with their
+/// counters) are far smaller. A server raises it for an attached worker to what that
+/// worker's row requests may need ([`crate::Server`]).
+pub const DEFAULT_MAX_CONTROL_MESSAGE: u64 = 4 << 20;
+
 impl Default for JobConfig {
     fn default() -> Self {
         JobConfig {
@@ -241,6 +247,7 @@ impl Default for JobConfig {
             rendezvous_timeout: Duration::from_secs(60),
             transport: TransportConfig {
                 medium: Medium::Auto,
+                max_accepted_message: DEFAULT_MAX_CONTROL_MESSAGE,
                 ..TransportConfig::default()
             },
             spin_auto: true,

@@ -63,6 +63,27 @@ pub struct KeyMap {
 }
 
 impl KeyMap {
+    /// Floats held by server `rank` (all its shards together).
+    pub fn floats_on(&self, rank: u32) -> u64 {
+        self.shards
+            .iter()
+            .filter(|s| s.server == rank)
+            .map(|s| s.len)
+            .sum()
+    }
+
+    /// The largest message server `rank` takes from an attached worker: twice a plain row
+    /// index naming every float it holds (16 bytes a float), and never less than
+    /// `control`, the cap on control messages. A row pull larger than this is refused by the
+    /// worker before it goes; a peer that sends one anyway loses its link.
+    pub fn worker_message_cap(&self, rank: u32, control: u64) -> u64 {
+        control.max(
+            self.floats_on(rank)
+                .saturating_mul(16)
+                .saturating_add(64 << 10),
+        )
+    }
+
     /// Checks a key map received from a peer: shard ids are their indices, every shard lies
     /// inside its tensor and on one of the `servers`, sizes fit in memory arithmetic, and the
     /// shards of each tensor cover it. A hostile or corrupt book is a typed error, never a

@@ -5,8 +5,10 @@
 //! ([`Msg::Metrics`]); the scheduler adds what it sees itself (iterations the trainers
 //! report, the tasks it relays between stragglers and helpers, the threads it advises). The
 //! [`Board`] is plain state, fed by the scheduler's driver and read by [`Board::render`];
-//! [`Exporter`] is the thin HTTP driver, a thread that answers scrapes from the board and
-//! nothing else (a request it does not understand gets 404 or 400, a slow one is cut off).
+//! [`Exporter`] is the thin HTTP driver, a thread that answers every scrape at once from the
+//! board and nothing else (a request it does not understand gets 404 or 400, a slow one is
+//! cut off at its deadline while the others are answered). Requests are parsed by
+//! `httparse`, the parser of the Rust HTTP stack (hyper's).
 //!
 //! The encoding is the prometheus-client crate's, the Prometheus project's own Rust client:
 //! exposition format details (escaping, `_total` suffixes, `# EOF`) are its business.
@@ -14,9 +16,12 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -302,13 +307,24 @@ impl Board {
     }
 }
 
-/// The longest a scrape may take to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// One deadline for a scrape's whole exchange (its request and our answer), from its
+/// connection: a client trickling bytes, or not reading, gets no more time.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most bytes of a request's head read.
 const REQUEST_HEAD: usize = 8192;
+/// The most connections served at once; a newcomer past it takes the oldest one's place.
+const MAX_CLIENTS: usize = 64;
+/// Longest a poll sleeps, so a stopping endpoint is noticed.
+const POLL_SLEEP: Duration = Duration::from_millis(100);
 
 /// The metrics endpoint: a thread answering `GET /metrics` from a [`Board`]; it stops when
 /// dropped.
+///
+/// One thread serves every connection at once with non-blocking sockets and `poll`: each has
+/// one deadline for its whole exchange ([`EXCHANGE_TIMEOUT`]), at most [`MAX_CLIENTS`] are
+/// open (a newcomer past that takes the oldest one's place), and a request's head is parsed
+/// by the `httparse` crate, at most [`REQUEST_HEAD`] bytes of it. Slow or silent clients
+/// therefore never hold up a scrape.
 pub struct Exporter {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
@@ -319,7 +335,9 @@ impl Exporter {
     /// Binds `addr` (port 0: any free port) and starts answering scrapes from `board`.
     pub fn start(addr: SocketAddr, board: Arc<Mutex<Board>>) -> Result<Exporter> {
         let listener = TcpListener::bind(addr).map_err(|e| {
-            Error::Config(format!("the metrics endpoint cannot listen on {addr}: {e}"))
+            Error::Config(format!(
+                "the metrics endpoint cannot listen on {addr} (FALCON_METRICS_ADDR): {e}"
+            ))
         })?;
         let addr = listener
             .local_addr()
@@ -331,20 +349,7 @@ impl Exporter {
         let halt = stop.clone();
         let thread = std::thread::Builder::new()
             .name("falcon-metrics".into())
-            .spawn(move || {
-                while !halt.load(Ordering::Acquire) {
-                    match listener.accept() {
-                        Ok((conn, _)) => answer(conn, &board),
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(20));
-                        }
-                        Err(e) => {
-                            tracing::warn!("metrics endpoint: {e}");
-                            std::thread::sleep(Duration::from_millis(100));
-                        }
-                    }
-                }
-            })
+            .spawn(move || serve(&listener, &board, &halt))
             .map_err(|e| {
                 Error::Config(format!("cannot start the metrics endpoint's thread: {e}"))
             })?;
@@ -372,58 +377,189 @@ impl Drop for Exporter {
     }
 }
 
-/// Answers one connection: the board's metrics for `GET /metrics`, 404 for another path,
-/// 400 for anything that is not a GET request read within the timeout.
-fn answer(mut conn: TcpStream, board: &Mutex<Board>) {
-    // One deadline for the whole exchange: a client trickling bytes gets no more time.
-    let deadline = std::time::Instant::now() + REQUEST_TIMEOUT;
-    let left = || {
-        deadline
-            .saturating_duration_since(std::time::Instant::now())
-            .max(Duration::from_millis(1))
-    };
-    let _ = conn.set_nonblocking(false);
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n")
-        && head.len() < REQUEST_HEAD
-        && std::time::Instant::now() < deadline
-    {
-        let _ = conn.set_read_timeout(Some(left()));
-        match conn.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => head.extend_from_slice(&buf[..n]),
+/// One scrape in progress.
+struct Client {
+    conn: TcpStream,
+    deadline: Instant,
+    /// The request's head so far.
+    head: Vec<u8>,
+    /// The answer, once the head is in, and how much of it went out.
+    reply: Option<(Vec<u8>, usize)>,
+    /// The answer went out and our side is shut: what the client still sends is drained
+    /// until it closes, so the close is a FIN after the answer, not a reset.
+    done: bool,
+}
+
+impl Client {
+    /// Moves bytes; false once the exchange is over.
+    fn step(&mut self, board: &Mutex<Board>) -> bool {
+        let mut buf = [0u8; 1024];
+        if self.done || self.reply.is_none() {
+            loop {
+                match self.conn.read(&mut buf) {
+                    Ok(0) if self.done => return false,
+                    Ok(0) => {
+                        // Closed before a complete head: answer what came (a 400).
+                        self.reply = Some((respond(&self.head, true, board), 0));
+                        break;
+                    }
+                    Ok(n) if self.done => {
+                        let _ = n;
+                    }
+                    Ok(n) => {
+                        let room = REQUEST_HEAD.saturating_sub(self.head.len());
+                        self.head.extend_from_slice(&buf[..n.min(room)]);
+                        let full = self.head.len() >= REQUEST_HEAD;
+                        let reply = respond(&self.head, full, board);
+                        if !reply.is_empty() {
+                            self.reply = Some((reply, 0));
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => return false,
+                }
+            }
+        }
+        if let Some((reply, sent)) = &mut self.reply
+            && !self.done
+        {
+            while *sent < reply.len() {
+                match self.conn.write(&reply[*sent..]) {
+                    Ok(0) => return false,
+                    Ok(n) => *sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => return false,
+                }
+            }
+            let _ = self.conn.shutdown(std::net::Shutdown::Write);
+            self.done = true;
+        }
+        true
+    }
+
+    fn wants(&self) -> PollFlags {
+        match &self.reply {
+            Some(_) if !self.done => PollFlags::OUT,
+            _ => PollFlags::IN,
         }
     }
-    let _ = conn.set_write_timeout(Some(left()));
-    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut words = line.split_whitespace();
-    let (status, kind, body) = match (words.next(), words.next()) {
-        (Some("GET"), Some(path)) if path == "/metrics" || path.starts_with("/metrics?") => {
-            let text = board.lock().unwrap_or_else(|p| p.into_inner()).render();
-            (
-                "200 OK",
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                text,
-            )
+}
+
+/// The endpoint's loop: every connection at once, until `halt`.
+fn serve(listener: &TcpListener, board: &Mutex<Board>, halt: &AtomicBool) {
+    let mut clients: Vec<Client> = Vec::new();
+    while !halt.load(Ordering::Acquire) {
+        let now = Instant::now();
+        let sleep = clients
+            .iter()
+            .map(|c| c.deadline.saturating_duration_since(now))
+            .min()
+            .unwrap_or(POLL_SLEEP)
+            .min(POLL_SLEEP);
+        let mut fds = Vec::with_capacity(clients.len() + 1);
+        fds.push(PollFd::new(listener, PollFlags::IN));
+        for c in &clients {
+            fds.push(PollFd::from_borrowed_fd(c.conn.as_fd(), c.wants()));
         }
-        (Some("GET"), Some(_)) => (
-            "404 Not Found",
-            "text/plain; charset=utf-8",
-            "falcon's scheduler serves /metrics only\n".to_string(),
-        ),
+        let timeout = Timespec {
+            tv_sec: sleep.as_secs() as _,
+            tv_nsec: sleep.subsec_nanos() as _,
+        };
+        match rustix::event::poll(&mut fds, Some(&timeout)) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => {
+                tracing::warn!("metrics endpoint: poll failed: {e}");
+                std::thread::sleep(POLL_SLEEP);
+                continue;
+            }
+        }
+        let incoming = !fds[0].revents().is_empty();
+        let ready: Vec<bool> = fds[1..].iter().map(|f| !f.revents().is_empty()).collect();
+        drop(fds);
+        let now = Instant::now();
+        let mut kept = Vec::with_capacity(clients.len());
+        for (mut c, r) in clients.drain(..).zip(ready) {
+            if (r && !c.step(board)) || now >= c.deadline {
+                continue;
+            }
+            kept.push(c);
+        }
+        clients = kept;
+        if incoming {
+            loop {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        if conn.set_nonblocking(true).is_err() {
+                            continue;
+                        }
+                        if clients.len() >= MAX_CLIENTS
+                            && let Some(oldest) = clients
+                                .iter()
+                                .enumerate()
+                                .min_by_key(|(_, c)| c.deadline)
+                                .map(|(i, _)| i)
+                        {
+                            clients.swap_remove(oldest);
+                        }
+                        clients.push(Client {
+                            conn,
+                            deadline: Instant::now() + EXCHANGE_TIMEOUT,
+                            head: Vec::new(),
+                            reply: None,
+                            done: false,
+                        });
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        // Out of descriptors, say: back off rather than spin.
+                        tracing::warn!("metrics endpoint: {e}");
+                        std::thread::sleep(Duration::from_millis(20));
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The answer to a request whose head so far is `head`: the board's metrics for
+/// `GET /metrics`, 404 for another path, 400 for anything that is not a GET request. Empty
+/// while the head is incomplete and more may come (`last`: nothing more will).
+fn respond(head: &[u8], last: bool, board: &Mutex<Board>) -> Vec<u8> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut req = httparse::Request::new(&mut headers);
+    let (status, kind, body) = match req.parse(head) {
+        Ok(httparse::Status::Partial) if !last => return Vec::new(),
+        Ok(httparse::Status::Complete(_)) if req.method == Some("GET") => match req.path {
+            Some(path) if path == "/metrics" || path.starts_with("/metrics?") => {
+                let text = board.lock().unwrap_or_else(|p| p.into_inner()).render();
+                (
+                    "200 OK",
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    text,
+                )
+            }
+            _ => (
+                "404 Not Found",
+                "text/plain; charset=utf-8",
+                "falcon's scheduler serves /metrics only\n".to_string(),
+            ),
+        },
         _ => (
             "400 Bad Request",
             "text/plain; charset=utf-8",
             "not an HTTP GET request\n".to_string(),
         ),
     };
-    let reply = format!(
+    format!(
         "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    );
-    let _ = conn.write_all(reply.as_bytes());
+    )
+    .into_bytes()
 }
 
 #[cfg(test)]
@@ -537,10 +673,45 @@ mod tests {
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"));
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         let _ = trickle.join();
+        // Twenty slowloris clients (a partial request each, then silence) hold no scrape up:
+        // every connection is served at once, under its own deadline.
+        let mut loris: Vec<TcpStream> = (0..20)
+            .map(|_| {
+                let mut c = TcpStream::connect(e.addr()).unwrap();
+                c.write_all(b"GET /metrics HTTP/1.1\r\nX-").unwrap();
+                c
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let mut slowest = Duration::ZERO;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            let ok = scrape(e.addr(), "GET /metrics HTTP/1.1\r\n\r\n");
+            assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+            slowest = slowest.max(t.elapsed());
+        }
+        eprintln!("metrics: a scrape beside 20 slowloris clients answered within {slowest:?}");
+        // The old endpoint served one connection at a time, each up to its 2 s deadline.
+        assert!(slowest < Duration::from_millis(500), "{slowest:?}");
+        // The slow clients are cut off at their deadline.
+        for c in &mut loris {
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut rest = String::new();
+            let _ = c.read_to_string(&mut rest);
+        }
+        // More clients than the cap: the oldest give way, the newest is answered.
+        let crowd: Vec<TcpStream> = (0..MAX_CLIENTS + 10)
+            .map(|_| TcpStream::connect(e.addr()).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let ok = scrape(e.addr(), "GET /metrics HTTP/1.1\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        drop(crowd);
         // Taken by another process: a clear error.
         let err = Exporter::start(e.addr(), board).err().unwrap().to_string();
         assert!(
-            err.contains("the metrics endpoint cannot listen on"),
+            err.contains("the metrics endpoint cannot listen on")
+                && err.contains("FALCON_METRICS_ADDR"),
             "{err}"
         );
     }

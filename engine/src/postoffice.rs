@@ -42,6 +42,7 @@ pub fn rendezvous(
             Err(
                 e @ (falcon_transport::Error::Unreachable { .. }
                 | falcon_transport::Error::Closed { .. }
+                | falcon_transport::Error::Busy { .. }
                 | falcon_transport::Error::Timeout(..)),
             ) => {
                 if Instant::now() + pause > deadline {
@@ -68,6 +69,15 @@ pub fn rendezvous(
                 }
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            // Another program holds the scheduler's port: no use waiting for it.
+            Err(falcon_transport::Error::NotFalcon { seen, .. }) => {
+                return Err(Error::Config(format!(
+                    "{} is not a falcon scheduler: it answered with {seen}; another program \
+                     holds that port (check FALCON_SCHEDULER, or DMLC_PS_ROOT_URI and \
+                     DMLC_PS_ROOT_PORT, or MASTER_ADDR and MASTER_PORT)",
+                    cfg.scheduler
+                )));
             }
             Err(e) => return Err(e.into()),
         }

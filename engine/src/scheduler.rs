@@ -149,7 +149,14 @@ impl Scheduler {
                 "a job needs at least one server and one worker".into(),
             ));
         }
-        let t = Transport::new(cfg.transport_config())?;
+        let t = Transport::new(cfg.transport_config()).map_err(|e| match e {
+            falcon_transport::Error::Bind { addr, why } => Error::Config(format!(
+                "the scheduler cannot listen on {addr}: {why}; give it a free port \
+                 (FALCON_SCHEDULER=HOST:PORT, FALCON_SCHEDULER_PORT, DMLC_PS_ROOT_PORT or \
+                 MASTER_PORT)"
+            )),
+            other => other.into(),
+        })?;
         Ok(Scheduler { cfg, t })
     }
 

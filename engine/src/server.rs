@@ -22,6 +22,9 @@ pub use crate::shard::WorkerCounters;
 use crate::shard::{Input, Output, RegionParams, ShardConfig, ShardCore, ShardParams};
 use crate::update::{Constant, GradientScale, LrSchedule, ShardOptimizer, Unscaled};
 
+/// The name of the cap on an attached worker's messages (`KeyMap::worker_message_cap`).
+const WORKER_CAP: &str = "the cap on an attached worker's messages (16 bytes per float of this server's shards, at least the control cap)";
+
 /// Hooks an embedding program may set on a server.
 #[derive(Clone)]
 pub struct ServerHooks {
@@ -815,6 +818,13 @@ impl Serving {
         self.worker_of.insert(link, rank);
         self.link_of.insert(rank, link);
         self.unattached.remove(&link);
+        // An attached worker may send row requests larger than a control message.
+        l.limit_messages(
+            self.book
+                .keymap
+                .worker_message_cap(self.book.rank, self.cfg.transport.max_accepted_message),
+            WORKER_CAP,
+        );
         let _ = l.send(&Msg::Keys { shards: keys }.encode());
         Ok(())
     }

@@ -4,15 +4,21 @@
 //! Until a peer has proved that it knows the job token it owns no thread, at most
 //! [`MAX_RECORD`] bytes of buffer and one descriptor, and it lives at most the handshake
 //! deadline, counted from its connection (not per read: a peer trickling bytes is dropped on
-//! time). Connections waiting for admission are capped per source address and in total;
-//! one over a cap is closed at once — except that when the total is reached, a newcomer from a
-//! less represented source takes the place of the most represented source's oldest, so a few
-//! flooding addresses cannot lock everyone else out. Refused, failed and timed-out connections release their
-//! descriptor at once. Only an admitted connection becomes a link with threads of its own.
+//! time). Connections waiting for admission are capped per source address and in total. When
+//! the wall is full, a newcomer takes the place of a waiting connection (see [`make_room`]):
+//! the oldest of a source more represented than its own; else the oldest from an address that
+//! never proved the token here, once it has waited [`grace`]; a newcomer from an address that
+//! did (a worker coming back) takes the oldest from an unknown address at once. One flooding
+//! address or many, each holding connections it never proves, cannot lock a node out. A
+//! connection turned away, or made to give way, is told so (a refusal marked *busy*, which the
+//! connecting side retries) and closed without a reset: its unread input is drained for a
+//! moment first ([`LINGER`]). Refused, failed and timed-out connections release their
+//! descriptor at once, or after that moment. Only an admitted connection becomes a link with
+//! threads of its own.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -20,7 +26,7 @@ use std::time::{Duration, Instant};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
 use crate::error::{Error, Result};
-use crate::handshake::{Handshake, Local, NONCE, Peer, Side};
+use crate::handshake::{Handshake, Local, NONCE, Peer, Side, busy_record};
 
 /// The wall's limits.
 #[derive(Clone, Debug)]
@@ -46,8 +52,120 @@ pub(crate) struct AdmitStats {
 struct Pending {
     stream: TcpStream,
     from: SocketAddr,
+    accepted: Instant,
     deadline: Instant,
     hs: Handshake,
+}
+
+/// A connection turned away, drained until its peer closes or [`LINGER`] passes, so the
+/// kernel closes it with a FIN after our last words, not a reset that could overtake them.
+struct Closing {
+    stream: TcpStream,
+    until: Instant,
+}
+
+/// How long a connection turned away is drained before it is closed.
+const LINGER: Duration = Duration::from_millis(250);
+
+/// Addresses that proved the job token on this listener, remembered up to [`KNOWN_CAP`] (the
+/// oldest forgotten first).
+#[derive(Default)]
+struct Known {
+    set: HashSet<IpAddr>,
+    order: VecDeque<IpAddr>,
+}
+
+const KNOWN_CAP: usize = 4096;
+
+impl Known {
+    fn contains(&self, ip: &IpAddr) -> bool {
+        self.set.contains(ip)
+    }
+
+    fn add(&mut self, ip: IpAddr) {
+        if self.set.insert(ip) {
+            self.order.push_back(ip);
+            if self.order.len() > KNOWN_CAP
+                && let Some(old) = self.order.pop_front()
+            {
+                self.set.remove(&old);
+            }
+        }
+    }
+}
+
+/// What a full (or not full) wall does with a newcomer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Room {
+    /// There is room: it waits for admission.
+    Free,
+    /// It takes the place of waiting connection `i`, which is told the wall is busy.
+    Take(usize),
+    /// It is told the wall is busy.
+    Busy,
+}
+
+/// One connection waiting for admission, as [`make_room`] sees it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Waiting {
+    pub(crate) ip: IpAddr,
+    pub(crate) accepted: Instant,
+    pub(crate) known: bool,
+}
+
+/// How long a connection from an unknown address is safe from newcomers from other unknown
+/// addresses: a legitimate handshake takes a round trip or two, so a flood must outpace it
+/// everywhere at once to push it out.
+pub(crate) fn grace(limits: &AdmitLimits) -> Duration {
+    (limits.deadline / 4).min(Duration::from_millis(100))
+}
+
+/// The wall's fairness rule, without sockets: where a newcomer from `ip` goes, given the
+/// connections `waiting` (their per-source counts in `per_source`).
+///
+/// 1. A source at its own cap is turned away.
+/// 2. With room, it waits.
+/// 3. A full wall makes room for it by dropping the oldest connection of the most
+///    represented source, if that source has at least two more waiting than the newcomer's.
+/// 4. Else the oldest connection from an address that never proved the token here gives
+///    way: at once for a newcomer from an address that did, after [`grace`] for another.
+/// 5. Else it is turned away.
+pub(crate) fn make_room(
+    waiting: &[Waiting],
+    per_source: &HashMap<IpAddr, usize>,
+    ip: IpAddr,
+    known: bool,
+    limits: &AdmitLimits,
+    now: Instant,
+) -> Room {
+    let from_here = per_source.get(&ip).copied().unwrap_or(0);
+    if from_here >= limits.max_per_source {
+        return Room::Busy;
+    }
+    if waiting.len() < limits.max_pending {
+        return Room::Free;
+    }
+    let oldest = |pick: &dyn Fn(&Waiting) -> bool| {
+        waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| pick(w))
+            .min_by_key(|(_, w)| w.accepted)
+            .map(|(i, _)| i)
+    };
+    if let Some((&crowded, _)) = per_source
+        .iter()
+        .filter(|&(_, &n)| n > from_here + 1)
+        .max_by_key(|&(_, &n)| n)
+        && let Some(i) = oldest(&|w| w.ip == crowded)
+    {
+        return Room::Take(i);
+    }
+    let grace = if known { Duration::ZERO } else { grace(limits) };
+    match oldest(&|w| !w.known && now.saturating_duration_since(w.accepted) >= grace) {
+        Some(i) => Room::Take(i),
+        None => Room::Busy,
+    }
 }
 
 /// Why a pending connection ended without admission.
@@ -96,6 +214,8 @@ pub(crate) fn run(
         return;
     }
     let mut pending: Vec<Pending> = Vec::new();
+    let mut closing: Vec<Closing> = Vec::new();
+    let mut known = Known::default();
     let mut per_source: HashMap<IpAddr, usize> = HashMap::new();
     let mut last_cap_warning: Option<Instant> = None;
     let mut quiet = Quiet::default();
@@ -106,11 +226,13 @@ pub(crate) fn run(
         let now = Instant::now();
         let sleep = pending
             .iter()
-            .map(|p| p.deadline.saturating_duration_since(now))
+            .map(|p| p.deadline)
+            .chain(closing.iter().map(|c| c.until))
+            .map(|t| t.saturating_duration_since(now))
             .min()
             .unwrap_or(MAX_SLEEP)
             .min(MAX_SLEEP);
-        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(pending.len() + 1);
+        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(pending.len() + closing.len() + 1);
         fds.push(PollFd::new(&listener, PollFlags::IN));
         for p in &pending {
             let mut ev = PollFlags::IN;
@@ -118,6 +240,9 @@ pub(crate) fn run(
                 ev |= PollFlags::OUT;
             }
             fds.push(PollFd::from_borrowed_fd(p.stream.as_fd(), ev));
+        }
+        for c in &closing {
+            fds.push(PollFd::from_borrowed_fd(c.stream.as_fd(), PollFlags::IN));
         }
         let ready = match rustix::event::poll(&mut fds, Some(&timespec(sleep))) {
             Ok(n) => n,
@@ -129,8 +254,25 @@ pub(crate) fn run(
             }
         };
         let listener_ready = !fds[0].revents().is_empty();
-        let active: Vec<bool> = fds[1..].iter().map(|f| !f.revents().is_empty()).collect();
+        let active: Vec<bool> = fds[1..1 + pending.len()]
+            .iter()
+            .map(|f| !f.revents().is_empty())
+            .collect();
+        let draining: Vec<bool> = fds[1 + pending.len()..]
+            .iter()
+            .map(|f| !f.revents().is_empty())
+            .collect();
         drop(fds);
+        // Connections turned away: drained until their peer closes, or for [`LINGER`].
+        let now = Instant::now();
+        let mut lingering = Vec::with_capacity(closing.len());
+        for (mut c, ready) in closing.drain(..).zip(draining) {
+            if (ready && !drain(&mut c.stream)) || now >= c.until {
+                continue;
+            }
+            lingering.push(c);
+        }
+        closing = lingering;
         if stopping.load(Ordering::Acquire) {
             return;
         }
@@ -152,6 +294,7 @@ pub(crate) fn run(
                 Ok(false) => kept.push(p),
                 Ok(true) => {
                     release(&mut per_source, p.from.ip());
+                    known.add(p.from.ip());
                     let peer = p.hs.finished().expect("step reported it done");
                     match p.stream.set_nonblocking(false) {
                         Ok(()) => {
@@ -167,7 +310,8 @@ pub(crate) fn run(
                         End::Refused(e) => {
                             stats.refused.fetch_add(1, Ordering::Relaxed);
                             // Tell it why, if the socket takes it now; never wait for it.
-                            let _ = p.stream.write(p.hs.outgoing());
+                            let why = p.hs.outgoing().to_vec();
+                            turn_away(p.stream, &why, &mut closing, limits.max_pending);
                             quiet.warn(|more| {
                                 tracing::warn!("{log_name}: refused tcp peer {}: {e}{more}", p.from)
                             });
@@ -203,42 +347,46 @@ pub(crate) fn run(
                         break;
                     }
                 };
-                let from_here = per_source.get(&from.ip()).copied().unwrap_or(0);
-                // Fairness when the wall is full: a newcomer from a source with fewer
-                // connections waiting than the most represented one takes the place of that
-                // source's oldest, so a few addresses flooding the wall cannot lock others out.
-                if pending.len() >= limits.max_pending
-                    && from_here < limits.max_per_source
-                    && let Some((&crowded, _)) = per_source
-                        .iter()
-                        .filter(|&(_, &n)| n > from_here + 1)
-                        .max_by_key(|&(_, &n)| n)
-                    && let Some(oldest) = pending
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| p.from.ip() == crowded)
-                        .min_by_key(|(_, p)| p.deadline)
-                        .map(|(i, _)| i)
-                {
-                    let p = pending.swap_remove(oldest);
-                    release(&mut per_source, p.from.ip());
-                    stats.over_cap.fetch_add(1, Ordering::Relaxed);
-                    drop(p);
-                }
-                if pending.len() >= limits.max_pending || from_here >= limits.max_per_source {
-                    stats.over_cap.fetch_add(1, Ordering::Relaxed);
-                    if last_cap_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
-                        tracing::warn!(
-                            "{log_name}: closed tcp peer {from} at once: {} connections wait for admission ({} from its address; caps {} and {})",
-                            pending.len(),
-                            from_here,
-                            limits.max_pending,
-                            limits.max_per_source
-                        );
-                        last_cap_warning = Some(Instant::now());
+                let ip = from.ip();
+                let waiting: Vec<Waiting> = pending
+                    .iter()
+                    .map(|p| Waiting {
+                        ip: p.from.ip(),
+                        accepted: p.accepted,
+                        known: known.contains(&p.from.ip()),
+                    })
+                    .collect();
+                let room = make_room(
+                    &waiting,
+                    &per_source,
+                    ip,
+                    known.contains(&ip),
+                    &limits,
+                    Instant::now(),
+                );
+                match room {
+                    Room::Free => {}
+                    Room::Take(i) => {
+                        let p = pending.swap_remove(i);
+                        release(&mut per_source, p.from.ip());
+                        stats.over_cap.fetch_add(1, Ordering::Relaxed);
+                        turn_away(p.stream, &busy_record(), &mut closing, limits.max_pending);
                     }
-                    drop(stream);
-                    continue;
+                    Room::Busy => {
+                        stats.over_cap.fetch_add(1, Ordering::Relaxed);
+                        if last_cap_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
+                            tracing::warn!(
+                                "{log_name}: turned tcp peer {from} away: {} connections wait for admission ({} from its address; caps {} and {}); it may try again",
+                                pending.len(),
+                                per_source.get(&ip).copied().unwrap_or(0),
+                                limits.max_pending,
+                                limits.max_per_source
+                            );
+                            last_cap_warning = Some(Instant::now());
+                        }
+                        turn_away(stream, &busy_record(), &mut closing, limits.max_pending);
+                        continue;
+                    }
                 }
                 let Ok(n) = nonce() else {
                     drop(stream);
@@ -247,10 +395,12 @@ pub(crate) fn run(
                 if stream.set_nonblocking(true).is_err() {
                     continue;
                 }
+                let now = Instant::now();
                 let mut p = Pending {
                     stream,
                     from,
-                    deadline: Instant::now() + limits.deadline,
+                    accepted: now,
+                    deadline: now + limits.deadline,
                     hs: Handshake::new(Side::Accept, local.clone(), n),
                 };
                 // Our hello fits any fresh socket buffer; what does not goes out on POLLOUT.
@@ -286,6 +436,43 @@ impl Quiet {
         say(more);
         self.unsaid = 0;
         self.last = Some(Instant::now());
+    }
+}
+
+/// Says `words` to a connection turned away (as far as its socket takes them at once), ends
+/// our side of it, and keeps it draining for [`LINGER`] (at most `cap` at once; past that it
+/// is closed at once).
+fn turn_away(stream: TcpStream, words: &[u8], closing: &mut Vec<Closing>, cap: usize) {
+    let _ = stream.set_nonblocking(true);
+    let _ = (&stream).write(words);
+    let _ = stream.shutdown(Shutdown::Write);
+    let mut stream = stream;
+    if closing.len() < cap && drain(&mut stream) {
+        closing.push(Closing {
+            stream,
+            until: Instant::now() + LINGER,
+        });
+    }
+}
+
+/// Reads and discards what a connection turned away has sent; false once it has closed (or
+/// failed, or sent more than a handshake's worth: it is not listening).
+fn drain(stream: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 1024];
+    let mut total = 0;
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return false,
+            Ok(n) => {
+                total += n;
+                if total > 64 * 1024 {
+                    return false;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
     }
 }
 
@@ -339,4 +526,111 @@ fn step(p: &mut Pending) -> std::result::Result<bool, End> {
         }
     }
     Ok(p.hs.finished().is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    fn limits() -> AdmitLimits {
+        AdmitLimits {
+            deadline: Duration::from_secs(5),
+            max_pending: 4,
+            max_per_source: 3,
+        }
+    }
+
+    fn ip(i: u8) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(127, 0, 0, i))
+    }
+
+    /// Connections from `sources` (ip, known), accepted a millisecond apart, `age` before `now`.
+    fn wall(
+        sources: &[(u8, bool)],
+        now: Instant,
+        age: Duration,
+    ) -> (Vec<Waiting>, HashMap<IpAddr, usize>) {
+        let mut per = HashMap::new();
+        let w = sources
+            .iter()
+            .enumerate()
+            .map(|(k, &(i, known))| {
+                *per.entry(ip(i)).or_default() += 1;
+                Waiting {
+                    ip: ip(i),
+                    accepted: now - age + Duration::from_millis(k as u64),
+                    known,
+                }
+            })
+            .collect();
+        (w, per)
+    }
+
+    #[test]
+    fn one_connection_from_each_of_many_addresses_gives_way_to_a_newcomer() {
+        let now = Instant::now();
+        let (w, per) = wall(
+            &[(2, false), (3, false), (4, false), (5, false)],
+            now,
+            Duration::from_secs(1),
+        );
+        // An unknown newcomer takes the oldest unknown one's place once it has waited its grace.
+        assert_eq!(
+            make_room(&w, &per, ip(9), false, &limits(), now),
+            Room::Take(0)
+        );
+        // A known one, too.
+        assert_eq!(
+            make_room(&w, &per, ip(1), true, &limits(), now),
+            Room::Take(0)
+        );
+        // Within the grace, only a known newcomer gets in.
+        let (w, per) = wall(
+            &[(2, false), (3, false), (4, false), (5, false)],
+            now,
+            Duration::from_millis(10),
+        );
+        assert_eq!(
+            make_room(&w, &per, ip(9), false, &limits(), now),
+            Room::Busy
+        );
+        assert_eq!(
+            make_room(&w, &per, ip(1), true, &limits(), now),
+            Room::Take(0)
+        );
+    }
+
+    #[test]
+    fn known_addresses_keep_their_places_and_crowded_sources_give_way_first() {
+        let now = Instant::now();
+        let old = Duration::from_secs(1);
+        // All waiting connections come from addresses that proved the token: an unknown
+        // newcomer is turned away, a known one takes the oldest place.
+        let (w, per) = wall(&[(2, true), (3, true), (4, true), (5, true)], now, old);
+        assert_eq!(
+            make_room(&w, &per, ip(9), false, &limits(), now),
+            Room::Busy
+        );
+        assert_eq!(make_room(&w, &per, ip(9), true, &limits(), now), Room::Busy);
+        // The unknown one among known ones is the one to go.
+        let (w, per) = wall(&[(2, true), (3, false), (4, true), (5, true)], now, old);
+        assert_eq!(
+            make_room(&w, &per, ip(9), false, &limits(), now),
+            Room::Take(1)
+        );
+        // A source with three waiting against the newcomer's none: its oldest goes, known or not.
+        let (w, per) = wall(&[(5, true), (2, true), (2, true), (2, true)], now, old);
+        assert_eq!(
+            make_room(&w, &per, ip(9), false, &limits(), now),
+            Room::Take(1)
+        );
+        // At its own cap a source is turned away, even with room.
+        let (w, per) = wall(&[(2, false), (2, false), (2, false)], now, old);
+        assert_eq!(make_room(&w, &per, ip(2), true, &limits(), now), Room::Busy);
+        assert_eq!(
+            make_room(&w, &per, ip(3), false, &limits(), now),
+            Room::Free
+        );
+    }
 }

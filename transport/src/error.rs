@@ -37,10 +37,44 @@ pub enum Error {
         /// Ours.
         ours: u64,
     },
-    /// The peer refused this connection (at the handshake: a wrong job token, or too many
-    /// connections waiting for admission).
+    /// The peer refused this connection (at the handshake: a wrong job token).
     #[error("refused by the peer: {0}")]
     Refused(String),
+    /// The peer's admission wall is full (too many connections wait to prove the job token):
+    /// try again shortly. [`crate::Transport::connect`] does, until the handshake deadline.
+    #[error("{peer} is busy: {why}")]
+    Busy {
+        /// The peer.
+        peer: String,
+        /// What it said.
+        why: String,
+    },
+    /// A listener could not be opened on an address.
+    #[error("cannot listen on {addr}: {why}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why not.
+        why: String,
+    },
+    /// The peer sent a message larger than the link's cap; the link is closed.
+    #[error("a message of {len} bytes is over {what}: {cap} bytes; the link is closed")]
+    TooLarge {
+        /// The message's announced length.
+        len: u64,
+        /// The cap.
+        cap: u64,
+        /// Which cap, by name.
+        what: String,
+    },
+    /// The peer does not speak falcon's protocol (another program holds its port).
+    #[error("{peer} is not a falcon node: it answered with {seen}")]
+    NotFalcon {
+        /// The peer.
+        peer: String,
+        /// What it sent first, as printable text.
+        seen: String,
+    },
     /// An access fell outside a region's bounds.
     #[error(
         "out of bounds: {what} [{offset}, {offset}+{len}) outside a region of {region_len} bytes"
@@ -136,6 +170,7 @@ impl Error {
                 | Error::Io { .. }
                 | Error::Version { .. }
                 | Error::WrongJob { .. }
+                | Error::TooLarge { .. }
         )
     }
 }

@@ -241,12 +241,20 @@ impl Handshake {
         let h = FrameHeader::read_from_bytes(&self.rec[..FRAME_HEADER]).expect("header size");
         let body = &self.rec[FRAME_HEADER..FRAME_HEADER + len];
         let result = match op {
-            Op::Error => Err(Error::Refused(
-                String::from_utf8_lossy(body)
+            Op::Error => {
+                let text: String = String::from_utf8_lossy(body)
                     .chars()
                     .take(MAX_REFUSAL)
-                    .collect(),
-            )),
+                    .collect();
+                if h.imm.get() == BUSY {
+                    Err(Error::Busy {
+                        peer: String::new(),
+                        why: text,
+                    })
+                } else {
+                    Err(Error::Refused(text))
+                }
+            }
             Op::Hello => {
                 if h.region.get() != self.local.job {
                     Err(Error::WrongJob {
@@ -332,6 +340,19 @@ impl Handshake {
         self.mac(by).verify_slice(proof).is_ok()
     }
 }
+
+/// The immediate of a refusal that means "the admission wall is full: try again".
+const BUSY: u32 = 1;
+
+/// What a newcomer is told when the admission wall has no room for it (or when it gives way
+/// to another): an error record marked busy, which the connecting side retries.
+pub(crate) fn busy_record() -> Vec<u8> {
+    record(Op::Error, BUSY_TEXT.as_bytes(), |h| h.imm = BUSY.into())
+}
+
+/// The text of [`busy_record`].
+pub(crate) const BUSY_TEXT: &str =
+    "its admission wall is full (too many connections wait to prove the job token); try again";
 
 /// What a refused peer is told (and what its `connect` reports).
 pub(crate) const REFUSAL: &str = "wrong job token: the peer could not prove it belongs to this job (set the same FALCON_TOKEN on every node)";
@@ -450,6 +471,26 @@ mod tests {
         // A refusal longer than the cap is malformed.
         let mut c = Handshake::new(Side::Connect, local("k", 1, 1, 0), [1; NONCE]);
         assert!(c.receive(&record(Op::Error, &[b'x'; 300], |_| {})).is_err());
+    }
+
+    #[test]
+    fn a_busy_record_is_told_apart_from_a_refusal() {
+        let mut c = Handshake::new(Side::Connect, local("k", 1, 1, 0), [1; NONCE]);
+        match c.receive(&busy_record()) {
+            Err(Error::Busy { why, .. }) => assert_eq!(why, BUSY_TEXT),
+            other => panic!("busy: {other:?}"),
+        }
+        // After the acceptor's hello, too.
+        let mut c = Handshake::new(Side::Connect, local("k", 1, 1, 0), [1; NONCE]);
+        let a = Handshake::new(Side::Accept, local("k", 1, 2, 0), [2; NONCE]);
+        c.receive(a.outgoing()).unwrap();
+        assert!(matches!(c.receive(&busy_record()), Err(Error::Busy { .. })));
+        // A plain refusal stays a refusal.
+        let mut c = Handshake::new(Side::Connect, local("k", 1, 1, 0), [1; NONCE]);
+        assert!(matches!(
+            c.receive(&record(Op::Error, b"no", |_| {})),
+            Err(Error::Refused(_))
+        ));
     }
 
     #[test]

@@ -181,6 +181,21 @@ impl Link {
         }
     }
 
+    /// Caps the messages the peer may send on this link from now on at `bytes` (never above
+    /// [`crate::TransportConfig::max_message`]); `what` names the cap in the error that ends
+    /// the link of a peer that breaks it. A link this side accepted starts at
+    /// [`crate::TransportConfig::max_accepted_message`]: its role raises the cap once it knows
+    /// what the peer may send (a server, for an attached worker's row requests).
+    pub fn limit_messages(&self, bytes: u64, what: &str) {
+        let st = match &self.inner.imp {
+            LinkImpl::Shm(l) => l.state(),
+            LinkImpl::Tcp(l) => l.state(),
+            #[cfg(feature = "rdma")]
+            LinkImpl::Rdma(l) => l.ctl.state(),
+        };
+        st.cap.set(bytes.min(st.cap.ceiling()), what);
+    }
+
     /// False once the link has closed or failed.
     pub fn is_open(&self) -> bool {
         match &self.inner.imp {

@@ -158,7 +158,6 @@ struct Shared {
     blobs: Mutex<HashMap<u64, Vec<u8>>>,
     peer_gone: AtomicBool,
     own_bell: Arc<Doorbell>,
-    max_message: u64,
 }
 
 impl std::ops::Deref for Shared {
@@ -336,7 +335,7 @@ impl ShmLink {
             .try_clone()
             .map_err(|e| Error::io("dup unix socket", e))?;
         let shared = Arc::new(Shared {
-            st: LinkState::new(id, peer),
+            st: LinkState::new(id, peer, cfg.max_message),
             sock,
             inbound,
             remote: RwLock::new(HashMap::new()),
@@ -345,7 +344,6 @@ impl ShmLink {
             blobs: Mutex::new(HashMap::new()),
             peer_gone: AtomicBool::new(false),
             own_bell: cq.doorbell().clone(),
-            max_message: cfg.max_message,
         });
         Ok(ShmLink {
             shared,
@@ -374,6 +372,10 @@ impl ShmLink {
 
     pub(crate) fn peer(&self) -> &str {
         &self.shared.peer
+    }
+
+    pub(crate) fn state(&self) -> &crate::state::LinkState {
+        &self.shared.st
     }
 
     pub(crate) fn id(&self) -> LinkId {
@@ -609,12 +611,7 @@ fn ctl_packets(sock: &OwnedFd, shared: &Shared) -> Result<()> {
             }
             CtlOp::Blob => {
                 let len = pkt.b.get();
-                if len > shared.max_message {
-                    return Err(Error::Malformed(format!(
-                        "message of {len} bytes exceeds the {}-byte limit",
-                        shared.max_message
-                    )));
-                }
+                shared.st.cap.check(len)?;
                 let fd = fds.into_iter().next().expect("1 fd checked");
                 let map = SharedMap::open(fd, len)?;
                 let mut data = Vec::new();

@@ -2,10 +2,17 @@
 //! and why it failed.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::cq::{LinkId, lock};
 use crate::error::{Error, Result};
+
+/// The name of the process-wide cap on a message.
+pub(crate) const MAX_MESSAGE: &str =
+    "the largest message this process takes (TransportConfig::max_message)";
+/// The name of the cap on a message from a peer that connected to this process, until its
+/// role knows what the peer may send.
+pub(crate) const MAX_ACCEPTED: &str = "the cap on a message from a peer that connected, before its role admitted it (TransportConfig::max_accepted_message)";
 
 pub(crate) struct LinkState {
     pub(crate) id: LinkId,
@@ -16,16 +23,63 @@ pub(crate) struct LinkState {
     pub(crate) closing: AtomicBool,
     /// The first failure, if any.
     pub(crate) failure: Mutex<Option<Error>>,
+    /// The largest message the peer may send on this link.
+    pub(crate) cap: MessageCap,
+}
+
+/// The largest message a link takes from its peer, and the name of that cap for the error a
+/// peer breaking it gets. A link starts at [`crate::TransportConfig::max_message`] (one this
+/// side accepted: at [`crate::TransportConfig::max_accepted_message`]); the role moves it with
+/// [`crate::Link::limit_messages`] once it knows what the peer may send.
+pub(crate) struct MessageCap {
+    bytes: AtomicU64,
+    what: Mutex<String>,
+    /// The process-wide cap, which no link's cap exceeds.
+    ceiling: u64,
+}
+
+impl MessageCap {
+    pub(crate) fn new(bytes: u64, what: &str) -> MessageCap {
+        MessageCap {
+            bytes: AtomicU64::new(bytes),
+            what: Mutex::new(what.into()),
+            ceiling: bytes,
+        }
+    }
+
+    pub(crate) fn ceiling(&self) -> u64 {
+        self.ceiling
+    }
+
+    pub(crate) fn set(&self, bytes: u64, what: &str) {
+        let mut w = lock(&self.what);
+        *w = what.into();
+        self.bytes.store(bytes, Ordering::Release);
+    }
+
+    /// Ok for a message of `len` bytes within the cap; else the error that ends the link.
+    pub(crate) fn check(&self, len: u64) -> Result<()> {
+        let cap = self.bytes.load(Ordering::Acquire);
+        if len <= cap {
+            return Ok(());
+        }
+        Err(Error::TooLarge {
+            len,
+            cap,
+            what: lock(&self.what).clone(),
+        })
+    }
 }
 
 impl LinkState {
-    pub(crate) fn new(id: LinkId, peer: String) -> LinkState {
+    pub(crate) fn new(id: LinkId, peer: String, max_message: u64) -> LinkState {
         LinkState {
             id,
             peer,
             open: AtomicBool::new(true),
             closing: AtomicBool::new(false),
             failure: Mutex::new(None),
+            cap: MessageCap::new(max_message, MAX_MESSAGE),
         }
     }
 

@@ -182,7 +182,6 @@ struct Shared {
     grants: RwLock<HashMap<u64, Region>>,
     pending: Mutex<HashMap<u64, PendingRead>>,
     next_req: AtomicU64,
-    max_message: u64,
     /// Set by the progress thread when the kernel timed the connection out (TCP_USER_TIMEOUT
     /// on a peer that stopped reading, or failed keepalives). The progress thread usually
     /// takes that error from the socket first, leaving a blocked sender only `EPIPE`.
@@ -455,6 +454,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
         if d.is_zero() { Err(timed_out()) } else { Ok(d) }
     };
     let mut hs = Handshake::new(Side::Connect, cfg.local(ask), crate::admit::nonce()?);
+    let mut heard: Vec<u8> = Vec::new();
     loop {
         while !hs.outgoing().is_empty() {
             stream
@@ -468,6 +468,18 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                     ));
                 }
                 Ok(n) => hs.sent(n),
+                Err(e)
+                    if heard.is_empty()
+                        && matches!(
+                            e.kind(),
+                            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                        ) =>
+                {
+                    return Err(Error::Busy {
+                        peer: peer_name(stream),
+                        why: format!("it reset the connection during the handshake ({e})"),
+                    });
+                }
                 Err(e) => handshake_io(e, "send tcp hello", &timed_out)?,
             }
         }
@@ -490,13 +502,73 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
             Ok(0) => {
                 return Err(Error::Closed {
                     peer: peer_name(stream),
-                    reason: "closed during handshake (a peer at its admission limit, or not a falcon node)".into(),
+                    reason: "closed during the handshake without a word (a falcon node that \
+                             is stopping, or not a falcon node)"
+                        .into(),
                 });
             }
-            Ok(n) => hs.receive(&buf[..n])?,
+            Ok(n) => {
+                if heard.len() < SEEN {
+                    let k = n.min(SEEN - heard.len());
+                    heard.extend_from_slice(&buf[..k]);
+                }
+                if let Err(e) = hs.receive(&buf[..n]) {
+                    return Err(named(e, stream, &heard));
+                }
+            }
+            // A reset before the peer said anything: a wall that had to let us go, or a
+            // process that died; the caller retries it as it retries a busy peer.
+            Err(e)
+                if heard.is_empty()
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
+                    ) =>
+            {
+                return Err(Error::Busy {
+                    peer: peer_name(stream),
+                    why: format!("it reset the connection during the handshake ({e})"),
+                });
+            }
             Err(e) => handshake_io(e, "receive tcp hello", &timed_out)?,
         }
     }
+}
+
+/// How many of the peer's first bytes a handshake keeps, to say what a foreign peer sent.
+const SEEN: usize = 48;
+
+/// A handshake error with the peer named: a busy wall's answer gets its address, and bytes
+/// that do not begin with falcon's magic mean the port is another program's.
+fn named(e: Error, stream: &TcpStream, heard: &[u8]) -> Error {
+    match e {
+        Error::Busy { why, .. } => Error::Busy {
+            peer: peer_name(stream),
+            why,
+        },
+        Error::Malformed(_) | Error::Version { .. }
+            if heard.len() >= 4 && heard[..4] != crate::wire::MAGIC.to_le_bytes() =>
+        {
+            Error::NotFalcon {
+                peer: peer_name(stream),
+                seen: printable(heard),
+            }
+        }
+        other => other,
+    }
+}
+
+/// Bytes as a quoted, printable excerpt: `"HTTP/1.1 400 Bad…"`.
+fn printable(bytes: &[u8]) -> String {
+    let text: String = bytes
+        .iter()
+        .map(|&b| match b {
+            b' '..=b'~' => b as char,
+            b'\r' | b'\n' | b'\t' => ' ',
+            _ => '.',
+        })
+        .collect();
+    format!("\"{}\"", text.trim_end())
 }
 
 /// An I/O error of the blocking handshake: an interruption is retried (Ok), a socket timeout
@@ -554,12 +626,11 @@ impl TcpLink {
         established(&stream)?;
         let peer = format!("tcp:{}", peer_name(&stream));
         let shared = Arc::new(Shared {
-            st: LinkState::new(id, peer),
+            st: LinkState::new(id, peer, cfg.max_message),
             cq,
             grants: RwLock::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
-            max_message: cfg.max_message,
             timed_out: AtomicBool::new(false),
             before_close,
             peer_node,
@@ -608,6 +679,10 @@ impl TcpLink {
 
     pub(crate) fn peer(&self) -> &str {
         &self.shared.peer
+    }
+
+    pub(crate) fn state(&self) -> &crate::state::LinkState {
+        &self.shared.st
     }
 
     pub(crate) fn id(&self) -> LinkId {
@@ -1204,18 +1279,13 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Arc<Shared>)
                 }
             }
             Op::Send => {
-                if len > shared.max_message {
-                    return Err(Error::Malformed(format!(
-                        "message of {len} bytes exceeds the {}-byte limit",
-                        shared.max_message
-                    )));
-                }
-                let mut data = Vec::new();
-                data.try_reserve_exact(len as usize).map_err(|_| {
-                    Error::Malformed(format!("cannot allocate a {len}-byte message"))
+                shared.st.cap.check(len)?;
+                let data = read_message(s, len).map_err(|e| match e {
+                    Grown::Alloc => {
+                        Error::Malformed(format!("cannot allocate a {len}-byte message"))
+                    }
+                    Grown::Io(e) => lost(shared, e),
                 })?;
-                data.resize(len as usize, 0);
-                s.read_exact(&mut data).map_err(|e| lost(shared, e))?;
                 // Backpressure: past the queue's cap, wait for the consumer without reading the
                 // socket, so the peer's sends block and then time out.
                 let give_up = || {
@@ -1284,6 +1354,30 @@ fn recv_frames(s: &mut TcpStream, replies: &Sender<Reply>, shared: &Arc<Shared>)
             }
         }
     }
+}
+
+/// Why a message could not be read.
+enum Grown {
+    Alloc,
+    Io(std::io::Error),
+}
+
+/// Bytes of a message read at a time: its buffer grows with the bytes that came, never with
+/// the bytes announced, so a header announcing gigabytes costs nothing until they arrive.
+const MESSAGE_STEP: usize = 1 << 20;
+
+/// Reads a message of `len` bytes into a buffer that grows as its bytes come.
+fn read_message(s: &mut TcpStream, len: u64) -> std::result::Result<Vec<u8>, Grown> {
+    let len = usize::try_from(len).map_err(|_| Grown::Alloc)?;
+    let mut data: Vec<u8> = Vec::new();
+    while data.len() < len {
+        let have = data.len();
+        let step = (len - have).min(MESSAGE_STEP.max(have));
+        data.try_reserve_exact(step).map_err(|_| Grown::Alloc)?;
+        data.resize(have + step, 0);
+        s.read_exact(&mut data[have..]).map_err(Grown::Io)?;
+    }
+    Ok(data)
 }
 
 /// A read answer, whole or one piece of a split one, read into the read's destination.

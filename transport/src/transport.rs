@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -54,6 +54,12 @@ pub struct TransportConfig {
     pub ring_bytes: u64,
     /// The largest control message accepted from a peer.
     pub max_message: u64,
+    /// The largest control message taken from a peer that connected to this process, until
+    /// its role raises the cap for that link ([`Link::limit_messages`]), having learnt who
+    /// the peer is and what it may send. Never above `max_message`; default `u64::MAX` (the
+    /// same as `max_message`). falcon's roles take 4 MiB (`JobConfig`'s default): their
+    /// control messages are small, and a server raises the cap for an attached worker.
+    pub max_accepted_message: u64,
     /// The most bytes of received control messages held for the process before reading from a
     /// tcp peer pauses (backpressure: the peer's sends then wait, and time out after
     /// `op_timeout`). Counted over the whole completion queue (messages from every medium);
@@ -97,6 +103,7 @@ impl Default for TransportConfig {
             spin: Duration::from_micros(50),
             ring_bytes: 1 << 20,
             max_message: 8 << 30,
+            max_accepted_message: u64::MAX,
             max_queued_bytes: 256 << 20,
             rdma_device: None,
             rdma_gid_index: None,
@@ -157,6 +164,8 @@ struct Common {
     max_pending: usize,
     /// Extra tcp connections of links waiting for their binding (capped as handshakes are).
     binds_pending: std::sync::atomic::AtomicUsize,
+    /// The message cap of a link this side accepted (`max_accepted_message`).
+    max_accepted: u64,
 }
 
 /// Counts a pending handshake or binding out when its thread ends, however it ends.
@@ -356,7 +365,9 @@ fn admitted_tcp(common: &Arc<Common>, stream: TcpStream, peer: Peer, tx: &Sender
         Some(gate),
     ) {
         Ok(link) => {
-            let _ = tx.send(Ok(Link::new(LinkImpl::Tcp(link), common.tcp.node)));
+            let link = Link::new(LinkImpl::Tcp(link), common.tcp.node);
+            link.limit_messages(common.max_accepted, crate::state::MAX_ACCEPTED);
+            let _ = tx.send(Ok(link));
         }
         Err(e) => tracing::warn!("{}: tcp link setup failed: {e}", common.local),
     }
@@ -463,6 +474,7 @@ impl Transport {
             shm_pending: Default::default(),
             binds_pending: Default::default(),
             max_pending: cfg.max_handshakes.max(1),
+            max_accepted: cfg.max_accepted_message.min(cfg.max_message),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut addr = PeerAddr {
@@ -473,7 +485,18 @@ impl Transport {
 
         let tcp_listener = match cfg.bind {
             Some(bind) => {
-                let l = TcpListener::bind(bind).map_err(|e| Error::io("bind tcp listener", e))?;
+                let l = TcpListener::bind(bind).map_err(|e| Error::Bind {
+                    addr: bind.to_string(),
+                    why: match e.kind() {
+                        std::io::ErrorKind::AddrInUse => {
+                            format!("{e} (another program, or another job, holds that port)")
+                        }
+                        std::io::ErrorKind::AddrNotAvailable => {
+                            format!("{e} (no interface of this host has that address)")
+                        }
+                        _ => e.to_string(),
+                    },
+                })?;
                 let bound = l
                     .local_addr()
                     .map_err(|e| Error::io("tcp listener address", e))?;
@@ -709,21 +732,54 @@ impl Transport {
             why: "the peer does not listen on tcp (its control link)".into(),
         })?;
         let c = &self.inner.common;
-        let mut stream =
-            TcpStream::connect_timeout(&addr, c.tcp.handshake_timeout).map_err(|e| {
-                Error::Unreachable {
-                    medium: "tcp",
-                    peer: addr.to_string(),
-                    why: e.to_string(),
-                }
-            })?;
-        let (peer_node, _) = tcp::handshake(&mut stream, &c.tcp, ask)?;
+        let (stream, peer_node) = admitted(addr, &c.tcp, ask)?;
         if ask == tcp::HELLO_RDMA {
             return rdma_link(c, stream, peer_node, None);
         }
         let link = TcpLink::start(c.link_id(), stream, peer_node, &c.tcp, c.cq.clone())?;
         link.open_lanes(addr, &c.tcp, lanes);
         Ok(Link::new(LinkImpl::Tcp(link), self.inner.node))
+    }
+}
+
+/// Connects to `addr` and runs the handshake; a peer whose admission wall is full (it says
+/// it is busy, or resets the connection before a word) is tried again, backing off from 10 ms
+/// to 250 ms with jitter, until the handshake deadline has passed since the first attempt.
+fn admitted(addr: SocketAddr, cfg: &tcp::TcpSettings, ask: u32) -> Result<(TcpStream, u64)> {
+    let give_up = Instant::now() + cfg.handshake_timeout;
+    let mut pause = Duration::from_millis(10);
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        let mut stream = TcpStream::connect_timeout(&addr, cfg.handshake_timeout).map_err(|e| {
+            Error::Unreachable {
+                medium: "tcp",
+                peer: addr.to_string(),
+                why: e.to_string(),
+            }
+        })?;
+        match tcp::handshake(&mut stream, cfg, ask) {
+            Ok((node, _)) => return Ok((stream, node)),
+            Err(Error::Busy { peer, why }) if Instant::now() + pause < give_up => {
+                tracing::debug!("{peer} is busy ({why}); trying again (attempt {tries})");
+                drop(stream);
+                // Up to half the pause again, so newcomers turned away together spread out.
+                let r = admit::nonce().map_or(0, |n| u32::from(n[0]));
+                let jitter = pause * r / 512;
+                std::thread::sleep(pause + jitter);
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+            Err(Error::Busy { peer, why }) => {
+                return Err(Error::Busy {
+                    peer,
+                    why: format!(
+                        "{why} ({tries} attempts in {:.1} s)",
+                        cfg.handshake_timeout.as_secs_f64()
+                    ),
+                });
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -765,6 +821,7 @@ fn unix_accept_loop(listener: Arc<OwnedFd>, common: Arc<Common>, tx: Sender<Resu
             match ShmLink::accept(id, sock, format!("shm-peer#{id}"), &common.shm, &common.cq) {
                 Ok(link) => {
                     let link = Link::new(LinkImpl::Shm(link), common.shm.node);
+                    link.limit_messages(common.max_accepted, crate::state::MAX_ACCEPTED);
                     let _ = tx.send(Ok(link.clone()));
                     if let Err(e) = link.activate() {
                         tracing::warn!("{}: shm link could not start: {e}", common.local);

@@ -289,6 +289,8 @@ struct Inner {
     servers: Vec<ServerSlot>,
     /// The job token (a reattach answers the server's challenge with it).
     token: String,
+    /// The servers' cap on control messages (`TransportConfig::max_accepted_message`).
+    control_cap: u64,
     /// How long an operation waits for a server that is down to come back (recovery).
     recovery_wait: Duration,
     shards: Vec<ShardRemote>,
@@ -413,6 +415,7 @@ impl Worker {
             sched,
             servers,
             token: cfg.token.clone(),
+            control_cap: cfg.transport.max_accepted_message,
             recovery_wait,
             shards,
             requests: Mutex::new(Tracker::default()),
@@ -860,6 +863,22 @@ impl Worker {
             // Written into the message once: the same bytes go out again on a new link if
             // this one drops.
             let msg = Arc::new(Msg::encode_pull_rows(s.spec.id, clock, id, index));
+            let cap = self
+                .inner
+                .book
+                .keymap
+                .worker_message_cap(s.spec.server, self.inner.control_cap);
+            if msg.len() as u64 > cap {
+                first_err = Some(Error::Server {
+                    rank: s.spec.server,
+                    reason: format!(
+                        "a row pull of {} rows is a {}-byte request, over the {cap} bytes a server takes from a worker (16 bytes per float it holds): pull fewer repeated rows at once",
+                        pick.count,
+                        msg.len()
+                    ),
+                });
+                break;
+            }
             let what = Resend::PullRows {
                 shard: self.inner.shard_index(s),
                 msg: msg.clone(),
