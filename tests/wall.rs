@@ -46,6 +46,8 @@ const LATE: Duration = Duration::from_millis(1000);
 const AT_ONCE: Duration = Duration::from_millis(1000);
 
 const FRAME_HEADER: usize = 48;
+/// The transport's wire version (`transport/src/wire.rs`).
+const WIRE_VERSION: u16 = 3;
 const OP_HELLO: u16 = 1;
 const OP_SEND: u16 = 3;
 const OP_ERROR: u16 = 6;
@@ -549,7 +551,7 @@ impl Watch {
 fn header(op: u16, len: u64, region: u64, offset: u64) -> [u8; FRAME_HEADER] {
     let mut h = [0u8; FRAME_HEADER];
     h[0..4].copy_from_slice(b"FLCN");
-    h[4..6].copy_from_slice(&2u16.to_le_bytes());
+    h[4..6].copy_from_slice(&WIRE_VERSION.to_le_bytes());
     h[6..8].copy_from_slice(&op.to_le_bytes());
     // imm (the medium asked: tcp), flags: 0.
     h[16..24].copy_from_slice(&region.to_le_bytes());
@@ -1316,4 +1318,336 @@ fn row4_connect_and_close_cycles_leave_no_descriptor_behind() {
         count_lines(&sched_err, "WARN"),
     );
     no_threads_nor_fds_held(&format!("row 4 ({CYCLES} cycles)"), &before, &peaks, &after);
+}
+
+// ---------------------------------------------------------------------------------------
+// Row 5: a flood of half-open handshakes from many addresses, one each or a few each.
+
+/// Keeps `per_source` half-open handshakes (a hello naming the job, never a proof) open from
+/// each of `from` to each of `targets`, opening again at once each one the wall lets go:
+/// what an attacker without the token does to lock a node out.
+struct Flood {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<(u64, u64)>>,
+}
+
+impl Flood {
+    fn start(targets: Vec<SocketAddr>, from: Vec<IpAddr>, per_source: usize, job: u64) -> Flood {
+        let stop = Arc::new(AtomicBool::new(false));
+        let handle = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                let open = |src: IpAddr, to: SocketAddr| -> Option<TcpStream> {
+                    use socket2::{Domain, Socket, Type};
+                    let s = Socket::new(Domain::IPV4, Type::STREAM, None).ok()?;
+                    s.bind(&SocketAddr::new(src, 0).into()).ok()?;
+                    s.connect_timeout(&to.into(), Duration::from_secs(1)).ok()?;
+                    let mut s: TcpStream = s.into();
+                    s.write_all(&hello(job)).ok()?;
+                    s.set_nonblocking(true).ok()?;
+                    Some(s)
+                };
+                let slots: Vec<(IpAddr, SocketAddr)> = targets
+                    .iter()
+                    .flat_map(|&to| {
+                        from.iter()
+                            .flat_map(move |&src| std::iter::repeat_n((src, to), per_source))
+                    })
+                    .collect();
+                let mut conns: Vec<Option<TcpStream>> = slots.iter().map(|_| None).collect();
+                let (mut opened, mut let_go) = (0u64, 0u64);
+                let mut buf = [0u8; 512];
+                while !stop.load(Ordering::Acquire) {
+                    for (slot, &(src, to)) in conns.iter_mut().zip(&slots) {
+                        if let Some(s) = slot {
+                            let gone = loop {
+                                match s.read(&mut buf) {
+                                    Ok(0) => break true,
+                                    Ok(_) => {}
+                                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                                        break false;
+                                    }
+                                    Err(_) => break true,
+                                }
+                            };
+                            if gone {
+                                *slot = None;
+                                let_go += 1;
+                            }
+                        }
+                        if slot.is_none() {
+                            *slot = open(src, to);
+                            opened += slot.is_some() as u64;
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                (opened, let_go)
+            }
+        });
+        Flood {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// Stops it: (connections opened, connections the walls let go).
+    fn stop(mut self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Release);
+        self.handle.take().unwrap().join().unwrap()
+    }
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Waits for `needle` in `p`'s stderr; the time it took, or None after `limit`.
+fn wait_for_err(p: &mut Proc, needle: &str, limit: Duration) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if p.err.lock().unwrap().contains(needle) {
+            return Some(t.elapsed());
+        }
+        if !p.running() {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+#[test]
+fn row5_half_open_floods_from_many_addresses_lock_no_node_out() {
+    let _serial = serial();
+    // 128 addresses with one half-open handshake each (the default wall's whole size: the
+    // per-address rule alone never evicts), and 8 addresses with 16 each.
+    for (addresses, per_source) in [(128u8, 1usize), (8, 16)] {
+        let from = sources(addresses);
+        if from.len() < addresses as usize {
+            eprintln!(
+                "WALL row 5: SKIPPED {addresses} x {per_source}: this kernel does not route 127.0.0.2.. to loopback"
+            );
+            continue;
+        }
+        let name = format!("{addresses} x {per_source}");
+        let iters = iters_for(6.0);
+        let iters_s = iters.to_string();
+        let job = Job::new(
+            "wall-row5",
+            SERVERS,
+            WORKERS,
+            &[
+                ("FALCON_POLICY", "ssp(2)"),
+                ("FALCON_MEDIUM", "tcp"),
+                ("FALCON_WORKLOAD", "count"),
+                ("FALCON_ITERS", &iters_s),
+                ("FALCON_FLOATS", "4096"),
+                ("FALCON_MAX_SHARD_BYTES", "4096"),
+            ],
+        );
+        let job_id = falcon_engine::config::job_hash(
+            &job.vars
+                .iter()
+                .rev()
+                .find(|(k, _)| k == "FALCON_JOB")
+                .unwrap()
+                .1,
+        );
+        let sched_addr = SocketAddr::from(([127, 0, 0, 1], job.port));
+        let scheduler = Proc::spawn(&job, "scheduler", None, &[], None);
+        let t = Instant::now();
+        while TcpStream::connect(sched_addr).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the scheduler never listened"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The scheduler's wall is full before anyone else has joined.
+        let flood = Flood::start(vec![sched_addr], from.clone(), per_source, job_id);
+        std::thread::sleep(Duration::from_millis(500));
+        let started = Instant::now();
+        let mut servers: Vec<Proc> = (0..SERVERS)
+            .map(|r| Proc::spawn(&job, "server", Some(r), &[], None))
+            .collect();
+        let mut workers: Vec<Proc> = (0..WORKERS)
+            .map(|r| Proc::spawn(&job, "worker", Some(r), &[], None))
+            .collect();
+        let dump = |s: &Proc, sv: &[Proc], w: &[Proc]| -> String {
+            std::iter::once(s)
+                .chain(sv)
+                .chain(w)
+                .map(|p| format!("--- {}:\n{}{}", p.what, p.stdout(), p.err.lock().unwrap()))
+                .collect()
+        };
+        while !workers[0].stdout().contains("worker 0 iteration") {
+            let ended = workers.iter_mut().chain(&mut servers).any(|p| !p.running());
+            assert!(
+                !ended && started.elapsed() < Duration::from_secs(30),
+                "{name}: the job did not start under the flood:\n{}",
+                dump(&scheduler, &servers, &workers)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let joined = started.elapsed();
+        // Now server 0's wall too; then worker 3 is killed and started again with its rank.
+        let ports = listening_ports(servers[0].pid());
+        let server_addr = SocketAddr::from(([127, 0, 0, 1], ports[0]));
+        let flood2 = Flood::start(vec![server_addr], from.clone(), per_source, job_id);
+        std::thread::sleep(Duration::from_millis(500));
+        let mut victim = workers.pop().unwrap();
+        victim.child.kill().unwrap();
+        let _ = victim.child.wait();
+        drop(victim);
+        std::thread::sleep(Duration::from_millis(300));
+        let mut back = Proc::spawn(
+            &job,
+            "worker",
+            Some(3),
+            &[("RUST_LOG", "warn,falcon_engine::worker=info".to_string())],
+            None,
+        );
+        let rejoined = wait_for_err(&mut back, "rejoining the job at clock", DEADLINE + LATE * 5);
+        let (opened, let_go) = flood.stop();
+        let (opened2, let_go2) = flood2.stop();
+        let Some(rejoined) = rejoined else {
+            workers.push(back);
+            panic!(
+                "{name}: the restarted worker did not rejoin:\n{}",
+                dump(&scheduler, &servers, &workers)
+            );
+        };
+        workers.push(back);
+        // Every role ends well, the job exact: each shard applied every push it numbered once.
+        let limit = Duration::from_secs(60);
+        let ended: Vec<Ended> = workers
+            .into_iter()
+            .chain(servers)
+            .map(|p| p.wait(limit))
+            .collect();
+        let sched = scheduler.wait(limit);
+        let all = || {
+            ended
+                .iter()
+                .chain([&sched])
+                .map(Ended::dump)
+                .collect::<String>()
+        };
+        assert!(
+            ended.iter().all(|e| e.ok) && sched.ok,
+            "{name}: a role failed:\n{}",
+            all()
+        );
+        assert!(
+            sched.out.contains("rejoined: [worker 3]"),
+            "{name}: the scheduler saw worker 3 rejoin:\n{}",
+            all()
+        );
+        let mut shards = 0;
+        for e in &ended {
+            for line in e.out.lines().filter(|l| l.contains("first parameter")) {
+                let applied = (first_parameter(line) / 0.125).round() as u64;
+                let seqs = number_after(line, "sequence numbers").unwrap();
+                let skipped = number_after(line, "applied +").unwrap();
+                assert_eq!(
+                    applied,
+                    seqs - skipped,
+                    "{name}: applied exactly once: {line}"
+                );
+                shards += 1;
+            }
+        }
+        assert_eq!(shards, 4, "{name}: every shard reported");
+        eprintln!(
+            "WALL row 5: {name} half-open handshakes held against the scheduler from before the job started (then against server 0 too), reopened as soon as let go ({opened} and {opened2} opened, {let_go} and {let_go2} let go): the job joined in {:.3} s under the flood; worker 3, killed and restarted, rejoined in {:.3} s (handshake deadline {} s); job of {iters} iterations exact",
+            secs(joined),
+            secs(rejoined),
+            DEADLINE.as_secs()
+        );
+        assert!(
+            joined <= DEADLINE + LATE && rejoined <= DEADLINE + LATE,
+            "{name}: the job took {:.3} s to join, the restarted worker {:.3} s to rejoin",
+            secs(joined),
+            secs(rejoined)
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Row 6: a peer holding the token (admitted by the wall) announces a 3 GiB message.
+
+#[test]
+fn row6_an_admitted_peer_announcing_3_gib_costs_no_memory_and_loses_its_link() {
+    use falcon_transport::{Medium, PeerAddr, Transport, TransportConfig};
+    let _serial = serial();
+    let mut live = Live::start("wall-row6", iters_for(3.0), None, |_| None);
+    let pids = live.pids();
+    let before = pids.map(Usage::of);
+    let watch = Watch::start(&pids);
+    // The peer knows the token: the wall admits it, and its link is a link like a role's.
+    let t = Transport::new(TransportConfig {
+        job: live.job_id,
+        token: "t0ken".into(),
+        medium: Medium::Tcp,
+        shm: false,
+        tcp_streams: 1,
+        ..TransportConfig::default()
+    })
+    .unwrap();
+    const BIG: u64 = 3 << 30;
+    let mut closed = Vec::new();
+    for to in [live.scheduler_addr, live.server_addr] {
+        let peer = PeerAddr {
+            host: "remote".into(),
+            tcp: Some(to),
+            shm: None,
+        };
+        let link = t.connect(&peer).expect("admitted with the token");
+        let start = Instant::now();
+        // The header, then a few MiB of its payload (all a 16 MiB budget may see).
+        link.inject_raw(&header(OP_SEND, BIG, 0, 0)).unwrap();
+        let _ = link.inject_raw(&vec![7u8; 6 << 20]);
+        while link.is_open() && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        closed.push((link.is_open(), start.elapsed()));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let peaks = watch.peaks();
+    let after = pids.map(Usage::of);
+    let lines = [0, 1].map(|t| figures(before[t], peaks[t], after[t]));
+    let iters = live.iters;
+    live.still_running(6);
+    let sched_err = live.scheduler.err.lock().unwrap().clone();
+    let server_err = live.servers[0].err.lock().unwrap().clone();
+    live.finish();
+    eprintln!(
+        "WALL row 6: a peer with the token announces a 3 GiB message (and sends 6 MiB of it) to the scheduler and to server 0: scheduler {} ; server 0 {} ; links closed after {:.3} s / {:.3} s; job of {iters} iterations x 4 workers finished exact",
+        lines[0],
+        lines[1],
+        secs(closed[0].1),
+        secs(closed[1].1)
+    );
+    for (t, (open, _)) in closed.iter().enumerate() {
+        assert!(!open, "row 6: the {} kept the link", TARGETS[t]);
+        assert!(
+            peaks[t].rss_kib < before[t].rss_kib + 16 * 1024,
+            "row 6: {} RSS grew {:.1} -> {:.1} MiB",
+            TARGETS[t],
+            before[t].mib(),
+            peaks[t].mib()
+        );
+    }
+    for (name, err) in [("scheduler", &sched_err), ("server 0", &server_err)] {
+        assert!(
+            err.contains("a message of 3221225472 bytes is over the cap on a message from a peer that connected"),
+            "row 6: the {name} says which cap the peer broke:\n{err}"
+        );
+    }
 }

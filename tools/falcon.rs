@@ -15,6 +15,7 @@ mod experiment;
 mod local_cmd;
 mod logs;
 mod plot;
+mod settings;
 mod train_cmd;
 
 use std::process::ExitCode;
@@ -222,7 +223,13 @@ Environment: the launch contract, the same for a worker process of one's own
   FALCON_TCP_STREAMS            tcp connections per worker-server link, 1 to 8 (default 2):
                                 a payload of 256 KiB or more is split over them
   FALCON_MAX_HANDSHAKES         connections waiting for admission at once (default 128);
-  FALCON_MAX_HANDSHAKES_PER_SOURCE  from one address (default 32); more are closed at once
+  FALCON_MAX_HANDSHAKES_PER_SOURCE  from one address (default 32); past the caps a newcomer
+                                is told the node is busy (and retries), or takes the place of
+                                an older unproven connection
+  FALCON_MAX_CONTROL_BYTES      the largest message a role takes from a peer that connected
+                                to it, before it knows what the peer may send (default
+                                4194304; at least 65536); a server takes from an attached
+                                worker up to 16 bytes per float it holds
   FALCON_CHECKPOINT_DIR         server checkpoints there (default: none)
   FALCON_CHECKPOINT_MS          how often, at least 10 (default 1000)
   FALCON_RECOVERY_TIMEOUT_MS    how long the job waits for a dead server to restart from its
@@ -467,15 +474,12 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
         role,
         rank,
         ..
-    } = Launch::from_vars(checks::var)?;
-    // The heterogeneity's ranks must be workers of the job (checked by every role).
-    let hetero = env(&["FALCON_HETERO"]).unwrap_or_default();
-    falcon_trainer::hetero::assign(cfg.workers, &falcon_trainer::hetero::split_entries(&hetero))
-        .map_err(|e| checks::Invalid::Env {
-            var: "FALCON_HETERO",
-            value: hetero.clone(),
-            why: e.to_string(),
-        })?;
+    } = {
+        let launch = Launch::from_vars(checks::var)?;
+        // Every variable set is checked now, before anything starts (`settings::SETTINGS`).
+        settings::check(&checks::var, &launch)?;
+        launch
+    };
     match env(&["FALCON_WORKLOAD"]).as_deref() {
         // Every gradient is −1: each one applied adds exactly 1/8 to every parameter, so the
         // values count the gradients applied (exactly-once checks).
@@ -488,32 +492,41 @@ fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::
                 lr: env_value(&["FALCON_LR"], 0.05, checks::learning_rate)?,
             };
         }
-        // The synthetic workload: the launch contract's learning rate (lr / workers under
-        // asynchronous policies).
+        // The synthetic workload (and rows): the launch contract's learning rate (lr /
+        // workers under asynchronous policies). Other names were refused by the checks.
         _ => {}
     }
     Ok((cfg, role, rank))
+}
+
+/// The workloads of `falcon role` (`FALCON_WORKLOAD`).
+pub(crate) const WORKLOADS: &[&str] = &["synthetic", "count", "rows", "train"];
+
+/// `EVERY:GAMMA`, EVERY a whole number of updates ≥ 1 and 0 < GAMMA ≤ 1.
+pub(crate) fn parse_lr_decay(v: &str) -> Result<falcon_engine::update::StepDecay, &'static str> {
+    let bad = "expected EVERY:GAMMA, EVERY a whole number of updates ≥ 1 and 0 < GAMMA ≤ 1, e.g. 1000:0.1";
+    let (every, gamma) = v.split_once(':').ok_or(bad)?;
+    let every: u64 = every.trim().parse().map_err(|_| bad)?;
+    let gamma: f32 = gamma.trim().parse().map_err(|_| bad)?;
+    if every == 0 || !(gamma > 0.0 && gamma <= 1.0) {
+        return Err(bad);
+    }
+    Ok(falcon_engine::update::StepDecay { every, gamma })
 }
 
 /// `FALCON_LR_DECAY=EVERY:GAMMA`: the servers' learning rate × GAMMA every EVERY updates of
 /// a shard (unset: constant).
 fn lr_decay_from_env()
 -> Result<std::sync::Arc<dyn falcon_engine::update::LrSchedule>, checks::Invalid> {
-    use falcon_engine::update::{Constant, StepDecay};
-    checks::env_value(&["FALCON_LR_DECAY"], None, |v| {
-        let bad = "expected EVERY:GAMMA, EVERY a whole number of updates ≥ 1 and 0 < GAMMA ≤ 1, e.g. 1000:0.1";
-        let (every, gamma) = v.split_once(':').ok_or(bad)?;
-        let every: u64 = every.trim().parse().map_err(|_| bad)?;
-        let gamma: f32 = gamma.trim().parse().map_err(|_| bad)?;
-        if every == 0 || !(gamma > 0.0 && gamma <= 1.0) {
-            return Err(bad);
-        }
-        Ok(Some(StepDecay { every, gamma }))
-    })
-    .map(|d| match d {
-        Some(d) => std::sync::Arc::new(d) as std::sync::Arc<dyn falcon_engine::update::LrSchedule>,
-        None => std::sync::Arc::new(Constant),
-    })
+    use falcon_engine::update::Constant;
+    checks::env_value(&["FALCON_LR_DECAY"], None, |v| parse_lr_decay(v).map(Some)).map(
+        |d| match d {
+            Some(d) => {
+                std::sync::Arc::new(d) as std::sync::Arc<dyn falcon_engine::update::LrSchedule>
+            }
+            None => std::sync::Arc::new(Constant),
+        },
+    )
 }
 
 fn role() -> Res {

@@ -132,6 +132,7 @@ pub const VARIABLES: &[&str] = &[
     "FALCON_TCP_STREAMS",
     "FALCON_MAX_HANDSHAKES",
     "FALCON_MAX_HANDSHAKES_PER_SOURCE",
+    "FALCON_MAX_CONTROL_BYTES",
     "FALCON_CHECKPOINT_DIR",
     "FALCON_CHECKPOINT_MS",
     "FALCON_RECOVERY_TIMEOUT_MS",
@@ -745,6 +746,11 @@ fn timeouts<F: Fn(&str) -> Option<String>>(
         &["FALCON_MAX_HANDSHAKES_PER_SOURCE"],
         cfg.transport.max_handshakes_per_source,
         checks::at_least_one_usize,
+    )?;
+    cfg.transport.max_accepted_message = env.value(
+        &["FALCON_MAX_CONTROL_BYTES"],
+        cfg.transport.max_accepted_message,
+        |s| checks::at_least_one_u64(s).map(|n| n.max(64 << 10)),
     )?;
     Ok(())
 }

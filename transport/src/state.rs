@@ -12,7 +12,7 @@ pub(crate) const MAX_MESSAGE: &str =
     "the largest message this process takes (TransportConfig::max_message)";
 /// The name of the cap on a message from a peer that connected to this process, until its
 /// role knows what the peer may send.
-pub(crate) const MAX_ACCEPTED: &str = "the cap on a message from a peer that connected, before its role admitted it (TransportConfig::max_accepted_message)";
+pub(crate) const MAX_ACCEPTED: &str = "the cap on a message from a peer that connected, before its role admitted it (TransportConfig::max_accepted_message; a falcon role's FALCON_MAX_CONTROL_BYTES)";
 
 pub(crate) struct LinkState {
     pub(crate) id: LinkId,
