@@ -481,3 +481,151 @@ fn a_learning_rate_decay_is_checked() {
         assert!(e.contains(&format!("FALCON_LR_DECAY={bad}")), "{e}");
     }
 }
+
+/// The settings found too late before (2026-11-27): each refused by `falcon role` before it
+/// joins anything, naming the variable, as a usage error, with no scheduler running (a
+/// setting taken would wait for rendezvous, and the test would see it time out instead).
+#[test]
+fn role_refuses_every_setting_before_rendezvous_naming_it() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let held_addr = held.local_addr().unwrap().to_string();
+    let file = out_dir("ckpt-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let file_s = file.display().to_string();
+    let cases: Vec<(&str, &str, &str, &str)> = vec![
+        ("worker", "FALCON_WORKLOAD", "bogus", "not a workload"),
+        (
+            "worker",
+            "FALCON_FAULT_DROP_MS",
+            "abc",
+            "not a whole number",
+        ),
+        (
+            "scheduler",
+            "FALCON_METRICS_ADDR",
+            &held_addr,
+            "cannot serve its metrics on",
+        ),
+        (
+            "scheduler",
+            "FALCON_METRICS_ADDR",
+            "192.0.2.7:9464",
+            "cannot serve its metrics on",
+        ),
+        (
+            "server",
+            "FALCON_CHECKPOINT_DIR",
+            &file_s,
+            "not a directory",
+        ),
+        ("worker", "FALCON_LOOP", "push-push", "pull-push"),
+        ("worker", "FALCON_LR_DECAY", "10:2", "EVERY:GAMMA"),
+        (
+            "server",
+            "FALCON_CHECKPOINT_MS",
+            "often",
+            "whole number of milliseconds",
+        ),
+        ("worker", "RANK", "one", "not a whole number"),
+        (
+            "worker",
+            "FALCON_MAX_CONTROL_BYTES",
+            "4M",
+            "not a whole number",
+        ),
+    ];
+    for (role, var, value, says) in cases {
+        let mut c = Command::new(FALCON);
+        c.arg("role");
+        for v in falcon_engine::launch::VARIABLES {
+            c.env_remove(v);
+        }
+        c.envs([
+            ("DMLC_ROLE", role),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "1"),
+            ("DMLC_NUM_SERVER", "1"),
+            ("DMLC_NUM_WORKER", "1"),
+            ("FALCON_RENDEZVOUS_TIMEOUT_MS", "30000"),
+            (var, value),
+        ]);
+        let start = Instant::now();
+        let o = c.output().unwrap();
+        let took = start.elapsed();
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "{role} with {var}={value}: a usage error before rendezvous ({took:?}): {stderr}"
+        );
+        assert!(
+            stderr.contains(var) && stderr.contains(says),
+            "{role} with {var}={value}: {stderr}"
+        );
+        assert!(took < Duration::from_secs(10), "{var}: {took:?}");
+    }
+    let _ = std::fs::remove_file(&file);
+    drop(held);
+}
+
+/// A port another program holds: the scheduler names the address and the variables to
+/// change; a worker whose scheduler address reaches that program says it is not a falcon
+/// scheduler, at once, instead of failing later on its bytes.
+#[test]
+fn a_port_held_by_another_program_is_named_as_such() {
+    use std::io::{Read, Write};
+    let foreign = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = foreign.local_addr().unwrap().port().to_string();
+    // The other program: a web server answering every connection with a page.
+    std::thread::spawn(move || {
+        for conn in foreign.incoming() {
+            let Ok(mut conn) = conn else { return };
+            std::thread::spawn(move || {
+                let _ = conn.write_all(b"<!DOCTYPE html>\n<html>");
+                let mut buf = [0u8; 256];
+                let _ = conn.read(&mut buf);
+                std::thread::sleep(Duration::from_secs(20));
+            });
+        }
+    });
+    let role = |role: &str| {
+        let mut c = Command::new(FALCON);
+        c.arg("role");
+        for v in falcon_engine::launch::VARIABLES {
+            c.env_remove(v);
+        }
+        c.envs([
+            ("DMLC_ROLE", role),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", port.as_str()),
+            ("DMLC_NUM_SERVER", "1"),
+            ("DMLC_NUM_WORKER", "1"),
+        ]);
+        let start = Instant::now();
+        let o = c.output().unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+            start.elapsed(),
+        )
+    };
+    let (code, err, _) = role("scheduler");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&format!("the scheduler cannot listen on 127.0.0.1:{port}"))
+            && err.contains("Address already in use")
+            && err.contains("DMLC_PS_ROOT_PORT"),
+        "{err}"
+    );
+    for r in ["worker", "server"] {
+        let (code, err, took) = role(r);
+        assert_eq!(code, Some(1), "{err}");
+        assert!(
+            err.contains(&format!("127.0.0.1:{port} is not a falcon scheduler"))
+                && err.contains("<!DOCTYPE html>"),
+            "{r}: {err}"
+        );
+        // At once: not after the handshake deadline nor the rendezvous timeout.
+        assert!(took < Duration::from_secs(4), "{r}: {took:?}");
+    }
+}

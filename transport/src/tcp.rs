@@ -512,6 +512,13 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                     let k = n.min(SEEN - heard.len());
                     heard.extend_from_slice(&buf[..k]);
                 }
+                // Four bytes tell falcon from another program: no need to wait for more.
+                if heard.len() >= 4 && heard[..4] != crate::wire::MAGIC.to_le_bytes() {
+                    return Err(Error::NotFalcon {
+                        peer: peer_name(stream),
+                        seen: printable(&heard),
+                    });
+                }
                 if let Err(e) = hs.receive(&buf[..n]) {
                     return Err(named(e, stream, &heard));
                 }
