@@ -537,6 +537,104 @@ fn a_killed_worker_leaves_the_job_and_the_others_finish() {
     );
 }
 
+#[test]
+fn a_worker_lost_for_good_under_bsp_is_said_on_every_rank_and_fails_the_job() {
+    let p = port();
+    // The count workload: the synthetic one checks that BSP reached its mean, which it
+    // cannot without a worker.
+    let extra = [
+        ("DMLC_NUM_WORKER", "3"),
+        ("FALCON_POLICY", "bsp"),
+        ("FALCON_WORKLOAD", "count"),
+    ];
+    let iters = if cfg!(debug_assertions) { 1500 } else { 15_000 };
+    let mut sched = role("scheduler", p, iters, &extra);
+    let mut server = role("server", p, iters, &extra);
+    let ranks = ["0", "1", "2"];
+    let mut workers: Vec<Child> = ranks
+        .iter()
+        .map(|r| {
+            let mut e = extra.to_vec();
+            e.push(("FALCON_RANK", r));
+            role("worker", p, iters, &e)
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut victim = workers.pop().unwrap();
+    assert!(victim.try_wait().unwrap().is_none(), "still running");
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    // The survivors finish, and say that a worker died.
+    for mut w in workers {
+        let status = wait_for(&mut w, Duration::from_secs(60)).expect("the survivors finish");
+        let out = w.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(status.success(), "a survivor failed: {err}");
+        assert!(
+            err.contains("worker 2 died; the job goes on without it"),
+            "a survivor is told: {err}"
+        );
+    }
+    // The server ends well, naming the worker lost.
+    let status = wait_for(&mut server, Duration::from_secs(30)).expect("the server ends");
+    let out = server.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(status.success(), "{text}");
+    assert!(
+        text.contains("server 0: workers dead: [2]; rejoined: []; lost for good: [2]"),
+        "{text}"
+    );
+    // The scheduler names it too, and fails the job: BSP's steps went on without it.
+    let status = wait_for(&mut sched, Duration::from_secs(30)).expect("the scheduler ends");
+    let out = sched.wait_with_output().unwrap();
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(status.code(), Some(1), "{text}{err}");
+    assert!(
+        text.contains("dead: [worker 2]; rejoined: []")
+            && text.contains("lost for good: [worker 2]"),
+        "{text}"
+    );
+    assert!(
+        err.contains("worker(s) 2 died and never came back"),
+        "the scheduler says why the job failed: {err}"
+    );
+}
+
+#[test]
+fn workers_whose_scheduler_died_are_told_it_is_gone() {
+    let p = port();
+    let extra = [("DMLC_NUM_WORKER", "2"), ("FALCON_POLICY", "ssp(2)")];
+    let iters = if cfg!(debug_assertions) { 3000 } else { 30_000 };
+    let mut sched = role("scheduler", p, iters, &extra);
+    let mut server = role("server", p, iters, &extra);
+    let workers: Vec<Child> = (0..2).map(|_| role("worker", p, iters, &extra)).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(sched.try_wait().unwrap().is_none(), "still running");
+    sched.kill().unwrap();
+    sched.wait().unwrap();
+    let killed = Instant::now();
+    for mut w in workers {
+        let status = wait_for(&mut w, Duration::from_secs(60)).expect("the workers end");
+        let out = w.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!status.success(), "{err}");
+        assert!(
+            err.contains("the scheduler is gone, and the job with it")
+                && !err.contains("can rejoin"),
+            "a worker is told the scheduler is gone, not to rejoin: {err}"
+        );
+    }
+    eprintln!(
+        "the workers ended {:?} after the scheduler's death",
+        killed.elapsed()
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
 /// Runs `falcon train` (BSP, uniform workers, the bundled sample, tcp) with `args`, writing
 /// its report under `out`; returns its stdout and the report's JSON text.
 fn train_bsp(args: &[&str], out: &std::path::Path) -> (String, String) {

@@ -539,40 +539,32 @@ fn role() -> Res {
     });
     match role {
         Role::Scheduler => {
+            let cfg_mode = cfg.update_mode();
             let sched = Scheduler::bind(cfg)?;
             if env(&["FALCON_ANNOUNCE"]).is_some() {
                 use std::io::Write;
                 outln!("{}{}", local_cmd::ANNOUNCE, sched.address());
                 std::io::stdout().flush()?;
             }
+            let mode = cfg_mode;
             let report = sched.run()?;
-            let nodes = |v: &[(Role, u32)]| {
-                v.iter()
-                    .map(|(r, n)| format!("{} {n}", r.name()))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
-            let evicted = report
-                .evicted
-                .iter()
-                .map(|(r, n, why)| format!("{} {n} ({why})", r.name()))
-                .collect::<Vec<_>>()
-                .join(", ");
             outln!(
-                "scheduler: job done; bytes per server [{}]; dead: [{}]; rejoined: [{}]; evicted: [{evicted}]",
+                "scheduler: {}; bytes per server [{}]",
+                report.ending(),
                 report
                     .bytes_per_server
                     .iter()
                     .map(u64::to_string)
                     .collect::<Vec<_>>()
-                    .join(", "),
-                nodes(&report.dead),
-                nodes(&report.rejoined)
+                    .join(", ")
             );
             for (rank, n, reason) in &report.checkpoint_failures {
                 outln!(
                     "scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}"
                 );
+            }
+            if let Some(why) = report.loss_fails_job(mode) {
+                return Err(why.into());
             }
         }
         Role::Server => {
@@ -593,6 +585,7 @@ fn role() -> Res {
                 report.dropped_gradients,
                 report.duplicate_pushes
             );
+            outln!("{}", report.ending());
             for a in &report.accounts {
                 outln!(
                     "server {}: shard {} first parameter {:.6}, sequence numbers {} = applied + {} skipped, {} transferred-task gradients",

@@ -334,6 +334,12 @@ mod tests {
             .chain(crate::ROLE_OWN_VARIABLES)
             .copied()
             .collect();
+        for s in SETTINGS {
+            match s.check {
+                Check::Any(why) => assert!(!why.is_empty(), "{}: say why any text will do", s.name),
+                _ => assert!(!s.garbage.is_empty(), "{}: a value it refuses", s.name),
+            }
+        }
         let checked: Vec<&str> = SETTINGS.iter().map(|s| s.name).collect();
         let set: BTreeSet<&str> = checked.iter().copied().collect();
         assert_eq!(set.len(), checked.len(), "a variable is listed twice");

@@ -933,6 +933,75 @@ pub struct SchedulerReport {
     pub rejoined: Vec<(Role, u32)>,
 }
 
+impl SchedulerReport {
+    /// Workers declared dead that did not come back before the job ended (a worker that
+    /// died twice and rejoined once is among them).
+    pub fn lost_workers(&self) -> Vec<u32> {
+        let mut lost: Vec<u32> = Vec::new();
+        let count = |v: &[(Role, u32)], w: u32| {
+            v.iter()
+                .filter(|&&(r, n)| r == Role::Worker && n == w)
+                .count()
+        };
+        for &(r, w) in &self.dead {
+            if r == Role::Worker
+                && !lost.contains(&w)
+                && count(&self.dead, w) > count(&self.rejoined, w)
+            {
+                lost.push(w);
+            }
+        }
+        lost.sort_unstable();
+        lost
+    }
+
+    /// How the job ended, in one line: who died, was evicted, rejoined, and who was lost for
+    /// good (`scheduler: job done; dead: [worker 3]; …`).
+    pub fn ending(&self) -> String {
+        let nodes = |v: &[(Role, u32)]| {
+            v.iter()
+                .map(|(r, n)| format!("{} {n}", r.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let evicted = self
+            .evicted
+            .iter()
+            .map(|(r, n, why)| format!("{} {n} ({why})", r.name()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let lost = self
+            .lost_workers()
+            .iter()
+            .map(|w| format!("worker {w}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "job done; dead: [{}]; rejoined: [{}]; evicted: [{evicted}]; lost for good: [{lost}]",
+            nodes(&self.dead),
+            nodes(&self.rejoined)
+        )
+    }
+
+    /// Whether losing workers for good fails the job, and why: under a synchronous update
+    /// (BSP, Sync-opt, enforced EPSP) each step stood for every worker's batch, so steps
+    /// taken without a worker are not the job asked for; asynchronous and bounded-staleness
+    /// policies take whichever gradients arrive, and their job goes on by design.
+    pub fn loss_fails_job(&self, mode: crate::update::UpdateMode) -> Option<String> {
+        let lost = self.lost_workers();
+        if lost.is_empty() || mode != crate::update::UpdateMode::Sync {
+            return None;
+        }
+        Some(format!(
+            "worker(s) {} died and never came back: the synchronous steps after that went on without them, so the job did not train as asked (under asynchronous and bounded-staleness policies the job goes on by design)",
+            lost.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    }
+}
+
 /// One worker's part of an ElasticBSP superstep plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SuperstepPlan {

@@ -87,6 +87,28 @@ pub struct ServerReport {
     pub per_worker: Vec<WorkerCounters>,
     /// Per shard of this server.
     pub per_shard: Vec<ShardCounters>,
+    /// Workers the scheduler declared dead while this server served, in order (a worker
+    /// that died twice is there twice).
+    pub workers_dead: Vec<u32>,
+    /// Workers that rejoined after being declared dead, in order.
+    pub workers_rejoined: Vec<u32>,
+    /// Workers still dead when the job ended: lost for good.
+    pub workers_lost: Vec<u32>,
+}
+
+impl ServerReport {
+    /// Who the scheduler declared dead while this server served, who rejoined and who was
+    /// lost for good, in one line (`server 0: workers dead: [3]; rejoined: []; lost for good: [3]`).
+    pub fn ending(&self) -> String {
+        let list = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+        format!(
+            "server {}: workers dead: [{}]; rejoined: [{}]; lost for good: [{}]",
+            self.rank,
+            list(&self.workers_dead),
+            list(&self.workers_rejoined),
+            list(&self.workers_lost)
+        )
+    }
 }
 
 /// One shard's push accounting at the end: every sequence number of every worker up to
@@ -421,6 +443,9 @@ struct Serving {
     offered: HashMap<u32, (u32, u64)>,
     transfers_offered: Vec<u64>,
     dead: HashSet<u32>,
+    /// Workers declared dead, and those that rejoined, in order (for the report).
+    deaths: Vec<u32>,
+    rejoins: Vec<u32>,
     start: Instant,
     checkpointer: Option<(Duration, Checkpointer)>,
     /// Checkpoints handed to the writer.
@@ -493,6 +518,8 @@ impl Serving {
             offered: HashMap::new(),
             transfers_offered: vec![0; workers],
             dead: HashSet::new(),
+            deaths: Vec::new(),
+            rejoins: Vec::new(),
             start: Instant::now(),
             checkpointer,
             taken: 0,
@@ -706,7 +733,9 @@ impl Serving {
                 role: Role::Worker,
                 rank,
             }) => {
-                self.dead.insert(rank);
+                if self.dead.insert(rank) {
+                    self.deaths.push(rank);
+                }
                 for i in 0..self.shards.len() {
                     self.feed(i, Input::Leave { worker: rank });
                 }
@@ -929,6 +958,7 @@ impl Serving {
             return;
         };
         if rejoin && self.dead.remove(&w) {
+            self.rejoins.push(w);
             tracing::info!("server {}: worker {w} rejoined", self.book.rank);
         }
         let mut lost = 0;
@@ -1334,6 +1364,13 @@ impl Serving {
             staleness_max: totals.staleness_max,
             delayed_pulls: totals.delayed_pulls,
             dropped_gradients: totals.dropped_gradients,
+            workers_dead: self.deaths.clone(),
+            workers_rejoined: self.rejoins.clone(),
+            workers_lost: {
+                let mut lost: Vec<u32> = self.dead.iter().copied().collect();
+                lost.sort_unstable();
+                lost
+            },
             ..Default::default()
         };
         for (w, c) in report.per_worker.iter_mut().enumerate() {

@@ -206,9 +206,18 @@ def init(
         overrides["FALCON_ROLE"] = "worker"
     role, _ = _falcon.launch_role(overrides)
     if role != "worker":
-        report = _falcon.serve(overrides)
-        print(f"falcon {role}: the job is done", file=sys.stderr, flush=True)
-        _last_report.update(report)
+        # A serving rank ends with one line: how the job ended (who died, was evicted,
+        # rejoined, lost for good), or why it failed; never a traceback.
+        try:
+            result = _falcon.serve(overrides)
+        except Error as e:
+            print(f"falcon {role}: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        _last_report.update(result)
+        print(f"falcon {result['ending']}", file=sys.stderr, flush=True)
+        if result["failure"]:
+            print(f"falcon {role}: the job failed: {result['failure']}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
         raise SystemExit(0)
     with _lock:
         if _worker is not None:

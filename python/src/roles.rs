@@ -35,6 +35,13 @@ fn scheduler_dict<'py>(py: Python<'py>, r: &SchedulerReport) -> PyResult<Bound<'
     d.set_item("threads", r.threads.clone())?;
     d.set_item("classes", r.classes.clone())?;
     d.set_item("supersteps", r.supersteps)?;
+    d.set_item(
+        "lost",
+        r.lost_workers()
+            .iter()
+            .map(|&w| ("worker".to_string(), w))
+            .collect::<Vec<_>>(),
+    )?;
     Ok(d)
 }
 
@@ -49,6 +56,9 @@ fn server_dict<'py>(py: Python<'py>, r: &ServerReport) -> PyResult<Bound<'py, Py
     d.set_item("duplicate_pushes", r.duplicate_pushes)?;
     d.set_item("staleness_sum", r.staleness_sum)?;
     d.set_item("staleness_max", r.staleness_max)?;
+    d.set_item("workers_dead", r.workers_dead.clone())?;
+    d.set_item("workers_rejoined", r.workers_rejoined.clone())?;
+    d.set_item("workers_lost", r.workers_lost.clone())?;
     let helps: u64 = r.accounts.iter().map(|a| a.helps).sum();
     d.set_item("transferred_task_gradients", helps)?;
     let workers = PyList::empty(py);
@@ -216,6 +226,7 @@ pub fn serve<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let launch = crate::launch(&overrides)?;
     let cfg = launch.config;
+    let mode = cfg.update_mode();
     match launch.role {
         Role::Scheduler => {
             let r = blocking(py, "scheduler", move || {
@@ -226,6 +237,8 @@ pub fn serve<'py>(
             let d = PyDict::new(py);
             d.set_item("role", "scheduler")?;
             d.set_item("report", scheduler_dict(py, &r)?)?;
+            d.set_item("ending", format!("scheduler: {}", r.ending()))?;
+            d.set_item("failure", r.loss_fails_job(mode))?;
             Ok(d)
         }
         Role::Server => {
@@ -238,6 +251,8 @@ pub fn serve<'py>(
             let d = PyDict::new(py);
             d.set_item("role", "server")?;
             d.set_item("report", server_dict(py, &r)?)?;
+            d.set_item("ending", r.ending())?;
+            d.set_item("failure", None::<String>)?;
             Ok(d)
         }
         Role::Worker => Err(ConfigError::new_err(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 
@@ -211,6 +212,80 @@ def test_a_dead_server_is_an_exception_never_a_hang(procs):
         w.finish()
     except falcon.Error as e:
         print("finish:", e)
+
+
+def test_serving_ranks_end_with_one_line_naming_who_was_lost(procs):
+    """A scheduler and a server served by `falcon.init()`; one of two workers is killed for
+    good under BSP: each serving rank ends with one line saying who died and was lost (no
+    traceback), and the scheduler's rank fails the job (BSP's steps went on without it)."""
+    port = free_port()
+    env = {
+        "FALCON_SCHEDULER": f"127.0.0.1:{port}", "FALCON_NUM_WORKER": "2",
+        "FALCON_NUM_SERVER": "1", "FALCON_POLICY": "bsp", "FALCON_JOB": "lost-worker",
+        "FALCON_TOKEN": "t0k3n",
+    }
+    sched = procs.serve("scheduler", env)
+    server = procs.serve("server", env)
+    victim = procs.start("worker 1", ["-c", (
+        "import falcon, numpy as np\n"
+        "w = falcon.init({'w': 4}, rank=1)\n"
+        "out = np.zeros(4, np.float32)\n"
+        "for c in range(100000):\n"
+        "    w.push('w', np.ones(4, np.float32), c); w.pull('w', out, c + 1)\n"
+        "    if c == 3: print('training', flush=True)\n"
+    )], {**env, "FALCON_ROLE": "worker"})
+    w = falcon.Worker.join([("w", 4)], {**env, "FALCON_ROLE": "worker", "FALCON_RANK": "0"})
+    out = np.zeros(4, np.float32)
+    clock = 0
+    for clock in range(5):
+        w.push("w", np.ones(4, np.float32), clock)
+        w.pull("w", out, clock + 1)
+    assert victim.stdout.readline().strip() == "training"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    for clock in range(5, 40):
+        w.push("w", np.ones(4, np.float32), clock)
+        w.pull("w", out, clock + 1)
+    w.finish()
+    sched_err = sched.communicate(timeout=30)[1]
+    server_err = server.communicate(timeout=30)[1]
+    print(sched_err, server_err)
+    assert sched.returncode == 1, sched_err
+    assert server.returncode == 0, server_err
+    for err in (sched_err, server_err):
+        assert "Traceback" not in err, err
+    lines = [l for l in sched_err.splitlines() if l.startswith("falcon scheduler")]
+    assert len(lines) == 2, sched_err
+    assert "dead: [worker 1]" in lines[0] and "lost for good: [worker 1]" in lines[0], lines
+    assert "the job failed: worker(s) 1 died and never came back" in lines[1], lines
+    assert "falcon server 0: workers dead: [1]; rejoined: []; lost for good: [1]" in server_err
+
+
+def test_a_serving_rank_that_fails_says_why_in_one_line(procs):
+    """A server rank whose scheduler address is another program's: one line, no traceback."""
+    foreign = socket.socket()
+    foreign.bind(("127.0.0.1", 0))
+    foreign.listen(4)
+    port = foreign.getsockname()[1]
+
+    def answer():
+        conn, _ = foreign.accept()
+        conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+        time.sleep(5)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    env = {"FALCON_SCHEDULER": f"127.0.0.1:{port}", "FALCON_NUM_WORKER": "1",
+           "FALCON_NUM_SERVER": "1"}
+    server = procs.serve("server", env)
+    err = server.communicate(timeout=30)[1]
+    assert server.returncode == 1, err
+    assert "Traceback" not in err, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("falcon server: ") and "is not a falcon scheduler" in lines[0], err
+    assert "SSH-2.0" in lines[0], err
+    foreign.close()
 
 
 def test_launch_variables_name_every_launcher():

@@ -101,12 +101,8 @@ impl Inner {
             Msg::Dead {
                 role: Role::Worker,
                 rank,
-            } => {
-                lock(&self.dead).insert(rank);
-            }
-            Msg::Rejoined { rank } => {
-                lock(&self.dead).remove(&rank);
-            }
+            } => self.worker_dead(rank, true),
+            Msg::Rejoined { rank } => self.worker_dead(rank, false),
             Msg::Dead {
                 role: Role::Server,
                 rank,
@@ -128,6 +124,26 @@ impl Inner {
             }
             Msg::Dead { role, rank } => self.fail_all(role, rank, "declared dead by the scheduler"),
             Msg::Shutdown => self.fail_all(Role::Scheduler, 0, "the job was shut down"),
+            _ => {}
+        }
+    }
+
+    /// Another worker was declared dead (`dead`), or rejoined: said once, as the others
+    /// train on.
+    fn worker_dead(&self, rank: u32, dead: bool) {
+        let changed = if dead {
+            lock(&self.dead).insert(rank)
+        } else {
+            lock(&self.dead).remove(&rank)
+        };
+        match (changed, dead) {
+            (true, true) => tracing::warn!(
+                "worker {}: worker {rank} died; the job goes on without it (it may rejoin under its rank)",
+                self.book.rank
+            ),
+            (true, false) => {
+                tracing::warn!("worker {}: worker {rank} rejoined the job", self.book.rank)
+            }
             _ => {}
         }
     }
@@ -157,10 +173,22 @@ impl Inner {
             // Lost without a goodbye (a partition the scheduler may have evicted this worker
             // over, its eviction notice lost with the link): the worker may join again under
             // its rank.
-            None if error.is_some() => self.fail_with(Error::SchedulerLost {
-                rank: self.book.rank,
-                why: closed_why(error),
-            }),
+            // Unless nothing listens where the scheduler was: then it is gone, and the job
+            // with it (nothing is left to rejoin).
+            None if error.is_some() => match scheduler_gone(self.sched.peer()) {
+                Some(gone) => self.fail_all(
+                    Role::Scheduler,
+                    0,
+                    &format!(
+                        "its link closed ({}) and {gone}: the scheduler is gone, and the job with it",
+                        closed_why(error)
+                    ),
+                ),
+                None => self.fail_with(Error::SchedulerLost {
+                    rank: self.book.rank,
+                    why: closed_why(error),
+                }),
+            },
             None => self.fail_all(
                 Role::Scheduler,
                 0,
@@ -168,4 +196,28 @@ impl Inner {
             ),
         }
     }
+}
+
+/// Whether nothing listens any more where the scheduler's link went (`tcp:IP:PORT` or
+/// `shm:PATH`, as the link names its peer): a connection refused at once means the process
+/// is gone from a host that is up. A host that does not answer (a partition) is not taken
+/// for gone: the worker may rejoin once it heals.
+fn scheduler_gone(peer: &str) -> Option<String> {
+    use std::io::ErrorKind;
+    let refused =
+        |e: &std::io::Error| matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound);
+    if let Some(addr) = peer.strip_prefix("tcp:") {
+        let addr: std::net::SocketAddr = addr.parse().ok()?;
+        return match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+            Err(e) if refused(&e) => Some(format!("nothing listens at {addr} any more")),
+            _ => None,
+        };
+    }
+    if let Some(path) = peer.strip_prefix("shm:") {
+        return match std::os::unix::net::UnixStream::connect(path) {
+            Err(e) if refused(&e) => Some(format!("nothing listens at {path} any more")),
+            _ => None,
+        };
+    }
+    None
 }
