@@ -482,6 +482,24 @@ fn a_learning_rate_decay_is_checked() {
     }
 }
 
+/// `falcon role` as `role` of a job of one server and one worker whose scheduler is at
+/// 127.0.0.1:`port`, in ps-lite's variables (none of this process's own launch variables).
+fn ps_lite_role(role: &str, port: &str) -> Command {
+    let mut c = Command::new(FALCON);
+    c.arg("role");
+    for v in falcon_engine::launch::VARIABLES {
+        c.env_remove(v);
+    }
+    c.envs([
+        ("DMLC_ROLE", role),
+        ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+        ("DMLC_PS_ROOT_PORT", port),
+        ("DMLC_NUM_SERVER", "1"),
+        ("DMLC_NUM_WORKER", "1"),
+    ]);
+    c
+}
+
 /// The settings found too late before (2026-11-27): each refused by `falcon role` before it
 /// joins anything, naming the variable, as a usage error, with no scheduler running (a
 /// setting taken would wait for rendezvous, and the test would see it time out instead).
@@ -535,20 +553,8 @@ fn role_refuses_every_setting_before_rendezvous_naming_it() {
         ),
     ];
     for (role, var, value, says) in cases {
-        let mut c = Command::new(FALCON);
-        c.arg("role");
-        for v in falcon_engine::launch::VARIABLES {
-            c.env_remove(v);
-        }
-        c.envs([
-            ("DMLC_ROLE", role),
-            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
-            ("DMLC_PS_ROOT_PORT", "1"),
-            ("DMLC_NUM_SERVER", "1"),
-            ("DMLC_NUM_WORKER", "1"),
-            ("FALCON_RENDEZVOUS_TIMEOUT_MS", "30000"),
-            (var, value),
-        ]);
+        let mut c = ps_lite_role(role, "1");
+        c.envs([("FALCON_RENDEZVOUS_TIMEOUT_MS", "30000"), (var, value)]);
         let start = Instant::now();
         let o = c.output().unwrap();
         let took = start.elapsed();
@@ -589,18 +595,7 @@ fn a_port_held_by_another_program_is_named_as_such() {
         }
     });
     let role = |role: &str| {
-        let mut c = Command::new(FALCON);
-        c.arg("role");
-        for v in falcon_engine::launch::VARIABLES {
-            c.env_remove(v);
-        }
-        c.envs([
-            ("DMLC_ROLE", role),
-            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
-            ("DMLC_PS_ROOT_PORT", port.as_str()),
-            ("DMLC_NUM_SERVER", "1"),
-            ("DMLC_NUM_WORKER", "1"),
-        ]);
+        let mut c = ps_lite_role(role, &port);
         let start = Instant::now();
         let o = c.output().unwrap();
         (

@@ -190,6 +190,34 @@ impl Drop for Proc {
     }
 }
 
+/// The attacked jobs' settings (SSP over tcp, the count workload, 4 shards on 2 servers),
+/// and the job's id.
+fn wall_job(name: &str, iters: u64) -> (Job, u64) {
+    let iters_s = iters.to_string();
+    let job = Job::new(
+        name,
+        SERVERS,
+        WORKERS,
+        &[
+            ("FALCON_POLICY", "ssp(2)"),
+            ("FALCON_MEDIUM", "tcp"),
+            ("FALCON_WORKLOAD", "count"),
+            ("FALCON_ITERS", &iters_s),
+            ("FALCON_FLOATS", "4096"),
+            ("FALCON_MAX_SHARD_BYTES", "4096"),
+        ],
+    );
+    let name = &job
+        .vars
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "FALCON_JOB")
+        .unwrap()
+        .1;
+    let id = falcon_engine::config::job_hash(name);
+    (job, id)
+}
+
 /// A live job, and where its scheduler and server 0 listen.
 struct Live {
     job: Job,
@@ -213,29 +241,7 @@ impl Live {
         nofile: Option<u32>,
         worker3_via: impl FnOnce(SocketAddr) -> Option<u16>,
     ) -> Live {
-        let iters_s = iters.to_string();
-        let job = Job::new(
-            name,
-            SERVERS,
-            WORKERS,
-            &[
-                ("FALCON_POLICY", "ssp(2)"),
-                ("FALCON_MEDIUM", "tcp"),
-                ("FALCON_WORKLOAD", "count"),
-                ("FALCON_ITERS", &iters_s),
-                ("FALCON_FLOATS", "4096"),
-                ("FALCON_MAX_SHARD_BYTES", "4096"),
-            ],
-        );
-        let var = |k: &str| {
-            job.vars
-                .iter()
-                .rev()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.clone())
-                .unwrap()
-        };
-        let job_id = falcon_engine::config::job_hash(&var("FALCON_JOB"));
+        let (job, job_id) = wall_job(name, iters);
         let scheduler_addr = SocketAddr::from(([127, 0, 0, 1], job.port));
         let worker3_via = worker3_via(scheduler_addr);
         let scheduler = Proc::spawn(&job, "scheduler", None, &[], nofile);
@@ -1437,28 +1443,7 @@ fn row5_half_open_floods_from_many_addresses_lock_no_node_out() {
         }
         let name = format!("{addresses} x {per_source}");
         let iters = iters_for(6.0);
-        let iters_s = iters.to_string();
-        let job = Job::new(
-            "wall-row5",
-            SERVERS,
-            WORKERS,
-            &[
-                ("FALCON_POLICY", "ssp(2)"),
-                ("FALCON_MEDIUM", "tcp"),
-                ("FALCON_WORKLOAD", "count"),
-                ("FALCON_ITERS", &iters_s),
-                ("FALCON_FLOATS", "4096"),
-                ("FALCON_MAX_SHARD_BYTES", "4096"),
-            ],
-        );
-        let job_id = falcon_engine::config::job_hash(
-            &job.vars
-                .iter()
-                .rev()
-                .find(|(k, _)| k == "FALCON_JOB")
-                .unwrap()
-                .1,
-        );
+        let (job, job_id) = wall_job("wall-row5", iters);
         let sched_addr = SocketAddr::from(([127, 0, 0, 1], job.port));
         let scheduler = Proc::spawn(&job, "scheduler", None, &[], None);
         let t = Instant::now();

@@ -28,43 +28,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+pub use crate::proto::NodeMetrics;
 use crate::proto::{Msg, Role};
-
-/// A worker's or a server's counters since it started (totals, so a lost message loses
-/// nothing), as it sends them to the scheduler.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct NodeMetrics {
-    /// Worker: iterations completed (its clock: every tensor pushed this many times).
-    pub iterations: u64,
-    /// Worker: shard pushes; server: gradients received.
-    pub pushes: u64,
-    /// Worker: shard pulls (one-sided reads and server answers); server: pulls answered.
-    pub pulls: u64,
-    /// Worker: time blocked on pulls the policy parked and at barriers; server: unused.
-    pub blocked_nanos: u64,
-    /// Staleness of acknowledged pushes (worker) or applied gradients (server): sum, count,
-    /// largest.
-    pub staleness_sum: u64,
-    /// Pushes counted in `staleness_sum`.
-    pub staleness_count: u64,
-    /// The largest staleness.
-    pub staleness_max: u64,
-    /// Server: gradient bytes received.
-    pub bytes_in: u64,
-    /// Server: parameter bytes written to answer pulls (worker: bytes read one-sided).
-    pub bytes_out: u64,
-    /// Server: updates applied to parameters.
-    pub updates: u64,
-    /// Server: pulls parked now, waiting for the policy.
-    pub parked_pulls: u64,
-    /// Server: pulls that waited for the policy, in all.
-    pub delayed_pulls: u64,
-    /// Server: gradients the policy dropped.
-    pub dropped_gradients: u64,
-}
 
 /// What the scheduler knows of one worker.
 #[derive(Clone, Debug, Default)]

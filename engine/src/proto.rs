@@ -12,6 +12,40 @@ use crate::sync::PolicySpec;
 use crate::update::{Aggregate, Optimizer, ScaleSpec, UpdateMode};
 
 const MAGIC: [u8; 2] = *b"FE";
+
+/// A worker's or a server's counters since it started (totals, so a lost message loses
+/// nothing), as it sends them to the scheduler.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeMetrics {
+    /// Worker: iterations completed (its clock: every tensor pushed this many times).
+    pub iterations: u64,
+    /// Worker: shard pushes; server: gradients received.
+    pub pushes: u64,
+    /// Worker: shard pulls (one-sided reads and server answers); server: pulls answered.
+    pub pulls: u64,
+    /// Worker: time blocked on pulls the policy parked and at barriers; server: unused.
+    pub blocked_nanos: u64,
+    /// Staleness of acknowledged pushes (worker) or applied gradients (server): sum, count,
+    /// largest.
+    pub staleness_sum: u64,
+    /// Pushes counted in `staleness_sum`.
+    pub staleness_count: u64,
+    /// The largest staleness.
+    pub staleness_max: u64,
+    /// Server: gradient bytes received.
+    pub bytes_in: u64,
+    /// Server: parameter bytes written to answer pulls (worker: bytes read one-sided).
+    pub bytes_out: u64,
+    /// Server: updates applied to parameters.
+    pub updates: u64,
+    /// Server: pulls parked now, waiting for the policy.
+    pub parked_pulls: u64,
+    /// Server: pulls that waited for the policy, in all.
+    pub delayed_pulls: u64,
+    /// Server: gradients the policy dropped.
+    pub dropped_gradients: u64,
+}
+
 /// Bumped whenever `Msg` or the slot trailer changes shape (2: ElasticBSP's `Superstep` and
 /// `Plan`; 6: server recovery and worker rejoin; 7: typed acknowledgements and refused pulls;
 /// 10: metrics; 12: the trailer names a gradient left in the worker's memory, so nodes of
@@ -155,7 +189,7 @@ pub enum Msg {
     Heartbeat,
     /// worker or server → scheduler, with each heartbeat: its counters, for the metrics
     /// endpoint.
-    Metrics(crate::metrics::NodeMetrics),
+    Metrics(NodeMetrics),
     /// worker → scheduler: arrived at barrier `seq`.
     Barrier {
         /// Barrier number.

@@ -20,7 +20,7 @@ use falcon_transport::cuda::{CudaError as DeviceError, Gpu, PinnedRegion};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
 
-use crate::worker::{CUDA, CUDA_MANAGED};
+use crate::dlpack::{CUDA, CUDA_MANAGED};
 use crate::{CudaError, LengthError};
 
 /// `kDLFloat`.

@@ -22,6 +22,7 @@ use pyo3::prelude::*;
 
 #[cfg(feature = "cuda")]
 mod device;
+mod dlpack;
 mod roles;
 mod tasks;
 mod worker;

@@ -20,6 +20,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::dlpack::{CPU, CUDA, CUDA_HOST, CUDA_MANAGED};
 use crate::{ConfigError, Error, LengthError, SLICE, TensorError, engine_err, transport_err};
 
 /// Regions kept per tensor for reuse (more in flight at once are made and dropped).
@@ -114,12 +115,6 @@ pub struct Worker {
     #[cfg(feature = "cuda")]
     devices: Arc<crate::device::Devices>,
 }
-
-/// DLPack's device types: `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, `kDLCUDAManaged`.
-const CPU: i32 = 1;
-pub(crate) const CUDA: i32 = 2;
-const CUDA_HOST: i32 = 3;
-pub(crate) const CUDA_MANAGED: i32 = 13;
 
 /// The CUDA device of `obj` when it is a DLPack producer whose memory is on one (`None`
 /// for host memory, and for objects that are not DLPack producers).

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 
-use crate::error::{Error, Result};
-use crate::handshake::{Handshake, Local, NONCE, Peer, Side, busy_record};
+use crate::error::Error;
+use crate::handshake::{Handshake, Local, Peer, Side, busy_record, nonce};
 
 /// The wall's limits.
 #[derive(Clone, Debug)]
@@ -176,20 +176,6 @@ enum End {
 
 /// Longest a poll sleeps, so a stopping transport is noticed even if nothing wakes it.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
-
-/// A fresh nonce from the kernel.
-pub(crate) fn nonce() -> Result<[u8; NONCE]> {
-    let mut n = [0u8; NONCE];
-    let mut filled = 0;
-    while filled < NONCE {
-        match rustix::rand::getrandom(&mut n[filled..], rustix::rand::GetRandomFlags::empty()) {
-            Ok(k) => filled += k,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(Error::io("random handshake nonce", e.into())),
-        }
-    }
-    Ok(n)
-}
 
 fn timespec(d: Duration) -> Timespec {
     Timespec {

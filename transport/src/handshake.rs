@@ -37,6 +37,28 @@ pub(crate) const MAX_RECORD: usize = FRAME_HEADER + MAX_REFUSAL;
 
 const LABEL: &[u8] = b"falcon/link/v1\0";
 
+/// What a hello asks the connection to become.
+pub(crate) const HELLO_TCP: u32 = 0;
+/// The tcp connection is the control link of an RDMA queue pair.
+pub(crate) const HELLO_RDMA: u32 = 1;
+/// The tcp connection joins an existing link as one more of its connections (an
+/// [`crate::wire::Op::Bind`] frame follows the handshake).
+pub(crate) const HELLO_LANE: u32 = 2;
+
+/// A fresh nonce from the kernel.
+pub(crate) fn nonce() -> Result<[u8; NONCE]> {
+    let mut n = [0u8; NONCE];
+    let mut filled = 0;
+    while filled < NONCE {
+        match rustix::rand::getrandom(&mut n[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(k) => filled += k,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::io("random handshake nonce", e.into())),
+        }
+    }
+    Ok(n)
+}
+
 /// Which end of the connection this handshake is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Side {
@@ -261,7 +283,7 @@ impl Handshake {
                         theirs: h.region.get(),
                         ours: self.local.job,
                     })
-                } else if h.imm.get() > crate::tcp::HELLO_LANE {
+                } else if h.imm.get() > HELLO_LANE {
                     Err(Error::Malformed(format!(
                         "hello asks for unknown medium {}",
                         h.imm.get()

@@ -400,13 +400,7 @@ fn dontwait() -> std::ffi::c_int {
     rustix::net::SendFlags::DONTWAIT.bits() as std::ffi::c_int
 }
 
-/// What a hello asks the connection to become.
-pub(crate) const HELLO_TCP: u32 = 0;
-/// The tcp connection is the control link of an RDMA queue pair.
-pub(crate) const HELLO_RDMA: u32 = 1;
-/// The tcp connection joins an existing link as one more of its connections (an
-/// [`Op::Bind`] frame follows the handshake).
-pub(crate) const HELLO_LANE: u32 = 2;
+pub(crate) use crate::handshake::{HELLO_LANE, HELLO_RDMA, HELLO_TCP};
 
 /// The accepting side of a lane (its handshake done): reads its [`Op::Bind`] frame under the
 /// handshake deadline and joins it to the link the peer announced. The announcement may
@@ -453,7 +447,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
         let d = deadline.saturating_duration_since(std::time::Instant::now());
         if d.is_zero() { Err(timed_out()) } else { Ok(d) }
     };
-    let mut hs = Handshake::new(Side::Connect, cfg.local(ask), crate::admit::nonce()?);
+    let mut hs = Handshake::new(Side::Connect, cfg.local(ask), crate::handshake::nonce()?);
     let mut heard: Vec<u8> = Vec::new();
     loop {
         while !hs.outgoing().is_empty() {
@@ -468,18 +462,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                     ));
                 }
                 Ok(n) => hs.sent(n),
-                Err(e)
-                    if heard.is_empty()
-                        && matches!(
-                            e.kind(),
-                            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-                        ) =>
-                {
-                    return Err(Error::Busy {
-                        peer: peer_name(stream),
-                        why: format!("it reset the connection during the handshake ({e})"),
-                    });
-                }
+                Err(e) if heard.is_empty() && is_reset(&e) => return Err(reset_busy(stream, &e)),
                 Err(e) => handshake_io(e, "send tcp hello", &timed_out)?,
             }
         }
@@ -523,22 +506,23 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                     return Err(named(e, stream, &heard));
                 }
             }
-            // A reset before the peer said anything: a wall that had to let us go, or a
-            // process that died; the caller retries it as it retries a busy peer.
-            Err(e)
-                if heard.is_empty()
-                    && matches!(
-                        e.kind(),
-                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
-                    ) =>
-            {
-                return Err(Error::Busy {
-                    peer: peer_name(stream),
-                    why: format!("it reset the connection during the handshake ({e})"),
-                });
-            }
+            Err(e) if heard.is_empty() && is_reset(&e) => return Err(reset_busy(stream, &e)),
             Err(e) => handshake_io(e, "receive tcp hello", &timed_out)?,
         }
+    }
+}
+
+fn is_reset(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+    matches!(e.kind(), ConnectionReset | ConnectionAborted | BrokenPipe)
+}
+
+/// A reset before the peer said anything: a wall that had to let us go, or a process that
+/// died; the caller retries it as it retries a busy peer.
+fn reset_busy(stream: &TcpStream, e: &std::io::Error) -> Error {
+    Error::Busy {
+        peer: peer_name(stream),
+        why: format!("it reset the connection during the handshake ({e})"),
     }
 }
 
@@ -986,7 +970,7 @@ impl TcpLink {
         if lanes < 2 {
             return;
         }
-        let key = match crate::admit::nonce() {
+        let key = match crate::handshake::nonce() {
             Ok(n) => u64::from_le_bytes(n[..8].try_into().expect("a nonce has 8 bytes")),
             Err(e) => {
                 tracing::debug!("no lanes for tcp link {}: {e}", self.id());

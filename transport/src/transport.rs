@@ -764,7 +764,7 @@ fn admitted(addr: SocketAddr, cfg: &tcp::TcpSettings, ask: u32) -> Result<(TcpSt
                 tracing::debug!("{peer} is busy ({why}); trying again (attempt {tries})");
                 drop(stream);
                 // Up to half the pause again, so newcomers turned away together spread out.
-                let r = admit::nonce().map_or(0, |n| u32::from(n[0]));
+                let r = crate::handshake::nonce().map_or(0, |n| u32::from(n[0]));
                 let jitter = pause * r / 512;
                 std::thread::sleep(pause + jitter);
                 pause = (pause * 2).min(Duration::from_millis(250));
