@@ -78,6 +78,9 @@ pub enum falcon_code {
     /// An argument that cannot be used: a string that is not UTF-8, a tensor of no floats, a
     /// negative count.
     FALCON_ERR_ARGUMENT = -12,
+    /// An operating-system call failed: a thread that cannot start, an address that cannot
+    /// be listened on.
+    FALCON_ERR_SYSTEM = -13,
 }
 
 const FALCON_OK: c_int = falcon_code::FALCON_OK as c_int;
@@ -94,6 +97,7 @@ const FALCON_ERR_PANIC: c_int = falcon_code::FALCON_ERR_PANIC as c_int;
 const FALCON_ERR_REFUSED: c_int = falcon_code::FALCON_ERR_REFUSED as c_int;
 const FALCON_ERR_CHECKPOINT: c_int = falcon_code::FALCON_ERR_CHECKPOINT as c_int;
 const FALCON_ERR_ARGUMENT: c_int = falcon_code::FALCON_ERR_ARGUMENT as c_int;
+const FALCON_ERR_SYSTEM: c_int = falcon_code::FALCON_ERR_SYSTEM as c_int;
 
 /// A failure on its way to the caller: its code and its message.
 struct Failure {
@@ -129,6 +133,7 @@ impl From<EngineError> for Failure {
             E::Timeout(..) | E::Rendezvous { .. } => FALCON_ERR_TIMEOUT,
             E::Transport(_) | E::Malformed(_) | E::Cuda(_) => FALCON_ERR_TRANSPORT,
             E::Checkpoint(_) | E::CheckpointFailed { .. } => FALCON_ERR_CHECKPOINT,
+            E::Os { .. } => FALCON_ERR_SYSTEM,
         };
         Failure::new(code, e.to_string())
     }
@@ -249,6 +254,7 @@ pub extern "C" fn falcon_code_name(code: c_int) -> *const c_char {
         FALCON_ERR_REFUSED => c"FALCON_ERR_REFUSED",
         FALCON_ERR_CHECKPOINT => c"FALCON_ERR_CHECKPOINT",
         FALCON_ERR_ARGUMENT => c"FALCON_ERR_ARGUMENT",
+        FALCON_ERR_SYSTEM => c"FALCON_ERR_SYSTEM",
         _ => c"FALCON_UNKNOWN_CODE",
     };
     name.as_ptr()

@@ -56,6 +56,16 @@ pub enum Error {
     /// Invalid configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// An operating-system call failed (a thread that cannot start, an address that cannot
+    /// be listened on): what falcon was doing, and the OS error.
+    #[error("{what}: {source}")]
+    Os {
+        /// What falcon was doing.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::sync::Arc<std::io::Error>,
+    },
     /// A server checkpoint could not be written, or one found is unusable.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
@@ -124,6 +134,16 @@ pub enum Error {
 impl From<falcon_transport::cuda::CudaError> for Error {
     fn from(e: falcon_transport::cuda::CudaError) -> Self {
         Error::Cuda(e.to_string())
+    }
+}
+
+impl Error {
+    /// An OS error while doing `what`.
+    pub fn os(what: impl Into<String>, source: std::io::Error) -> Error {
+        Error::Os {
+            what: what.into(),
+            source: std::sync::Arc::new(source),
+        }
     }
 }
 

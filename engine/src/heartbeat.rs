@@ -42,5 +42,5 @@ pub(crate) fn start(
             }
         })
         .map(|_| ())
-        .map_err(|e| Error::Config(format!("cannot start the heartbeat thread: {e}")))
+        .map_err(|e| Error::os("cannot start the heartbeat thread", e))
 }

@@ -203,7 +203,7 @@ impl LocalCluster {
             std::thread::Builder::new()
                 .name("falcon-scheduler".into())
                 .spawn(move || run_role(&failures, "scheduler", 0, || sched.run()))
-                .map_err(|e| Error::Config(format!("cannot start the scheduler's thread: {e}")))?
+                .map_err(|e| Error::os("cannot start the scheduler's thread", e))?
         };
         let servers = (0..cfg.servers)
             .map(|r| {
@@ -216,7 +216,7 @@ impl LocalCluster {
                         })
                     })
                     .map_err(|e| {
-                        Error::Config(format!("cannot start the thread of server {r}: {e}"))
+                        Error::os(format!("cannot start the thread of server {r}"), e)
                     })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -231,7 +231,7 @@ impl LocalCluster {
                         })
                     })
                     .map_err(|e| {
-                        Error::Config(format!("cannot start the thread of worker {r}: {e}"))
+                        Error::os(format!("cannot start the thread of worker {r}"), e)
                     })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -302,23 +302,24 @@ impl Exporter {
     /// Binds `addr` (port 0: any free port) and starts answering scrapes from `board`.
     pub fn start(addr: SocketAddr, board: Arc<Mutex<Board>>) -> Result<Exporter> {
         let listener = TcpListener::bind(addr).map_err(|e| {
-            Error::Config(format!(
-                "the metrics endpoint cannot listen on {addr} (FALCON_METRICS_ADDR): {e}"
-            ))
+            Error::os(
+                format!("the metrics endpoint cannot listen on {addr} (FALCON_METRICS_ADDR)"),
+                e,
+            )
         })?;
         let addr = listener
             .local_addr()
-            .map_err(|e| Error::Config(format!("the metrics endpoint on {addr}: {e}")))?;
+            .map_err(|e| Error::os(format!("the metrics endpoint on {addr}"), e))?;
         listener
             .set_nonblocking(true)
-            .map_err(|e| Error::Config(format!("the metrics endpoint on {addr}: {e}")))?;
+            .map_err(|e| Error::os(format!("the metrics endpoint on {addr}"), e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let halt = stop.clone();
         let thread = std::thread::Builder::new()
             .name("falcon-metrics".into())
             .spawn(move || serve(&listener, &board, &halt))
             .map_err(|e| {
-                Error::Config(format!("cannot start the metrics endpoint's thread: {e}"))
+                Error::os("cannot start the metrics endpoint's thread", e)
             })?;
         tracing::info!("scheduler: metrics at http://{addr}/metrics");
         Ok(Exporter {

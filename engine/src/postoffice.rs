@@ -24,64 +24,7 @@ pub fn rendezvous(
     tensors: Vec<TensorSpec>,
 ) -> Result<(Link, Book, Vec<Completion>)> {
     let mut early = Vec::new();
-    // HOST:PORT, IP:PORT (a remote tcp endpoint) or the transport's text form.
-    let addr = crate::launch::scheduler_address(&cfg.scheduler)
-        .map_err(|e| Error::Config(format!("scheduler address {}: {e}", cfg.scheduler)))?;
-    // The configured medium is for the data path; the control link to the scheduler takes
-    // whatever reaches it (its address may be a bare tcp endpoint from the environment).
-    // Roles start in any order: retry until the rendezvous deadline, like ps-lite.
-    let deadline = Instant::now() + cfg.rendezvous_timeout;
-    let mut pause = Duration::from_millis(20);
-    let mut attempt = 0u32;
-    let mut last_said = Instant::now();
-    let sched = loop {
-        attempt += 1;
-        match t.connect_control(&addr) {
-            Ok(l) => break l,
-            // Not listening yet, or at its admission limit: retry until the deadline.
-            Err(
-                e @ (falcon_transport::Error::Unreachable { .. }
-                | falcon_transport::Error::Closed { .. }
-                | falcon_transport::Error::Busy { .. }
-                | falcon_transport::Error::Timeout(..)),
-            ) => {
-                if Instant::now() + pause > deadline {
-                    return Err(Error::PeerGone {
-                        role: "scheduler",
-                        rank: 0,
-                        why: format!(
-                            "unreachable at {} after {attempt} attempts in {:.1} s: {e}",
-                            cfg.scheduler,
-                            cfg.rendezvous_timeout.as_secs_f64()
-                        ),
-                    });
-                }
-                if last_said.elapsed() >= Duration::from_secs(3) {
-                    tracing::warn!(
-                        "{}: waiting for the scheduler at {} (attempt {attempt}, {:.0} s left): {e}",
-                        role.name(),
-                        cfg.scheduler,
-                        deadline
-                            .saturating_duration_since(Instant::now())
-                            .as_secs_f64()
-                    );
-                    last_said = Instant::now();
-                }
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(500));
-            }
-            // Another program holds the scheduler's port: no use waiting for it.
-            Err(falcon_transport::Error::NotFalcon { seen, .. }) => {
-                return Err(Error::Config(format!(
-                    "{} is not a falcon scheduler: it answered with {seen}; another program \
-                     holds that port (check FALCON_SCHEDULER, or DMLC_PS_ROOT_URI and \
-                     DMLC_PS_ROOT_PORT, or MASTER_ADDR and MASTER_PORT)",
-                    cfg.scheduler
-                )));
-            }
-            Err(e) => return Err(e.into()),
-        }
-    };
+    let sched = reach_scheduler(t, cfg, role)?;
     sched.send(&Msg::Knock.encode())?;
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     // The scheduler answers with a challenge our hello must answer.
@@ -132,6 +75,71 @@ pub fn rendezvous(
     let helpers = crate::config::host_helpers(cfg.helper_threads, book.host_peers, cores);
     falcon_transport::spread::set_helpers(helpers);
     Ok((sched, book, early))
+}
+
+/// Connects to the scheduler for control messages, retrying until the rendezvous deadline
+/// while it is not listening yet, is busy admitting others, or times out (roles start in any
+/// order, as in ps-lite); a peer that is not a falcon scheduler, or any other error, ends the
+/// wait at once.
+fn reach_scheduler(t: &Transport, cfg: &JobConfig, role: Role) -> Result<Link> {
+    // HOST:PORT, IP:PORT (a remote tcp endpoint) or the transport's text form.
+    let addr = crate::launch::scheduler_address(&cfg.scheduler)
+        .map_err(|e| Error::Config(format!("scheduler address {}: {e}", cfg.scheduler)))?;
+    // The configured medium is for the data path; the control link to the scheduler takes
+    // whatever reaches it (its address may be a bare tcp endpoint from the environment).
+    // Roles start in any order: retry until the rendezvous deadline, like ps-lite.
+    let deadline = Instant::now() + cfg.rendezvous_timeout;
+    let mut pause = Duration::from_millis(20);
+    let mut attempt = 0u32;
+    let mut last_said = Instant::now();
+    loop {
+        attempt += 1;
+        match t.connect_control(&addr) {
+            Ok(l) => return Ok(l),
+            // Not listening yet, or at its admission limit: retry until the deadline.
+            Err(
+                e @ (falcon_transport::Error::Unreachable { .. }
+                | falcon_transport::Error::Closed { .. }
+                | falcon_transport::Error::Busy { .. }
+                | falcon_transport::Error::Timeout(..)),
+            ) => {
+                if Instant::now() + pause > deadline {
+                    return Err(Error::PeerGone {
+                        role: "scheduler",
+                        rank: 0,
+                        why: format!(
+                            "unreachable at {} after {attempt} attempts in {:.1} s: {e}",
+                            cfg.scheduler,
+                            cfg.rendezvous_timeout.as_secs_f64()
+                        ),
+                    });
+                }
+                if last_said.elapsed() >= Duration::from_secs(3) {
+                    tracing::warn!(
+                        "{}: waiting for the scheduler at {} (attempt {attempt}, {:.0} s left): {e}",
+                        role.name(),
+                        cfg.scheduler,
+                        deadline
+                            .saturating_duration_since(Instant::now())
+                            .as_secs_f64()
+                    );
+                    last_said = Instant::now();
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            // Another program holds the scheduler's port: no use waiting for it.
+            Err(falcon_transport::Error::NotFalcon { seen, .. }) => {
+                return Err(Error::Config(format!(
+                    "{} is not a falcon scheduler: it answered with {seen}; another program \
+                     holds that port (check FALCON_SCHEDULER, or DMLC_PS_ROOT_URI and \
+                     DMLC_PS_ROOT_PORT, or MASTER_ADDR and MASTER_PORT)",
+                    cfg.scheduler
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Waits for the scheduler's message that `want` takes (it hands others back), by `deadline`

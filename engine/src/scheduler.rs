@@ -150,6 +150,7 @@ impl Scheduler {
             ));
         }
         let t = Transport::new(cfg.transport_config()).map_err(|e| match e {
+            // A port the job's settings chose: the settings must change.
             falcon_transport::Error::Bind { addr, why } => Error::Config(format!(
                 "the scheduler cannot listen on {addr}: {why}; give it a free port \
                  (FALCON_SCHEDULER=HOST:PORT, FALCON_SCHEDULER_PORT, DMLC_PS_ROOT_PORT or \

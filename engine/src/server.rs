@@ -1081,7 +1081,6 @@ impl Serving {
         };
         let slot = s.slots[w as usize].clone();
         let floats = s.spec.len as usize;
-        let mut trailer = [0u8; SlotTrailer::BYTES as usize];
         // Initial values travel as f32; gradients in the job's wire precision.
         let wire = match imm.kind {
             PushKind::Init => crate::precision::Wire::F32,
@@ -1090,30 +1089,8 @@ impl Serving {
         // A gradient in f32 is applied where it lies (`Grad::Slot`, acknowledged after the
         // apply): one pass over the slot instead of a copy and a pass over the copy.
         let in_slot = imm.kind == PushKind::Gradient && wire == crate::precision::Wire::F32;
-        let mut ranges = None;
-        let read = match (imm.kind, wire) {
-            _ if in_slot => Ok(Vec::new()),
-            (PushKind::Rows, _) => crate::rows::parse(s.spec.len, s.spec.bytes(), |o, buf| {
-                slot.read_at(o, buf).map_err(Error::from)
-            })
-            .map(|(r, values)| {
-                ranges = Some(r);
-                values
-            })
-            .map_err(|e| falcon_transport::Error::Malformed(e.to_string())),
-            (_, crate::precision::Wire::F32) => slot.read_f32_vec(0, s.spec.len as usize),
-            (_, w) => {
-                // Widened in the slot, then read as f32 (the slot holds a gradient's f32 bytes).
-                crate::precision::widen_in_place(w, &slot, 0, s.spec.len)
-                    .and_then(|()| slot.read_f32_vec(0, s.spec.len as usize))
-            }
-        }
-        .and_then(|grad| {
-            slot.read_at(s.spec.bytes(), &mut trailer)?;
-            Ok(grad)
-        });
-        let grad = match read {
-            Ok(grad) => grad,
+        let (grad, ranges, trailer) = match read_slot(s, &slot, imm.kind, wire, in_slot) {
+            Ok(read) => read,
             Err(e) => {
                 tracing::warn!("server {rank}: reading worker {w}'s slot: {e}");
                 return;
@@ -1158,40 +1135,18 @@ impl Serving {
                 }
             }
         };
-        let input = match imm.kind {
-            PushKind::Init => Input::Init {
-                conn: link,
-                worker: w,
-                values: grad,
-            },
-            PushKind::Rows => Input::PushRows {
-                conn: link,
-                worker: w,
-                seq,
-                computed_on,
-                ranges: ranges.unwrap_or_default(),
-                values: grad,
-            },
-            PushKind::Gradient => Input::Push {
-                conn: link,
-                worker: w,
-                seq,
-                computed_on,
-                grad: match (&in_peer, in_slot) {
-                    (Some(g), _) => crate::shard::Grad::Slot(g),
-                    (None, true) => crate::shard::Grad::Slot(&in_place),
-                    (None, false) => grad.into(),
-                },
-            },
-            PushKind::Help => Input::Help {
-                conn: link,
-                worker: w,
-                seq,
-                computed_on,
-                grad,
-                help_for,
-            },
+        let held: Option<&dyn crate::shard::GradSlot> = match (&in_peer, in_slot) {
+            (Some(g), _) => Some(g),
+            (None, true) => Some(&in_place),
+            (None, false) => None,
         };
+        let input = push_input(
+            imm.kind,
+            (link, w),
+            (seq, computed_on, help_for),
+            (grad, ranges),
+            held,
+        );
         // A pull riding on a gradient push (push-pull): taken as its request right behind the
         // push would be, its answer sent with the push's acknowledgement. Other kinds of push
         // never carry one; a pull there is ignored.
@@ -1510,7 +1465,7 @@ impl Checkpointer {
                     unlogged = 0;
                 }
             })
-            .map_err(|e| Error::Config(format!("spawn the checkpoint writer: {e}")))?;
+            .map_err(|e| Error::os("cannot start the checkpoint writer", e))?;
         Ok(Checkpointer {
             tx: Some(tx),
             writer: Some(writer),
@@ -1550,4 +1505,84 @@ impl Drop for StopOnDrop {
         self.0.store(false, std::sync::atomic::Ordering::Release);
         self.1.close();
     }
+}
+
+
+/// What a push of `kind` from worker `w` on `link` is to its shard's core: its values (or,
+/// `held`, the gradient where it lies), numbered `seq`, computed on `computed_on` (a helper's
+/// push: for `help_for`).
+fn push_input<'g>(
+    kind: PushKind,
+    (conn, worker): (LinkId, u32),
+    (seq, computed_on, help_for): (u64, Option<u64>, Option<(u32, u64)>),
+    (values, ranges): (Vec<f32>, Option<crate::rows::RowIndex>),
+    held: Option<&'g dyn crate::shard::GradSlot>,
+) -> Input<'g> {
+    match kind {
+        PushKind::Init => Input::Init {
+            conn,
+            worker,
+            values,
+        },
+        PushKind::Rows => Input::PushRows {
+            conn,
+            worker,
+            seq,
+            computed_on,
+            ranges: ranges.unwrap_or_default(),
+            values,
+        },
+        PushKind::Gradient => Input::Push {
+            conn,
+            worker,
+            seq,
+            computed_on,
+            grad: match held {
+                Some(g) => crate::shard::Grad::Slot(g),
+                None => values.into(),
+            },
+        },
+        PushKind::Help => Input::Help {
+            conn,
+            worker,
+            seq,
+            computed_on,
+            grad: values,
+            help_for,
+        },
+    }
+}
+
+/// Reads a push of `kind` out of a worker's `slot` of shard `s`: its values (none where an
+/// f32 gradient is applied in the slot, `in_slot`; widened from `wire` where it travelled in
+/// 16 bits), a row push's index, and the slot's trailer.
+fn read_slot(
+    s: &Shard,
+    slot: &Region,
+    kind: PushKind,
+    wire: crate::precision::Wire,
+    in_slot: bool,
+) -> falcon_transport::Result<(Vec<f32>, Option<crate::rows::RowIndex>, [u8; SlotTrailer::BYTES as usize])>
+{
+    let mut trailer = [0u8; SlotTrailer::BYTES as usize];
+    let mut ranges = None;
+    let grad = match (kind, wire) {
+        _ if in_slot => Vec::new(),
+        (PushKind::Rows, _) => {
+            let (r, values) = crate::rows::parse(s.spec.len, s.spec.bytes(), |o, buf| {
+                slot.read_at(o, buf).map_err(Error::from)
+            })
+            .map_err(|e| falcon_transport::Error::Malformed(e.to_string()))?;
+            ranges = Some(r);
+            values
+        }
+        (_, crate::precision::Wire::F32) => slot.read_f32_vec(0, s.spec.len as usize)?,
+        (_, w) => {
+            // Widened in the slot, then read as f32 (the slot holds a gradient's f32 bytes).
+            crate::precision::widen_in_place(w, slot, 0, s.spec.len)?;
+            slot.read_f32_vec(0, s.spec.len as usize)?
+        }
+    };
+    slot.read_at(s.spec.bytes(), &mut trailer)?;
+    Ok((grad, ranges, trailer))
 }

@@ -1,7 +1,10 @@
 //! falcon-trainer drives compute on top of the engine: models on flat f32 buffers, data,
-//! the elastic thread pool, heterogeneity injection, the parallelism manager and task
-//! transfer. It talks to the parameter server only through `falcon_engine::Worker`, and does
-//! not know about media, regions' wire formats or how policies decide.
+//! the elastic thread pool, heterogeneity injection, task transfer, local jobs and the
+//! simulator. A training worker talks to the running parameter server only through
+//! `falcon_engine::Worker` (a local job starts its scheduler and servers with
+//! `falcon_engine::local::LocalCluster`, and follows the scheduler's parallelism manager);
+//! the simulator drives the engine's shard core and sync policies directly, in one process,
+//! without the transport. Nothing here knows media or regions' wire formats.
 
 #![forbid(unsafe_code)]
 pub mod data;

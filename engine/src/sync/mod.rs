@@ -424,7 +424,8 @@ impl std::str::FromStr for PolicySpec {
     type Err = crate::Error;
     /// `bsp`, `asp`, `ssp(3)`, `dssp(3,15)`, `syncopt(1)`, `fluentps(3)` (raw SSP),
     /// `fluentps(3,p=0.5)` (fastest only), `fluentps(3,sigmoid)`, `fluentps(3,fastest-sigmoid)`,
-    /// `epsp` (= `epsp(4)`: slack up to 4, adaptive, transfer), `epsp(4,fixed)` (always slack 4;
+    /// `epsp` (= `epsp(0)`: BSP's steps, the straggler's tasks moved to waiting workers),
+    /// `epsp(4)` (slack up to 4, adaptive, transfer), `epsp(4,fixed)` (always slack 4;
     /// `epsp(0,fixed)` is always enforced), `epsp(4,no-transfer)`, `flexrr` (= `flexrr(1)`),
     /// `flexrr(1,theta=2,group=4)`, `elasticbsp` (= `elasticbsp(15)`), `elasticbsp(R)`.
     ///

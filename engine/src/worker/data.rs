@@ -489,31 +489,7 @@ impl Inner {
         } else {
             s.spec.offset * 4
         };
-        // Over shm a large f32 gradient stays where it is: the server maps this worker's
-        // memory and applies it from there (acknowledging after the apply, or after copying
-        // it out), so the push moves the trailer alone, not the values.
-        let in_place = match &rec.grad {
-            Some(g)
-                if self.shm_in_place
-                    && link.maps_peer_memory()
-                    && rec.kind == PushKind::Gradient
-                    && rec.own.is_none()
-                    && wire == Wire::F32
-                    && s.spec.bytes() >= IN_PLACE_MIN_BYTES =>
-            {
-                self.granted_source(link, g)?.map(|mut key| {
-                    let mut off = src_off;
-                    if let Some(forge) = lock(&self.forge_source).as_ref() {
-                        forge(&mut key, &mut off);
-                    }
-                    TrailerSrc {
-                        key: key.to_bytes(),
-                        off,
-                    }
-                })
-            }
-            _ => None,
-        };
+        let in_place = self.in_place_source(link, s, rec, src_off)?;
         let scratch = lock(&s.scratch);
         let v = s.pulled_version.load(Ordering::Acquire);
         let trailer = SlotTrailer {
@@ -556,23 +532,48 @@ impl Inner {
         let values = match &rec.grad {
             Some(g) if rec.kind == PushKind::Rows => into_slot(g, 0, rec.own.unwrap_or(0)),
             Some(g) if wire != Wire::F32 && rec.kind != PushKind::Init => {
-                let bytes = wire.bytes(s.spec.len);
-                let mut buf = lock(&s.push_buf);
-                encoded = match buf.as_ref() {
-                    Some(r) => r.clone(),
-                    None => {
-                        let r = Region::new(bytes)?;
-                        *buf = Some(r.clone());
-                        r
-                    }
-                };
-                crate::precision::encode_region(wire, g, src_off, s.spec.len, &encoded)?;
-                into_slot(&encoded, 0, bytes)
+                encoded = encode_push(s, wire, g, src_off)?;
+                into_slot(&encoded, 0, wire.bytes(s.spec.len))
             }
             Some(g) => into_slot(g, src_off, s.spec.bytes()),
             None => into_slot(&scratch, 0, 0),
         };
         link.submit(&[trailer_op(None), values])
+    }
+
+    /// Over shm a large f32 gradient stays where it is: the server maps this worker's memory
+    /// and applies it from there (acknowledging after the apply, or after copying it out), so
+    /// the push moves the trailer alone, not the values. Where it goes that way, the source
+    /// the trailer names (the grant of `rec`'s gradient on `link`, its values at `src_off`).
+    fn in_place_source(
+        &self,
+        link: &Link,
+        s: &ShardRemote,
+        rec: &PushRecord,
+        src_off: u64,
+    ) -> std::result::Result<Option<TrailerSrc>, falcon_transport::Error> {
+        let Some(g) = &rec.grad else {
+            return Ok(None);
+        };
+        if !(self.shm_in_place
+            && link.maps_peer_memory()
+            && rec.kind == PushKind::Gradient
+            && rec.own.is_none()
+            && self.book.wire == Wire::F32
+            && s.spec.bytes() >= IN_PLACE_MIN_BYTES)
+        {
+            return Ok(None);
+        }
+        Ok(self.granted_source(link, g)?.map(|mut key| {
+            let mut off = src_off;
+            if let Some(forge) = lock(&self.forge_source).as_ref() {
+                forge(&mut key, &mut off);
+            }
+            TrailerSrc {
+                key: key.to_bytes(),
+                off,
+            }
+        }))
     }
 
     /// With 16-bit values on the wire, a pull put the shard's values encoded at the start of
@@ -751,4 +752,25 @@ impl Inner {
             stats.staleness_max = stats.staleness_max.max(staleness);
         }
     }
+}
+
+/// Shard `s`'s part of gradient `g` (from `src_off`) encoded in the wire's 16 bits, in the
+/// shard's push buffer (made at its first push; one push of a shard is in flight at a time).
+fn encode_push(
+    s: &ShardRemote,
+    wire: Wire,
+    g: &Region,
+    src_off: u64,
+) -> std::result::Result<Region, falcon_transport::Error> {
+    let mut buf = lock(&s.push_buf);
+    let encoded = match buf.as_ref() {
+        Some(r) => r.clone(),
+        None => {
+            let r = Region::new(wire.bytes(s.spec.len))?;
+            *buf = Some(r.clone());
+            r
+        }
+    };
+    crate::precision::encode_region(wire, g, src_off, s.spec.len, &encoded)?;
+    Ok(encoded)
 }

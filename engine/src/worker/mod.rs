@@ -1304,7 +1304,7 @@ impl Inner {
         std::thread::Builder::new()
             .name(format!("falcon-worker-{}", inner.book.rank))
             .spawn(move || progress::progress(weak, heartbeat))
-            .map_err(|e| Error::Config(format!("spawn worker progress thread: {e}")))?;
+            .map_err(|e| Error::os("cannot start the worker's progress thread", e))?;
         let (weak, counters) = (Arc::downgrade(inner), Arc::downgrade(inner));
         crate::heartbeat::start(
             &format!("falcon-worker-{}-heartbeat", inner.book.rank),
