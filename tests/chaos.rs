@@ -78,7 +78,9 @@ fn run(job: &Job, chaos: bool, expected: Duration, seed: u64) -> Run {
             }
         }
     }
-    let limit = expected * 4 + Duration::from_secs(60);
+    // A deadline, not a speed: a debug build of the calm run takes about a minute on a
+    // quiet 2-core machine, and several on a loaded one.
+    let limit = expected * 4 + Duration::from_secs(300);
     let workers: Vec<String> = workers
         .into_iter()
         .enumerate()

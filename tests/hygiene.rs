@@ -219,9 +219,11 @@ fn a_missing_dataset_fails_the_local_job_at_once_with_the_workers_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     let last = err.lines().last().unwrap_or_default();
+    // The worker refuses its setting before it starts anything (a usage error, status 2).
     assert!(
         last.contains("worker ")
-            && last.contains("failed (exit status: 1)")
+            && last.contains("failed (exit status: 2)")
+            && last.contains("FALCON_DATA=/nonexistent/falcon-data")
             && last.contains("dataset /nonexistent/falcon-data: does not exist"),
         "the job's error is the worker's: {last}"
     );

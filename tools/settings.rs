@@ -54,26 +54,25 @@ pub(crate) enum Base {
     Slurm,
 }
 
-/// One variable: its name, its check, and a value the check refuses (for the tests).
+/// One variable: its name, its check (in every role, or in `only`), and a value the check
+/// refuses (for the tests).
 pub(crate) struct Setting {
     pub(crate) name: &'static str,
     pub(crate) check: Check,
+    pub(crate) only: Option<Role>,
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) garbage: &'static str,
 }
 
 const fn launch(name: &'static str, garbage: &'static str) -> Setting {
-    Setting {
-        name,
-        check: Check::Launch(Base::Role),
-        garbage,
-    }
+    under(Base::Role, name, garbage)
 }
 
 const fn under(base: Base, name: &'static str, garbage: &'static str) -> Setting {
     Setting {
         name,
         check: Check::Launch(base),
+        only: None,
         garbage,
     }
 }
@@ -82,6 +81,23 @@ const fn value(name: &'static str, check: ValueCheck, garbage: &'static str) -> 
     Setting {
         name,
         check: Check::Value(check),
+        only: None,
+        garbage,
+    }
+}
+
+/// A value only `role` uses, checked there alone (a dataset a worker reads may be on the
+/// workers' hosts only).
+const fn value_in(
+    role: Role,
+    name: &'static str,
+    check: ValueCheck,
+    garbage: &'static str,
+) -> Setting {
+    Setting {
+        name,
+        check: Check::Value(check),
+        only: Some(role),
         garbage,
     }
 }
@@ -90,6 +106,7 @@ const fn any(name: &'static str, why: &'static str) -> Setting {
     Setting {
         name,
         check: Check::Any(why),
+        only: None,
         garbage: "",
     }
 }
@@ -150,11 +167,17 @@ fn device(v: &str, _: &Context<'_>) -> Result<(), String> {
     text(v.parse::<falcon_trainer::device::Device>())
 }
 
+/// The dataset's directory, said as the dataset itself says it when it reads it.
 fn data(v: &str, _: &Context<'_>) -> Result<(), String> {
-    if Path::new(v).is_dir() {
-        Ok(())
+    let dir = Path::new(v);
+    if !dir.exists() {
+        Err(format!("dataset {v}: does not exist"))
+    } else if !dir.is_dir() {
+        Err(format!(
+            "dataset {v}: not a directory (of the dataset's IDX files)"
+        ))
     } else {
-        Err("not a directory (of the dataset's IDX files)".into())
+        Ok(())
     }
 }
 
@@ -280,7 +303,7 @@ pub(crate) const SETTINGS: &[Setting] = &[
     value("FALCON_LOOP", worker_loop, "push-push"),
     value("FALCON_MODEL", model, "transformer"),
     value("FALCON_DEVICE", device, "tpu"),
-    value("FALCON_DATA", data, "/no/such/dataset"),
+    value_in(Role::Worker, "FALCON_DATA", data, "/no/such/dataset"),
     value("FALCON_BATCH", at_least_one, "0"),
     value("FALCON_TASKS", at_least_one, "0"),
     value("FALCON_THREADS", at_least_one, "0"),
@@ -312,6 +335,9 @@ pub(crate) fn check(
     let c = Context { launch };
     for s in SETTINGS {
         let Check::Value(f) = s.check else { continue };
+        if s.only.is_some_and(|r| r != launch.role) {
+            continue;
+        }
         let Some(v) = lookup(s.name) else { continue };
         f(&v, &c).map_err(|why| Invalid::Env {
             var: s.name,
@@ -408,6 +434,9 @@ mod tests {
                     Check::Value(_) => Base::Role,
                 };
                 if kind != Base::Role && role != "worker" {
+                    continue;
+                }
+                if s.only.is_some_and(|r| r.name() != role) {
                     continue;
                 }
                 let mut vars = base(kind, role);

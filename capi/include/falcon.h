@@ -80,6 +80,11 @@ typedef enum {
    * negative count.
    */
   FALCON_ERR_ARGUMENT = -12,
+  /**
+   * An operating-system call failed: a thread that cannot start, an address that cannot
+   * be listened on.
+   */
+  FALCON_ERR_SYSTEM = -13,
 } falcon_code;
 
 /**

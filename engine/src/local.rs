@@ -215,9 +215,7 @@ impl LocalCluster {
                             Server::join(cfg, Some(r), hooks)?.run()
                         })
                     })
-                    .map_err(|e| {
-                        Error::os(format!("cannot start the thread of server {r}"), e)
-                    })
+                    .map_err(|e| Error::os(format!("cannot start the thread of server {r}"), e))
             })
             .collect::<Result<Vec<_>>>()?;
         let joining = (0..cfg.workers)
@@ -230,9 +228,7 @@ impl LocalCluster {
                             Worker::join(&cfg, tensors, Some(r))
                         })
                     })
-                    .map_err(|e| {
-                        Error::os(format!("cannot start the thread of worker {r}"), e)
-                    })
+                    .map_err(|e| Error::os(format!("cannot start the thread of worker {r}"), e))
             })
             .collect::<Result<Vec<_>>>()?;
         // Wait for the workers to join; a role that fails meanwhile (a server that cannot

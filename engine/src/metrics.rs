@@ -318,9 +318,7 @@ impl Exporter {
         let thread = std::thread::Builder::new()
             .name("falcon-metrics".into())
             .spawn(move || serve(&listener, &board, &halt))
-            .map_err(|e| {
-                Error::os("cannot start the metrics endpoint's thread", e)
-            })?;
+            .map_err(|e| Error::os("cannot start the metrics endpoint's thread", e))?;
         tracing::info!("scheduler: metrics at http://{addr}/metrics");
         Ok(Exporter {
             addr,

@@ -1507,7 +1507,6 @@ impl Drop for StopOnDrop {
     }
 }
 
-
 /// What a push of `kind` from worker `w` on `link` is to its shard's core: its values (or,
 /// `held`, the gradient where it lies), numbered `seq`, computed on `computed_on` (a helper's
 /// push: for `help_for`).
@@ -1562,8 +1561,11 @@ fn read_slot(
     kind: PushKind,
     wire: crate::precision::Wire,
     in_slot: bool,
-) -> falcon_transport::Result<(Vec<f32>, Option<crate::rows::RowIndex>, [u8; SlotTrailer::BYTES as usize])>
-{
+) -> falcon_transport::Result<(
+    Vec<f32>,
+    Option<crate::rows::RowIndex>,
+    [u8; SlotTrailer::BYTES as usize],
+)> {
     let mut trailer = [0u8; SlotTrailer::BYTES as usize];
     let mut ranges = None;
     let grad = match (kind, wire) {

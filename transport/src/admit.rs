@@ -199,79 +199,121 @@ pub(crate) fn run(
         tracing::error!("{log_name}: tcp listener cannot be made non-blocking: {e}");
         return;
     }
-    let mut pending: Vec<Pending> = Vec::new();
-    let mut closing: Vec<Closing> = Vec::new();
-    let mut known = Known::default();
-    let mut per_source: HashMap<IpAddr, usize> = HashMap::new();
-    let mut last_cap_warning: Option<Instant> = None;
-    let mut quiet = Quiet::default();
-    loop {
+    let mut wall = Wall {
+        local,
+        limits,
+        stats,
+        log_name,
+        pending: Vec::new(),
+        closing: Vec::new(),
+        known: Known::default(),
+        per_source: HashMap::new(),
+        last_cap_warning: None,
+        quiet: Quiet::default(),
+    };
+    while !stopping.load(Ordering::Acquire) {
+        let Some(ready) = wall.wait(&listener) else {
+            continue;
+        };
+        wall.linger(&ready.draining);
         if stopping.load(Ordering::Acquire) {
             return;
         }
+        wall.drive(&ready.active, &mut admitted);
+        if ready.listener && !wall.accept(&listener, stopping) {
+            return;
+        }
+        wall.stats
+            .pending
+            .store(wall.pending.len() as u64, Ordering::Relaxed);
+    }
+}
+
+/// One listener's wall: the connections waiting for admission and those being turned away.
+struct Wall<'a> {
+    local: Local,
+    limits: AdmitLimits,
+    stats: std::sync::Arc<AdmitStats>,
+    log_name: &'a str,
+    pending: Vec<Pending>,
+    closing: Vec<Closing>,
+    known: Known,
+    per_source: HashMap<IpAddr, usize>,
+    last_cap_warning: Option<Instant>,
+    quiet: Quiet,
+}
+
+/// What a poll found ready: the listener, each pending connection, each one lingering.
+struct Ready {
+    listener: bool,
+    active: Vec<bool>,
+    draining: Vec<bool>,
+}
+
+impl Wall<'_> {
+    /// Sleeps until a socket is ready or the next deadline; `None` when interrupted.
+    fn wait(&mut self, listener: &TcpListener) -> Option<Ready> {
         let now = Instant::now();
-        let sleep = pending
+        let sleep = self
+            .pending
             .iter()
             .map(|p| p.deadline)
-            .chain(closing.iter().map(|c| c.until))
+            .chain(self.closing.iter().map(|c| c.until))
             .map(|t| t.saturating_duration_since(now))
             .min()
             .unwrap_or(MAX_SLEEP)
             .min(MAX_SLEEP);
-        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(pending.len() + closing.len() + 1);
-        fds.push(PollFd::new(&listener, PollFlags::IN));
-        for p in &pending {
+        let mut fds: Vec<PollFd<'_>> =
+            Vec::with_capacity(self.pending.len() + self.closing.len() + 1);
+        fds.push(PollFd::new(listener, PollFlags::IN));
+        for p in &self.pending {
             let mut ev = PollFlags::IN;
             if !p.hs.outgoing().is_empty() {
                 ev |= PollFlags::OUT;
             }
             fds.push(PollFd::from_borrowed_fd(p.stream.as_fd(), ev));
         }
-        for c in &closing {
+        for c in &self.closing {
             fds.push(PollFd::from_borrowed_fd(c.stream.as_fd(), PollFlags::IN));
         }
-        let ready = match rustix::event::poll(&mut fds, Some(&timespec(sleep))) {
-            Ok(n) => n,
-            Err(rustix::io::Errno::INTR) => continue,
+        match rustix::event::poll(&mut fds, Some(&timespec(sleep))) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => return None,
             Err(e) => {
-                tracing::error!("{log_name}: poll failed on the tcp listener: {e}");
+                tracing::error!("{}: poll failed on the tcp listener: {e}", self.log_name);
                 std::thread::sleep(Duration::from_millis(10));
-                continue;
+                return None;
             }
-        };
-        let listener_ready = !fds[0].revents().is_empty();
-        let active: Vec<bool> = fds[1..1 + pending.len()]
-            .iter()
-            .map(|f| !f.revents().is_empty())
-            .collect();
-        let draining: Vec<bool> = fds[1 + pending.len()..]
-            .iter()
-            .map(|f| !f.revents().is_empty())
-            .collect();
-        drop(fds);
-        // Connections turned away: drained until their peer closes, or for [`LINGER`].
+        }
+        let ready = |f: &PollFd<'_>| !f.revents().is_empty();
+        let split = 1 + self.pending.len();
+        Some(Ready {
+            listener: ready(&fds[0]),
+            active: fds[1..split].iter().map(ready).collect(),
+            draining: fds[split..].iter().map(ready).collect(),
+        })
+    }
+
+    /// Connections turned away: drained until their peer closes, or for [`LINGER`].
+    fn linger(&mut self, draining: &[bool]) {
         let now = Instant::now();
-        let mut lingering = Vec::with_capacity(closing.len());
-        for (mut c, ready) in closing.drain(..).zip(draining) {
+        let mut lingering = Vec::with_capacity(self.closing.len());
+        for (mut c, &ready) in self.closing.drain(..).zip(draining) {
             if (ready && !drain(&mut c.stream)) || now >= c.until {
                 continue;
             }
             lingering.push(c);
         }
-        closing = lingering;
-        if stopping.load(Ordering::Acquire) {
-            return;
-        }
+        self.closing = lingering;
+    }
 
-        // Drive the handshakes that have something to do, and end those past their deadline.
+    /// Drives the handshakes that have something to do, and ends those past their deadline.
+    fn drive(&mut self, active: &[bool], admitted: &mut impl FnMut(TcpStream, Peer, SocketAddr)) {
         let now = Instant::now();
-        let mut kept = Vec::with_capacity(pending.len());
-        for (mut p, is_active) in pending.drain(..).zip(active) {
-            let outcome = if ready > 0 && is_active {
-                step(&mut p)
-            } else {
-                Ok(false)
-            };
+        let mut kept = Vec::with_capacity(self.pending.len());
+        let pending = std::mem::take(&mut self.pending);
+        for (mut p, &is_active) in pending.into_iter().zip(active) {
+            let outcome = if is_active { step(&mut p) } else { Ok(false) };
             let outcome = match outcome {
                 Ok(false) if now >= p.deadline => Err(End::TimedOut),
                 other => other,
@@ -279,123 +321,148 @@ pub(crate) fn run(
             match outcome {
                 Ok(false) => kept.push(p),
                 Ok(true) => {
-                    release(&mut per_source, p.from.ip());
-                    known.add(p.from.ip());
+                    release(&mut self.per_source, p.from.ip());
+                    self.known.add(p.from.ip());
                     let peer = p.hs.finished().expect("step reported it done");
                     match p.stream.set_nonblocking(false) {
                         Ok(()) => {
-                            stats.admitted.fetch_add(1, Ordering::Relaxed);
+                            self.stats.admitted.fetch_add(1, Ordering::Relaxed);
                             admitted(p.stream, peer, p.from);
                         }
-                        Err(e) => tracing::warn!("{log_name}: tcp peer {}: {e}", p.from),
+                        Err(e) => tracing::warn!("{}: tcp peer {}: {e}", self.log_name, p.from),
                     }
                 }
                 Err(end) => {
-                    release(&mut per_source, p.from.ip());
-                    match end {
-                        End::Refused(e) => {
-                            stats.refused.fetch_add(1, Ordering::Relaxed);
-                            // Tell it why, if the socket takes it now; never wait for it.
-                            let why = p.hs.outgoing().to_vec();
-                            turn_away(p.stream, &why, &mut closing, limits.max_pending);
-                            quiet.warn(|more| {
-                                tracing::warn!("{log_name}: refused tcp peer {}: {e}{more}", p.from)
-                            });
-                        }
-                        End::TimedOut => {
-                            stats.timed_out.fetch_add(1, Ordering::Relaxed);
-                            quiet.warn(|more| {
-                                tracing::warn!(
-                                    "{log_name}: dropped tcp peer {}: no complete handshake within {} ms{more}",
-                                    p.from,
-                                    limits.deadline.as_millis()
-                                )
-                            });
-                        }
-                    }
+                    release(&mut self.per_source, p.from.ip());
+                    self.ended(p, end);
                 }
             }
         }
-        pending = kept;
+        self.pending = kept;
+    }
 
-        // New connections.
-        if listener_ready {
-            loop {
-                let (stream, from) = match listener.accept() {
-                    Ok(s) => s,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(_) if stopping.load(Ordering::Acquire) => return,
-                    Err(e) => {
-                        // Out of descriptors, say: back off rather than spin.
-                        tracing::warn!("{log_name}: tcp accept failed: {e}");
-                        std::thread::sleep(Duration::from_millis(10));
-                        break;
-                    }
-                };
-                let ip = from.ip();
-                let waiting: Vec<Waiting> = pending
-                    .iter()
-                    .map(|p| Waiting {
-                        ip: p.from.ip(),
-                        accepted: p.accepted,
-                        known: known.contains(&p.from.ip()),
-                    })
-                    .collect();
-                let room = make_room(
-                    &waiting,
-                    &per_source,
-                    ip,
-                    known.contains(&ip),
-                    &limits,
-                    Instant::now(),
-                );
-                match room {
-                    Room::Free => {}
-                    Room::Take(i) => {
-                        let p = pending.swap_remove(i);
-                        release(&mut per_source, p.from.ip());
-                        stats.over_cap.fetch_add(1, Ordering::Relaxed);
-                        turn_away(p.stream, &busy_record(), &mut closing, limits.max_pending);
-                    }
-                    Room::Busy => {
-                        stats.over_cap.fetch_add(1, Ordering::Relaxed);
-                        if last_cap_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
-                            tracing::warn!(
-                                "{log_name}: turned tcp peer {from} away: {} connections wait for admission ({} from its address; caps {} and {}); it may try again",
-                                pending.len(),
-                                per_source.get(&ip).copied().unwrap_or(0),
-                                limits.max_pending,
-                                limits.max_per_source
-                            );
-                            last_cap_warning = Some(Instant::now());
-                        }
-                        turn_away(stream, &busy_record(), &mut closing, limits.max_pending);
-                        continue;
-                    }
-                }
-                let Ok(n) = nonce() else {
-                    drop(stream);
-                    continue;
-                };
-                if stream.set_nonblocking(true).is_err() {
-                    continue;
-                }
-                let now = Instant::now();
-                let mut p = Pending {
-                    stream,
-                    from,
-                    accepted: now,
-                    deadline: now + limits.deadline,
-                    hs: Handshake::new(Side::Accept, local.clone(), n),
-                };
-                // Our hello fits any fresh socket buffer; what does not goes out on POLLOUT.
-                let _ = flush(&mut p);
-                *per_source.entry(from.ip()).or_default() += 1;
-                pending.push(p);
+    /// A pending connection ended without admission: refused (told why) or timed out.
+    fn ended(&mut self, p: Pending, end: End) {
+        let name = self.log_name;
+        match end {
+            End::Refused(e) => {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                // Tell it why, if the socket takes it now; never wait for it.
+                let why = p.hs.outgoing().to_vec();
+                let room = self.linger_room();
+                turn_away(p.stream, &why, &mut self.closing, room);
+                self.quiet
+                    .warn(|more| tracing::warn!("{name}: refused tcp peer {}: {e}{more}", p.from));
+            }
+            End::TimedOut => {
+                self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                let ms = self.limits.deadline.as_millis();
+                self.quiet.warn(|more| {
+                    tracing::warn!(
+                        "{name}: dropped tcp peer {}: no complete handshake within {ms} ms{more}",
+                        p.from
+                    )
+                });
             }
         }
-        stats.pending.store(pending.len() as u64, Ordering::Relaxed);
+    }
+
+    /// How many connections may linger: what the cap on waiting connections leaves, so the
+    /// descriptors the wall holds stay within that one cap (past it, one turned away is
+    /// closed at once: its peer may see a reset, which it takes for "busy" too).
+    fn linger_room(&self) -> usize {
+        self.limits.max_pending.saturating_sub(self.pending.len())
+    }
+
+    /// Takes in every connection the listener has; false when the transport is stopping.
+    fn accept(&mut self, listener: &TcpListener, stopping: &AtomicBool) -> bool {
+        loop {
+            let (stream, from) = match listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) if stopping.load(Ordering::Acquire) => return false,
+                Err(e) => {
+                    // Out of descriptors, say: back off rather than spin.
+                    tracing::warn!("{}: tcp accept failed: {e}", self.log_name);
+                    std::thread::sleep(Duration::from_millis(10));
+                    return true;
+                }
+            };
+            self.newcomer(stream, from);
+        }
+    }
+
+    /// A new connection: it waits for admission, taking another's place or turned away if
+    /// the wall is full ([`make_room`]).
+    fn newcomer(&mut self, stream: TcpStream, from: SocketAddr) {
+        let ip = from.ip();
+        let known = &self.known;
+        let waiting: Vec<Waiting> = self
+            .pending
+            .iter()
+            .map(|p| Waiting {
+                ip: p.from.ip(),
+                accepted: p.accepted,
+                known: known.contains(&p.from.ip()),
+            })
+            .collect();
+        let room = make_room(
+            &waiting,
+            &self.per_source,
+            ip,
+            known.contains(&ip),
+            &self.limits,
+            Instant::now(),
+        );
+        match room {
+            Room::Free => {}
+            Room::Take(i) => {
+                let p = self.pending.swap_remove(i);
+                release(&mut self.per_source, p.from.ip());
+                self.stats.over_cap.fetch_add(1, Ordering::Relaxed);
+                let room = self.linger_room();
+                turn_away(p.stream, &busy_record(), &mut self.closing, room);
+            }
+            Room::Busy => {
+                self.stats.over_cap.fetch_add(1, Ordering::Relaxed);
+                if self
+                    .last_cap_warning
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(5))
+                {
+                    tracing::warn!(
+                        "{}: turned tcp peer {from} away: {} connections wait for admission ({} from its address; caps {} and {}); it may try again",
+                        self.log_name,
+                        self.pending.len(),
+                        self.per_source.get(&ip).copied().unwrap_or(0),
+                        self.limits.max_pending,
+                        self.limits.max_per_source
+                    );
+                    self.last_cap_warning = Some(Instant::now());
+                }
+                let room = self.linger_room();
+                turn_away(stream, &busy_record(), &mut self.closing, room);
+                return;
+            }
+        }
+        let Ok(n) = nonce() else {
+            return;
+        };
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        let now = Instant::now();
+        let mut p = Pending {
+            stream,
+            from,
+            accepted: now,
+            deadline: now + self.limits.deadline,
+            hs: Handshake::new(Side::Accept, self.local.clone(), n),
+        };
+        // Our hello fits any fresh socket buffer; what does not goes out on POLLOUT.
+        let _ = flush(&mut p);
+        *self.per_source.entry(ip).or_default() += 1;
+        self.pending.push(p);
     }
 }
 
@@ -426,8 +493,8 @@ impl Quiet {
 }
 
 /// Says `words` to a connection turned away (as far as its socket takes them at once), ends
-/// our side of it, and keeps it draining for [`LINGER`] (at most `cap` at once; past that it
-/// is closed at once).
+/// our side of it, and keeps it draining for [`LINGER`] (while fewer than `cap` linger;
+/// past that it is closed at once).
 fn turn_away(stream: TcpStream, words: &[u8], closing: &mut Vec<Closing>, cap: usize) {
     let _ = stream.set_nonblocking(true);
     let _ = (&stream).write(words);

@@ -203,6 +203,16 @@ impl Inner {
 /// is gone from a host that is up. A host that does not answer (a partition) is not taken
 /// for gone: the worker may rejoin once it heals.
 fn scheduler_gone(peer: &str) -> Option<String> {
+    // A process being killed closes its connections before its listener: asked at once, a
+    // dying scheduler may still accept. Five tries a tenth of a second apart.
+    (0..5).find_map(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        nothing_listens(peer)
+    })
+}
+
+/// One try of [`scheduler_gone`].
+fn nothing_listens(peer: &str) -> Option<String> {
     use std::io::ErrorKind;
     let refused =
         |e: &std::io::Error| matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound);
