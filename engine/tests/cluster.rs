@@ -474,10 +474,20 @@ fn rendezvous_refuses_wrong_tokens_and_duplicate_ranks() {
 #[test]
 fn an_unreachable_scheduler_is_a_prompt_error() {
     let mut c = cfg(1, 1, PolicySpec::Bsp);
-    // A port nobody listens on.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    drop(l);
+    // A port nobody listens on, and nobody can take while the test runs: bound, not
+    // listening (a port freed instead may be taken by another test's node meanwhile).
+    let held = rustix::net::socket(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::STREAM,
+        None,
+    )
+    .unwrap();
+    rustix::net::bind(&held, &std::net::SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+    let bound: std::net::SocketAddr = rustix::net::getsockname(&held)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let port = bound.port();
     c.scheduler = format!("host=elsewhere;tcp=127.0.0.1:{port}");
     // Nodes retry an absent scheduler until their rendezvous deadline, then say why.
     c.rendezvous_timeout = Duration::from_secs(2);
@@ -503,6 +513,7 @@ fn an_unreachable_scheduler_is_a_prompt_error() {
         "{text}"
     );
     assert!(start.elapsed() < Duration::from_secs(10));
+    drop(held);
 }
 
 #[test]
