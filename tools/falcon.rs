@@ -538,137 +538,146 @@ fn role() -> Res {
         None => role.name().to_string(),
     });
     match role {
-        Role::Scheduler => {
-            let cfg_mode = cfg.update_mode();
-            let sched = Scheduler::bind(cfg)?;
-            if env(&["FALCON_ANNOUNCE"]).is_some() {
-                use std::io::Write;
-                outln!("{}{}", local_cmd::ANNOUNCE, sched.address());
-                std::io::stdout().flush()?;
-            }
-            let mode = cfg_mode;
-            let report = sched.run()?;
-            outln!(
-                "scheduler: {}; bytes per server [{}]",
-                report.ending(),
-                report
-                    .bytes_per_server
-                    .iter()
-                    .map(u64::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            for (rank, n, reason) in &report.checkpoint_failures {
-                outln!(
-                    "scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}"
-                );
-            }
-            if let Some(why) = report.loss_fails_job(mode) {
-                return Err(why.into());
-            }
+        Role::Scheduler => scheduler_role(cfg),
+        Role::Server => server_role(cfg, rank),
+        Role::Worker => worker_role(cfg, rank),
+    }
+}
+
+/// The scheduler's part: serves the job, then says how it ended (and fails it where a
+/// worker was lost for good under a synchronous policy).
+fn scheduler_role(cfg: JobConfig) -> Res {
+    let mode = cfg.update_mode();
+    let sched = Scheduler::bind(cfg)?;
+    if env(&["FALCON_ANNOUNCE"]).is_some() {
+        use std::io::Write;
+        outln!("{}{}", local_cmd::ANNOUNCE, sched.address());
+        std::io::stdout().flush()?;
+    }
+    let report = sched.run()?;
+    outln!(
+        "scheduler: {}; bytes per server [{}]",
+        report.ending(),
+        report
+            .bytes_per_server
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for (rank, n, reason) in &report.checkpoint_failures {
+        outln!("scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}");
+    }
+    if let Some(why) = report.loss_fails_job(mode) {
+        return Err(why.into());
+    }
+    Ok(())
+}
+
+/// A server's part: serves its shards, then reports what it did.
+fn server_role(cfg: JobConfig, rank: Option<u32>) -> Res {
+    let hooks = falcon_engine::ServerHooks {
+        schedule: lr_decay_from_env()?,
+        ..Default::default()
+    };
+    let server = Server::join(cfg, rank, hooks)?;
+    logs::label(format!("server {}", server.rank()));
+    let report = server.run()?;
+    outln!(
+        "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes",
+        report.rank,
+        report.gradients,
+        report.updates,
+        report.delayed_pulls,
+        report.answered_pulls,
+        report.dropped_gradients,
+        report.duplicate_pushes
+    );
+    outln!("{}", report.ending());
+    for a in &report.accounts {
+        outln!(
+            "server {}: shard {} first parameter {:.6}, sequence numbers {} = applied + {} skipped, {} transferred-task gradients",
+            report.rank,
+            a.shard,
+            a.first,
+            a.pushes,
+            a.skipped,
+            a.helps
+        );
+    }
+    if report.checkpoints > 0 || report.restored_from.is_some() {
+        outln!(
+            "server {}: {} checkpoints written; restarted from checkpoint {}; {} acknowledged updates lost",
+            report.rank,
+            report.checkpoints,
+            report
+                .restored_from
+                .map_or("none".into(), |n| n.to_string()),
+            report.lost_updates
+        );
+    }
+    if let Some(last) = &report.last_checkpoint_failure {
+        println!(
+            "server {}: {} checkpoint writes failed; the last: {last}",
+            report.rank, report.checkpoint_failures
+        );
+    }
+    for (w, c) in report.per_worker.iter().enumerate() {
+        let n: u64 = c.staleness.values().sum();
+        let sum: u64 = c.staleness.iter().map(|(d, k)| d * k).sum();
+        let max = c.staleness.keys().next_back().copied().unwrap_or(0);
+        outln!(
+            "server {}:   worker {w}: {} parked pulls, staleness mean {:.2} max {max}, {} grants, {} transfer offers, {} dropped",
+            report.rank,
+            c.parked_pulls,
+            if n == 0 { 0.0 } else { sum as f64 / n as f64 },
+            c.grants,
+            c.transfers_offered,
+            c.dropped_gradients
+        );
+    }
+    let (bytes_in, bytes_out) = report
+        .per_shard
+        .iter()
+        .fold((0, 0), |(i, o), c| (i + c.bytes_in, o + c.bytes_out));
+    outln!(
+        "server {}:   {} shards, {bytes_in} bytes in, {bytes_out} bytes out (answered pulls)",
+        report.rank,
+        report.per_shard.len()
+    );
+    Ok(())
+}
+
+/// A worker's part: its workload. An evicted worker (silent past the suspicion timeout:
+/// paused, cut off) is told why; it joins again under its rank and goes on at the job's
+/// current clock.
+fn worker_role(cfg: JobConfig, rank: Option<u32>) -> Res {
+    let train = env(&["FALCON_WORKLOAD"]).as_deref() == Some("train");
+    let mut rank = rank;
+    let mut cfg = cfg;
+    for rejoins in 0.. {
+        let r = if train {
+            train_cmd::role_worker(&cfg, rank)
+        } else {
+            worker_workload(&cfg, rank)
+        };
+        let Err(e) = r else { break };
+        let (r, why) = match e.downcast_ref::<falcon_engine::Error>() {
+            Some(falcon_engine::Error::Evicted { rank: r, reason }) => (*r, reason),
+            Some(falcon_engine::Error::SchedulerLost { rank: r, why }) => (*r, why),
+            _ => return Err(e),
+        };
+        if rejoins >= 10 {
+            return Err(e);
         }
-        Role::Server => {
-            let hooks = falcon_engine::ServerHooks {
-                schedule: lr_decay_from_env()?,
-                ..Default::default()
-            };
-            let server = Server::join(cfg, rank, hooks)?;
-            logs::label(format!("server {}", server.rank()));
-            let report = server.run()?;
-            outln!(
-                "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes",
-                report.rank,
-                report.gradients,
-                report.updates,
-                report.delayed_pulls,
-                report.answered_pulls,
-                report.dropped_gradients,
-                report.duplicate_pushes
-            );
-            outln!("{}", report.ending());
-            for a in &report.accounts {
-                outln!(
-                    "server {}: shard {} first parameter {:.6}, sequence numbers {} = applied + {} skipped, {} transferred-task gradients",
-                    report.rank,
-                    a.shard,
-                    a.first,
-                    a.pushes,
-                    a.skipped,
-                    a.helps
-                );
-            }
-            if report.checkpoints > 0 || report.restored_from.is_some() {
-                outln!(
-                    "server {}: {} checkpoints written; restarted from checkpoint {}; {} acknowledged updates lost",
-                    report.rank,
-                    report.checkpoints,
-                    report
-                        .restored_from
-                        .map_or("none".into(), |n| n.to_string()),
-                    report.lost_updates
-                );
-            }
-            if let Some(last) = &report.last_checkpoint_failure {
-                println!(
-                    "server {}: {} checkpoint writes failed; the last: {last}",
-                    report.rank, report.checkpoint_failures
-                );
-            }
-            for (w, c) in report.per_worker.iter().enumerate() {
-                let n: u64 = c.staleness.values().sum();
-                let sum: u64 = c.staleness.iter().map(|(d, k)| d * k).sum();
-                let max = c.staleness.keys().next_back().copied().unwrap_or(0);
-                outln!(
-                    "server {}:   worker {w}: {} parked pulls, staleness mean {:.2} max {max}, {} grants, {} transfer offers, {} dropped",
-                    report.rank,
-                    c.parked_pulls,
-                    if n == 0 { 0.0 } else { sum as f64 / n as f64 },
-                    c.grants,
-                    c.transfers_offered,
-                    c.dropped_gradients
-                );
-            }
-            let (bytes_in, bytes_out) = report
-                .per_shard
-                .iter()
-                .fold((0, 0), |(i, o), c| (i + c.bytes_in, o + c.bytes_out));
-            outln!(
-                "server {}:   {} shards, {bytes_in} bytes in, {bytes_out} bytes out (answered pulls)",
-                report.rank,
-                report.per_shard.len()
-            );
-        }
-        Role::Worker => {
-            // An evicted worker (silent past the suspicion timeout: paused, cut off) is told
-            // why; it joins again under its rank and goes on at the job's current clock.
-            let train = env(&["FALCON_WORKLOAD"]).as_deref() == Some("train");
-            let mut rank = rank;
-            let mut cfg = cfg;
-            for rejoins in 0.. {
-                let r = if train {
-                    train_cmd::role_worker(&cfg, rank)
-                } else {
-                    worker_workload(&cfg, rank)
-                };
-                let Err(e) = r else { break };
-                let (r, why) = match e.downcast_ref::<falcon_engine::Error>() {
-                    Some(falcon_engine::Error::Evicted { rank: r, reason }) => (*r, reason),
-                    Some(falcon_engine::Error::SchedulerLost { rank: r, why }) => (*r, why),
-                    _ => return Err(e),
-                };
-                if rejoins >= 10 {
-                    return Err(e);
-                }
-                tracing::warn!(
-                    "worker {r}: evicted by the scheduler or cut off from it ({why}); rejoining under rank {r} at the current clock"
-                );
-                rank = Some(r);
-                // A scheduler that is really gone is given up on soon.
-                cfg.rendezvous_timeout = cfg
-                    .rendezvous_timeout
-                    .min(falcon_engine::config::REJOIN_TIMEOUT);
-            }
-        }
+        tracing::warn!(
+            "worker {r}: evicted by the scheduler or cut off from it ({why}); rejoining under rank {r} at the current clock"
+        );
+        rank = Some(r);
+        // A scheduler that is really gone is given up on soon.
+        cfg.rendezvous_timeout = cfg
+            .rendezvous_timeout
+            .min(falcon_engine::config::REJOIN_TIMEOUT);
     }
     Ok(())
 }

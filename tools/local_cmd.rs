@@ -314,7 +314,140 @@ fn forward_stderr(err: std::process::ChildStderr, said: &Mutex<Said>) {
 
 /// Runs `falcon local`.
 pub fn local(a: LocalArgs) -> crate::Res {
-    // Everything checked before a process starts.
+    let timeouts = check_local(&a)?;
+    let job = format!("local-{}", std::process::id());
+    let token = format!(
+        "{:016x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos() as u64
+            ^ 0x5eed
+    );
+    outln!(
+        "falcon: local cluster, {} server(s), {} worker(s), policy {}, medium {}, {} floats ({:.1} MiB), {} iterations",
+        a.servers,
+        a.workers,
+        a.policy,
+        a.medium.name(),
+        a.floats,
+        a.floats as f64 * 4.0 / (1 << 20) as f64,
+        a.iters
+    );
+    let roles = Roles {
+        exe: std::env::current_exe()?,
+        job,
+        token,
+        a: &a,
+        timeouts,
+    };
+    let command = |role: &str, rank: Option<u32>| roles.command(role, rank);
+    // From here on, SIGINT and SIGTERM are forwarded to the role processes.
+    let interrupts = Interrupts::catch()?;
+    let mut procs = Procs::default();
+    let start = Instant::now();
+    // The scheduler binds a free port itself (no window in which another process could take
+    // it) and announces its full address, which the other roles are given.
+    let mut sched = command("scheduler", None);
+    sched
+        .env("FALCON_SCHEDULER_URI", "127.0.0.1")
+        .env("FALCON_SCHEDULER_PORT", "0")
+        .env("FALCON_ANNOUNCE", "1")
+        .stdout(Stdio::piped());
+    let scheduler = procs.spawn("scheduler".into(), sched)?;
+    let out = scheduler
+        .child
+        .stdout
+        .take()
+        .ok_or(LocalError::NoAnnouncement)?;
+    let (addr_tx, addr_rx) = mpsc::channel();
+    let forward = std::thread::Builder::new()
+        .name("falcon-scheduler-out".into())
+        .spawn(move || forward_scheduler(out, &addr_tx))?;
+    let addr = announced(&mut procs, &interrupts, &addr_rx)?;
+    let roles = (0..a.servers)
+        .map(|r| ("server", r))
+        .chain((0..a.workers).map(|r| ("worker", r)));
+    for (role, r) in roles {
+        if let Some(sig) = interrupts.received() {
+            return Err(interrupted(&mut procs, sig).into());
+        }
+        let mut c = command(role, Some(r));
+        c.env("FALCON_SCHEDULER", &addr);
+        if let Err(e) = procs.spawn(format!("{role} {r}"), c) {
+            procs.stop(rustix::process::Signal::TERM);
+            return Err(e.into());
+        }
+    }
+    watch(&mut procs, &interrupts)?;
+    let _ = forward.join();
+    for p in &mut procs.procs {
+        if let Some(h) = p.forward.take() {
+            let _ = h.join();
+        }
+    }
+    outln!(
+        "falcon: job finished in {:.2} s",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// What every role process of a local job is started with.
+struct Roles<'a> {
+    exe: std::path::PathBuf,
+    job: String,
+    token: String,
+    a: &'a LocalArgs,
+    timeouts: falcon_trainer::job::Timeouts,
+}
+
+impl Roles<'_> {
+    /// `falcon role` as `role` (of `rank`), configured from the job's settings.
+    fn command(&self, role: &str, rank: Option<u32>) -> Command {
+        let ms = |d: Duration| (d.as_millis() as u64).to_string();
+        let mut c = Command::new(&self.exe);
+        c.arg("role")
+            .env("FALCON_ROLE", role)
+            .env("FALCON_JOB", &self.job)
+            .env("FALCON_TOKEN", &self.token)
+            .env("FALCON_NUM_SERVER", self.a.servers.to_string())
+            .env("FALCON_NUM_WORKER", self.a.workers.to_string())
+            .env("FALCON_POLICY", &self.a.policy)
+            .env("FALCON_MEDIUM", self.a.medium.name())
+            .env("FALCON_ITERS", self.a.iters.to_string())
+            .env("FALCON_FLOATS", self.a.floats.to_string())
+            .env("FALCON_MAX_SHARD_BYTES", self.a.shard_bytes.to_string())
+            .env("FALCON_SCALE", &self.a.scale)
+            .env("FALCON_WORKLOAD", &self.a.workload)
+            .env("FALCON_MODEL", &self.a.model)
+            .env("FALCON_HETERO", self.a.hetero.join(";"))
+            .env("FALCON_HEARTBEAT_MS", ms(self.timeouts.heartbeat))
+            .env(
+                "FALCON_SUSPICION_MS",
+                self.timeouts.suspicion.map_or("0".into(), ms),
+            )
+            .env("FALCON_RENDEZVOUS_TIMEOUT_MS", ms(self.timeouts.rendezvous))
+            .env("FALCON_OP_TIMEOUT_MS", ms(self.timeouts.op))
+            .env("FALCON_HANDSHAKE_TIMEOUT_MS", ms(self.timeouts.handshake))
+            .env(
+                "FALCON_RECOVERY_TIMEOUT_MS",
+                self.a.recovery_timeout_ms.to_string(),
+            );
+        if let Some(d) = &self.a.data {
+            c.env("FALCON_DATA", d);
+        }
+        if let Some(lr) = self.a.lr {
+            c.env("FALCON_LR", lr.to_string());
+        }
+        if let Some(r) = rank {
+            c.env("FALCON_RANK", r.to_string());
+        }
+        c
+    }
+}
+
+/// Everything `falcon local` checks before a process starts; the job's timeouts.
+fn check_local(a: &LocalArgs) -> Result<falcon_trainer::job::Timeouts, Box<dyn std::error::Error>> {
     let policy: PolicySpec = checks::setting(a.policy.parse())?;
     checks::policy_fits(&policy, &a.policy, a.workers)?;
     let _: falcon_engine::update::ScaleSpec = checks::setting(a.scale.parse())?;
@@ -347,153 +480,58 @@ pub fn local(a: LocalArgs) -> crate::Res {
         a.medium,
     )?;
 
-    let job = format!("local-{}", std::process::id());
-    let token = format!(
-        "{:016x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_nanos() as u64
-            ^ 0x5eed
-    );
-    outln!(
-        "falcon: local cluster, {} server(s), {} worker(s), policy {}, medium {}, {} floats ({:.1} MiB), {} iterations",
-        a.servers,
-        a.workers,
-        a.policy,
-        a.medium.name(),
-        a.floats,
-        a.floats as f64 * 4.0 / (1 << 20) as f64,
-        a.iters
-    );
-    let ms = |d: Duration| (d.as_millis() as u64).to_string();
-    let exe = std::env::current_exe()?;
-    let command = |role: &str, rank: Option<u32>| -> Command {
-        let mut c = Command::new(&exe);
-        c.arg("role")
-            .env("FALCON_ROLE", role)
-            .env("FALCON_JOB", &job)
-            .env("FALCON_TOKEN", &token)
-            .env("FALCON_NUM_SERVER", a.servers.to_string())
-            .env("FALCON_NUM_WORKER", a.workers.to_string())
-            .env("FALCON_POLICY", &a.policy)
-            .env("FALCON_MEDIUM", a.medium.name())
-            .env("FALCON_ITERS", a.iters.to_string())
-            .env("FALCON_FLOATS", a.floats.to_string())
-            .env("FALCON_MAX_SHARD_BYTES", a.shard_bytes.to_string())
-            .env("FALCON_SCALE", &a.scale)
-            .env("FALCON_WORKLOAD", &a.workload)
-            .env("FALCON_MODEL", &a.model)
-            .env("FALCON_HETERO", a.hetero.join(";"))
-            .env("FALCON_HEARTBEAT_MS", ms(timeouts.heartbeat))
-            .env(
-                "FALCON_SUSPICION_MS",
-                timeouts.suspicion.map_or("0".into(), ms),
-            )
-            .env("FALCON_RENDEZVOUS_TIMEOUT_MS", ms(timeouts.rendezvous))
-            .env("FALCON_OP_TIMEOUT_MS", ms(timeouts.op))
-            .env("FALCON_HANDSHAKE_TIMEOUT_MS", ms(timeouts.handshake))
-            .env(
-                "FALCON_RECOVERY_TIMEOUT_MS",
-                a.recovery_timeout_ms.to_string(),
-            );
-        if let Some(d) = &a.data {
-            c.env("FALCON_DATA", d);
-        }
-        if let Some(lr) = a.lr {
-            c.env("FALCON_LR", lr.to_string());
-        }
-        if let Some(r) = rank {
-            c.env("FALCON_RANK", r.to_string());
-        }
-        c
-    };
+    Ok(timeouts)
+}
 
-    // From here on, SIGINT and SIGTERM are forwarded to the role processes.
-    let interrupts = Interrupts::catch()?;
-    let mut procs = Procs::default();
-    let start = Instant::now();
-    // The scheduler binds a free port itself (no window in which another process could take
-    // it) and announces its full address, which the other roles are given.
-    let mut sched = command("scheduler", None);
-    sched
-        .env("FALCON_SCHEDULER_URI", "127.0.0.1")
-        .env("FALCON_SCHEDULER_PORT", "0")
-        .env("FALCON_ANNOUNCE", "1")
-        .stdout(Stdio::piped());
-    let scheduler = procs.spawn("scheduler".into(), sched)?;
-    let out = scheduler
-        .child
-        .stdout
-        .take()
-        .ok_or(LocalError::NoAnnouncement)?;
-    let (addr_tx, addr_rx) = mpsc::channel();
-    let forward = std::thread::Builder::new()
-        .name("falcon-scheduler-out".into())
-        .spawn(move || forward_scheduler(out, &addr_tx))?;
-    let addr = loop {
+/// Waits for the scheduler's announcement of its address (or its failure, or an interrupt).
+fn announced(
+    procs: &mut Procs,
+    interrupts: &Interrupts,
+    addr_rx: &mpsc::Receiver<String>,
+) -> Result<String, Box<dyn std::error::Error>> {
+    loop {
         if let Some(sig) = interrupts.received() {
-            return Err(interrupted(&mut procs, sig).into());
+            return Err(interrupted(procs, sig).into());
         }
         if let Some(i) = procs.reap() {
-            return Err(failed(&mut procs, i).into());
+            return Err(failed(procs, i).into());
         }
         match addr_rx.recv_timeout(Duration::from_millis(20)) {
-            Ok(addr) => break addr,
+            Ok(addr) => return Ok(addr),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 // Its output ended without the announcement: it ended, or is ending.
                 let deadline = Instant::now() + Duration::from_secs(2);
                 while Instant::now() < deadline {
                     if let Some(i) = procs.reap() {
-                        return Err(failed(&mut procs, i).into());
+                        return Err(failed(procs, i).into());
                     }
                     std::thread::sleep(Duration::from_millis(10));
                 }
                 return Err(LocalError::NoAnnouncement.into());
             }
         }
-    };
-    let roles = (0..a.servers)
-        .map(|r| ("server", r))
-        .chain((0..a.workers).map(|r| ("worker", r)));
-    for (role, r) in roles {
-        if let Some(sig) = interrupts.received() {
-            return Err(interrupted(&mut procs, sig).into());
-        }
-        let mut c = command(role, Some(r));
-        c.env("FALCON_SCHEDULER", &addr);
-        if let Err(e) = procs.spawn(format!("{role} {r}"), c) {
-            procs.stop(rustix::process::Signal::TERM);
-            return Err(e.into());
-        }
     }
-    // Watch: the job ends when every role process has; the first that fails ends it.
+}
+
+/// Watches the role processes: the job ends when every one has; the first that fails (or
+/// an interrupt) ends it.
+fn watch(procs: &mut Procs, interrupts: &Interrupts) -> crate::Res {
     loop {
         let failure = procs.reap();
         // A role killed by the signal that reached us too (Ctrl-C reaches the whole process
         // group) is the signal's doing, not a failure.
         if let Some(sig) = interrupts.received() {
-            return Err(interrupted(&mut procs, sig).into());
+            return Err(interrupted(procs, sig).into());
         }
         if let Some(i) = failure {
-            return Err(failed(&mut procs, i).into());
+            return Err(failed(procs, i).into());
         }
         if procs.all_ended() {
-            break;
+            return Ok(());
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let _ = forward.join();
-    for p in &mut procs.procs {
-        if let Some(h) = p.forward.take() {
-            let _ = h.join();
-        }
-    }
-    outln!(
-        "falcon: job finished in {:.2} s",
-        start.elapsed().as_secs_f64()
-    );
-    Ok(())
 }
 
 /// A role failed: stop the others; its error is the job's. A role that ended because our

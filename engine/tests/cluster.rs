@@ -483,10 +483,7 @@ fn an_unreachable_scheduler_is_a_prompt_error() {
     )
     .unwrap();
     rustix::net::bind(&held, &std::net::SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-    let bound: std::net::SocketAddr = rustix::net::getsockname(&held)
-        .unwrap()
-        .try_into()
-        .unwrap();
+    let bound: std::net::SocketAddr = rustix::net::getsockname(&held).unwrap().try_into().unwrap();
     let port = bound.port();
     c.scheduler = format!("host=elsewhere;tcp=127.0.0.1:{port}");
     // Nodes retry an absent scheduler until their rendezvous deadline, then say why.

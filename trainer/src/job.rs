@@ -264,6 +264,104 @@ pub fn run_local(
     let (model, _) = crate::device::build(&spec.model, spec.device)?;
     let model: Arc<dyn Model> = model.into();
     // Refuse a bad configuration before starting anything.
+    check_spec(spec, &*model, data)?;
+    let cfg = job_config(spec, &*model)?;
+    let optimizer = cfg.optimizer;
+    let metrics: Option<crate::train::Metrics> = match &spec.metrics {
+        Some(path) => Some(Arc::new(Mutex::new(std::io::BufWriter::new(
+            std::fs::File::create(path)?,
+        )))),
+        None => None,
+    };
+    check_resume(&cfg)?;
+    let tensors = vec![TensorSpec {
+        name: TENSOR.into(),
+        len: model.num_params() as u64,
+    }];
+    let cluster = LocalCluster::start(cfg, tensors)?;
+    // Initial values from worker 0, before anyone pulls (a resumed job's servers keep the
+    // values they restored: the first initialization of a shard wins).
+    let w0 = &cluster.workers[0];
+    let resumed_at = spec.resume.then(|| w0.clock());
+    let init = w0.buffer(TENSOR)?;
+    init.write_at(0, f32_bytes(&model.init_vec(spec.train.seed)))?;
+    w0.init(TENSOR, &init)?;
+    let run = Running {
+        done: Arc::new(AtomicU64::new(0)),
+        snapshots: Arc::default(),
+        failures: cluster.failures().clone(),
+        start: Instant::now(),
+    };
+    let handles = spawn_workers(spec, &cluster, &model, data, metrics, &run);
+    if let Some(f) = watch(
+        spec,
+        &cluster,
+        &*model,
+        data,
+        &run,
+        handles.len(),
+        &mut progress,
+    ) {
+        return Err(stop(cluster, handles, &run.done, f));
+    }
+    let results: Vec<Result<WorkerSummary>> = handles
+        .into_iter()
+        .enumerate()
+        .map(|(r, h)| {
+            h.join().unwrap_or_else(|payload| {
+                Err(Error::Role(RoleFailure::panicked(
+                    "worker", r as u32, &*payload,
+                )))
+            })
+        })
+        .collect();
+    let secs = run.start.elapsed().as_secs_f64();
+    let fast_pull_bytes: u64 = cluster
+        .workers
+        .iter()
+        .map(|w| w.stats().fast_pull_bytes)
+        .sum();
+    let keymap = cluster.workers[0].keymap().clone();
+    let report = cluster.finish()?;
+    let per_worker = results.into_iter().collect::<Result<Vec<_>>>()?;
+    let params = report.tensor(&keymap, TENSOR)?;
+    let (final_accuracy, final_loss) = evaluate(&*model, &params, &data.test, 0)?;
+    // The curve, after the fact: every snapshot on the same test examples.
+    let snapshots = std::mem::take(&mut *run.snapshots.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut curve = Vec::with_capacity(snapshots.len());
+    for s in snapshots {
+        let (accuracy, loss) = evaluate(&*model, &s.params, &data.test, spec.train.eval_examples)?;
+        curve.push(EvalPoint {
+            secs: s.secs,
+            iteration: s.iteration,
+            accuracy,
+            loss,
+        });
+    }
+    Ok(job_report(
+        spec,
+        &*model,
+        data,
+        (optimizer, secs, resumed_at),
+        (curve, final_accuracy, final_loss),
+        (per_worker, params, fast_pull_bytes),
+        &report,
+    ))
+}
+
+/// What the threads of a running local job share with its driver.
+struct Running {
+    /// Workers finished, well or not.
+    done: Arc<AtomicU64>,
+    /// The parameters as workers saw them along the way, for the curve.
+    snapshots: Arc<Mutex<Vec<Snapshot>>>,
+    /// The first role that failed.
+    failures: falcon_engine::local::FirstFailure,
+    start: Instant,
+}
+
+/// The checks a job's settings must pass before anything starts.
+fn check_spec(spec: &JobSpec, model: &dyn Model, data: &Dataset) -> Result<()> {
     let t = &spec.train;
     if t.batch == 0 || t.tasks == 0 || t.tasks as usize > t.batch {
         return Err(Error::Config(format!(
@@ -299,8 +397,13 @@ pub fn run_local(
             data.train.features()
         )));
     }
-    // A checkpointed job is named after what its checkpoints hold and how it trains, so that
-    // only a run of the same configuration resumes from them.
+    Ok(())
+}
+
+/// The embedded cluster's configuration: its name (a checkpointed job is named after what
+/// its checkpoints hold and how it trains, so that only a run of the same configuration
+/// resumes from them), policy, optimizer, timeouts, checkpoints and supervisor.
+fn job_config(spec: &JobSpec, model: &dyn Model) -> Result<JobConfig> {
     let job = match &spec.checkpoint {
         Some(_) => format!(
             "train:{}:{}:{}w{}s:{}:{}:seed{}:batch{}x{}",
@@ -340,7 +443,6 @@ pub fn run_local(
             ..falcon_engine::config::CheckpointSettings::new(dir)
         });
     }
-    let optimizer = cfg.optimizer;
     // The scheduler's supervisor: each worker of the embedded cluster stands for one machine
     // of `budget` threads (on a real cluster each worker has its own host).
     cfg.supervisor = SupervisorSettings {
@@ -349,19 +451,13 @@ pub fn run_local(
         knee: spec.budget,
         initial: spec.threads.max(1),
     };
-    let tensors = vec![TensorSpec {
-        name: TENSOR.into(),
-        len: model.num_params() as u64,
-    }];
-    let metrics: Option<crate::train::Metrics> = match &spec.metrics {
-        Some(path) => Some(Arc::new(Mutex::new(std::io::BufWriter::new(
-            std::fs::File::create(path)?,
-        )))),
-        None => None,
-    };
+    Ok(cfg)
+}
+
+/// A resumed job's checkpoints, refused before anything starts: missing, of another
+/// configuration, or damaged (each server checks again when it restores).
+fn check_resume(cfg: &JobConfig) -> Result<()> {
     if let Some(c) = cfg.checkpoint.as_ref().filter(|c| c.resume) {
-        // Refused before anything starts: checkpoints missing, of another configuration, or
-        // damaged (each server checks again when it restores).
         for rank in 0..cfg.servers {
             falcon_engine::checkpoint::load_to_resume(
                 &c.dir,
@@ -371,28 +467,29 @@ pub fn run_local(
             )?;
         }
     }
-    let cluster = LocalCluster::start(cfg, tensors)?;
-    // Initial values from worker 0, before anyone pulls (a resumed job's servers keep the
-    // values they restored: the first initialization of a shard wins).
-    let w0 = &cluster.workers[0];
-    let resumed_at = spec.resume.then(|| w0.clock());
-    let init = w0.buffer(TENSOR)?;
-    init.write_at(0, f32_bytes(&model.init_vec(spec.train.seed)))?;
-    w0.init(TENSOR, &init)?;
-    let done = Arc::new(AtomicU64::new(0));
-    let snapshots: Arc<Mutex<Vec<Snapshot>>> = Arc::default();
-    let start = Instant::now();
-    // One thread per worker. Not scoped: a job that fails reports its failure at once,
-    // without waiting for every worker thread to notice.
-    let failures = cluster.failures().clone();
+    Ok(())
+}
+
+/// One thread per worker, each training its share and recording its failure, if any. Not
+/// scoped: a job that fails reports its failure at once, without waiting for every worker
+/// thread to notice.
+fn spawn_workers(
+    spec: &JobSpec,
+    cluster: &LocalCluster,
+    model: &Arc<dyn Model>,
+    data: &Arc<Dataset>,
+    metrics: Option<crate::train::Metrics>,
+    run: &Running,
+) -> Vec<std::thread::JoinHandle<Result<WorkerSummary>>> {
     let mut handles = Vec::with_capacity(cluster.workers.len());
+    let failures = &run.failures;
     for worker in &cluster.workers {
         let (worker, model, data, done, snapshots, metrics, fail) = (
             worker.clone(),
             model.clone(),
             data.clone(),
-            done.clone(),
-            snapshots.clone(),
+            run.done.clone(),
+            run.snapshots.clone(),
             metrics.clone(),
             failures.clone(),
         );
@@ -459,17 +556,32 @@ pub fn run_local(
             }
         }
     }
+    handles
+}
+
+/// Watches the workers' threads until they are done, telling `progress` now and then (with
+/// a rough live estimate of the model on a few test examples); a failed role (a worker's
+/// error or panic, the scheduler's, a server's) ends the watch at once with its failure.
+fn watch(
+    spec: &JobSpec,
+    cluster: &LocalCluster,
+    model: &dyn Model,
+    data: &Dataset,
+    run: &Running,
+    workers: usize,
+    progress: &mut impl FnMut(&Progress),
+) -> Option<RoleFailure> {
     let total = u64::from(spec.workers) * spec.train.iters;
     let mut last: Option<EvalPoint> = None;
     let mut last_eval = Instant::now();
     let mut last_progress = Instant::now();
     let mut scratch = model.scratch(LIVE_EXAMPLES);
-    while done.load(Ordering::Relaxed) < handles.len() as u64 {
+    while run.done.load(Ordering::Relaxed) < workers as u64 {
         std::thread::sleep(Duration::from_millis(20));
         // A failed role (a worker's error or panic, the scheduler's, a server's) ends the
         // whole job at once, with its failure as the job's error.
-        if let Some(f) = failures.get() {
-            return Err(stop(cluster, handles, &done, f));
+        if let Some(f) = run.failures.get() {
+            return Some(f);
         }
         if last_progress.elapsed() < Duration::from_millis(100) {
             continue;
@@ -481,7 +593,8 @@ pub fn run_local(
             .map(|w| w.clock_of(TENSOR).unwrap_or(0))
             .sum();
         // A rough live estimate for the progress bar, on a few test examples.
-        let latest = snapshots
+        let latest = run
+            .snapshots
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .last()
@@ -517,47 +630,23 @@ pub fn run_local(
             iterations,
             total,
             blocked_secs,
-            secs: start.elapsed().as_secs_f64(),
+            secs: run.start.elapsed().as_secs_f64(),
             last,
         });
     }
-    if let Some(f) = failures.get() {
-        return Err(stop(cluster, handles, &done, f));
-    }
-    let results: Vec<Result<WorkerSummary>> = handles
-        .into_iter()
-        .enumerate()
-        .map(|(r, h)| {
-            h.join().unwrap_or_else(|payload| {
-                Err(Error::Role(RoleFailure::panicked(
-                    "worker", r as u32, &*payload,
-                )))
-            })
-        })
-        .collect();
-    let secs = start.elapsed().as_secs_f64();
-    let fast_pull_bytes: u64 = cluster
-        .workers
-        .iter()
-        .map(|w| w.stats().fast_pull_bytes)
-        .sum();
-    let keymap = cluster.workers[0].keymap().clone();
-    let report = cluster.finish()?;
-    let per_worker = results.into_iter().collect::<Result<Vec<_>>>()?;
-    let params = report.tensor(&keymap, TENSOR)?;
-    let (final_accuracy, final_loss) = evaluate(&*model, &params, &data.test, 0)?;
-    // The curve, after the fact: every snapshot on the same test examples.
-    let snapshots = std::mem::take(&mut *snapshots.lock().unwrap_or_else(|e| e.into_inner()));
-    let mut curve = Vec::with_capacity(snapshots.len());
-    for s in snapshots {
-        let (accuracy, loss) = evaluate(&*model, &s.params, &data.test, spec.train.eval_examples)?;
-        curve.push(EvalPoint {
-            secs: s.secs,
-            iteration: s.iteration,
-            accuracy,
-            loss,
-        });
-    }
+    run.failures.get()
+}
+
+/// The job's report, from what the run measured and the cluster's report.
+fn job_report(
+    spec: &JobSpec,
+    model: &dyn Model,
+    data: &Dataset,
+    (optimizer, secs, resumed_at): (Optimizer, f64, Option<u64>),
+    (curve, final_accuracy, final_loss): (Vec<EvalPoint>, f64, f64),
+    (per_worker, params, fast_pull_bytes): (Vec<WorkerSummary>, Vec<f32>, u64),
+    report: &falcon_engine::local::LocalReport,
+) -> JobReport {
     let time_to_target = curve
         .iter()
         .find(|p| p.accuracy >= spec.target)
@@ -570,7 +659,7 @@ pub fn run_local(
             .map(f)
             .sum()
     };
-    Ok(JobReport {
+    JobReport {
         policy: spec.policy.build(spec.workers).name(),
         model: model.name(),
         optimizer: optimizer.to_string(),
@@ -610,7 +699,7 @@ pub fn run_local(
         classes: report.scheduler.classes.clone(),
         resumed_at,
         final_values: params,
-    })
+    }
 }
 
 /// Ends a job whose role failed: every worker leaves (their pending operations fail at

@@ -439,25 +439,7 @@ impl std::str::FromStr for PolicySpec {
 }
 
 fn parse_policy(l: &str) -> Result<PolicySpec, String> {
-    let (name, args): (&str, Option<Vec<&str>>) = match l.split_once('(') {
-        None => (l, None),
-        Some((name, rest)) => match rest.strip_suffix(')') {
-            Some(inner) if !inner.contains(['(', ')']) => (
-                name,
-                Some(if inner.is_empty() {
-                    Vec::new()
-                } else {
-                    inner.split(',').collect()
-                }),
-            ),
-            _ => {
-                return Err(format!(
-                    "unbalanced parentheses: write NAME(ARG,…) with one pair; the policies: \
-                     {POLICIES}"
-                ));
-            }
-        },
-    };
+    let (name, args) = split_call(l)?;
     if name.is_empty() {
         return Err(format!("no policy named; the policies: {POLICIES}"));
     }
@@ -479,26 +461,7 @@ fn parse_policy(l: &str) -> Result<PolicySpec, String> {
                 s: whole("the staleness bound N", a[0])?,
             })
         }
-        "dssp" => {
-            arity(
-                name,
-                &a,
-                2,
-                "dssp(L,U), the bounds s_L ≤ s_U, e.g. dssp(3,15)",
-            )?;
-            let lo = whole("the lower bound L", a[0])?;
-            let hi = whole("the upper bound U", a[1])?;
-            if lo > hi {
-                return Err(format!(
-                    "the lower bound L = {lo} is above the upper bound U = {hi}: s_L must be \
-                     ≤ s_U, e.g. dssp({hi},{lo})"
-                ));
-            }
-            Ok(PolicySpec::Dssp {
-                s_lower: lo,
-                s_upper: hi,
-            })
-        }
+        "dssp" => parse_dssp(&a),
         "syncopt" => {
             arity(
                 name,
@@ -510,113 +473,170 @@ fn parse_policy(l: &str) -> Result<PolicySpec, String> {
                 backups: whole_u32("the backups B", a[0])?,
             })
         }
-        "elasticbsp" => {
-            let r = match a.as_slice() {
-                [] => 15,
-                [r] => whole("the look-ahead R", r)?,
-                _ => {
-                    return Err(format!(
-                        "elasticbsp takes at most one argument, got {}: elasticbsp(R), R the \
-                         look-ahead in iterations (1 to 100000; default 15)",
-                        a.len()
-                    ));
-                }
-            };
-            if !(1..=100_000).contains(&r) {
-                return Err(format!(
-                    "the look-ahead R = {r} is outside 1 to 100000 iterations"
-                ));
-            }
-            Ok(PolicySpec::ElasticBsp { r: r as u32 })
-        }
-        "epsp" => {
-            let (mut s_max, mut adaptive, mut transfer) = (0u64, true, true);
-            for (i, arg) in a.iter().enumerate() {
-                match *arg {
-                    "fixed" => adaptive = false,
-                    "no-transfer" => transfer = false,
-                    n if i == 0 => s_max = whole("the slack bound S", n)?,
-                    other => {
-                        return Err(format!(
-                            "unknown option `{other}` at position {}: epsp takes the slack bound \
-                             S (a whole number, first) and the options fixed and no-transfer, \
-                             e.g. epsp(4,fixed)",
-                            i + 1
-                        ));
-                    }
-                }
-            }
-            Ok(PolicySpec::Epsp {
-                s_max,
-                adaptive,
-                transfer,
-            })
-        }
-        "flexrr" => {
-            let (mut s, mut theta, mut group) = (1u64, 1u64, 0u32);
-            for (i, arg) in a.iter().enumerate() {
-                if let Some(t) = arg.strip_prefix("theta=") {
-                    theta = whole("theta", t)?;
-                    if theta == 0 {
-                        return Err("theta = 0: help goes to a worker at least theta \
-                                    iterations behind, so theta must be ≥ 1"
-                            .into());
-                    }
-                } else if let Some(g) = arg.strip_prefix("group=") {
-                    group = whole_u32("the group size", g)?;
-                } else if i == 0 {
-                    s = whole("the staleness bound S", arg)?;
-                } else {
-                    return Err(format!(
-                        "unknown option `{arg}` at position {}: flexrr takes the staleness \
-                         bound S (a whole number, first), theta=T (≥ 1) and group=G (0: one \
-                         group), e.g. flexrr(1,theta=2,group=4)",
-                        i + 1
-                    ));
-                }
-            }
-            Ok(PolicySpec::FlexRr { s, theta, group })
-        }
-        "fluentps" => {
-            let form = "fluentps(N[,p=P|sigmoid|fastest-sigmoid]), e.g. fluentps(3,p=0.5)";
-            if a.is_empty() || a.len() > 2 {
-                return Err(format!(
-                    "fluentps takes 1 or 2 arguments, got {}: {form}",
-                    a.len()
-                ));
-            }
-            let n = whole("the staleness bound N", a[0])?;
-            let pause = match a.get(1).copied() {
-                None => PauseSpec::RawSsp,
-                Some("sigmoid") => PauseSpec::Sigmoid,
-                Some("fastest-sigmoid") => PauseSpec::FastestSigmoid,
-                Some(v) => {
-                    let Some(p) = v.strip_prefix("p=") else {
-                        return Err(format!(
-                            "unknown pausing variant `{v}`: p=P (P in [0, 1]), sigmoid or \
-                             fastest-sigmoid"
-                        ));
-                    };
-                    let p: f64 = p
-                        .parse()
-                        .map_err(|_| format!("p must be a number in [0, 1], not {p}"))?;
-                    if !(0.0..=1.0).contains(&p) {
-                        return Err(format!(
-                            "p = {p} is a probability (of pausing the fastest worker): p must \
-                             be in [0, 1]"
-                        ));
-                    }
-                    PauseSpec::Fastest {
-                        permille: (p * 1000.0).round() as u32,
-                    }
-                }
-            };
-            Ok(PolicySpec::FluentPs { s: n, pause })
-        }
+        "elasticbsp" => parse_elasticbsp(&a),
+        "epsp" => parse_epsp(&a),
+        "flexrr" => parse_flexrr(&a),
+        "fluentps" => parse_fluentps(&a),
         other => Err(format!(
             "unknown policy `{other}`; the policies: {POLICIES}"
         )),
     }
+}
+
+/// `NAME` or `NAME(ARG,…)`: the name, and the arguments when there are parentheses.
+fn split_call(l: &str) -> Result<(&str, Option<Vec<&str>>), String> {
+    Ok(match l.split_once('(') {
+        None => (l, None),
+        Some((name, rest)) => match rest.strip_suffix(')') {
+            Some(inner) if !inner.contains(['(', ')']) => (
+                name,
+                Some(if inner.is_empty() {
+                    Vec::new()
+                } else {
+                    inner.split(',').collect()
+                }),
+            ),
+            _ => {
+                return Err(format!(
+                    "unbalanced parentheses: write NAME(ARG,…) with one pair; the policies: \
+                     {POLICIES}"
+                ));
+            }
+        },
+    })
+}
+
+/// `dssp(L,U)`.
+fn parse_dssp(a: &[&str]) -> Result<PolicySpec, String> {
+    arity(
+        "dssp",
+        a,
+        2,
+        "dssp(L,U), the bounds s_L ≤ s_U, e.g. dssp(3,15)",
+    )?;
+    let lo = whole("the lower bound L", a[0])?;
+    let hi = whole("the upper bound U", a[1])?;
+    if lo > hi {
+        return Err(format!(
+            "the lower bound L = {lo} is above the upper bound U = {hi}: s_L must be \
+                 ≤ s_U, e.g. dssp({hi},{lo})"
+        ));
+    }
+    Ok(PolicySpec::Dssp {
+        s_lower: lo,
+        s_upper: hi,
+    })
+}
+
+/// `elasticbsp` or `elasticbsp(R)`.
+fn parse_elasticbsp(a: &[&str]) -> Result<PolicySpec, String> {
+    let r = match a {
+        [] => 15,
+        [r] => whole("the look-ahead R", r)?,
+        _ => {
+            return Err(format!(
+                "elasticbsp takes at most one argument, got {}: elasticbsp(R), R the \
+                     look-ahead in iterations (1 to 100000; default 15)",
+                a.len()
+            ));
+        }
+    };
+    if !(1..=100_000).contains(&r) {
+        return Err(format!(
+            "the look-ahead R = {r} is outside 1 to 100000 iterations"
+        ));
+    }
+    Ok(PolicySpec::ElasticBsp { r: r as u32 })
+}
+
+/// `epsp`, `epsp(S)` and its options `fixed`, `no-transfer`.
+fn parse_epsp(a: &[&str]) -> Result<PolicySpec, String> {
+    let (mut s_max, mut adaptive, mut transfer) = (0u64, true, true);
+    for (i, arg) in a.iter().enumerate() {
+        match *arg {
+            "fixed" => adaptive = false,
+            "no-transfer" => transfer = false,
+            n if i == 0 => s_max = whole("the slack bound S", n)?,
+            other => {
+                return Err(format!(
+                    "unknown option `{other}` at position {}: epsp takes the slack bound \
+                         S (a whole number, first) and the options fixed and no-transfer, \
+                         e.g. epsp(4,fixed)",
+                    i + 1
+                ));
+            }
+        }
+    }
+    Ok(PolicySpec::Epsp {
+        s_max,
+        adaptive,
+        transfer,
+    })
+}
+
+/// `flexrr`, `flexrr(S)` and its options `theta=T`, `group=G`.
+fn parse_flexrr(a: &[&str]) -> Result<PolicySpec, String> {
+    let (mut s, mut theta, mut group) = (1u64, 1u64, 0u32);
+    for (i, arg) in a.iter().enumerate() {
+        if let Some(t) = arg.strip_prefix("theta=") {
+            theta = whole("theta", t)?;
+            if theta == 0 {
+                return Err("theta = 0: help goes to a worker at least theta \
+                                iterations behind, so theta must be ≥ 1"
+                    .into());
+            }
+        } else if let Some(g) = arg.strip_prefix("group=") {
+            group = whole_u32("the group size", g)?;
+        } else if i == 0 {
+            s = whole("the staleness bound S", arg)?;
+        } else {
+            return Err(format!(
+                "unknown option `{arg}` at position {}: flexrr takes the staleness \
+                     bound S (a whole number, first), theta=T (≥ 1) and group=G (0: one \
+                     group), e.g. flexrr(1,theta=2,group=4)",
+                i + 1
+            ));
+        }
+    }
+    Ok(PolicySpec::FlexRr { s, theta, group })
+}
+
+/// `fluentps(N)` and its pausing variant `p=P`, `sigmoid` or `fastest-sigmoid`.
+fn parse_fluentps(a: &[&str]) -> Result<PolicySpec, String> {
+    let form = "fluentps(N[,p=P|sigmoid|fastest-sigmoid]), e.g. fluentps(3,p=0.5)";
+    if a.is_empty() || a.len() > 2 {
+        return Err(format!(
+            "fluentps takes 1 or 2 arguments, got {}: {form}",
+            a.len()
+        ));
+    }
+    let n = whole("the staleness bound N", a[0])?;
+    let pause = match a.get(1).copied() {
+        None => PauseSpec::RawSsp,
+        Some("sigmoid") => PauseSpec::Sigmoid,
+        Some("fastest-sigmoid") => PauseSpec::FastestSigmoid,
+        Some(v) => {
+            let Some(p) = v.strip_prefix("p=") else {
+                return Err(format!(
+                    "unknown pausing variant `{v}`: p=P (P in [0, 1]), sigmoid or \
+                         fastest-sigmoid"
+                ));
+            };
+            let p: f64 = p
+                .parse()
+                .map_err(|_| format!("p must be a number in [0, 1], not {p}"))?;
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!(
+                    "p = {p} is a probability (of pausing the fastest worker): p must \
+                         be in [0, 1]"
+                ));
+            }
+            PauseSpec::Fastest {
+                permille: (p * 1000.0).round() as u32,
+            }
+        }
+    };
+    Ok(PolicySpec::FluentPs { s: n, pause })
 }
 
 /// Pulls parked under the SSP rule, in release order, and how many were ever parked.
