@@ -558,12 +558,7 @@ fn scheduler_role(cfg: JobConfig) -> Res {
     outln!(
         "scheduler: {}; bytes per server [{}]",
         report.ending(),
-        report
-            .bytes_per_server
-            .iter()
-            .map(u64::to_string)
-            .collect::<Vec<_>>()
-            .join(", ")
+        report.bytes_per_server_list()
     );
     for (rank, n, reason) in &report.checkpoint_failures {
         outln!("scheduler: server {rank}: {n} checkpoint writes failed; the last: {reason}");

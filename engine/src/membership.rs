@@ -955,6 +955,15 @@ impl SchedulerReport {
         lost
     }
 
+    /// The bytes of parameters each server holds, as a list (`40000, 40000`).
+    pub fn bytes_per_server_list(&self) -> String {
+        self.bytes_per_server
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// How the job ended, in one line: who died, was evicted, rejoined, and who was lost for
     /// good (`scheduler: job done; dead: [worker 3]; …`).
     pub fn ending(&self) -> String {

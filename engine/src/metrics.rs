@@ -369,9 +369,8 @@ impl Client {
                         self.reply = Some((respond(&self.head, true, board), 0));
                         break;
                     }
-                    Ok(n) if self.done => {
-                        let _ = n;
-                    }
+                    // Done: what the client still sends is read and dropped.
+                    Ok(_) if self.done => {}
                     Ok(n) => {
                         let room = REQUEST_HEAD.saturating_sub(self.head.len());
                         self.head.extend_from_slice(&buf[..n.min(room)]);

@@ -303,12 +303,7 @@ impl Scheduler {
         tracing::info!(
             "scheduler: job {} placed, bytes per server {}",
             cfg.job,
-            report
-                .bytes_per_server
-                .iter()
-                .map(u64::to_string)
-                .collect::<Vec<_>>()
-                .join(", ")
+            report.bytes_per_server_list()
         );
         let servers: Vec<String> = (0..cfg.servers)
             .map(|r| addrs[&(Role::Server, r)].clone())
