@@ -4,7 +4,6 @@
 //! flight).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -574,16 +573,18 @@ impl Inner {
                 Err(e) => tracing::warn!("worker: server {r} sent a bad key: {e}"),
             }
         }
+        let core = lock(&self.core);
         let resume = self
             .shards
             .iter()
             .filter(|s| s.server == r)
             .map(|s| ResumeShard {
                 shard: s.spec.id,
-                pushes: s.acked[0].load(Ordering::Acquire),
-                helps: s.acked[1].load(Ordering::Acquire),
+                pushes: core.shard(s.index).acked[0],
+                helps: core.shard(s.index).acked[1],
             })
             .collect();
+        drop(core);
         let rejoin = lock(&self.servers[r].state).rejoin;
         let _ = link.send(
             &Msg::Resume {
@@ -605,10 +606,12 @@ impl Inner {
             st.link = Some(link);
             slot.changed.notify_all();
         }
-        let mut stats = lock(&self.stats);
-        stats.reconnects += 1;
-        stats.lost_updates += lost;
-        drop(stats);
+        {
+            let mut core = lock(&self.core);
+            let stats = core.stats_mut();
+            stats.reconnects += 1;
+            stats.lost_updates += lost;
+        }
         tracing::info!(
             "worker {}: reattached to server {r} ({lost} acknowledged updates lost)",
             self.book.rank

@@ -3,11 +3,10 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use falcon_transport::{Link, LinkId, Op, ReadOp, Region, RemoteKey};
 
+use super::core::SourceGrant;
 use super::tracker::{Request, Signal};
 use super::{Inner, ShardRemote, Worker, lock};
 use crate::error::{Error, Result};
@@ -71,7 +70,7 @@ impl Resend {
 impl Worker {
     /// Waits until shard `s`'s slot is free: the previous push to it was acknowledged.
     pub(super) fn wait_slot(&self, s: &ShardRemote) -> Result<()> {
-        let prev = lock(&self.inner.requests).slot(s.spec.id);
+        let prev = lock(&self.inner.core).slot(s.spec.id);
         match prev {
             Some(p) => p.wait(Some(self.inner.timeout)).map(drop),
             None => Ok(()),
@@ -150,7 +149,7 @@ impl Worker {
         let sent = self.inner.write_push(&link, s, &rec, rides);
         if refused.is_some() || sent.as_ref().is_err_and(|e| !self.deferred(e)) {
             // The pull goes nowhere: its request is withdrawn.
-            lock(&self.inner.requests).take(pull);
+            lock(&self.inner.core).withdraw(pull);
         }
         self.sent_or_deferred(sent, s.server, req, "push to")?;
         Ok((sig, refused.map_or(Ok(answer), Err)))
@@ -171,7 +170,7 @@ impl Worker {
             of: ack,
         };
         let what = Resend::Push {
-            shard: self.inner.shard_index(s),
+            shard: s.index,
             rec: rec.clone(),
         };
         let sig = self.track(s, &link, req, what);
@@ -186,13 +185,8 @@ impl Worker {
         req: Request,
         what: Resend,
     ) -> Arc<Signal> {
-        lock(&self.inner.requests).register(
-            req,
-            Some(s.server),
-            Some(link.id()),
-            Instant::now(),
-            what,
-        )
+        self.inner
+            .drive(|c, now, out| c.register(req, Some(s.server), Some(link.id()), now, what, out))
     }
 
     /// What a request's first send came to: with recovery, a send the link's failure stopped
@@ -212,7 +206,7 @@ impl Worker {
             tracing::debug!("worker: {what} server {server} deferred: {e}");
             return Ok(());
         }
-        lock(&self.inner.requests).take(req);
+        lock(&self.inner.core).withdraw(req);
         Err(self.inner.server_error(server, e))
     }
 
@@ -238,7 +232,7 @@ impl Worker {
         let Some(keys) = *s.keys.read().unwrap_or_else(|p| p.into_inner()) else {
             return Ok(false);
         };
-        let dead = lock(&self.inner.dead).clone();
+        let dead = lock(&self.inner.core).dead().clone();
         let scratch = lock(&s.scratch);
         let [meta, values, seq_again] = self.seqlock_reads(s, &scratch, out, &keys);
         // The peer carries the reads out in order, so they travel together: one round trip
@@ -397,8 +391,9 @@ impl Worker {
     /// version noted, counted.
     fn fast_pulled(&self, out: &Region, s: &ShardRemote, snap: &Snapshot) -> Result<()> {
         self.inner.widen(out, s)?;
-        s.pulled_version.store(snap.version, Ordering::Release);
-        let mut stats = lock(&self.inner.stats);
+        let mut core = lock(&self.inner.core);
+        core.pulled(s.index, snap.version);
+        let stats = core.stats_mut();
         stats.fast_pulls += 1;
         stats.fast_pull_bytes += s.spec.bytes();
         Ok(())
@@ -430,10 +425,13 @@ impl Worker {
         out: &Region,
         clock: u64,
     ) -> (u32, Arc<Signal>) {
-        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
-        s.pulled_version.store(u64::MAX, Ordering::Release);
+        let id = {
+            let mut core = lock(&self.inner.core);
+            core.pulled(s.index, u64::MAX);
+            core.next_req()
+        };
         let what = Resend::Pull {
-            shard: self.inner.shard_index(s),
+            shard: s.index,
             out: out.clone(),
             clock,
         };
@@ -442,14 +440,6 @@ impl Worker {
 }
 
 impl Inner {
-    /// The index of `s` in `shards`.
-    pub(super) fn shard_index(&self, s: &ShardRemote) -> usize {
-        self.shards
-            .iter()
-            .position(|x| x.spec.id == s.spec.id)
-            .expect("a shard of this worker")
-    }
-
     /// A transport error on server `server`'s link, as the caller sees it.
     pub(super) fn server_error(&self, server: usize, e: falcon_transport::Error) -> Error {
         if e.is_fatal_for_link() {
@@ -491,7 +481,7 @@ impl Inner {
         };
         let in_place = self.in_place_source(link, s, rec, src_off)?;
         let scratch = lock(&s.scratch);
-        let v = s.pulled_version.load(Ordering::Acquire);
+        let v = lock(&self.core).shard(s.index).pulled_version;
         let trailer = SlotTrailer {
             computed_on: Some(v).filter(|&v| v != u64::MAX),
             seq: rec.seq,
@@ -517,7 +507,7 @@ impl Inner {
         };
         if in_place.is_some() {
             link.submit(&[trailer_op(imm)])?;
-            lock(&self.stats).pushes_in_place += 1;
+            lock(&self.core).stats_mut().pushes_in_place += 1;
             return Ok(());
         }
         let into_slot = |src, src_off, len| Op::Write {
@@ -566,7 +556,7 @@ impl Inner {
         }
         Ok(self.granted_source(link, g)?.map(|mut key| {
             let mut off = src_off;
-            if let Some(forge) = lock(&self.forge_source).as_ref() {
+            if let Some(forge) = lock(&self.core).forge_source() {
                 forge(&mut key, &mut off);
             }
             TrailerSrc {
@@ -587,21 +577,19 @@ impl Inner {
     }
 
     /// The key of `out` on `link` (a pull's destination, a gradient left in place), granted
-    /// there the first time (cached).
+    /// there the first time (cached in the core).
     pub(super) fn granted(
         &self,
         link: &Link,
         out: &Region,
     ) -> std::result::Result<RemoteKey, falcon_transport::Error> {
-        let mut grants = lock(&self.grants);
-        match grants.get(&(link.id(), out.id())) {
-            Some(k) => Ok(*k),
-            None => {
-                let k = link.grant(out)?;
-                grants.insert((link.id(), out.id()), k);
-                Ok(k)
-            }
+        if let Some(k) = lock(&self.core).grant(link.id(), out.id()) {
+            return Ok(k);
         }
+        // Granted with the core released (a transport call); a grant recorded meanwhile by
+        // another caller stands.
+        let k = link.grant(out)?;
+        Ok(lock(&self.core).granted(link.id(), out.id(), k, false))
     }
 
     /// The key of `grad` on `link` for a push that leaves it in place, granted there the
@@ -615,21 +603,18 @@ impl Inner {
         link: &Link,
         grad: &Region,
     ) -> std::result::Result<Option<RemoteKey>, falcon_transport::Error> {
-        let mut grants = lock(&self.grants);
-        if let Some(k) = grants.get(&(link.id(), grad.id())) {
-            return Ok(Some(*k));
-        }
-        let mut sources = lock(&self.source_grants);
-        let n = sources.entry(link.id()).or_default();
-        if *n >= IN_PLACE_MAX_REGIONS {
-            return Ok(None);
+        match lock(&self.core).source_grant(link.id(), grad.id()) {
+            SourceGrant::Granted(k) => return Ok(Some(k)),
+            SourceGrant::Full => return Ok(None),
+            SourceGrant::Room => {}
         }
         match link.grant(grad) {
-            Ok(k) => {
-                grants.insert((link.id(), grad.id()), k);
-                *n += 1;
-                Ok(Some(k))
-            }
+            Ok(k) => Ok(Some(lock(&self.core).granted(
+                link.id(),
+                grad.id(),
+                k,
+                true,
+            ))),
             Err(e @ falcon_transport::Error::Closed { .. }) => Err(e),
             Err(e) => {
                 tracing::debug!(
@@ -645,8 +630,7 @@ impl Inner {
         let live: HashSet<LinkId> = (0..self.servers.len())
             .filter_map(|r| self.up_link(r).map(|l| l.id()))
             .collect();
-        lock(&self.grants).retain(|(l, _), _| live.contains(l));
-        lock(&self.source_grants).retain(|l, _| live.contains(l));
+        lock(&self.core).forget_grants(&live);
     }
 
     /// Sends a pull request on `link`, granting the destination on it first (cached).
@@ -673,8 +657,7 @@ impl Inner {
     /// older link (the server applies a push's sequence number once).
     pub(super) fn resync(&self, r: usize) {
         let Some(link) = self.up_link(r) else { return };
-        let mut stale = lock(&self.requests).stale(r, link.id());
-        stale.sort_by_key(|(_, _, what)| what.order());
+        let stale = lock(&self.core).stale(r, link.id());
         for (req, sig, what) in stale {
             let sent = match (&what, req) {
                 (Resend::Push { shard, rec }, _) => {
@@ -687,69 +670,8 @@ impl Inner {
                 _ => continue,
             };
             if sent.is_ok() {
-                lock(&self.requests).resent(req, &sig, link.id());
+                lock(&self.core).resent(req, &sig, link.id());
             }
-        }
-    }
-
-    /// A row pull's values arrived, from byte `at` of `answer` on: kept for the caller, then
-    /// its signal set.
-    pub(super) fn on_rows(&self, req: u32, answer: Vec<u8>, at: usize) {
-        let done = lock(&self.requests).take(Request::Pull(req));
-        if let Some(p) = done {
-            lock(&self.stats).pull_wait += p.since.elapsed();
-            lock(&self.row_answers).insert(req, (answer, at));
-            p.sig.set(Ok(Default::default()));
-        }
-    }
-
-    /// A pull's values arrived (the server's write with the request id as immediate).
-    pub(super) fn on_pulled(&self, id: u32) {
-        let done = lock(&self.requests).take(Request::Pull(id));
-        if let Some(p) = done {
-            lock(&self.stats).pull_wait += p.since.elapsed();
-            let widened = match &p.what {
-                Resend::Pull { shard, out, .. } => self
-                    .widen(out, &self.shards[*shard])
-                    .map_err(Error::Transport),
-                _ => Ok(()),
-            };
-            p.sig.set(widened.map(|()| Default::default()));
-        }
-    }
-
-    /// The server could not serve pull `id`.
-    pub(super) fn on_pull_failed(&self, id: u32, reason: String) {
-        let done = lock(&self.requests).take(Request::Pull(id));
-        if let Some(p) = done {
-            let rank = p.server.map_or(0, |s| s as u32);
-            p.sig.set(Err(Error::Server { rank, reason }));
-        }
-    }
-
-    /// Shard `shard` acknowledged a push (`staleness`: updates applied between the values
-    /// the gradient was computed on and the gradient).
-    pub(super) fn on_ack(&self, shard: u32, of: AckOf, staleness: u64) {
-        let done = lock(&self.requests).take(Request::Ack { shard, of });
-        if let Some(t) = done {
-            // Counted before the caller goes on: a reattachment reports what was acknowledged.
-            if let Resend::Push { shard, rec } = &t.what {
-                let i = match rec.kind {
-                    PushKind::Gradient | PushKind::Rows => Some(0),
-                    PushKind::Help => Some(1),
-                    PushKind::Init => None,
-                };
-                if let Some(i) = i {
-                    self.shards[*shard].acked[i].fetch_max(rec.seq, Ordering::AcqRel);
-                }
-            }
-            t.sig.set(Ok(Default::default()));
-        }
-        if of != AckOf::Init {
-            let mut stats = lock(&self.stats);
-            stats.staleness_sum += staleness;
-            stats.staleness_acks += 1;
-            stats.staleness_max = stats.staleness_max.max(staleness);
         }
     }
 }

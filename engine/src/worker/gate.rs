@@ -1,12 +1,13 @@
 //! ElasticBSP's gate on this worker (see the [module docs](super)): pulls below the barrier
 //! pass; the first at or past it reports to the scheduler and waits for the plan that moves
-//! the barrier.
+//! the barrier. The gate is part of the worker's core: it takes the time and returns actions.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::tracker::Signal;
-use super::{Inner, Worker, lock};
+use super::core::Action;
+use super::tracker::{Reply, Signal};
+use super::{Worker, lock};
 use crate::error::{Error, Result};
 use crate::proto::Msg;
 use crate::sync::zipline::IntervalEstimate;
@@ -39,9 +40,87 @@ impl Gate {
         }
     }
 
-    /// The mean of the recent samples in nanoseconds, 0 if there is none.
-    fn interval_ns(&self) -> u64 {
-        self.interval.estimate().unwrap_or(0)
+    /// Pulls at clocks below this pass.
+    pub(super) fn barrier(&self) -> u64 {
+        self.barrier
+    }
+
+    /// The mean of the recent samples, if there is one.
+    pub(super) fn interval(&self) -> Option<Duration> {
+        self.interval
+            .estimate()
+            .filter(|&ns| ns > 0)
+            .map(Duration::from_nanos)
+    }
+
+    /// A pull at `clock` at `now`: `None` when it passes, else the waiter to wait on before
+    /// asking again. The first at or past the barrier sends the superstep report (one report
+    /// however many threads pull at this clock); it is pending before it goes, so the plan
+    /// that answers it always finds it.
+    pub(super) fn enter(
+        &mut self,
+        clock: u64,
+        now: Instant,
+        out: &mut Vec<Action>,
+    ) -> Result<Option<Arc<Signal>>> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        self.mark.get_or_insert(now);
+        if clock < self.barrier {
+            return Ok(None);
+        }
+        if let Some((sig, _)) = &self.pending {
+            return Ok(Some(sig.clone()));
+        }
+        let interval_ns = self.interval.estimate().unwrap_or(0);
+        out.push(Action::Report(Msg::Superstep { clock, interval_ns }));
+        let sig = Arc::new(Signal::default());
+        self.pending = Some((sig.clone(), now));
+        Ok(Some(sig))
+    }
+
+    /// The first push of a new clock closes an iteration: one interval sample.
+    pub(super) fn sample(&mut self, clock: u64, now: Instant) {
+        if clock < self.next_sample {
+            return;
+        }
+        if let Some(mark) = self.mark {
+            let ns = u64::try_from(now.duration_since(mark).as_nanos()).unwrap_or(u64::MAX);
+            self.interval.record(ns);
+        }
+        self.mark = Some(now);
+        self.next_sample = clock + 1;
+    }
+
+    /// The scheduler's plan arrived: the barrier moves to `until`. Only an answer to a report
+    /// moves it (a stray plan does not); returns how long the report waited for it.
+    pub(super) fn on_plan(
+        &mut self,
+        until: u64,
+        now: Instant,
+        out: &mut Vec<Action>,
+    ) -> Option<Duration> {
+        let (sig, sent) = self.pending.take()?;
+        self.barrier = self.barrier.max(until);
+        // The next iteration starts now: the wait is not compute.
+        self.mark = Some(now);
+        out.push(Action::Wake(sig, Ok(Reply::Done)));
+        Some(now.saturating_duration_since(sent))
+    }
+
+    /// The report could not go out: its waiters fail with `err` (a later pull reports again).
+    pub(super) fn report_failed(&mut self, err: &Error, out: &mut Vec<Action>) {
+        if let Some((s, _)) = self.pending.take() {
+            out.push(Action::Wake(s, Err(err.clone())));
+        }
+    }
+
+    /// No plan can come any more: the gate fails its waiters, and every later pull past the
+    /// barrier, with `err`.
+    pub(super) fn break_with(&mut self, err: &Error, out: &mut Vec<Action>) {
+        self.broken.get_or_insert_with(|| err.clone());
+        self.report_failed(err, out);
     }
 }
 
@@ -50,115 +129,35 @@ impl Worker {
     /// pass, the first at or above it waits for the scheduler's next plan. None under other
     /// policies.
     pub fn superstep_until(&self) -> Option<u64> {
-        self.inner.gate.as_ref().map(|g| lock(g).barrier)
+        lock(&self.inner.core).barrier()
     }
 
     /// Under ElasticBSP, the iteration interval this worker would report at a barrier now (the
     /// mean of its last few samples). None under other policies or before the first sample.
     pub fn interval_estimate(&self) -> Option<Duration> {
-        let ns = lock(self.inner.gate.as_ref()?).interval_ns();
-        (ns > 0).then(|| Duration::from_nanos(ns))
+        lock(&self.inner.core).interval()
     }
 
     /// ElasticBSP: returns at once below the barrier; at or past it, reports to the scheduler
     /// (once, however many threads pull at this clock) and waits for the plan. No timeout:
     /// the plan comes when every other live worker has reached its barrier or finished, and
-    /// a dead peer or the job's end fails the wait (through [`Inner::fail_with`]). Without
-    /// ElasticBSP it does nothing.
+    /// a dead peer or the job's end fails the wait. Without ElasticBSP it does nothing.
     pub(super) fn pass_gate(&self, clock: u64) -> Result<()> {
-        let Some(gate) = &self.inner.gate else {
-            return Ok(());
-        };
         loop {
-            let sig = {
-                let mut g = lock(gate);
-                if let Some(e) = &g.broken {
-                    return Err(e.clone());
+            let step = self
+                .inner
+                .drive(|c, now, out| c.gate_enter(clock, now, out))?;
+            match step {
+                None => return Ok(()),
+                Some(sig) => {
+                    sig.wait(None)?;
                 }
-                if g.mark.is_none() {
-                    g.mark = Some(Instant::now());
-                }
-                if clock < g.barrier {
-                    return Ok(());
-                }
-                match &g.pending {
-                    Some((sig, _)) => sig.clone(),
-                    None => {
-                        let interval_ns = g.interval_ns();
-                        // Sent under the gate's lock: the plan's handler takes it too, so it
-                        // finds `pending` set.
-                        self.inner
-                            .sched
-                            .send(&Msg::Superstep { clock, interval_ns }.encode())
-                            .map_err(|e| Error::PeerGone {
-                                role: "scheduler",
-                                rank: 0,
-                                why: e.to_string(),
-                            })?;
-                        let sig = Arc::new(Signal::default());
-                        g.pending = Some((sig.clone(), Instant::now()));
-                        sig
-                    }
-                }
-            };
-            sig.wait(None)?;
+            }
         }
     }
 
     /// ElasticBSP: the first push of a new clock closes an iteration: one interval sample.
     pub(super) fn sample_interval(&self, clock: u64) {
-        let Some(gate) = &self.inner.gate else {
-            return;
-        };
-        let now = Instant::now();
-        let mut g = lock(gate);
-        if clock < g.next_sample {
-            return;
-        }
-        if let Some(mark) = g.mark {
-            let ns = u64::try_from(now.duration_since(mark).as_nanos()).unwrap_or(u64::MAX);
-            g.interval.record(ns);
-        }
-        g.mark = Some(now);
-        g.next_sample = clock + 1;
-    }
-}
-
-impl Inner {
-    /// The scheduler's plan arrived: the barrier moves to `until`. Only an answer to a report
-    /// moves it (a stray plan does not).
-    pub(super) fn on_plan(&self, until: u64) {
-        let Some(gate) = &self.gate else { return };
-        let now = Instant::now();
-        let answered = {
-            let mut g = lock(gate);
-            let pending = g.pending.take();
-            if pending.is_some() {
-                g.barrier = g.barrier.max(until);
-                // The next iteration starts now: the wait is not compute.
-                g.mark = Some(now);
-            }
-            pending
-        };
-        if let Some((sig, sent)) = answered {
-            let mut stats = lock(&self.stats);
-            stats.supersteps += 1;
-            stats.barrier_wait += now.saturating_duration_since(sent);
-            drop(stats);
-            sig.set(Ok(Default::default()));
-        }
-    }
-
-    /// No plan can come any more: the gate fails its waiters, and every later pull past the
-    /// barrier, with `err`.
-    pub(super) fn break_gate(&self, err: &Error) {
-        let Some(gate) = &self.gate else { return };
-        let mut g = lock(gate);
-        if g.broken.is_none() {
-            g.broken = Some(err.clone());
-        }
-        if let Some((s, _)) = g.pending.take() {
-            s.set(Err(err.clone()));
-        }
+        lock(&self.inner.core).gate_sample(clock, Instant::now());
     }
 }

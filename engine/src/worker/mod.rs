@@ -20,57 +20,58 @@
 //!
 //! # Layout
 //!
-//! - this file: the public [`Worker`] API (joining, push and pull, barriers, finishing);
-//! - `tracker`: every request a caller waits on (push acknowledgements, slow-path pulls,
-//!   barriers, steals), completed, failed or sent again in one place;
-//! - `data`: the data path (slot writes, the lock-free pull, pull requests);
+//! - this file: the public [`Worker`] API (joining, push and pull, barriers, finishing) and
+//!   the driver's hub (`Inner::drive`, which feeds the core and carries out its actions);
+//! - `core`: the worker's sans-IO state machine — every request a caller waits on (with what
+//!   to send again after a reconnection), each shard's clocks and counters, the gate, the
+//!   offers, the grants, the row plans and answers, the dead workers and the counters. It
+//!   takes calls, answers and the time, and returns actions (wake a waiter, widen values
+//!   that landed, send a superstep report); a property test holds it to a shadow model;
+//! - `tracker`: the core's table of requests in flight, and the `Signal` a caller waits on;
+//! - `gate`: ElasticBSP's gate (part of the core);
+//! - `data`: the data path (slot writes, the lock-free pull, pull requests, resends);
 //! - `conn`: the server connections (the first attach; with recovery, reconnection,
-//!   reattachment and resending what was in flight);
-//! - `gate`: ElasticBSP's gate;
+//!   reattachment) — the link table, which holds the links themselves and the condition
+//!   operations wait on while a server is down;
 //! - `transfer`: task transfer (offers, steals, [`Worker::push_for`]) and the supervisor's
 //!   reports and advice;
 //! - `device` (feature `cuda`): push and pull of device memory ([`Worker::push_device`],
 //!   `Worker::pull_device`) through a page-locked staging region;
-//! - `progress`: the background thread that hands each completion to the piece it is for.
+//! - `progress`: the background thread that hands each completion to the core.
 //!
 //! # Locks
 //!
-//! `Inner` holds these locks:
+//! The worker's state is the core's, behind one lock (`Inner::core`). The other locks guard
+//! I/O resources, not state:
 //!
 //! | lock | guards |
 //! |---|---|
+//! | `core` | the [`core`] state machine |
 //! | `servers[r].state` (with its condvar `changed`) | server `r`'s link, its reconnection, whether it is gone for good |
-//! | `requests` | the `Tracker` of every request in flight |
-//! | `gate` | ElasticBSP's barrier, interval samples and superstep report in flight |
 //! | `shards[i].keys` (read-write) | shard `i`'s remote keys (replaced on reattachment) |
-//! | `shards[i].scratch` | shard `i`'s scratch region (meta reads, slot trailers) |
-//! | `grants` | the destinations granted on each link, by (link, region) |
-//! | `dead` | the workers the scheduler declared dead |
+//! | `shards[i].scratch`, `push_buf`, `rows_buf` | shard `i`'s buffers (meta reads and slot trailers; encoded and row payloads) |
 //! | `staging` | the staging regions of `push_slice` |
-//! | `stats` | the counters |
-//! | `offers` | the task-transfer offers not yet taken, and every one received |
-//! | `steal_hook` | how this worker gives tasks away |
 //!
 //! and every `Signal` (what a caller waits on) a lock of its own.
 //!
-//! The order: **no code holds two of the locks above at once**, with one exception: a pull
-//! that reads every shard at once (`pull_fast_together`) holds those shards' `scratch`
-//! locks together, taken in the order of the worker's shard list (as every path that takes
-//! more than one in turn does) and released before anything else is taken. Each other lock is
-//! taken, used and released (what is needed past it is cloned out first). The one nesting is a signal's
-//! lock, taken (by `Signal::set`) under `requests` or `gate`: a signal's lock is the
-//! innermost of all, and nothing is taken under it. Waiting on a signal, or on `changed`,
-//! holds no other lock. Some locks are held across transport calls, which take only the
-//! transport's own locks: `gate` while the superstep report is sent (so that the plan's
-//! handler finds it pending), `scratch` during one-sided reads and writes, `grants` while a
-//! destination is granted, and `servers[r].state` while links are closed.
+//! The order, enforced where the core is taken: **`core` is innermost** — nothing is taken
+//! while it is held. The core holds no path to any other lock (it has no link, no buffer,
+//! no `Inner`), and `Inner::drive` releases it before carrying out the actions it returned,
+//! so a waiter is woken and a report sent with no state lock held. A data-path step may
+//! take the core under one shard's buffer lock (a push's trailer reads the shard's last
+//! pulled version; a fast pull records it) or under nothing. Of the buffer locks, a push
+//! with 16-bit values on the wire takes its shard's `push_buf` under its `scratch`, and a
+//! pull that reads every shard at once (`pull_fast_together`) takes its shards' `scratch`
+//! in the order of the worker's shard list; every other is taken alone. `servers[r].state`
+//! is taken alone (what is needed past it is cloned out), and held across one transport
+//! call: closing its links. Waiting on a signal, or on `changed`, holds no other lock.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use falcon_transport::{Link, LinkId, Region, RemoteKey, Transport, TransportConfig};
+use falcon_transport::{Link, Region, RemoteKey, Transport, TransportConfig};
 
 use crate::config::{FanOut, JobConfig};
 use crate::error::{Error, Result};
@@ -82,6 +83,7 @@ use crate::sync::{FastPath, PolicySpec};
 use crate::update::{Aggregate, Optimizer, UpdateMode};
 
 mod conn;
+mod core;
 mod data;
 #[cfg(feature = "cuda")]
 mod device;
@@ -91,10 +93,9 @@ mod tracker;
 mod transfer;
 
 use conn::ServerSlot;
+use core::{Action, Core};
 use data::Resend;
-use gate::Gate;
-use tracker::{Signal, Tracker};
-use transfer::Offers;
+use tracker::Signal;
 pub use transfer::{Offer, StealHook};
 
 /// Rewrites a gradient's key and offset ([`Worker::forge_in_place_sources`]).
@@ -192,6 +193,8 @@ fn cores() -> usize {
 
 struct ShardRemote {
     spec: ShardSpec,
+    /// Its index in the worker's shards (and the core's).
+    index: usize,
     server: usize,
     local: u32,
     /// The server's keys for this shard (replaced when the worker reattaches; `None` until
@@ -204,28 +207,15 @@ struct ShardRemote {
     push_buf: Mutex<Option<Region>>,
     /// A row push's payload for this shard (made at the first row push).
     rows_buf: Mutex<Option<Region>>,
-    /// Gradients pushed so far (the next push's clock).
-    pushes: AtomicU32,
-    /// The highest sequence numbers the server acknowledged: gradients
-    /// ([`PushKind::Gradient`]) and transferred-task gradients ([`PushKind::Help`]). A
-    /// reattaching worker reports them.
-    acked: [AtomicU64; 2],
-    /// The version of the values last pulled (u64::MAX: pulled through the server, which
-    /// remembers what it sent); sent with each push so the server knows its staleness.
-    pulled_version: AtomicU64,
-    /// Gradients of transferred tasks pushed to this shard (the next one's sequence number
-    /// is this plus one).
-    helps: AtomicU64,
 }
 
 impl ShardRemote {
     /// This worker's side of every shard of the job: with the keys the servers sent, none
-    /// yet for those of a server not reached, starting at clock `start`.
+    /// yet for those of a server not reached.
     fn all(
         book: &Book,
         keys: &HashMap<u32, ShardKeys>,
         reached: &[usize],
-        start: u64,
     ) -> Result<Vec<ShardRemote>> {
         let mut shards = Vec::new();
         let mut local_index = vec![0u32; book.servers.len()];
@@ -245,6 +235,7 @@ impl ShardRemote {
             local_index[spec.server as usize] += 1;
             shards.push(ShardRemote {
                 spec: *spec,
+                index: shards.len(),
                 server: spec.server as usize,
                 local,
                 keys: RwLock::new(k),
@@ -252,10 +243,6 @@ impl ShardRemote {
                 scratch: Mutex::new(Region::new(meta_bytes(book.workers) + 8)?),
                 push_buf: Mutex::new(None),
                 rows_buf: Mutex::new(None),
-                pushes: AtomicU32::new(u32::try_from(start).unwrap_or(u32::MAX)),
-                acked: [AtomicU64::new(start), AtomicU64::new(0)],
-                pulled_version: AtomicU64::new(0),
-                helps: AtomicU64::new(0),
             });
         }
         Ok(shards)
@@ -294,42 +281,19 @@ struct Inner {
     /// How long an operation waits for a server that is down to come back (recovery).
     recovery_wait: Duration,
     shards: Vec<ShardRemote>,
-    /// Every request a caller waits on.
-    requests: Mutex<Tracker<Resend>>,
-    dead: Mutex<HashSet<u32>>,
-    /// Row pulls answered and not yet taken by their caller: request id → the answer's
-    /// message and where its values start in it.
-    row_answers: Mutex<HashMap<u32, (Vec<u8>, usize)>>,
-    /// Per tensor, the last row request's plan: a push of the rows just pulled (or a pull of
-    /// the rows just pushed) reuses it instead of splitting and indexing them again.
-    row_plans: Mutex<HashMap<usize, Arc<RowPlan>>>,
-    grants: Mutex<HashMap<(LinkId, u64), RemoteKey>>,
-    /// Of those, the gradient regions granted for pushes read in place, per link (taken
-    /// under `grants`' lock).
-    source_grants: Mutex<HashMap<LinkId, usize>>,
-    next_req: AtomicU32,
-    /// The sequence number of the last barrier this worker entered.
-    next_barrier: AtomicU64,
+    /// The worker's state machine: requests, clocks, gate, offers, grants, row plans,
+    /// counters (see [`core`]). Taken through [`Inner::drive`] where it returns actions.
+    core: Mutex<Core>,
+    /// The staging regions of `push_slice`, per tensor.
     staging: Mutex<HashMap<usize, Region>>,
     timeout: Duration,
     /// [`JobConfig::shm_in_place`].
     shm_in_place: bool,
     stop: AtomicBool,
-    stats: Mutex<WorkerStats>,
-    /// ElasticBSP's gate; None under every other policy.
-    gate: Option<Mutex<Gate>>,
     /// The policy's lock-free pull rule (fixed for the job).
     fast_path: FastPath,
     /// Per-server parts of large pushes and pulls go out at once (see `Worker::per_server`).
     fan_out: bool,
-    /// Task-transfer offers.
-    offers: Mutex<Offers>,
-    /// The parallelism manager's latest advice (0: none yet).
-    advised: AtomicU32,
-    /// Answers a helper's steal: (iteration, most tasks) → the task range given away.
-    steal_hook: Mutex<Option<StealHook>>,
-    /// A fault-injection seam: rewrites where a push read in place says its gradient lies.
-    forge_source: Mutex<Option<ForgeSource>>,
 }
 
 /// Counters of one worker.
@@ -395,15 +359,23 @@ impl Worker {
         let links = conn::connect_servers(&t, &book)?;
         let attached = conn::attach(&t, cfg, &book, links)?;
         let reached: Vec<usize> = attached.links.iter().map(|(r, _)| *r).collect();
-        let shards = ShardRemote::all(&book, &attached.keys, &reached, attached.start)?;
+        let shards = ShardRemote::all(&book, &attached.keys, &reached)?;
+        let tensors: Vec<u32> = shards.iter().map(|s| s.spec.tensor).collect();
         let servers = conn::server_slots(&book, attached.links);
         let recovery_wait = cfg
             .checkpoint
             .as_ref()
             .map_or(Duration::from_secs(60), |c| c.recovery_timeout);
         let first_barrier = if book.rejoin { book.barriers } else { 0 };
+        let core = Core::new(
+            &tensors,
+            attached.start,
+            book.policy.job_barriers().is_some(),
+            first_barrier,
+            data::IN_PLACE_MAX_REGIONS,
+        );
         let inner = Arc::new(Inner {
-            gate: book.policy.job_barriers().map(|_| Mutex::new(Gate::new())),
+            core: Mutex::new(core),
             fast_path: book.policy.build(book.workers).fast_path(),
             fan_out: match cfg.fan_out {
                 FanOut::On => true,
@@ -418,23 +390,10 @@ impl Worker {
             control_cap: cfg.transport.max_accepted_message,
             recovery_wait,
             shards,
-            requests: Mutex::new(Tracker::default()),
-            dead: Mutex::new(HashSet::new()),
-            row_answers: Mutex::new(HashMap::new()),
-            row_plans: Mutex::new(HashMap::new()),
-            grants: Mutex::new(HashMap::new()),
-            source_grants: Mutex::new(HashMap::new()),
-            next_req: AtomicU32::new(1),
-            next_barrier: AtomicU64::new(first_barrier),
             staging: Mutex::new(HashMap::new()),
             timeout: cfg.transport.op_timeout,
             shm_in_place: cfg.shm_in_place,
             stop: AtomicBool::new(false),
-            stats: Mutex::new(WorkerStats::default()),
-            offers: Mutex::new(Offers::default()),
-            advised: AtomicU32::new(0),
-            steal_hook: Mutex::new(None),
-            forge_source: Mutex::new(None),
         });
         Inner::start_threads(&inner, cfg.heartbeat)?;
         Ok(Worker { inner })
@@ -449,9 +408,7 @@ impl Worker {
 
     /// The workers the scheduler declared dead (and that have not rejoined), by rank.
     pub fn dead_workers(&self) -> Vec<u32> {
-        let mut d: Vec<u32> = lock(&self.inner.dead).iter().copied().collect();
-        d.sort_unstable();
-        d
+        lock(&self.inner.core).dead().iter().copied().collect()
     }
 
     /// This worker's rank.
@@ -507,7 +464,7 @@ impl Worker {
 
     /// Counters so far.
     pub fn stats(&self) -> WorkerStats {
-        lock(&self.inner.stats).clone()
+        lock(&self.inner.core).stats().clone()
     }
 
     /// A zero-filled region sized for `tensor`: push from it and pull into it without copies.
@@ -524,13 +481,11 @@ impl Worker {
 
     /// Gradients pushed to `tensor` so far (its next push's clock).
     pub fn clock_of(&self, tensor: &str) -> Result<u64> {
-        let t = self.tensor(tensor)? as u32;
+        let t = self.tensor(tensor)?;
+        let core = lock(&self.inner.core);
         Ok(self
-            .inner
-            .shards
-            .iter()
-            .filter(|s| s.spec.tensor == t)
-            .map(|s| u64::from(s.pushes.load(Ordering::Acquire)))
+            .shards_of(t)
+            .map(|s| core.shard(s.index).pushes)
             .min()
             .unwrap_or(0))
     }
@@ -547,7 +502,7 @@ impl Worker {
         rows: &[u64],
     ) -> Result<Arc<RowPlan>> {
         // Compared outside the lock, which every tensor's requests share.
-        let last = lock(&self.inner.row_plans).get(&t).cloned();
+        let last = lock(&self.inner.core).row_plan(t);
         if let Some(p) = last
             && p.dim == dim
             && p.rows == rows
@@ -560,7 +515,7 @@ impl Worker {
         let picks = crate::rows::split(spec.len, &bounds, dim, rows)?;
         // The last plan's buffers are written again where nothing else holds them: fresh
         // ones of this size would be fresh pages of memory every request.
-        let old = lock(&self.inner.row_plans).remove(&t);
+        let old = lock(&self.inner.core).take_row_plan(t);
         let (mut kept_rows, mut index) = match old.and_then(|p| Arc::try_unwrap(p).ok()) {
             Some(p) => (p.rows, p.index),
             None => (Vec::new(), Vec::new()),
@@ -577,7 +532,7 @@ impl Worker {
             picks,
             index,
         });
-        lock(&self.inner.row_plans).insert(t, plan.clone());
+        lock(&self.inner.core).set_row_plan(t, plan.clone());
         Ok(plan)
     }
 
@@ -682,12 +637,12 @@ impl Worker {
     pub fn push_pull(&self, tensor: &str, grad: &Region, out: &Region, clock: u64) -> Result<()> {
         let t = self.tensor(tensor)?;
         self.check_len(t, out)?;
-        if self.inner.gate.is_some() {
+        if lock(&self.inner.core).gated() {
             self.push(tensor, grad, clock)?;
             self.pass_gate(clock + 1)?;
             let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
             let answers = self.per_server(&shards, |s| {
-                lock(&self.inner.stats).slow_pulls += 1;
+                lock(&self.inner.core).stats_mut().slow_pulls += 1;
                 self.pull_slow(s, out, clock + 1)
             })?;
             return self.handle(answers, None).wait();
@@ -707,7 +662,7 @@ impl Worker {
             let (ack, answer) =
                 self.write_record_and_pull(s, rec, AckOf::Push { clock }, (out, clock + 1))?;
             self.pushed(s);
-            lock(&self.inner.stats).slow_pulls += 1;
+            lock(&self.inner.core).stats_mut().slow_pulls += 1;
             // A failed pull request does not stop the other shards' pushes: every shard of
             // the tensor must count this clock.
             Ok((ack, answer))
@@ -858,7 +813,7 @@ impl Worker {
                     break;
                 }
             };
-            let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+            let id = lock(&self.inner.core).next_req();
             let req = tracker::Request::Pull(id);
             // Written into the message once: the same bytes go out again on a new link if
             // this one drops.
@@ -880,11 +835,11 @@ impl Worker {
                 break;
             }
             let what = Resend::PullRows {
-                shard: self.inner.shard_index(s),
+                shard: s.index,
                 msg: msg.clone(),
             };
             let sig = self.track(s, &link, req, what);
-            lock(&self.inner.stats).slow_pulls += 1;
+            lock(&self.inner.core).stats_mut().slow_pulls += 1;
             let sent = link.send(&msg);
             if let Err(e) = self.sent_or_deferred(sent, s.server, req, "pull rows from") {
                 first_err = Some(e);
@@ -894,7 +849,7 @@ impl Worker {
         }
         for (id, sig, s, pick) in waiting {
             let got = sig.wait(None).map(drop);
-            let values = lock(&self.inner.row_answers).remove(&id);
+            let values = lock(&self.inner.core).take_row_answer(id);
             if let Err(e) = got {
                 first_err.get_or_insert(e);
                 continue;
@@ -919,8 +874,9 @@ impl Worker {
 
     /// Refuses a push at `clock` unless it is the next of every shard in `shards`.
     fn check_push_clock(&self, shards: &[&ShardRemote], tensor: &str, clock: u64) -> Result<()> {
+        let core = lock(&self.inner.core);
         for s in shards {
-            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            let made = core.shard(s.index).pushes;
             if clock != made {
                 return Err(Error::BadClock {
                     got: clock,
@@ -935,8 +891,9 @@ impl Worker {
 
     /// Refuses a pull of tensor `t` at a clock past this worker's pushes.
     fn check_pull_clock(&self, t: usize, tensor: &str, clock: u64) -> Result<()> {
+        let core = lock(&self.inner.core);
         for s in self.shards_of(t) {
-            let made = u64::from(s.pushes.load(Ordering::Acquire));
+            let made = core.shard(s.index).pushes;
             if clock > made {
                 return Err(Error::BadClock {
                     got: clock,
@@ -951,8 +908,7 @@ impl Worker {
 
     /// Counts a push of shard `s` written.
     fn pushed(&self, s: &ShardRemote) {
-        s.pushes.fetch_add(1, Ordering::AcqRel);
-        lock(&self.inner.stats).pushes += 1;
+        lock(&self.inner.core).pushed(s.index);
     }
 
     /// Runs `op` on every shard in `shards` and returns the results in their order. Where the
@@ -1045,8 +1001,7 @@ impl Worker {
                 PushKind::Gradient,
                 clock + 1,
             )?);
-            s.pushes.fetch_add(1, Ordering::AcqRel);
-            lock(&self.inner.stats).pushes += 1;
+            lock(&self.inner.core).pushed(s.index);
         }
         Ok(self.handle(signals, Some(self.inner.timeout)))
     }
@@ -1055,7 +1010,7 @@ impl Worker {
     /// lying about its memory), as `forge` says. A fault-injection seam for tests.
     #[doc(hidden)]
     pub fn forge_in_place_sources(&self, forge: ForgeSource) {
-        *lock(&self.inner.forge_source) = Some(forge);
+        lock(&self.inner.core).set_forge_source(forge);
     }
 
     /// Sends the last push of `tensor` again, as a retry after a lost acknowledgement would
@@ -1068,7 +1023,7 @@ impl Worker {
         let t = self.tensor(tensor)?;
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
-            let pushed = u64::from(s.pushes.load(Ordering::Acquire));
+            let pushed = lock(&self.inner.core).shard(s.index).pushes;
             if pushed == 0 {
                 continue;
             }
@@ -1196,7 +1151,7 @@ impl Worker {
                 if self.pull_fast(s, out, clock, bound)? {
                     return Ok(None);
                 }
-                lock(&self.inner.stats).slow_pulls += 1;
+                lock(&self.inner.core).stats_mut().slow_pulls += 1;
                 Ok(Some((s, self.pull_slow(s, out, clock)?)))
             })?;
             return Ok(done.into_iter().flatten().collect());
@@ -1211,7 +1166,7 @@ impl Worker {
                 }
                 continue;
             }
-            lock(&self.inner.stats).slow_pulls += 1;
+            lock(&self.inner.core).stats_mut().slow_pulls += 1;
             slow.push((s, self.pull_slow(s, out, clock)?));
         }
         Ok(slow)
@@ -1220,14 +1175,11 @@ impl Worker {
     /// Waits until every live worker has reached this barrier. Under ElasticBSP a worker
     /// waiting here does not hold the others' superstep barrier (they could never get here).
     pub fn barrier(&self) -> Result<()> {
-        let seq = self.inner.next_barrier.fetch_add(1, Ordering::AcqRel) + 1;
-        let sig = lock(&self.inner.requests).register(
-            tracker::Request::Barrier(seq),
-            None,
-            None,
-            Instant::now(),
-            Resend::Nothing,
-        );
+        let seq = lock(&self.inner.core).next_barrier();
+        let req = tracker::Request::Barrier(seq);
+        let sig = self
+            .inner
+            .drive(|c, now, out| c.register(req, None, None, now, Resend::Nothing, out));
         self.inner.sched.send(&Msg::Barrier { seq }.encode())?;
         sig.wait(None).map(drop)
     }
@@ -1265,27 +1217,56 @@ impl Worker {
 impl Inner {
     /// See [`Worker::clock`].
     fn clock(&self) -> u64 {
-        let mut per_tensor: HashMap<u32, u64> = HashMap::new();
-        for s in &self.shards {
-            let n = u64::from(s.pushes.load(Ordering::Acquire));
-            per_tensor
-                .entry(s.spec.tensor)
-                .and_modify(|m| *m = (*m).min(n))
-                .or_insert(n);
+        lock(&self.core).clock()
+    }
+
+    /// Runs `f` on the core with the time, then carries out the actions it returned, with
+    /// the core's lock released: the lock order is true by construction — the core holds no
+    /// path to another lock, `drive` takes nothing while it holds the core, and whoever
+    /// takes the core under another lock (a shard's scratch during a push) takes nothing
+    /// under it.
+    fn drive<R>(&self, f: impl FnOnce(&mut Core, Instant, &mut Vec<Action>) -> R) -> R {
+        let mut out = Vec::new();
+        let r = f(&mut lock(&self.core), Instant::now(), &mut out);
+        self.perform(out);
+        r
+    }
+
+    /// Carries out the core's actions.
+    fn perform(&self, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::Wake(sig, outcome) => sig.set(outcome),
+                Action::Widen { shard, out, sig } => {
+                    let widened = self.widen(&out, &self.shards[shard]);
+                    sig.set(
+                        widened
+                            .map(|()| Default::default())
+                            .map_err(Error::Transport),
+                    );
+                }
+                Action::Report(msg) => {
+                    if let Err(e) = self.sched.send(&msg.encode()) {
+                        let err = Error::PeerGone {
+                            role: "scheduler",
+                            rank: 0,
+                            why: e.to_string(),
+                        };
+                        self.drive(|c, _, out| c.report_failed(&err, out));
+                    }
+                }
+            }
         }
-        per_tensor
-            .values()
-            .copied()
-            .filter(|&n| n > 0)
-            .min()
-            .unwrap_or(0)
     }
 
     /// The counters the heartbeat sends to the scheduler's metrics.
     fn metrics(&self) -> crate::metrics::NodeMetrics {
-        let st = lock(&self.stats).clone();
+        let (st, clock) = {
+            let core = lock(&self.core);
+            (core.stats().clone(), core.clock())
+        };
         crate::metrics::NodeMetrics {
-            iterations: self.clock(),
+            iterations: clock,
             pushes: st.pushes,
             pulls: st.fast_pulls + st.slow_pulls,
             blocked_nanos: (st.pull_wait + st.barrier_wait).as_nanos() as u64,
@@ -1330,8 +1311,7 @@ impl Inner {
     /// Fails every waiter, and every later operation, with `err`.
     fn fail_with(&self, err: Error) {
         self.servers_gone(&err);
-        lock(&self.requests).fail(None, &err);
-        self.break_gate(&err);
+        self.drive(|c, _, out| c.fail_all(&err, out));
     }
 }
 

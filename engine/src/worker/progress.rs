@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use falcon_transport::{Completion, LinkId};
 
-use super::tracker::{Reply, Request};
 use super::transfer::Offer;
 use super::{Inner, lock};
 use crate::error::Error;
@@ -48,13 +47,15 @@ impl Inner {
     /// Hands one completion to what waits for it.
     fn route(&self, c: Completion) {
         match c {
-            Completion::WriteImm { imm, .. } => self.on_pulled(imm),
+            Completion::WriteImm { imm, .. } => {
+                self.drive(|c, now, out| c.on_pulled(imm, now, out))
+            }
             // A completion on a reattachment under way (looked up once; none in steady state).
             Completion::Message { link, data } => match self.joining_server(link) {
                 Some(r) => self.reattach_step(r, &data),
                 // A row answer's values are read where they arrived, not copied out.
                 None => match Msg::rows_in(&data) {
-                    Some((req, at)) => self.on_rows(req, data, at),
+                    Some((req, at)) => self.drive(|c, now, out| c.on_rows(req, data, at, now, out)),
                     None => match Msg::decode(&data) {
                         Ok(m) => self.on_message(m),
                         Err(e) => tracing::warn!("worker: {e}"),
@@ -76,13 +77,15 @@ impl Inner {
                 shard,
                 of,
                 staleness,
-            } => self.on_ack(shard, of, staleness),
-            Msg::PullFailed { req, reason } => self.on_pull_failed(req, reason),
-            Msg::Rows { req, values } => self.on_rows(req, values, 0),
-            Msg::BarrierDone { seq } => {
-                lock(&self.requests).complete(Request::Barrier(seq), Ok(Reply::Done));
+            } => self.drive(|c, _, out| c.on_ack(shard, of, staleness, out)),
+            Msg::PullFailed { req, reason } => {
+                self.drive(|c, _, out| c.on_pull_failed(req, reason, out))
             }
-            Msg::Plan { until } => self.on_plan(until),
+            Msg::Rows { req, values } => {
+                self.drive(|c, now, out| c.on_rows(req, values, 0, now, out))
+            }
+            Msg::BarrierDone { seq } => self.drive(|c, _, out| c.on_barrier_done(seq, out)),
+            Msg::Plan { until } => self.drive(|c, now, out| c.on_plan(until, now, out)),
             Msg::Steal {
                 helper,
                 clock,
@@ -95,9 +98,11 @@ impl Inner {
                 start,
                 end,
                 ..
-            } => self.on_tasks(straggler, clock, start..end),
-            Msg::Threads { threads } => self.advised.store(threads, Ordering::Release),
-            Msg::Offer { straggler, clock } => self.on_offer(Offer { straggler, clock }),
+            } => self.drive(|c, _, out| c.on_tasks(straggler, clock, start..end, out)),
+            Msg::Threads { threads } => lock(&self.core).advise(threads),
+            Msg::Offer { straggler, clock } => {
+                lock(&self.core).on_offer(Offer { straggler, clock })
+            }
             Msg::Dead {
                 role: Role::Worker,
                 rank,
@@ -131,11 +136,7 @@ impl Inner {
     /// Another worker was declared dead (`dead`), or rejoined: said once, as the others
     /// train on.
     fn worker_dead(&self, rank: u32, dead: bool) {
-        let changed = if dead {
-            lock(&self.dead).insert(rank)
-        } else {
-            lock(&self.dead).remove(&rank)
-        };
+        let changed = lock(&self.core).worker_dead(rank, dead);
         match (changed, dead) {
             (true, true) => tracing::warn!(
                 "worker {}: worker {rank} died; the job goes on without it (it may rejoin under its rank)",

@@ -1,9 +1,10 @@
 //! Request tracking: every request a worker waits on, in one place.
 //!
 //! A caller that sends a request registers it first ([`Tracker::register`]) and waits on the
-//! [`Signal`] it gets back; the progress thread completes it when the answer comes
-//! ([`Tracker::complete`]), fails what a dead peer will never answer ([`Tracker::fail`]),
-//! and after a reconnection lists what was sent on an older link ([`Tracker::stale`]).
+//! [`Signal`] it gets back; when the answer comes the worker's core takes it out
+//! ([`Tracker::take`]) and has its signal set, takes out what a dead peer will never answer
+//! ([`Tracker::take_answered_by`]), and after a reconnection lists what was sent on an
+//! older link ([`Tracker::stale`]).
 //!
 //! The tracker is sans-IO: it holds no link (a request names the server that answers it and
 //! the id of the link it went out on) and reads no clock (the caller passes the time).
@@ -181,14 +182,6 @@ impl<T> Tracker<T> {
         sig
     }
 
-    /// Completes `req` with `outcome` and returns it; `None` if nothing waits under that name
-    /// (an answer to a request already failed, or given up on).
-    pub(crate) fn complete(&mut self, req: Request, outcome: Result<Reply>) -> Option<Tracked<T>> {
-        let t = self.take(req)?;
-        t.sig.set(outcome);
-        Some(t)
-    }
-
     /// Takes `req` out without setting its signal: its caller gave up on it or never sent it,
     /// or the caller sets the signal itself once its own bookkeeping is done.
     pub(crate) fn take(&mut self, req: Request) -> Option<Tracked<T>> {
@@ -201,20 +194,17 @@ impl<T> Tracker<T> {
         Some(t)
     }
 
-    /// Fails with `err` every request answered by server `server`, or every request at all
-    /// with `None` (a peer is gone: what it would have answered never comes). Returns how
-    /// many it failed.
-    pub(crate) fn fail(&mut self, server: Option<usize>, err: &Error) -> usize {
+    /// Takes out every request answered by server `server`, or every request at all with
+    /// `None` (a peer is gone: what it would have answered never comes), for their waiters
+    /// to be told.
+    pub(crate) fn take_answered_by(&mut self, server: Option<usize>) -> Vec<Tracked<T>> {
         let doomed: Vec<Request> = self
             .waiting
             .iter()
             .filter(|(_, t)| server.is_none() || t.server == server)
             .map(|(&r, _)| r)
             .collect();
-        for r in &doomed {
-            self.complete(*r, Err(err.clone()));
-        }
-        doomed.len()
+        doomed.into_iter().filter_map(|r| self.take(r)).collect()
     }
 
     /// The signal of the push that shard `shard`'s slot holds, while unacknowledged.
@@ -250,7 +240,7 @@ impl<T> Tracker<T> {
 
     /// Requests in flight.
     #[cfg(test)]
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.waiting.len()
     }
 }
@@ -273,14 +263,15 @@ mod tests {
         let now = Instant::now();
         let sig = t.register(Request::Pull(7), Some(0), Some(1), now, 42);
         assert!(!sig.done());
-        let done = t
-            .complete(Request::Pull(7), Ok(Reply::Done))
-            .expect("tracked");
+        let done = t.take(Request::Pull(7)).expect("tracked");
         assert_eq!(done.what, 42);
         assert_eq!(done.since, now);
+        assert!(Arc::ptr_eq(&done.sig, &sig));
+        done.sig.set(Ok(Reply::Done));
         assert!(matches!(sig.wait(Some(Duration::ZERO)), Ok(Reply::Done)));
-        // A second answer finds nothing.
-        assert!(t.complete(Request::Pull(7), Err(gone())).is_none());
+        // A second answer finds nothing; a second outcome does not replace the first.
+        assert!(t.take(Request::Pull(7)).is_none());
+        sig.set(Err(gone()));
         assert!(matches!(sig.wait(None), Ok(Reply::Done)));
         assert_eq!(t.len(), 0);
     }
@@ -293,7 +284,10 @@ mod tests {
             clock: 5,
         };
         let sig = t.register(req, None, None, Instant::now(), ());
-        t.complete(req, Ok(Reply::Tasks(3..9)));
+        t.take(req)
+            .expect("tracked")
+            .sig
+            .set(Ok(Reply::Tasks(3..9)));
         assert!(matches!(sig.wait(None), Ok(Reply::Tasks(r)) if r == (3..9)));
     }
 
@@ -318,10 +312,17 @@ mod tests {
         let a = t.register(Request::Pull(1), Some(0), Some(10), now, ());
         let b = t.register(Request::Pull(2), Some(1), Some(11), now, ());
         let c = t.register(Request::Barrier(1), None, None, now, ());
-        assert_eq!(t.fail(Some(1), &gone()), 1);
+        let fail = |t: &mut Tracker<()>, server| {
+            let taken = t.take_answered_by(server);
+            for d in &taken {
+                d.sig.set(Err(gone()));
+            }
+            taken.len()
+        };
+        assert_eq!(fail(&mut t, Some(1)), 1);
         assert!(!a.done() && !c.done());
         assert!(matches!(b.wait(None), Err(Error::PeerGone { .. })));
-        assert_eq!(t.fail(None, &gone()), 2);
+        assert_eq!(fail(&mut t, None), 2);
         assert!(matches!(a.wait(None), Err(Error::PeerGone { .. })));
         assert!(matches!(c.wait(None), Err(Error::PeerGone { .. })));
         assert_eq!(t.len(), 0);
@@ -344,9 +345,9 @@ mod tests {
             shard: 3,
             of: AckOf::Help,
         };
-        assert!(t.complete(other, Ok(Reply::Done)).is_none());
+        assert!(t.take(other).is_none());
         assert!(t.slot(3).is_some());
-        t.complete(ack, Ok(Reply::Done));
+        t.take(ack).expect("tracked");
         assert!(t.slot(3).is_none());
     }
 

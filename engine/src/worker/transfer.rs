@@ -5,8 +5,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::data::Resend;
 use super::tracker::{Reply, Request};
@@ -38,6 +37,22 @@ pub(super) struct Offers {
     seen: HashSet<Offer>,
 }
 
+impl Offers {
+    /// Adds `offer` unless it was received before; whether it is new.
+    pub(super) fn add(&mut self, offer: Offer) -> bool {
+        let fresh = self.seen.insert(offer);
+        if fresh {
+            self.queue.push_back(offer);
+        }
+        fresh
+    }
+
+    /// Takes the offers not yet taken, oldest first.
+    pub(super) fn take(&mut self) -> Vec<Offer> {
+        self.queue.drain(..).collect()
+    }
+}
+
 /// The scheduler's link failed.
 fn scheduler_gone(e: falcon_transport::Error) -> Error {
     Error::PeerGone {
@@ -53,7 +68,7 @@ impl Worker {
     /// and returns their range (the trainer's exactly-once claim point). Without a hook this
     /// worker gives nothing away.
     pub fn on_steal(&self, hook: impl Fn(u64, u32) -> Range<u32> + Send + Sync + 'static) {
-        *lock(&self.inner.steal_hook) = Some(Arc::new(hook));
+        lock(&self.inner.core).set_steal_hook(Arc::new(hook));
     }
 
     /// Asks `straggler` (through the scheduler) for up to `want` unprocessed tasks of its
@@ -69,8 +84,9 @@ impl Worker {
             )));
         }
         let req = Request::Steal { straggler, clock };
-        let sig =
-            lock(&self.inner.requests).register(req, None, None, Instant::now(), Resend::Nothing);
+        let sig = self
+            .inner
+            .drive(|c, now, out| c.register(req, None, None, now, Resend::Nothing, out));
         let msg = Msg::Steal {
             straggler,
             helper: self.rank(),
@@ -79,11 +95,11 @@ impl Worker {
         };
         let sent = self.inner.sched.send(&msg.encode());
         if let Err(e) = sent {
-            lock(&self.inner.requests).take(req);
+            lock(&self.inner.core).withdraw(req);
             return Err(scheduler_gone(e));
         }
         let waited = sig.wait(Some(self.inner.timeout));
-        lock(&self.inner.requests).take(req);
+        lock(&self.inner.core).withdraw(req);
         // No answer in time, or none coming (a peer gone): nothing taken.
         match waited {
             Ok(Reply::Tasks(r)) => Ok(r),
@@ -111,7 +127,7 @@ impl Worker {
         self.check_len(t, grad)?;
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
-            let seq = s.helps.fetch_add(1, Ordering::AcqRel) + 1;
+            let seq = lock(&self.inner.core).next_help(s.index);
             let rec = super::data::PushRecord {
                 grad: Some(grad.clone()),
                 own: None,
@@ -121,7 +137,7 @@ impl Worker {
             };
             signals.push(self.write_record(s, rec, AckOf::Help)?);
         }
-        lock(&self.inner.stats).help_pushes += signals.len() as u64;
+        lock(&self.inner.core).stats_mut().help_pushes += signals.len() as u64;
         self.handle(signals, Some(self.inner.timeout)).wait()
     }
 
@@ -140,7 +156,7 @@ impl Worker {
     /// The thread count the scheduler's parallelism manager last advised for this worker,
     /// if it advised any.
     pub fn advised_threads(&self) -> Option<usize> {
-        match self.inner.advised.load(Ordering::Acquire) {
+        match lock(&self.inner.core).advised() {
             0 => None,
             n => Some(n as usize),
         }
@@ -149,7 +165,7 @@ impl Worker {
     /// Takes the task-transfer offers received since the last call (EPSP, FlexRR), oldest
     /// first. Each distinct offer is returned once however many shards made it.
     pub fn offers(&self) -> Vec<Offer> {
-        lock(&self.inner.offers).queue.drain(..).collect()
+        lock(&self.inner.core).take_offers()
     }
 }
 
@@ -157,7 +173,7 @@ impl Inner {
     /// A helper asks (through the scheduler) for up to `want` of this worker's tasks of
     /// iteration `clock`: the steal hook gives them, and the answer goes back.
     pub(super) fn give_tasks(&self, helper: u32, clock: u64, want: u32) {
-        let hook = lock(&self.steal_hook).clone();
+        let hook = lock(&self.core).steal_hook();
         let r = match hook {
             Some(h) => h(clock, want),
             None => 0..0,
@@ -170,26 +186,5 @@ impl Inner {
             end: r.end.max(r.start),
         };
         let _ = self.sched.send(&reply.encode());
-    }
-
-    /// `straggler` answered this worker's steal of its iteration `clock`.
-    pub(super) fn on_tasks(&self, straggler: u32, clock: u64, tasks: Range<u32>) {
-        let tasks = tasks.start..tasks.end.max(tasks.start);
-        lock(&self.requests).complete(Request::Steal { straggler, clock }, Ok(Reply::Tasks(tasks)));
-    }
-
-    /// A shard's policy offers `offer` (every shard's may make the same one: it is kept once).
-    pub(super) fn on_offer(&self, offer: Offer) {
-        let fresh = {
-            let mut offers = lock(&self.offers);
-            let fresh = offers.seen.insert(offer);
-            if fresh {
-                offers.queue.push_back(offer);
-            }
-            fresh
-        };
-        if fresh {
-            lock(&self.stats).offers += 1;
-        }
     }
 }
