@@ -225,6 +225,14 @@ pub enum Conflict {
         /// The most backups allowed.
         max: u32,
     },
+    /// A job without a server or without a worker.
+    #[error("{workers} worker(s) and {servers} server(s): a job needs at least one of each")]
+    NoRoles {
+        /// The job's servers.
+        servers: u32,
+        /// The job's workers.
+        workers: u32,
+    },
     /// A suspicion timeout not longer than the heartbeat interval.
     #[error(
         "suspicion timeout {suspicion_ms} ms with heartbeats every {heartbeat_ms} ms: the \
@@ -239,6 +247,14 @@ pub enum Conflict {
         /// A sensible value.
         suggest: u64,
     },
+}
+
+/// A job has at least one server and one worker.
+pub fn roles_fit(servers: u32, workers: u32) -> Result<(), Conflict> {
+    if servers == 0 || workers == 0 {
+        return Err(Conflict::NoRoles { servers, workers });
+    }
+    Ok(())
 }
 
 /// Sync-opt's backups must be fewer than the workers (the engine would otherwise quietly

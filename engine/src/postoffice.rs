@@ -215,18 +215,30 @@ pub(crate) fn expire_unadmitted(
     admitted: impl Fn(LinkId) -> bool,
     who: &str,
 ) {
-    links.retain(|id, (l, at)| {
-        if admitted(*id) || at.elapsed() < deadline {
-            return true;
-        }
+    links.retain(|id, (l, at)| admitted(*id) || !overdue(Some(l), *at, deadline, who));
+}
+
+/// Whether a link accepted at `at` is past the admission `deadline`: if so, it is closed
+/// (where the caller still holds it), saying so. Every role expires its unadmitted links
+/// through this.
+pub(crate) fn overdue(
+    link: Option<&Link>,
+    at: Instant,
+    deadline: Duration,
+    who: impl std::fmt::Display,
+) -> bool {
+    if at.elapsed() < deadline {
+        return false;
+    }
+    if let Some(l) = link {
         tracing::warn!(
             "{who}: dropped {}: it did not finish admission within {} ms",
             l.peer(),
             deadline.as_millis()
         );
         l.close();
-        false
-    });
+    }
+    true
 }
 
 /// Time left before `deadline`, or the timeout error for `what`.

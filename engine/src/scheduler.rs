@@ -144,11 +144,8 @@ fn refuse(link: &Link, reason: String, report: &mut SchedulerReport) {
 impl Scheduler {
     /// Creates the scheduler's transport (listening).
     pub fn bind(cfg: JobConfig) -> Result<Scheduler> {
-        if cfg.servers == 0 || cfg.workers == 0 {
-            return Err(Error::Config(
-                "a job needs at least one server and one worker".into(),
-            ));
-        }
+        crate::checks::roles_fit(cfg.servers, cfg.workers)
+            .map_err(|e| Error::Config(e.to_string()))?;
         let t = Transport::new(cfg.transport_config()).map_err(|e| match e {
             // A port the job's settings chose: the settings must change.
             falcon_transport::Error::Bind { addr, why } => Error::Config(format!(

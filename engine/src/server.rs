@@ -631,17 +631,11 @@ impl Serving {
         let admission = crate::config::admission_deadline(&self.cfg);
         let (rank, links, nonces) = (self.book.rank, &mut self.links, &mut self.nonces);
         self.unattached.retain(|id, at| {
-            if at.elapsed() < admission {
+            let who = format_args!("server {rank}");
+            if !crate::postoffice::overdue(links.get(id), *at, admission, who) {
                 return true;
             }
-            if let Some(l) = links.remove(id) {
-                tracing::warn!(
-                    "server {rank}: dropped {}: it did not attach within {} ms",
-                    l.peer(),
-                    admission.as_millis()
-                );
-                l.close();
-            }
+            links.remove(id);
             nonces.remove(id);
             false
         });

@@ -81,6 +81,9 @@ class Worker:
     def push_pull(self, tensor: str, grad: Any, out: Any, clock: int) -> None:
         """Pushes `grad` for `clock` and pulls the values for `clock + 1` into `out`, shard
         by shard (each shard's pull right behind its push, answered once the push is applied)."""
+    def push_pull_async(self, tensor: str, grad: Any, out: Any, clock: int) -> tuple[Handle, Handle]:
+        """Starts a push_pull: the push's handle, then the pull's (`out` holds the values for
+        `clock + 1` once the pull's `wait()` returns)."""
     def push_rows(self, tensor: str, rows: Any, grads: Any, clock: int, dim: int | None = None) -> None:
         """Pushes the gradients of some rows (row ids, float32 rows); only they travel."""
     def pull_rows(self, tensor: str, rows: Any, out: Any, clock: int, dim: int | None = None) -> None:

@@ -309,6 +309,9 @@ class _Distributed:
         self._falcon_name = {id(p): n for n, p in named}
         self._falcon_group = {id(p): g for g in self.param_groups for p in g["params"]}
         self._falcon_handles: dict[str, object] = {}
+        # The pull half of each push_pull started this step (the values for the next clock),
+        # kept until step() hands them to the forward pass.
+        self._falcon_next: dict[str, object] = {}
         self._falcon_passes = {n: 0 for n, _ in named}
         self._falcon_per_step = backward_passes_per_step
         self._falcon_hooks = []
@@ -440,18 +443,28 @@ class _Distributed:
                 f"the gradient of {name!r} is ready again before step(): call step() after "
                 f"each backward, or pass backward_passes_per_step=N to accumulate N"
             )
-        self._falcon_handles[name] = self._falcon_worker.push_async(
-            name, self._falcon_gradient(p), self._falcon_clock
+        self._falcon_push_pull(name, p)
+
+    def _falcon_push_pull(self, name, p):
+        """Pushes `p`'s gradient and asks, in the same exchange, for the values of the next
+        clock into `p` (written when step() or the forward pass waits for them)."""
+        pending = self._falcon_pending.pop(name, None)
+        if pending is not None:
+            # The last step's values land in `p` before this step's are asked for.
+            pending.wait()
+        pushed, pulled = self._falcon_worker.push_pull_async(
+            name, self._falcon_gradient(p), _view(p.data), self._falcon_clock
         )
+        self._falcon_handles[name] = pushed
+        self._falcon_next[name] = pulled
 
     def synchronize(self) -> None:
         """Pushes what backward did not (parameters without a gradient push zeros, so
         every tensor moves one clock) and waits until the servers have every gradient."""
         self.wait_pulls()
-        w = self._falcon_worker
         for n, p in self._falcon_named:
             if n not in self._falcon_handles:
-                self._falcon_handles[n] = w.push_async(n, self._falcon_gradient(p), self._falcon_clock)
+                self._falcon_push_pull(n, p)
         handles, self._falcon_handles = self._falcon_handles, {}
         errors = []
         for h in handles.values():
@@ -473,11 +486,11 @@ class _Distributed:
                 loss = closure()
         self.synchronize()
         self._falcon_clock += 1
-        w = self._falcon_worker
-        param = dict(self._falcon_named)
-        with torch.no_grad():
-            for n in self.pull_order:
-                self._falcon_pending[n] = w.pull_async(n, _view(param[n].data), self._falcon_clock)
+        # Each pull went out with its push (one exchange per tensor); the forward pass, or
+        # the wait below, takes the values in the order of first use.
+        nxt, self._falcon_next = self._falcon_next, {}
+        for n in self.pull_order:
+            self._falcon_pending[n] = nxt.pop(n)
         if not self._falcon_model_hooks:
             self.wait_pulls()
         return loss

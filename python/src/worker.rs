@@ -433,6 +433,38 @@ impl Worker {
         }
     }
 
+    fn start_push_pull(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<(Handle, Handle)> {
+        let staged = self.staged(tensor, grad)?;
+        let (kept, done) = match self.pull_target(tensor, out) {
+            Ok(k) => k,
+            Err(e) => {
+                self.regions.give(tensor, staged);
+                return Err(e);
+            }
+        };
+        // Starting may wait (a previous push of the shard still in flight): without the GIL.
+        let started =
+            py.detach(|| self.w.push_pull_async(tensor, staged.region(), kept.region(), clock));
+        match started {
+            Ok((pushed, pulled)) => Ok((
+                Handle::new(pushed, Done::Push, tensor, staged, self.regions.clone()),
+                Handle::new(pulled, done, tensor, kept, self.regions.clone()),
+            )),
+            Err(e) => {
+                self.regions.give(tensor, staged);
+                self.regions.give(tensor, kept);
+                Err(engine_err(e))
+            }
+        }
+    }
+
     fn start_pull(
         &self,
         py: Python<'_>,
@@ -677,10 +709,10 @@ impl Worker {
     }
 
     /// Pushes `grad` as this worker's gradient for `clock`, then pulls into `out` the values
-    /// for `clock + 1`, shard by shard: each shard's pull goes right behind its push, so
-    /// the two directions of a link work at once, and each answer comes after this push was
-    /// applied (unless the policy drops it or counts it for a later step: Sync-opt's backups).
-    /// Blocks (the GIL released) until `out` is written; `grad` is copied first.
+    /// for `clock + 1`, shard by shard: each shard's pull rides in its push (one exchange),
+    /// so the two directions of a link work at once, and each answer comes after this push
+    /// was applied (unless the policy drops it or counts it for a later step: Sync-opt's
+    /// backups). Blocks (the GIL released) until `out` is written; `grad` is copied first.
     fn push_pull(
         &self,
         py: Python<'_>,
@@ -689,33 +721,24 @@ impl Worker {
         out: &Bound<'_, PyAny>,
         clock: u64,
     ) -> PyResult<()> {
-        let staged = self.staged(tensor, grad)?;
-        let (kept, done) = match self.pull_target(tensor, out) {
-            Ok(k) => k,
-            Err(e) => {
-                self.regions.give(tensor, staged);
-                return Err(e);
-            }
-        };
-        let (w, t) = (self.w.clone(), tensor.to_string());
-        let (g, o) = (staged.region().clone(), kept.region().clone());
-        // On an error (an interruption included: the call goes on in its thread, which holds
-        // both regions) the regions are not given back for reuse.
-        blocking(py, "push_pull", move || {
-            w.push_pull(&t, &g, &o, clock).map_err(engine_err)
-        })?;
-        self.regions.give(tensor, staged);
-        let copied = match (&done, &kept) {
-            (Done::Pull(buf), k) => Worker::drain(k.region(), buf),
-            #[cfg(feature = "cuda")]
-            (Done::PullDevice(e), Kept::Device(_, p)) => {
-                py.detach(|| crate::device::copy_out(p, e))
-            }
-            _ => Ok(()),
-        };
-        drop(done);
-        self.regions.give(tensor, kept);
-        copied
+        let (mut pushed, mut pulled) = self.start_push_pull(py, tensor, grad, out, clock)?;
+        pushed.finish(py)?;
+        pulled.finish(py)
+    }
+
+    /// Starts a `push_pull`: returns the push's handle (done once the servers have the
+    /// gradient) and the pull's (done once `out` holds the values for `clock + 1`). `grad` is
+    /// copied before this returns; `out` is written when the pull's `wait` returns, and must
+    /// stay alive until then.
+    fn push_pull_async(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        grad: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        clock: u64,
+    ) -> PyResult<(Handle, Handle)> {
+        self.start_push_pull(py, tensor, grad, out, clock)
     }
 
     /// Pushes the gradient of some rows of `tensor`, seen as a table of rows of `dim` floats

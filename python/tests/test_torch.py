@@ -363,3 +363,32 @@ def test_without_a_model_every_pull_is_done_when_step_returns():
     assert dopt._falcon_pending == {}
     falcon.finish()
     c.finish()
+
+
+def test_each_step_is_one_push_pull_per_tensor():
+    # The pull of the next clock's values rides in each gradient's push (started from the
+    # backward hook): no lock-free attempt, no pull request of its own.
+    model, ref = small_model(), small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    w = dopt.worker
+    before = w.stats()
+    x, y = data()
+    steps = 6
+    for _ in range(steps):
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    after = w.stats()
+    pushes = after["pushes"] - before["pushes"]
+    assert pushes == steps * len(list(model.parameters()))
+    assert after["slow_pulls"] - before["slow_pulls"] == pushes
+    assert after["fast_pulls"] == before["fast_pulls"]
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    falcon.finish()
+    c.finish()

@@ -52,6 +52,31 @@ def test_push_pull_brings_the_next_clocks_values(bsp1):
     assert w.clock_of("w") == 5
 
 
+def test_push_pull_async_hands_back_the_push_then_the_pull(bsp1):
+    w = bsp1
+    v = np.zeros(4, np.float32)
+    w.pull("w", v, 0)
+    g = np.arange(1, 5, dtype=np.float32)
+    before = w.stats()
+    pushed, pulled = w.push_pull_async("w", g, v, 0)
+    # The gradient was copied: the caller may reuse it at once.
+    g[:] = 100
+    pushed.wait()
+    pulled.wait()
+    np.testing.assert_allclose(v, -0.5 * np.arange(1, 5), rtol=1e-6)
+    with pytest.raises(falcon.Error, match="already waited"):
+        pulled.wait()
+    assert w.clock_of("w") == 1
+    # A wrong clock is refused before anything goes out.
+    with pytest.raises(falcon.ClockError):
+        w.push_pull_async("w", g, v, 0)
+    # One push, and its pull answered by the server: no lock-free attempt.
+    after = w.stats()
+    assert after["pushes"] - before["pushes"] == 1
+    assert after["slow_pulls"] - before["slow_pulls"] == 1
+    assert after["fast_pulls"] == before["fast_pulls"]
+
+
 def test_module_level_calls_use_the_next_clock(bsp1):
     falcon.push("w", np.ones(4, np.float32))
     out = np.zeros(4, np.float32)

@@ -65,8 +65,13 @@ const FORMS: &str = "none, h=H (0 < H ≤ 1), gauss(MEAN_MS,STD_MS) (STD_MS ≥ 
                      `falcon train --metrics` file and the worker to replay, default the slowest)";
 
 /// How one worker is made slow. See the [module documentation](self).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(try_from = "HeteroRepr", into = "String")]
+///
+/// In a configuration file it is the string form, or a table tagged by `kind` with the
+/// variant's fields (`{ kind = "episodes", every = 10, length = 2, slowdown = 3 }`).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+// The table form is derived here, as inherent functions (`remote = "Self"`); the trait
+// implementations below accept the string form too, and validate.
+#[serde(remote = "Self", tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Hetero {
     /// Full speed.
     #[default]
@@ -108,8 +113,11 @@ pub enum Hetero {
         path: PathBuf,
         /// The worker of a metrics file whose iterations were taken (`None`: the slowest;
         /// always `None` for a plain-text file).
+        #[serde(default)]
         worker: Option<u32>,
-        /// The slowdown factors, in iteration order (at least one; each finite and ≥ 1).
+        /// The slowdown factors, in iteration order (at least one; each finite and ≥ 1;
+        /// read from `path` when the table form is read).
+        #[serde(skip)]
         factors: Arc<[f64]>,
     },
 }
@@ -643,60 +651,28 @@ impl From<Hetero> for String {
 #[serde(untagged)]
 enum HeteroRepr {
     Text(String),
-    Table(HeteroTable),
+    Table(#[serde(deserialize_with = "Hetero::deserialize")] Hetero),
 }
 
-#[derive(Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-enum HeteroTable {
-    None,
-    Ratio {
-        h: f64,
-    },
-    Gaussian {
-        mean_ms: f64,
-        std_ms: f64,
-    },
-    Episodes {
-        every: u64,
-        length: u64,
-        slowdown: f64,
-    },
-    Contention {
-        threads: usize,
-    },
-    Trace {
-        path: PathBuf,
-        #[serde(default)]
-        worker: Option<u32>,
-    },
-}
-
-impl TryFrom<HeteroRepr> for Hetero {
-    type Error = Error;
-    fn try_from(repr: HeteroRepr) -> Result<Hetero> {
-        let table = match repr {
-            HeteroRepr::Text(s) => return Hetero::parse(&s),
-            HeteroRepr::Table(t) => t,
-        };
-        let h = match table {
-            HeteroTable::None => Hetero::None,
-            HeteroTable::Ratio { h } => Hetero::Ratio { h },
-            HeteroTable::Gaussian { mean_ms, std_ms } => Hetero::Gaussian { mean_ms, std_ms },
-            HeteroTable::Episodes {
-                every,
-                length,
-                slowdown,
-            } => Hetero::Episodes {
-                every,
-                length,
-                slowdown,
+impl<'de> Deserialize<'de> for Hetero {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Hetero, D::Error> {
+        let h = match HeteroRepr::deserialize(d)? {
+            HeteroRepr::Text(s) => Hetero::parse(&s),
+            HeteroRepr::Table(Hetero::Trace { path, worker, .. }) => {
+                Hetero::load_trace(path, worker)
+            }
+            HeteroRepr::Table(h) => match h.validate() {
+                Ok(()) => Ok(h),
+                Err(why) => Err(config(&h.to_string(), &why)),
             },
-            HeteroTable::Contention { threads } => Hetero::Contention { threads },
-            HeteroTable::Trace { path, worker } => return Hetero::load_trace(path, worker),
         };
-        h.validate().map_err(|why| config(&h.to_string(), &why))?;
-        Ok(h)
+        h.map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for Hetero {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -806,6 +782,35 @@ impl Injector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_configuration_reads_the_string_or_the_table_form_and_checks_both() {
+        let read = |json: &str| serde_json::from_str::<Hetero>(json);
+        assert_eq!(read(r#""h=0.5""#).unwrap(), Hetero::Ratio { h: 0.5 });
+        assert_eq!(
+            read(r#"{"kind": "episodes", "every": 10, "length": 2, "slowdown": 3}"#).unwrap(),
+            Hetero::Episodes {
+                every: 10,
+                length: 2,
+                slowdown: 3.0
+            }
+        );
+        assert_eq!(read(r#"{"kind": "none"}"#).unwrap(), Hetero::None);
+        // Checked as the string form is: a speed above 1, a field it does not have, a
+        // trace file that is not there.
+        let bad = |json: &str| read(json).unwrap_err().to_string();
+        assert!(bad(r#"{"kind": "ratio", "h": 2}"#).contains("accepted forms"));
+        assert!(bad(r#""h=2""#).contains("accepted forms"));
+        assert!(read(r#"{"kind": "ratio", "h": 0.5, "x": 1}"#).is_err());
+        assert!(bad(r#"{"kind": "trace", "path": "/nonexistent/trace"}"#).contains("trace"));
+        // Written back as the string form.
+        let h = Hetero::Gaussian {
+            mean_ms: 5.0,
+            std_ms: 1.0,
+        };
+        let text = serde_json::to_string(&h).unwrap();
+        assert_eq!(read(&text).unwrap(), h);
+    }
 
     #[test]
     fn assignments_name_workers_of_the_job() {

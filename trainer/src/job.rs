@@ -369,20 +369,10 @@ fn check_spec(spec: &JobSpec, model: &dyn Model, data: &Dataset) -> Result<()> {
             t.batch, t.tasks
         )));
     }
-    if spec.workers == 0 || spec.servers == 0 {
-        return Err(Error::Config(format!(
-            "{} worker(s) and {} server(s): a job needs at least one of each",
-            spec.workers, spec.servers
-        )));
-    }
-    if let PolicySpec::SyncOpt { backups } = spec.policy
-        && backups >= spec.workers
-    {
-        return Err(Error::Config(format!(
-            "syncopt({backups}) with {} worker(s): the backups must be fewer than the workers",
-            spec.workers
-        )));
-    }
+    let conflict = |e: falcon_engine::checks::Conflict| Error::Config(e.to_string());
+    falcon_engine::checks::roles_fit(spec.servers, spec.workers).map_err(conflict)?;
+    falcon_engine::checks::policy_fits(&spec.policy, &spec.policy.to_string(), spec.workers)
+        .map_err(conflict)?;
     if spec.hetero.len() > spec.workers as usize {
         return Err(Error::Config(format!(
             "heterogeneity given for {} workers; the job has {}",

@@ -635,17 +635,28 @@ impl Worker {
     /// server. On an error the pushes that went out stay pushed (the first error is returned
     /// once every shard was pushed), and answers already asked for may still land in `out`.
     pub fn push_pull(&self, tensor: &str, grad: &Region, out: &Region, clock: u64) -> Result<()> {
+        let (pushed, pulled) = self.push_pull_async(tensor, grad, out, clock)?;
+        // Acknowledgements within the push timeout; answers as long as the policy holds them.
+        pushed.wait()?;
+        pulled.wait()
+    }
+
+    /// Starts a [`Worker::push_pull`]: returns the push's handle (done once every shard
+    /// acknowledged, within the operation timeout) and the pull's (done once `out` holds the
+    /// values for `clock + 1`; as long as the policy holds them). `grad` may be reused once
+    /// the push's handle is done, `out` read once the pull's is. A pull that could not be
+    /// asked for is the pull handle's error; the pushes went out anyway.
+    pub fn push_pull_async(
+        &self,
+        tensor: &str,
+        grad: &Region,
+        out: &Region,
+        clock: u64,
+    ) -> Result<(Handle, Handle)> {
         let t = self.tensor(tensor)?;
         self.check_len(t, out)?;
         if lock(&self.inner.core).gated() {
-            self.push(tensor, grad, clock)?;
-            self.pass_gate(clock + 1)?;
-            let shards: Vec<&ShardRemote> = self.shards_of(t).collect();
-            let answers = self.per_server(&shards, |s| {
-                lock(&self.inner.core).stats_mut().slow_pulls += 1;
-                self.pull_slow(s, out, clock + 1)
-            })?;
-            return self.handle(answers, None).wait();
+            return self.push_pull_gated(tensor, grad, out, clock);
         }
         let shards = self.push_shards(tensor, grad, clock)?;
         self.sample_interval(clock);
@@ -669,22 +680,53 @@ impl Worker {
         })?;
         let mut acks = Vec::with_capacity(sent.len());
         let mut answers = Vec::with_capacity(sent.len());
-        let mut failed = None;
         for (ack, answer) in sent {
             acks.push(ack);
-            match answer {
-                Ok(a) => answers.push(a),
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
-            }
+            answers.push(answer.unwrap_or_else(|e| {
+                let failed = Arc::new(Signal::default());
+                failed.set(Err(e));
+                failed
+            }));
         }
-        // Acknowledgements within the push timeout; answers as long as the policy holds them.
-        self.handle(acks, Some(self.inner.timeout)).wait()?;
-        if let Some(e) = failed {
-            return Err(e);
+        Ok((
+            self.handle(acks, Some(self.inner.timeout)),
+            self.handle(answers, None),
+        ))
+    }
+
+    /// [`Worker::push_pull_async`] under ElasticBSP: the pushes go first, then (on a thread
+    /// of its own, so the caller goes on) the superstep barrier a pull may have to wait for,
+    /// then every shard's pull through its server.
+    fn push_pull_gated(
+        &self,
+        tensor: &str,
+        grad: &Region,
+        out: &Region,
+        clock: u64,
+    ) -> Result<(Handle, Handle)> {
+        let pushed = self.push_async(tensor, grad, clock)?;
+        let acks = self.handle(pushed.signals.clone(), pushed.timeout);
+        let done = Arc::new(Signal::default());
+        let (w, t, out, sig) = (self.clone(), self.tensor(tensor)?, out.clone(), done.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("falcon-push-pull-{}", self.rank()))
+            .spawn(move || {
+                let pulled = (|| {
+                    acks.wait()?;
+                    w.pass_gate(clock + 1)?;
+                    let shards: Vec<&ShardRemote> = w.shards_of(t).collect();
+                    let answers = w.per_server(&shards, |s| {
+                        lock(&w.inner.core).stats_mut().slow_pulls += 1;
+                        w.pull_slow(s, &out, clock + 1)
+                    })?;
+                    w.handle(answers, None).wait()
+                })();
+                sig.set(pulled.map(|()| Default::default()));
+            });
+        if let Err(e) = spawned {
+            done.set(Err(Error::os("cannot start a push-pull's thread", e)));
         }
-        self.handle(answers, None).wait()
+        Ok((pushed, self.handle(vec![done], None)))
     }
 
     /// Pushes the gradient of some rows of `tensor`, seen as a table of `len / dim` rows of

@@ -671,26 +671,13 @@ impl GpuModel {
 
         // conv2: dW2 += col2ᵀ · da2, db2 += Σ da2, dcol2 = da2 · W2ᵀ over col2, col2im
         let d2 = da2.slice(..n * pe[4]);
-        lane.sgemm(
-            (true, false),
+        conv_param_grads(
+            lane,
+            (&col2.slice(..n * pe[3]), &d2, &ones.slice(..rows2)),
             (kk * c1, c2, rows2),
-            1.0,
-            &col2.slice(..n * pe[3]),
-            &d2,
-            1.0,
-            &mut grad.slice_mut(r(2)),
-        )
-        .map_err(cuda_err)?;
-        lane.sgemm(
-            (false, false),
-            (1, c2, rows2),
-            1.0,
-            &ones.slice(..rows2),
-            &d2,
-            1.0,
-            &mut grad.slice_mut(r(3)),
-        )
-        .map_err(cuda_err)?;
+            grad,
+            (r(2), r(3)),
+        )?;
         lane.sgemm(
             (false, true),
             (rows2, kk * c1, c2),
@@ -728,27 +715,13 @@ impl GpuModel {
 
         // conv1: dW1 += col1ᵀ · da1, db1 += Σ da1
         let d1 = da1.slice(..n * pe[10]);
-        lane.sgemm(
-            (true, false),
+        conv_param_grads(
+            lane,
+            (&col1.slice(..n * pe[0]), &d1, &ones.slice(..rows1)),
             (kk, c1, rows1),
-            1.0,
-            &col1.slice(..n * pe[0]),
-            &d1,
-            1.0,
-            &mut grad.slice_mut(r(0)),
+            grad,
+            (r(0), r(1)),
         )
-        .map_err(cuda_err)?;
-        lane.sgemm(
-            (false, false),
-            (1, c1, rows1),
-            1.0,
-            &ones.slice(..rows1),
-            &d1,
-            1.0,
-            &mut grad.slice_mut(r(1)),
-        )
-        .map_err(cuda_err)?;
-        Ok(())
     }
 
     /// `out = relu(col · W + b)` for `rows` output positions.
@@ -1308,4 +1281,36 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("relu"), "{e}");
     }
+}
+
+/// A conv layer's parameter gradients from `d`, the gradient at its `rows` output positions
+/// (`c_out` channels, `k` inputs each; `col` its im2col input, `ones` at least `rows` ones):
+/// `dW += colᵀ · d` into `grad[w]`, `db += Σ d` into `grad[b]`.
+fn conv_param_grads(
+    lane: &Lane,
+    (col, d, ones): (&CudaView<'_, f32>, &CudaView<'_, f32>, &CudaView<'_, f32>),
+    (k, c_out, rows): (usize, usize, usize),
+    grad: &mut CudaSlice<f32>,
+    (w, b): (std::ops::Range<usize>, std::ops::Range<usize>),
+) -> Result<()> {
+    lane.sgemm(
+        (true, false),
+        (k, c_out, rows),
+        1.0,
+        col,
+        d,
+        1.0,
+        &mut grad.slice_mut(w),
+    )
+    .map_err(cuda_err)?;
+    lane.sgemm(
+        (false, false),
+        (1, c_out, rows),
+        1.0,
+        ones,
+        d,
+        1.0,
+        &mut grad.slice_mut(b),
+    )
+    .map_err(cuda_err)
 }
