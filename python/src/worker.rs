@@ -450,8 +450,10 @@ impl Worker {
             }
         };
         // Starting may wait (a previous push of the shard still in flight): without the GIL.
-        let started =
-            py.detach(|| self.w.push_pull_async(tensor, staged.region(), kept.region(), clock));
+        let started = py.detach(|| {
+            self.w
+                .push_pull_async(tensor, staged.region(), kept.region(), clock)
+        });
         match started {
             Ok((pushed, pulled)) => Ok((
                 Handle::new(pushed, Done::Push, tensor, staged, self.regions.clone()),

@@ -71,7 +71,12 @@ const FORMS: &str = "none, h=H (0 < H ≤ 1), gauss(MEAN_MS,STD_MS) (STD_MS ≥ 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 // The table form is derived here, as inherent functions (`remote = "Self"`); the trait
 // implementations below accept the string form too, and validate.
-#[serde(remote = "Self", tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(
+    remote = "Self",
+    tag = "kind",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
 pub enum Hetero {
     /// Full speed.
     #[default]

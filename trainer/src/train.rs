@@ -380,12 +380,18 @@ impl Trainer {
         // (sum, count) of push staleness already reported in the metrics.
         let mut acked = (0u64, 0u64);
         let scale = 1.0 / cfg.batch as f32;
-        // A worker rejoining a running job starts at the current clock.
-        for c in w.clock()..cfg.iters {
+        // A worker rejoining a running job starts at the current clock. Its first pull is a
+        // pull of its own; every later one rides in the previous iteration's push.
+        let first = w.clock();
+        let mut next = None;
+        for c in first..cfg.iters {
             // 1. Pull; help while the policy holds us.
             let t0 = Instant::now();
             let (helping_before, helped_before) = (sum.helping_secs, sum.tasks_helped);
-            let h = w.pull_async(TENSOR, &pulled, c)?;
+            let h = match next.take() {
+                Some(h) => h,
+                None => w.pull_async(TENSOR, &pulled, c)?,
+            };
             while !h.ready() {
                 let mut helped = false;
                 if cfg.transfer && c > 0 {
@@ -497,7 +503,14 @@ impl Trainer {
 
             // 3. Push, heterogeneity, parallelism.
             grad_region.write_at(0, f32_bytes(&grad))?;
-            w.push(TENSOR, &grad_region, c)?;
+            if c + 1 < cfg.iters {
+                // The next iteration's values asked for in the push: one exchange.
+                let (pushed, pulled_next) = w.push_pull_async(TENSOR, &grad_region, &pulled, c)?;
+                pushed.wait()?;
+                next = Some(pulled_next);
+            } else {
+                w.push(TENSOR, &grad_region, c)?;
+            }
             sum.iterations = c + 1;
             let injected = if per_task {
                 // Slept inside the tasks: the share of the task phase that was not compute.

@@ -707,7 +707,12 @@ impl Worker {
         let pushed = self.push_async(tensor, grad, clock)?;
         let acks = self.handle(pushed.signals.clone(), pushed.timeout);
         let done = Arc::new(Signal::default());
-        let (w, t, out, sig) = (self.clone(), self.tensor(tensor)?, out.clone(), done.clone());
+        let (w, t, out, sig) = (
+            self.clone(),
+            self.tensor(tensor)?,
+            out.clone(),
+            done.clone(),
+        );
         let spawned = std::thread::Builder::new()
             .name(format!("falcon-push-pull-{}", self.rank()))
             .spawn(move || {

@@ -973,6 +973,38 @@ pub fn device_for_test(test: &str) -> Option<Device> {
     }
 }
 
+/// A conv layer's parameter gradients from `d`, the gradient at its `rows` output positions
+/// (`c_out` channels, `k` inputs each; `col` its im2col input, `ones` at least `rows` ones):
+/// `dW += colᵀ · d` into `grad[w]`, `db += Σ d` into `grad[b]`.
+fn conv_param_grads(
+    lane: &Lane,
+    (col, d, ones): (&CudaView<'_, f32>, &CudaView<'_, f32>, &CudaView<'_, f32>),
+    (k, c_out, rows): (usize, usize, usize),
+    grad: &mut CudaSlice<f32>,
+    (w, b): (std::ops::Range<usize>, std::ops::Range<usize>),
+) -> Result<()> {
+    lane.sgemm(
+        (true, false),
+        (k, c_out, rows),
+        1.0,
+        col,
+        d,
+        1.0,
+        &mut grad.slice_mut(w),
+    )
+    .map_err(cuda_err)?;
+    lane.sgemm(
+        (false, false),
+        (1, c_out, rows),
+        1.0,
+        ones,
+        d,
+        1.0,
+        &mut grad.slice_mut(b),
+    )
+    .map_err(cuda_err)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{broadcast_rows, cnn, relu, relu_backward, softmax_cross_entropy};
@@ -1281,36 +1313,4 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("relu"), "{e}");
     }
-}
-
-/// A conv layer's parameter gradients from `d`, the gradient at its `rows` output positions
-/// (`c_out` channels, `k` inputs each; `col` its im2col input, `ones` at least `rows` ones):
-/// `dW += colᵀ · d` into `grad[w]`, `db += Σ d` into `grad[b]`.
-fn conv_param_grads(
-    lane: &Lane,
-    (col, d, ones): (&CudaView<'_, f32>, &CudaView<'_, f32>, &CudaView<'_, f32>),
-    (k, c_out, rows): (usize, usize, usize),
-    grad: &mut CudaSlice<f32>,
-    (w, b): (std::ops::Range<usize>, std::ops::Range<usize>),
-) -> Result<()> {
-    lane.sgemm(
-        (true, false),
-        (k, c_out, rows),
-        1.0,
-        col,
-        d,
-        1.0,
-        &mut grad.slice_mut(w),
-    )
-    .map_err(cuda_err)?;
-    lane.sgemm(
-        (false, false),
-        (1, c_out, rows),
-        1.0,
-        ones,
-        d,
-        1.0,
-        &mut grad.slice_mut(b),
-    )
-    .map_err(cuda_err)
 }
