@@ -202,19 +202,17 @@ impl std::str::FromStr for Entry {
                 }
             }
         }
-        if e.scale != ScaleSpec::Unscaled && is_sync(&e) {
+        if e.scale != ScaleSpec::Unscaled
+            && e.policy.update_mode() == falcon_engine::update::UpdateMode::Sync
+        {
             return Err(format!(
                 "configuration {entry}: gradient scaling applies to asynchronously applied gradients, \
-                 not to the summed clocks of BSP or Sync-opt"
+                 not to the summed clocks of a synchronous policy (BSP, Sync-opt, epsp(0))"
             )
             .into());
         }
         Ok(e)
     }
-}
-
-fn is_sync(e: &Entry) -> bool {
-    matches!(e.policy, PolicySpec::Bsp | PolicySpec::SyncOpt { .. })
 }
 
 /// What `falcon train` runs, checked before anything starts (data included).

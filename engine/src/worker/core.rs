@@ -11,20 +11,101 @@
 //! superstep report. A waiter is never woken, and nothing is sent, while the core's lock is
 //! held (see [`super::Inner::drive`]).
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use falcon_transport::{LinkId, Region, RemoteKey};
 
-use super::data::Resend;
-use super::gate::Gate;
+use super::gate::{Gate, Step};
 use super::tracker::{Reply, Request, Signal, Tracker};
-use super::transfer::{Offer, Offers};
-use super::{ForgeSource, RowPlan, StealHook, WorkerStats};
+use super::{ForgeSource, RowPlan, WorkerStats};
 use crate::error::{Error, Result};
 use crate::proto::{AckOf, Msg, PushKind};
+
+/// A push as it must be written again (after a reconnection).
+#[derive(Clone)]
+pub(super) struct PushRecord {
+    /// The values (`None`: the slot as it is, a bare repeat).
+    pub(super) grad: Option<Region>,
+    /// `Some(n)`: `grad` holds this shard's part alone, `n` bytes from its start (a row push,
+    /// or its dense fallback); `None`: `grad` is the whole tensor.
+    pub(super) own: Option<u64>,
+    pub(super) kind: PushKind,
+    pub(super) seq: u64,
+    /// Transferred tasks: the straggler and iteration they were taken from.
+    pub(super) help_for: Option<(u32, u64)>,
+}
+
+/// What a tracked request keeps so that it can be sent again on a new link.
+#[derive(Clone)]
+pub(super) enum Resend {
+    /// A push into the slot of shard `shard` (an index into `Inner::shards`).
+    Push { shard: usize, rec: PushRecord },
+    /// A slow-path pull of shard `shard` (an index into `Inner::shards`) into `out`.
+    Pull {
+        shard: usize,
+        out: Region,
+        clock: u64,
+    },
+    /// A pull of some ranges of shard `shard` (an index into `Inner::shards`): its encoded
+    /// message, which is the same on any link.
+    PullRows { shard: usize, msg: Arc<Vec<u8>> },
+    /// Nothing: the scheduler answers it, and a scheduler link is never replaced.
+    Nothing,
+}
+
+impl Resend {
+    /// The order requests go out again in: pushes before pulls, each by shard.
+    pub(super) fn order(&self) -> (u8, usize) {
+        match self {
+            Resend::Push { shard, .. } => (0, *shard),
+            Resend::Pull { shard, .. } | Resend::PullRows { shard, .. } => (1, *shard),
+            Resend::Nothing => (2, 0),
+        }
+    }
+}
+
+/// How a worker gives tasks away: called with (iteration, most tasks wanted), returns the
+/// range of task indices now the helper's (empty: none).
+pub type StealHook = Arc<dyn Fn(u64, u32) -> Range<u32> + Send + Sync>;
+
+/// A task-transfer offer (EPSP, FlexRR): this worker may take unprocessed tasks of
+/// `straggler`'s iteration `clock`. The task side (the trainer) asks for the tasks and pushes
+/// their gradient credited to the straggler; the offer may find none left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Offer {
+    /// The worker behind.
+    pub straggler: u32,
+    /// Its iteration.
+    pub clock: u64,
+}
+
+/// The offers received.
+#[derive(Default)]
+pub(super) struct Offers {
+    /// Not yet taken by the embedder, oldest first.
+    queue: VecDeque<Offer>,
+    /// Every offer received (so the same one from several shards is kept once).
+    seen: HashSet<Offer>,
+}
+
+impl Offers {
+    /// Adds `offer` unless it was received before; whether it is new.
+    pub(super) fn add(&mut self, offer: Offer) -> bool {
+        let fresh = self.seen.insert(offer);
+        if fresh {
+            self.queue.push_back(offer);
+        }
+        fresh
+    }
+
+    /// Takes the offers not yet taken, oldest first.
+    pub(super) fn take(&mut self) -> Vec<Offer> {
+        self.queue.drain(..).collect()
+    }
+}
 
 /// What the driver must do for the core.
 pub(super) enum Action {
@@ -312,8 +393,8 @@ impl Core {
             self.broken = Some(err.clone());
         }
         self.fail(None, err, out);
-        if let Some(g) = &mut self.gate {
-            g.break_with(err, out);
+        if let Some(sig) = self.gate.as_mut().and_then(|g| g.break_with(err)) {
+            out.push(Action::Wake(sig, Err(err.clone())));
         }
     }
 
@@ -332,10 +413,17 @@ impl Core {
         now: Instant,
         out: &mut Vec<Action>,
     ) -> Result<Option<Arc<Signal>>> {
-        match &mut self.gate {
-            None => Ok(None),
-            Some(g) => g.enter(clock, now, out),
-        }
+        let Some(g) = &mut self.gate else {
+            return Ok(None);
+        };
+        Ok(match g.enter(clock, now)? {
+            Step::Pass => None,
+            Step::Wait(sig) => Some(sig),
+            Step::Report(msg, sig) => {
+                out.push(Action::Report(msg));
+                Some(sig)
+            }
+        })
     }
 
     /// The first push of `clock` at `now` (an interval sample).
@@ -348,17 +436,18 @@ impl Core {
     /// The scheduler's plan: the barrier moves to `until`.
     pub(super) fn on_plan(&mut self, until: u64, now: Instant, out: &mut Vec<Action>) {
         if let Some(g) = &mut self.gate
-            && let Some(waited) = g.on_plan(until, now, out)
+            && let Some((sig, waited)) = g.on_plan(until, now)
         {
             self.stats.supersteps += 1;
             self.stats.barrier_wait += waited;
+            out.push(Action::Wake(sig, Ok(Reply::Done)));
         }
     }
 
     /// The superstep report could not go out: its waiters fail with `err`.
     pub(super) fn report_failed(&mut self, err: &Error, out: &mut Vec<Action>) {
-        if let Some(g) = &mut self.gate {
-            g.report_failed(err, out);
+        if let Some(sig) = self.gate.as_mut().and_then(Gate::report_failed) {
+            out.push(Action::Wake(sig, Err(err.clone())));
         }
     }
 

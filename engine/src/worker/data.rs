@@ -6,27 +6,13 @@ use std::sync::Arc;
 
 use falcon_transport::{Link, LinkId, Op, ReadOp, Region, RemoteKey};
 
-use super::core::SourceGrant;
+use super::core::{PushRecord, Resend, SourceGrant};
 use super::tracker::{Request, Signal};
 use super::{Inner, ShardRemote, Worker, lock};
 use crate::error::{Error, Result};
 use crate::meta::{Snapshot, meta_bytes, within_staleness};
 use crate::precision::Wire;
 use crate::proto::{AckOf, Immediate, Msg, PushKind, SlotTrailer, TrailerPull, TrailerSrc};
-
-/// A push as it must be written again (after a reconnection).
-#[derive(Clone)]
-pub(super) struct PushRecord {
-    /// The values (`None`: the slot as it is, a bare repeat).
-    pub(super) grad: Option<Region>,
-    /// `Some(n)`: `grad` holds this shard's part alone, `n` bytes from its start (a row push,
-    /// or its dense fallback); `None`: `grad` is the whole tensor.
-    pub(super) own: Option<u64>,
-    pub(super) kind: PushKind,
-    pub(super) seq: u64,
-    /// Transferred tasks: the straggler and iteration they were taken from.
-    pub(super) help_for: Option<(u32, u64)>,
-}
 
 /// The smallest shard whose f32 gradient a push over shm leaves in the worker's memory for
 /// the server to read there. Below it the copy into the slot costs about what the server's
@@ -37,35 +23,6 @@ pub(super) const IN_PLACE_MIN_BYTES: u64 = 64 << 10;
 /// The most gradient regions a worker grants one server link for pushes read in place; a
 /// push from a further region goes into the slot.
 pub(super) const IN_PLACE_MAX_REGIONS: usize = 16;
-
-/// What a tracked request keeps so that it can be sent again on a new link.
-#[derive(Clone)]
-pub(super) enum Resend {
-    /// A push into the slot of shard `shard` (an index into `Inner::shards`).
-    Push { shard: usize, rec: PushRecord },
-    /// A slow-path pull of shard `shard` (an index into `Inner::shards`) into `out`.
-    Pull {
-        shard: usize,
-        out: Region,
-        clock: u64,
-    },
-    /// A pull of some ranges of shard `shard` (an index into `Inner::shards`): its encoded
-    /// message, which is the same on any link.
-    PullRows { shard: usize, msg: Arc<Vec<u8>> },
-    /// Nothing: the scheduler answers it, and a scheduler link is never replaced.
-    Nothing,
-}
-
-impl Resend {
-    /// The order requests go out again in: pushes before pulls, each by shard.
-    pub(super) fn order(&self) -> (u8, usize) {
-        match self {
-            Resend::Push { shard, .. } => (0, *shard),
-            Resend::Pull { shard, .. } | Resend::PullRows { shard, .. } => (1, *shard),
-            Resend::Nothing => (2, 0),
-        }
-    }
-}
 
 impl Worker {
     /// Waits until shard `s`'s slot is free: the previous push to it was acknowledged.

@@ -1,16 +1,26 @@
 //! ElasticBSP's gate on this worker (see the [module docs](super)): pulls below the barrier
 //! pass; the first at or past it reports to the scheduler and waits for the plan that moves
-//! the barrier. The gate is part of the worker's core: it takes the time and returns actions.
+//! the barrier. The gate is part of the worker's core: it takes the time, and returns what to
+//! send and whom to wake.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::core::Action;
-use super::tracker::{Reply, Signal};
+use super::tracker::Signal;
 use super::{Worker, lock};
 use crate::error::{Error, Result};
 use crate::proto::Msg;
 use crate::sync::zipline::IntervalEstimate;
+
+/// What a pull at the gate comes to.
+pub(super) enum Step {
+    /// It passes.
+    Pass,
+    /// It waits on this (a report is in flight).
+    Wait(Arc<Signal>),
+    /// It sends this superstep report, then waits on this.
+    Report(Msg, Arc<Signal>),
+}
 
 /// ElasticBSP's gate on this worker.
 pub(super) struct Gate {
@@ -53,31 +63,24 @@ impl Gate {
             .map(Duration::from_nanos)
     }
 
-    /// A pull at `clock` at `now`: `None` when it passes, else the waiter to wait on before
-    /// asking again. The first at or past the barrier sends the superstep report (one report
-    /// however many threads pull at this clock); it is pending before it goes, so the plan
-    /// that answers it always finds it.
-    pub(super) fn enter(
-        &mut self,
-        clock: u64,
-        now: Instant,
-        out: &mut Vec<Action>,
-    ) -> Result<Option<Arc<Signal>>> {
+    /// A pull at `clock` at `now`. The first at or past the barrier sends the superstep
+    /// report (one report however many threads pull at this clock); it is pending before it
+    /// goes, so the plan that answers it always finds it.
+    pub(super) fn enter(&mut self, clock: u64, now: Instant) -> Result<Step> {
         if let Some(e) = &self.broken {
             return Err(e.clone());
         }
         self.mark.get_or_insert(now);
         if clock < self.barrier {
-            return Ok(None);
+            return Ok(Step::Pass);
         }
         if let Some((sig, _)) = &self.pending {
-            return Ok(Some(sig.clone()));
+            return Ok(Step::Wait(sig.clone()));
         }
         let interval_ns = self.interval.estimate().unwrap_or(0);
-        out.push(Action::Report(Msg::Superstep { clock, interval_ns }));
         let sig = Arc::new(Signal::default());
         self.pending = Some((sig.clone(), now));
-        Ok(Some(sig))
+        Ok(Step::Report(Msg::Superstep { clock, interval_ns }, sig))
     }
 
     /// The first push of a new clock closes an iteration: one interval sample.
@@ -94,33 +97,26 @@ impl Gate {
     }
 
     /// The scheduler's plan arrived: the barrier moves to `until`. Only an answer to a report
-    /// moves it (a stray plan does not); returns how long the report waited for it.
-    pub(super) fn on_plan(
-        &mut self,
-        until: u64,
-        now: Instant,
-        out: &mut Vec<Action>,
-    ) -> Option<Duration> {
+    /// moves it (a stray plan does not); returns the report's waiter, to wake, and how long
+    /// it waited.
+    pub(super) fn on_plan(&mut self, until: u64, now: Instant) -> Option<(Arc<Signal>, Duration)> {
         let (sig, sent) = self.pending.take()?;
         self.barrier = self.barrier.max(until);
         // The next iteration starts now: the wait is not compute.
         self.mark = Some(now);
-        out.push(Action::Wake(sig, Ok(Reply::Done)));
-        Some(now.saturating_duration_since(sent))
+        Some((sig, now.saturating_duration_since(sent)))
     }
 
-    /// The report could not go out: its waiters fail with `err` (a later pull reports again).
-    pub(super) fn report_failed(&mut self, err: &Error, out: &mut Vec<Action>) {
-        if let Some((s, _)) = self.pending.take() {
-            out.push(Action::Wake(s, Err(err.clone())));
-        }
+    /// The report could not go out: returns its waiter, to fail (a later pull reports again).
+    pub(super) fn report_failed(&mut self) -> Option<Arc<Signal>> {
+        self.pending.take().map(|(s, _)| s)
     }
 
-    /// No plan can come any more: the gate fails its waiters, and every later pull past the
-    /// barrier, with `err`.
-    pub(super) fn break_with(&mut self, err: &Error, out: &mut Vec<Action>) {
+    /// No plan can come any more: every later pull past the barrier fails with `err`;
+    /// returns the report's waiter, to fail with it too.
+    pub(super) fn break_with(&mut self, err: &Error) -> Option<Arc<Signal>> {
         self.broken.get_or_insert_with(|| err.clone());
-        self.report_failed(err, out);
+        self.report_failed()
     }
 }
 

@@ -93,10 +93,9 @@ mod tracker;
 mod transfer;
 
 use conn::ServerSlot;
-use core::{Action, Core};
-use data::Resend;
+use core::{Action, Core, Resend};
+pub use core::{Offer, StealHook};
 use tracker::Signal;
-pub use transfer::{Offer, StealHook};
 
 /// Rewrites a gradient's key and offset ([`Worker::forge_in_place_sources`]).
 #[doc(hidden)]
@@ -661,7 +660,7 @@ impl Worker {
         let shards = self.push_shards(tensor, grad, clock)?;
         self.sample_interval(clock);
         let sent = self.per_server(&shards, |s| {
-            let rec = data::PushRecord {
+            let rec = core::PushRecord {
                 grad: Some(grad.clone()),
                 own: None,
                 kind: PushKind::Gradient,
@@ -811,7 +810,7 @@ impl Worker {
                     (PushKind::Gradient, s.spec.bytes())
                 }
             };
-            let rec = data::PushRecord {
+            let rec = core::PushRecord {
                 grad: Some(region),
                 own: Some(bytes),
                 kind,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use falcon_transport::{Completion, LinkId};
 
-use super::transfer::Offer;
+use super::core::Offer;
 use super::{Inner, lock};
 use crate::error::Error;
 use crate::postoffice::closed_why;

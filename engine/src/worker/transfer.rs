@@ -2,56 +2,15 @@
 //! the gradients of taken tasks ([`Worker::push_for`]), and what the scheduler's supervisor
 //! learns and advises.
 
-use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::data::Resend;
+use super::core::{Offer, PushRecord, Resend};
 use super::tracker::{Reply, Request};
 use super::{Inner, Worker, lock};
 use crate::error::{Error, Result};
 use crate::proto::{AckOf, Msg, PushKind};
-
-/// How a worker gives tasks away: called with (iteration, most tasks wanted), returns the
-/// range of task indices now the helper's (empty: none).
-pub type StealHook = Arc<dyn Fn(u64, u32) -> Range<u32> + Send + Sync>;
-
-/// A task-transfer offer (EPSP, FlexRR): this worker may take unprocessed tasks of
-/// `straggler`'s iteration `clock`. The task side (the trainer) asks for the tasks and pushes
-/// their gradient credited to the straggler; the offer may find none left.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Offer {
-    /// The worker behind.
-    pub straggler: u32,
-    /// Its iteration.
-    pub clock: u64,
-}
-
-/// The offers received.
-#[derive(Default)]
-pub(super) struct Offers {
-    /// Not yet taken by the embedder, oldest first.
-    queue: VecDeque<Offer>,
-    /// Every offer received (so the same one from several shards is kept once).
-    seen: HashSet<Offer>,
-}
-
-impl Offers {
-    /// Adds `offer` unless it was received before; whether it is new.
-    pub(super) fn add(&mut self, offer: Offer) -> bool {
-        let fresh = self.seen.insert(offer);
-        if fresh {
-            self.queue.push_back(offer);
-        }
-        fresh
-    }
-
-    /// Takes the offers not yet taken, oldest first.
-    pub(super) fn take(&mut self) -> Vec<Offer> {
-        self.queue.drain(..).collect()
-    }
-}
 
 /// The scheduler's link failed.
 fn scheduler_gone(e: falcon_transport::Error) -> Error {
@@ -128,7 +87,7 @@ impl Worker {
         let mut signals = Vec::new();
         for s in self.shards_of(t) {
             let seq = lock(&self.inner.core).next_help(s.index);
-            let rec = super::data::PushRecord {
+            let rec = PushRecord {
                 grad: Some(grad.clone()),
                 own: None,
                 kind: PushKind::Help,

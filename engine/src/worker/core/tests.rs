@@ -11,10 +11,9 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
-use super::{Action, Core};
+use super::{Action, Core, PushRecord, Resend};
 use crate::error::Error;
 use crate::proto::{AckOf, PushKind};
-use crate::worker::data::{PushRecord, Resend};
 use crate::worker::tracker::{Reply, Request, Signal};
 
 const SHARDS: usize = 4;
