@@ -13,7 +13,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -153,7 +153,7 @@ struct Shared {
     remote: RwLock<HashMap<u64, Arc<SharedMap>>>,
     /// Our regions granted to the peer, kept alive while granted.
     granted: Mutex<HashMap<u64, Region>>,
-    acks: Mutex<HashMap<u64, crossbeam_channel::Sender<()>>>,
+    acks: Mutex<HashMap<u64, VecDeque<(u64, crossbeam_channel::Sender<()>)>>>,
     /// Large messages received out of band, waiting for their place in the ring.
     blobs: Mutex<HashMap<u64, Vec<u8>>>,
     peer_gone: AtomicBool,
@@ -429,7 +429,15 @@ impl ShmLink {
     /// Sends `region`'s memfd to the peer under `op` and waits for its acknowledgement.
     fn handoff(&self, op: CtlOp, region: &Region) -> Result<()> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        lock(&self.shared.acks).insert(region.id(), tx);
+        // Handoffs of one region may overlap (two threads granting it at once): the peer
+        // acknowledges each, in order, and each waiter takes one. The waiter keeps no sender
+        // of its own, so the link's end (which drops every sender) wakes it at once.
+        static HANDOFFS: AtomicU64 = AtomicU64::new(0);
+        let me = HANDOFFS.fetch_add(1, Ordering::Relaxed);
+        lock(&self.shared.acks)
+            .entry(region.id())
+            .or_default()
+            .push_back((me, tx));
         send_ctl(
             self.shared.sock.as_fd(),
             &CtlPacket::new(op, region.id(), region.len(), 0),
@@ -438,7 +446,14 @@ impl ShmLink {
         match rx.recv_timeout(self.op_timeout) {
             Ok(()) => Ok(()),
             Err(_) => {
-                lock(&self.shared.acks).remove(&region.id());
+                let mut acks = lock(&self.shared.acks);
+                if let Some(waiting) = acks.get_mut(&region.id()) {
+                    waiting.retain(|(w, _)| *w != me);
+                    if waiting.is_empty() {
+                        acks.remove(&region.id());
+                    }
+                }
+                drop(acks);
                 self.check_open()?;
                 Err(Error::Timeout("shm peer acknowledgement", self.op_timeout))
             }
@@ -630,8 +645,14 @@ fn ctl_packets(sock: &OwnedFd, shared: &Shared) -> Result<()> {
                 )?;
             }
             CtlOp::GrantAck => {
-                if let Some(tx) = lock(&shared.acks).remove(&pkt.a.get()) {
-                    let _ = tx.send(());
+                let mut acks = lock(&shared.acks);
+                if let Some(waiting) = acks.get_mut(&pkt.a.get()) {
+                    if let Some((_, tx)) = waiting.pop_front() {
+                        let _ = tx.send(());
+                    }
+                    if waiting.is_empty() {
+                        acks.remove(&pkt.a.get());
+                    }
                 }
             }
             CtlOp::Revoke => {

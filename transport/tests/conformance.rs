@@ -566,6 +566,23 @@ fn grant_keeps_region_alive(medium: Medium) {
     assert!(matches!(next(b.cq()), Completion::WriteImm { imm: 3, .. }));
 }
 
+/// One region granted on one link by several threads at once: every grant returns (each at
+/// once, none waiting out the operation timeout for an acknowledgement another took).
+fn concurrent_grants_of_one_region(medium: Medium) {
+    let (_a, _b, ab, _ba) = pair(medium);
+    let region = Region::new(4096).unwrap();
+    region.fill(0x5a);
+    for _ in 0..20 {
+        let keys: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| ab.grant(&region).expect("granted")))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(keys.len(), 4);
+    }
+}
+
 /// Garbage from a peer closes that link with a typed error; other links keep working.
 fn malformed_input_closes_only_that_link(medium: Medium) {
     for seed in 0..8u64 {
@@ -885,6 +902,13 @@ macro_rules! conformance {
                     return;
                 }
                 super::submitted_batches($medium)
+            }
+            #[test]
+            fn concurrent_grants_of_one_region() {
+                if skip($medium) {
+                    return;
+                }
+                super::concurrent_grants_of_one_region($medium)
             }
             #[test]
             fn grant_keeps_region_alive() {

@@ -543,8 +543,12 @@ impl Inner {
         if let Some(k) = lock(&self.core).grant(link.id(), out.id()) {
             return Ok(k);
         }
-        // Granted with the core released (a transport call); a grant recorded meanwhile by
-        // another caller stands.
+        // Granted with the core released (a transport call), one caller at a time: the
+        // first grants, the others find its key.
+        let _granting = lock(&self.granting);
+        if let Some(k) = lock(&self.core).grant(link.id(), out.id()) {
+            return Ok(k);
+        }
         let k = link.grant(out)?;
         Ok(lock(&self.core).granted(link.id(), out.id(), k, false))
     }
@@ -560,6 +564,7 @@ impl Inner {
         link: &Link,
         grad: &Region,
     ) -> std::result::Result<Option<RemoteKey>, falcon_transport::Error> {
+        let _granting = lock(&self.granting);
         match lock(&self.core).source_grant(link.id(), grad.id()) {
             SourceGrant::Granted(k) => return Ok(Some(k)),
             SourceGrant::Full => return Ok(None),

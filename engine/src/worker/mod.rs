@@ -50,6 +50,7 @@
 //! | `servers[r].state` (with its condvar `changed`) | server `r`'s link, its reconnection, whether it is gone for good |
 //! | `shards[i].keys` (read-write) | shard `i`'s remote keys (replaced on reattachment) |
 //! | `shards[i].scratch`, `push_buf`, `rows_buf` | shard `i`'s buffers (meta reads and slot trailers; encoded and row payloads) |
+//! | `granting` | nothing but the act of granting a region on a link (held across that transport call) |
 //! | `staging` | the staging regions of `push_slice` |
 //!
 //! and every `Signal` (what a caller waits on) a lock of its own.
@@ -64,7 +65,7 @@
 //! pull that reads every shard at once (`pull_fast_together`) takes its shards' `scratch`
 //! in the order of the worker's shard list; every other is taken alone. `servers[r].state`
 //! is taken alone (what is needed past it is cloned out), and held across one transport
-//! call: closing its links. Waiting on a signal, or on `changed`, holds no other lock.
+//! call: closing its links. `granting` is taken under nothing, and only the core under it. Waiting on a signal, or on `changed`, holds no other lock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -283,6 +284,9 @@ struct Inner {
     /// The worker's state machine: requests, clocks, gate, offers, grants, row plans,
     /// counters (see [`core`]). Taken through [`Inner::drive`] where it returns actions.
     core: Mutex<Core>,
+    /// Held while a region is granted on a link (a transport call), so that a region is
+    /// granted once per link however many threads need it at once.
+    granting: Mutex<()>,
     /// The staging regions of `push_slice`, per tensor.
     staging: Mutex<HashMap<usize, Region>>,
     timeout: Duration,
@@ -389,6 +393,7 @@ impl Worker {
             control_cap: cfg.transport.max_accepted_message,
             recovery_wait,
             shards,
+            granting: Mutex::new(()),
             staging: Mutex::new(HashMap::new()),
             timeout: cfg.transport.op_timeout,
             shm_in_place: cfg.shm_in_place,
@@ -681,11 +686,7 @@ impl Worker {
         let mut answers = Vec::with_capacity(sent.len());
         for (ack, answer) in sent {
             acks.push(ack);
-            answers.push(answer.unwrap_or_else(|e| {
-                let failed = Arc::new(Signal::default());
-                failed.set(Err(e));
-                failed
-            }));
+            answers.push(answer.unwrap_or_else(|e| Signal::with(Err(e))));
         }
         Ok((
             self.handle(acks, Some(self.inner.timeout)),

@@ -45,6 +45,13 @@ impl Signal {
             .is_some()
     }
 
+    /// A signal set already, to `r` (an operation that ended before it went out).
+    pub(crate) fn with(r: Result<Reply>) -> Arc<Signal> {
+        let s = Arc::new(Signal::default());
+        s.set(r);
+        s
+    }
+
     /// Sets the outcome; a second call does nothing (the first outcome stands).
     pub(crate) fn set(&self, r: Result<Reply>) {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
