@@ -144,6 +144,9 @@ fn set_recv_timeout(fd: BorrowedFd<'_>, t: Option<Duration>) -> Result<()> {
         .map_err(|e| Error::errno("set unix socket timeout", e))
 }
 
+/// A handoff waiting for its acknowledgement: its number, and where to say it came.
+type AckWaiter = (u64, crossbeam_channel::Sender<()>);
+
 /// State shared by the link handle, its control thread and the completion queue.
 struct Shared {
     st: LinkState,
@@ -153,7 +156,7 @@ struct Shared {
     remote: RwLock<HashMap<u64, Arc<SharedMap>>>,
     /// Our regions granted to the peer, kept alive while granted.
     granted: Mutex<HashMap<u64, Region>>,
-    acks: Mutex<HashMap<u64, VecDeque<(u64, crossbeam_channel::Sender<()>)>>>,
+    acks: Mutex<HashMap<u64, VecDeque<AckWaiter>>>,
     /// Large messages received out of band, waiting for their place in the ring.
     blobs: Mutex<HashMap<u64, Vec<u8>>>,
     peer_gone: AtomicBool,
