@@ -618,6 +618,11 @@ impl Core {
         self.forge_source = Some(forge);
     }
 
+    /// Why every request fails, once the job is over for this worker.
+    pub(super) fn broken(&self) -> Option<&Error> {
+        self.broken.as_ref()
+    }
+
     /// The counters.
     pub(super) fn stats(&self) -> &WorkerStats {
         &self.stats

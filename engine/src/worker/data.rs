@@ -399,14 +399,18 @@ impl Worker {
 impl Inner {
     /// A transport error on server `server`'s link, as the caller sees it.
     pub(super) fn server_error(&self, server: usize, e: falcon_transport::Error) -> Error {
-        if e.is_fatal_for_link() {
-            Error::PeerGone {
-                role: "server",
-                rank: server as u32,
-                why: e.to_string(),
-            }
-        } else {
-            Error::Transport(e)
+        if !e.is_fatal_for_link() {
+            return Error::Transport(e);
+        }
+        // A server that went because the job is over (its scheduler died, and the servers
+        // with it) is not the cause: the caller is told the cause.
+        if let Some(over) = self.job_over() {
+            return over;
+        }
+        Error::PeerGone {
+            role: "server",
+            rank: server as u32,
+            why: e.to_string(),
         }
     }
 

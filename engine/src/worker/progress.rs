@@ -164,11 +164,14 @@ impl Inner {
                 );
                 self.server_down(r);
             }
-            Some(r) => self.fail_all(
-                Role::Server,
-                r as u32,
-                &format!("link closed: {}", closed_why(error)),
-            ),
+            Some(r) => match self.job_over() {
+                Some(over) => self.fail_with(over),
+                None => self.fail_all(
+                    Role::Server,
+                    r as u32,
+                    &format!("link closed: {}", closed_why(error)),
+                ),
+            },
             // A link already replaced: nothing to do.
             None if link != self.sched.id() => {}
             // Lost without a goodbye (a partition the scheduler may have evicted this worker
@@ -196,6 +199,26 @@ impl Inner {
                 &format!("link closed: {}", closed_why(error)),
             ),
         }
+    }
+}
+
+impl Inner {
+    /// Why the job is over for this worker, if it is: what already failed every request, or
+    /// a scheduler whose link is closed and where nothing listens any more (a server link
+    /// that closes then closed because of it).
+    pub(super) fn job_over(&self) -> Option<Error> {
+        if let Some(e) = lock(&self.core).broken() {
+            return Some(e.clone());
+        }
+        if self.sched.is_open() || self.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        let gone = scheduler_gone(self.sched.peer())?;
+        Some(Error::PeerGone {
+            role: Role::Scheduler.name(),
+            rank: 0,
+            why: format!("its link closed and {gone}: the scheduler is gone, and the job with it"),
+        })
     }
 }
 
