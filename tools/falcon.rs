@@ -721,6 +721,7 @@ fn rows_workload(cfg: &JobConfig, rank: Option<u32>, iters: u64, rows: u64) -> R
         len: rows,
     }];
     let w = Worker::join(cfg, tensors, rank)?;
+    falcon_trainer::train::refuse_local(w.optimizer())?;
     crate::logs::label(format!("worker {}", w.rank()));
     let target = (w.rank() + 1) as f32;
     let mut rng = fastrand::Rng::with_seed(u64::from(w.rank()) + 1);
@@ -817,6 +818,7 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
         len: floats,
     }];
     let w = Worker::join(cfg, tensors, rank)?;
+    falcon_trainer::train::refuse_local(w.optimizer())?;
     crate::logs::label(format!("worker {}", w.rank()));
     spawn_link_dropper(&w)?;
     let buf = w.buffer("model")?;

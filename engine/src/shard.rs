@@ -611,6 +611,7 @@ impl ShardCore {
         scale: Arc<dyn GradientScale>,
     ) -> ShardCore {
         let n = cfg.workers as usize;
+        let opt = opt.for_mode(cfg.mode);
         ShardCore {
             cfg,
             opt,

@@ -69,6 +69,17 @@ pub enum Optimizer {
         /// ε.
         eps: f32,
     },
+    /// The workers apply their own optimizer (`local`). Under synchronous updates each
+    /// step's aggregate (the mean of the workers' gradients) replaces the values, which every
+    /// worker then takes as its optimizer's gradient; under asynchronous updates the servers
+    /// subtract what each worker sends (the change its own optimizer made to its
+    /// parameters), `w -= lr · g` at the job's fixed rate (1 / workers, as every asynchronous
+    /// gradient), with no schedule.
+    Local {
+        /// The rate (1 as configured; the launch divides it by the workers under an
+        /// asynchronous policy).
+        lr: f32,
+    },
 }
 
 impl Optimizer {
@@ -78,7 +89,8 @@ impl Optimizer {
             Optimizer::Sgd { lr }
             | Optimizer::Momentum { lr, .. }
             | Optimizer::Adam { lr, .. }
-            | Optimizer::Adagrad { lr, .. } => lr,
+            | Optimizer::Adagrad { lr, .. }
+            | Optimizer::Local { lr } => lr,
         }
     }
 }
@@ -94,6 +106,7 @@ impl std::fmt::Display for Optimizer {
                 beta1, beta2, eps, ..
             } => write!(f, "adam({beta1},{beta2},{eps})"),
             Optimizer::Adagrad { eps, .. } => write!(f, "adagrad({eps})"),
+            Optimizer::Local { .. } => write!(f, "local"),
         }
     }
 }
@@ -113,6 +126,7 @@ impl Optimizer {
                 eps,
             },
             Optimizer::Adagrad { eps, .. } => Optimizer::Adagrad { lr, eps },
+            Optimizer::Local { .. } => Optimizer::Local { lr },
         }
     }
 
@@ -123,13 +137,17 @@ impl Optimizer {
             Optimizer::Momentum { .. } => "momentum",
             Optimizer::Adam { .. } => "adam",
             Optimizer::Adagrad { .. } => "adagrad",
+            Optimizer::Local { .. } => "local",
         }
     }
 
     /// Whether a gradient of zero leaves a value and its state as they are (SGD, Adagrad):
     /// the rule sparse row pushes need.
     pub fn zero_is_identity(&self) -> bool {
-        matches!(self, Optimizer::Sgd { .. } | Optimizer::Adagrad { .. })
+        matches!(
+            self,
+            Optimizer::Sgd { .. } | Optimizer::Adagrad { .. } | Optimizer::Local { .. }
+        )
     }
 
     /// Parses an optimizer's text, given the learning rate: `sgd`, `momentum(MU)` (0 ≤ MU <
@@ -142,7 +160,7 @@ impl Optimizer {
         let err = |why: &str| {
             crate::Error::Config(format!(
                 "optimizer {shown}: {why}; the optimizers: sgd, momentum(MU), adam, \
-                 adam(B1,B2,EPS), adagrad, adagrad(EPS)"
+                 adam(B1,B2,EPS), adagrad, adagrad(EPS), local (the workers apply their own)"
             ))
         };
         let (name, args) = match l.split_once('(') {
@@ -187,6 +205,9 @@ impl Optimizer {
             ("adagrad", None) => Ok(Optimizer::Adagrad { lr, eps: 1e-10 }),
             ("adagrad", Some(&[eps])) if eps > 0.0 => Ok(Optimizer::Adagrad { lr, eps }),
             ("adagrad", _) => Err(err("adagrad takes none or one argument: EPS > 0")),
+            // The rate is the servers' fixed 1 (the workers' optimizers hold the real one).
+            ("local", None) => Ok(Optimizer::Local { lr: 1.0 }),
+            ("local", _) => Err(err("local takes no arguments")),
             _ => Err(err("unknown optimizer")),
         }
     }
@@ -339,13 +360,16 @@ pub struct ShardOptimizer {
     m: Vec<f32>,
     v: Vec<f32>,
     step: u64,
+    /// [`Optimizer::Local`] under synchronous updates: a step's aggregate replaces the
+    /// values (they are the step's mean gradient, which every worker's own optimizer takes).
+    assign: bool,
 }
 
 impl ShardOptimizer {
     /// State for a shard of `len` parameters.
     pub fn new(opt: Optimizer, schedule: std::sync::Arc<dyn LrSchedule>, len: usize) -> Self {
         let (m, v) = match opt {
-            Optimizer::Sgd { .. } => (Vec::new(), Vec::new()),
+            Optimizer::Sgd { .. } | Optimizer::Local { .. } => (Vec::new(), Vec::new()),
             Optimizer::Momentum { .. } => (vec![0.0; len], Vec::new()),
             Optimizer::Adam { .. } => (vec![0.0; len], vec![0.0; len]),
             Optimizer::Adagrad { .. } => (Vec::new(), vec![0.0; len]),
@@ -356,7 +380,16 @@ impl ShardOptimizer {
             m,
             v,
             step: 0,
+            assign: false,
         }
+    }
+
+    /// This optimizer as the shard's update `mode` applies it: under synchronous updates
+    /// [`Optimizer::Local`] leaves each step's aggregate (the mean gradient) as the values,
+    /// exactly; under asynchronous ones it subtracts what each worker sends.
+    pub fn for_mode(mut self, mode: UpdateMode) -> Self {
+        self.assign = matches!(self.opt, Optimizer::Local { .. }) && mode == UpdateMode::Sync;
+        self
     }
 
     /// Updates applied so far.
@@ -396,6 +429,11 @@ impl ShardOptimizer {
     /// ([`RowIndex::spread`]): the pieces' rows lie in disjoint ranges of `w`, and every
     /// float's update is the same as in one pass.
     pub fn apply_ranges(&mut self, w: &mut [f32], index: &RowIndex, values: &[f32]) {
+        if self.assign {
+            // The step's gradient is the rows given, zero elsewhere.
+            let ranges = index.to_vec();
+            return self.apply(w, &widen(w.len(), ranges.as_slice(), values));
+        }
         if index.disjoint() {
             if self.opt.zero_is_identity()
                 && let Some(pieces) = index.spread()
@@ -427,7 +465,11 @@ impl ShardOptimizer {
 
     /// The rate of the next update and its floor ([`floor_for`]); counts the update.
     fn next_rate(&mut self) -> (f32, f32) {
-        let lr = self.schedule.lr(self.opt.lr(), self.step);
+        let lr = match self.opt {
+            // What the workers send is applied as it is: no schedule.
+            Optimizer::Local { lr } => lr,
+            _ => self.schedule.lr(self.opt.lr(), self.step),
+        };
         self.step += 1;
         (lr, floor_for(lr))
     }
@@ -472,6 +514,11 @@ impl ShardOptimizer {
     /// tiny updates costs what an ordinary one does instead of several times more.
     pub fn apply(&mut self, w: &mut [f32], g: &[f32]) {
         debug_assert_eq!(w.len(), g.len());
+        if self.assign {
+            self.step += 1;
+            w.copy_from_slice(g);
+            return;
+        }
         let (lr, lr_floor) = self.next_rate();
         let (opt, step) = (self.opt, self.step);
         for_each_part(w, &mut self.m, &mut self.v, |p| {
@@ -499,6 +546,16 @@ impl ShardOptimizer {
         scale: f32,
         read: impl Fn(usize, &mut [f32]) + Sync,
     ) {
+        if self.assign {
+            self.step += 1;
+            for (k, w) in w.chunks_mut(APPLY_BLOCK).enumerate() {
+                read(k * APPLY_BLOCK, w);
+                if scale != 1.0 {
+                    scale_in_place(w, scale);
+                }
+            }
+            return;
+        }
         let (lr, lr_floor) = self.next_rate();
         let (opt, step) = (self.opt, self.step);
         for_each_part(w, &mut self.m, &mut self.v, |p| {
@@ -621,7 +678,7 @@ fn apply_rule(
     v: &mut [f32],
 ) {
     match opt {
-        Optimizer::Sgd { .. } => {
+        Optimizer::Sgd { .. } | Optimizer::Local { .. } => {
             for (wi, gi) in w.iter_mut().zip(g) {
                 *wi = keep(*wi - lr * keep(*gi, lr_floor), TINY);
             }
@@ -1225,7 +1282,7 @@ mod tests {
                 o.apply(&mut w, g);
                 for i in 0..n {
                     match opt {
-                        Optimizer::Sgd { lr } => rw[i] -= lr * g[i],
+                        Optimizer::Sgd { lr } | Optimizer::Local { lr } => rw[i] -= lr * g[i],
                         Optimizer::Momentum { lr, mu } => {
                             rm[i] = mu * rm[i] + g[i];
                             rw[i] -= lr * rm[i];
@@ -1314,6 +1371,34 @@ mod tests {
         assert_eq!(s.lr(1.0, 9), 1.0);
         assert_eq!(s.lr(1.0, 10), 0.5);
         assert_eq!(s.lr(1.0, 25), 0.25);
+    }
+
+    #[test]
+    fn local_leaves_a_steps_mean_under_sync_and_subtracts_under_async() {
+        let opt = Optimizer::parse("local", 0.3).unwrap();
+        assert_eq!(opt, Optimizer::Local { lr: 1.0 }, "the rate is the servers' fixed 1");
+        assert_eq!(opt.to_string(), "local");
+        assert!(Optimizer::parse("local(2)", 1.0).is_err());
+        // A schedule does not reach it: what the workers send is applied as it is.
+        struct Halving;
+        impl LrSchedule for Halving {
+            fn lr(&self, base: f32, step: u64) -> f32 {
+                base / 2f32.powi(step as i32 + 1)
+            }
+        }
+        let g = [0.25f32, -1.5, 3.0];
+        let mut sync = ShardOptimizer::new(opt, Arc::new(Halving), 3).for_mode(UpdateMode::Sync);
+        let mut w = [9.0f32, 9.0, 9.0];
+        sync.apply(&mut w, &g);
+        assert_eq!(w, g, "sync: the values are the step's aggregate, exactly");
+        sync.apply_blocks(&mut w, 0.5, |at, out| out.copy_from_slice(&g[at..at + out.len()]));
+        assert_eq!(w, [0.125, -0.75, 1.5]);
+        let mut asy = ShardOptimizer::new(opt.with_lr(0.5), Arc::new(Halving), 3)
+            .for_mode(UpdateMode::Async);
+        let mut w = [1.0f32, 1.0, 1.0];
+        asy.apply(&mut w, &g);
+        asy.apply(&mut w, &g);
+        assert_eq!(w, [0.75, 2.5, -2.0], "async: w -= lr · g twice, no schedule");
     }
 
     #[test]

@@ -92,6 +92,9 @@ __all__ = [
 _lock = threading.Lock()
 _worker: Worker | None = None
 _overrides: dict[str, str] | None = None
+# What the launch said at init(): this worker's rank (None: the scheduler assigns it) and the
+# job's workers.
+_launched: dict[str, int | None] = {}
 # The report of the role this process served (scheduler or server), for tests and tools.
 _last_report: dict = {}
 
@@ -204,7 +207,7 @@ def init(
     )
     if not has_role:
         overrides["FALCON_ROLE"] = "worker"
-    role, _ = _falcon.launch_role(overrides)
+    role, launched_rank, launched_workers = _falcon.launch_role(overrides)
     if role != "worker":
         # A serving rank ends with one line: how the job ended (who died, was evicted,
         # rejoined, lost for good), or why it failed; never a traceback.
@@ -223,6 +226,7 @@ def init(
         if _worker is not None:
             raise ConfigError("falcon.init() was already called in this process")
         _overrides = overrides
+        _launched["rank"], _launched["workers"] = launched_rank, launched_workers
     if tensors is None:
         return None
     return declare(tensors)
@@ -253,12 +257,17 @@ def worker() -> Worker:
 
 
 def rank() -> int:
-    """This worker's rank."""
+    """This worker's rank: known from `init()` on where the launch gives it (torchrun, srun,
+    FALCON_RANK), else once the worker has joined."""
+    if _worker is None and _overrides is not None and _launched.get("rank") is not None:
+        return _launched["rank"]
     return worker().rank
 
 
 def size() -> int:
-    """The job's workers."""
+    """The job's workers (known from `init()` on)."""
+    if _worker is None and _overrides is not None and _launched.get("workers") is not None:
+        return _launched["workers"]
     return worker().workers
 
 

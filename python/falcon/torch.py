@@ -4,11 +4,18 @@ Two ways in:
 
 - `DistributedOptimizer(optimizer, model.named_parameters())`, in the manner of Horovod and
   BytePS: each parameter is a tensor of the job; backward's gradient hooks push each
-  parameter's gradient as soon as it is ready; `step()` waits for the pushes, pulls the values
-  the job's policy lets this clock see and writes them into the parameters. The servers apply
-  the optimizer (`FALCON_OPTIMIZER`, `FALCON_LR`): the wrapped optimizer must describe the
-  same one (`optimizer_settings(opt)` gives the variables that start such a job), and its
-  state lives on the servers, one copy for the whole job.
+  parameter's gradient as soon as it is ready. Two ways to apply the optimizer:
+  - the servers apply it (`FALCON_OPTIMIZER` sgd, momentum, adam or adagrad, `FALCON_LR`):
+    the wrapped optimizer must describe the same one, its state lives on the servers (one
+    copy for the whole job), and `step()` pulls the values the job's policy lets this clock
+    see into the parameters;
+  - each worker applies its own (`FALCON_OPTIMIZER=local`): any optimizer, any schedule,
+    clipping, a gradient scaler. Under a synchronous policy the servers only average: backward
+    ends with `.grad` holding the mean of every worker's gradient (as DDP's does), and
+    `step()` is the optimizer's own, the same on every replica; under an asynchronous policy
+    `step()` applies the optimizer to this worker's gradient, pushes the change it made and
+    pulls the values the policy allows.
+  `optimizer_settings(opt)` gives the variables of a job that accepts `opt`.
 - `fit(model, loss_fn, data, ...)`, the task-driven trainer: falcon owns the iteration. An
   iteration of a worker is `tasks` tasks, each an index range of the data; a worker blocked by
   the policy takes a straggler's unstarted tasks, computes them on its own weights and pushes
@@ -49,16 +56,32 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= _REL * max(1.0, abs(a), abs(b))
 
 
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """The launch-contract variables of a job whose servers apply `optimizer`'s rule:
-    {"FALCON_OPTIMIZER": ..., "FALCON_LR": ...}. Pass them to `falcon.local_cluster(**...)`
-    as `optimizer=`/`lr=`, or set them where `falcon role` starts the servers.
+LOCAL = {"FALCON_OPTIMIZER": "local", "FALCON_LR": "1"}
+"""The settings of a job whose workers each apply their own optimizer."""
 
-    Supported: torch.optim.SGD (with or without momentum; no dampening, no Nesterov),
-    torch.optim.Adam (no amsgrad) and torch.optim.Adagrad (no lr_decay, initial accumulator
-    0); weight decay is added to each gradient on the worker, as
-    PyTorch does. Anything else raises ConfigError."""
-    kind, lr, extra = _rule_of(optimizer)
+
+def optimizer_settings(optimizer: torch.optim.Optimizer, *, local: bool | None = None) -> dict[str, str]:
+    """The launch-contract variables of a job that `DistributedOptimizer(optimizer, ...)`
+    accepts: {"FALCON_OPTIMIZER": ..., "FALCON_LR": ...}. Pass them to
+    `falcon.local_cluster(**...)` as `optimizer=`/`lr=`, or set them where `falcon role`
+    starts the servers.
+
+    The servers apply the optimizer themselves (one state for the whole job) when they can:
+    torch.optim.SGD (with or without momentum; no dampening, no Nesterov), torch.optim.Adam
+    (no amsgrad, no decoupled weight decay) and torch.optim.Adagrad (no lr_decay, initial
+    accumulator 0), weight decay added to each gradient on the worker as PyTorch does. For
+    any other optimizer — AdamW, Nesterov, RMSprop, LAMB, … — or with `local=True`, the
+    workers apply their own: `{"FALCON_OPTIMIZER": "local", "FALCON_LR": "1"}` (see
+    `DistributedOptimizer`). `local=False` insists on the servers' (ConfigError when they
+    cannot)."""
+    if local:
+        return dict(LOCAL)
+    try:
+        kind, lr, extra = _rule_of(optimizer)
+    except _f.ConfigError:
+        if local is False:
+            raise
+        return dict(LOCAL)
     if kind == "sgd":
         text = "sgd"
     elif kind == "momentum":
@@ -124,15 +147,26 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
         return "adagrad", lr, {"eps": float(same("eps"))}
     raise _f.ConfigError(
         f"the servers apply SGD (with or without momentum), Adam or Adagrad; {name} is none "
-        f"of them: wrap torch.optim.SGD, torch.optim.Adam or torch.optim.Adagrad"
+        f"of them: start the job with FALCON_OPTIMIZER=local (each worker applies its own "
+        f"optimizer), or wrap torch.optim.SGD, torch.optim.Adam or torch.optim.Adagrad"
     )
 
 
 def _check_rule(optimizer, job: Mapping) -> float:
     """Checks `optimizer` against the job's servers; returns the rate the job was given
     (FALCON_LR: asynchronous policies apply each gradient at that rate / workers, which the
-    job's `lr_per_push` says)."""
-    kind, lr, extra = _rule_of(optimizer)
+    job's `lr_per_push` says). A job whose workers apply their own optimizer takes any."""
+    if job["optimizer"] == "local":
+        if job["mode"] == "sync" and job["aggregate"] == "sum":
+            raise _f.ConfigError(
+                "the job's servers sum the workers' gradients (FALCON_AGGREGATE=sum); each "
+                "worker's optimizer needs their mean: start the job with FALCON_AGGREGATE=mean"
+            )
+        return 1.0
+    try:
+        kind, lr, extra = _rule_of(optimizer)
+    except _f.ConfigError as e:
+        raise _f.ConfigError(f"{e} (the job's servers apply {job['optimizer']})") from None
     name = type(optimizer).__name__
     if job["mode"] == "sync" and job["aggregate"] == "sum":
         raise _f.ConfigError(
@@ -169,7 +203,7 @@ def _check_rule(optimizer, job: Mapping) -> float:
         raise _f.ConfigError(
             f"the job's servers apply {rule} with lr {job['lr']}, the optimizer has {lr}: "
             f"{fix} ({rule} is blind to a gradient's scale, so the rate cannot be carried "
-            f"by the gradient)"
+            f"by the gradient), or with FALCON_OPTIMIZER=local"
         )
     return float(job["lr"])
 
@@ -317,6 +351,24 @@ class _Distributed:
         self._falcon_hooks = []
         broadcast_parameters(named, 0, w)
         self._falcon_clock = min(w.clock_of(n) for n, _ in named)
+        # Each worker applies its own optimizer (FALCON_OPTIMIZER=local).
+        self._falcon_local = job["optimizer"] == "local"
+        self._falcon_sync = job["mode"] == "sync"
+        if self._falcon_local and w.rejoined:
+            raise _f.ConfigError(
+                "this worker rejoined a running job whose workers apply their own optimizer: "
+                "the parameters and the optimizer's state live on the workers, not on the "
+                "servers, so there is nothing to rejoin from; restart the job (from your own "
+                "checkpoint)"
+            )
+        if self._falcon_local:
+            # Where each step's mean gradient arrives.
+            self._falcon_mean = {
+                n: torch.empty(p.numel(), dtype=torch.float32, device=p.device) for n, p in named
+            }
+            # This backward's exchanges are waited for at its end (once queued).
+            self._falcon_queued = False
+            self._falcon_averaged = False
         # Pulls go out in the order of first use in the forward pass (learnt from the first
         # forward with a model; the parameters' order until then) and, with a model, each
         # module waits only for its own parameters: the next forward starts while later
@@ -417,7 +469,9 @@ class _Distributed:
                 rule = "Adam" if self._falcon_kind == "adam" else "Adagrad"
                 raise _f.ConfigError(
                     f"the learning rate changed to {lr}; the servers apply {rule} with "
-                    f"{self._falcon_job_lr}, and {rule} is blind to a gradient's scale"
+                    f"{self._falcon_job_lr}, and {rule} is blind to a gradient's scale: for "
+                    f"a schedule under {rule}, start the job with FALCON_OPTIMIZER=local "
+                    f"(each worker applies its own optimizer)"
                 )
             scale = lr / self._falcon_job_lr
         if wd or scale != 1.0:
@@ -435,15 +489,127 @@ class _Distributed:
         name = self._falcon_name.get(id(p))
         if name is None:
             return
+        if self._falcon_local and not self._falcon_sync:
+            return  # step() pushes what the worker's own optimizer changed
         self._falcon_passes[name] += 1
         if self._falcon_passes[name] < self._falcon_per_step:
             return
-        if name in self._falcon_handles:
+        if name in self._falcon_handles or (self._falcon_local and self._falcon_averaged):
             raise _f.ClockError(
                 f"the gradient of {name!r} is ready again before step(): call step() after "
                 f"each backward, or pass backward_passes_per_step=N to accumulate N"
             )
+        if self._falcon_local:
+            if not self._falcon_queued:
+                # The end of this backward waits for the mean of every gradient (as DDP's).
+                torch.autograd.Variable._execution_engine.queue_callback(self._falcon_average)
+                self._falcon_queued = True
+            self._falcon_send(name, p)
+            return
         self._falcon_push_pull(name, p)
+
+    def _falcon_send(self, name, p):
+        """Local optimizers, synchronous policy: sends this worker's gradient (zeros where it
+        has none) and asks, in the same exchange, for the step's mean, which the servers
+        leave as the tensor's values."""
+        g = p.grad
+        if g is None:
+            send = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        else:
+            if g.is_sparse:
+                g = g.to_dense()
+            send = g.detach().reshape(-1).to(torch.float32).contiguous()
+        pushed, pulled = self._falcon_worker.push_pull_async(
+            name, _view(send), _view(self._falcon_mean[name]), self._falcon_clock
+        )
+        self._falcon_handles[name] = pushed
+        self._falcon_next[name] = pulled
+
+    def _falcon_average(self):
+        """Local optimizers, synchronous policy: sends what backward did not (a parameter
+        without a gradient sends none), waits for every exchange, and puts each tensor's mean
+        gradient in `.grad` — a parameter without a gradient here gets one where another
+        worker's had one. Runs at the end of backward, or from step()."""
+        self._falcon_queued = False
+        if self._falcon_averaged:
+            return
+        for n, p in self._falcon_named:
+            if n not in self._falcon_handles:
+                self._falcon_send(n, p)
+        handles, self._falcon_handles = self._falcon_handles, {}
+        means, self._falcon_next = self._falcon_next, {}
+        errors = []
+        for h in list(handles.values()) + list(means.values()):
+            try:
+                h.wait()
+            except _f.Error as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        with torch.no_grad():
+            for n, p in self._falcon_named:
+                mean = self._falcon_mean[n]
+                if not p.requires_grad:
+                    continue
+                g = mean.view_as(p)
+                if p.grad is None:
+                    if bool(torch.any(g != 0)):
+                        p.grad = g.clone()
+                elif p.grad.is_sparse:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+        for n in self._falcon_passes:
+            self._falcon_passes[n] = 0
+        self._falcon_clock += 1
+        self._falcon_averaged = True
+
+    def _falcon_local_step(self, closure):
+        """step() with each worker's own optimizer."""
+        if self._falcon_sync:
+            if closure is None:
+                self._falcon_average()
+                self._falcon_averaged = False
+                return super().step()
+
+            def again():
+                # Each evaluation's backward is an exchange of its own (L-BFGS evaluates
+                # several times a step, every replica alike).
+                self._falcon_averaged = False
+                return closure()
+
+            loss = super().step(again)
+            self._falcon_averaged = False
+            return loss
+        # Asynchronous: this worker's optimizer on its own gradient, then the change it made
+        # goes to the servers, which add it (scaled by 1 / workers), and the values the
+        # policy allows come back into the parameters.
+        self.wait_pulls()
+        before = {n: p.detach().clone() for n, p in self._falcon_named}
+        loss = super().step(closure)
+        w = self._falcon_worker
+        handles = {}
+        with torch.no_grad():
+            for n, p in self._falcon_named:
+                change = (before[n] - p.detach()).reshape(-1)
+                pushed, pulled = w.push_pull_async(n, _view(change), _view(p.data), self._falcon_clock)
+                handles[n] = pushed
+                self._falcon_next[n] = pulled
+        errors = []
+        for h in handles.values():
+            try:
+                h.wait()
+            except _f.Error as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        self._falcon_clock += 1
+        nxt, self._falcon_next = self._falcon_next, {}
+        for n in self.pull_order:
+            self._falcon_pending[n] = nxt.pop(n)
+        if not self._falcon_model_hooks:
+            self.wait_pulls()
+        return loss
 
     def _falcon_push_pull(self, name, p):
         """Pushes `p`'s gradient and asks, in the same exchange, for the values of the next
@@ -460,7 +626,13 @@ class _Distributed:
 
     def synchronize(self) -> None:
         """Pushes what backward did not (parameters without a gradient push zeros, so
-        every tensor moves one clock) and waits until the servers have every gradient."""
+        every tensor moves one clock) and waits until the servers have every gradient. With
+        each worker's own optimizer under a synchronous policy, backward's end has done so
+        already (`.grad` holds the mean); under an asynchronous one step() does it all."""
+        if self._falcon_local:
+            if self._falcon_sync:
+                self._falcon_average()
+            return
         self.wait_pulls()
         for n, p in self._falcon_named:
             if n not in self._falcon_handles:
@@ -479,7 +651,16 @@ class _Distributed:
 
     def step(self, closure: Callable[[], float] | None = None):
         """Waits for this step's pushes, then pulls the values the job's policy lets the
-        next clock see into the parameters (the servers applied the update)."""
+        next clock see into the parameters (the servers applied the update). With each
+        worker's own optimizer (FALCON_OPTIMIZER=local): the optimizer's own step, on the
+        mean gradient (synchronous policies) or on this worker's, whose change then goes to
+        the servers (asynchronous ones)."""
+        # A scheduler made on the wrapped optimizer counts its steps there.
+        base = self._falcon_base
+        if base is not self and hasattr(base, "_step_count"):
+            base._step_count += 1
+        if self._falcon_local:
+            return self._falcon_local_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -150,12 +150,12 @@ fn launch_variables() -> Vec<&'static str> {
 }
 
 /// This process's part in the job its environment (with `overrides` first) describes:
-/// `(role, rank)`, role one of "scheduler", "server", "worker"; rank None when the scheduler
-/// will assign one.
+/// `(role, rank, workers)`, role one of "scheduler", "server", "worker"; rank None when the
+/// scheduler will assign one; workers the job's.
 #[pyfunction]
-fn launch_role(overrides: HashMap<String, String>) -> PyResult<(String, Option<u32>)> {
+fn launch_role(overrides: HashMap<String, String>) -> PyResult<(String, Option<u32>, u32)> {
     let l = launch(&overrides)?;
-    Ok((l.role.name().to_string(), l.rank))
+    Ok((l.role.name().to_string(), l.rank, l.config.workers))
 }
 
 #[pymodule]

@@ -614,6 +614,10 @@ impl Worker {
                 d.set_item("lr", lr)?;
                 d.set_item("eps", eps)?;
             }
+            Optimizer::Local { lr } => {
+                d.set_item("optimizer", "local")?;
+                d.set_item("lr", lr)?;
+            }
         }
         d.set_item(
             "aggregate",

@@ -149,3 +149,23 @@ def test_distributed_optimizer_mode_under_the_launcher_loop(tmp_path):
     print(f"DistributedOptimizer, EPSP, worker 3 at h=0.25: accuracy {acc:.4f} in "
           f"{s['secs']:.1f} s")
     assert acc >= OPTIMIZER_ACCURACY, f"test accuracy {acc} < {OPTIMIZER_ACCURACY}: {s}"
+
+
+def test_the_pytorch_quick_start_runs_as_written(tmp_path):
+    # The README's and the script's own launch line: AdamW, a schedule and clipping with
+    # each worker's own optimizer; both workers end with the same model.
+    if not _torchrun_works():
+        pytest.skip("this torch has no torch.distributed: torchrun is not available")
+    env = {**_env(tmp_path), "FALCON_OPTIMIZER": "local", "FALCON_LR": "1", "FALCON_POLICY": "bsp"}
+    for k in ("FALCON_HETERO", "FALCON_NUM_SERVER"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
+        "--nproc_per_node", "4", "--redirects", "1", "--tee", "1",
+        str(ROOT / "examples" / "torch_quickstart.py"),
+    ]
+    out = _run(cmd, env, TIMEOUT_S)
+    done = re.findall(r"DONE ([0-9.]+)", out)
+    assert len(done) == 2 and done[0] == done[1], out[-3000:]
+    assert float(done[0]) < 1.2, out[-3000:]
+    assert "job done" in out, out[-3000:]

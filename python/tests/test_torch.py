@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import threading
 
 import pytest
@@ -390,5 +391,182 @@ def test_each_step_is_one_push_pull_per_tensor():
     assert after["fast_pulls"] == before["fast_pulls"]
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    falcon.finish()
+    c.finish()
+
+
+# --- each worker's own optimizer (FALCON_OPTIMIZER=local) -----------------------------------
+
+
+class TinyLM(torch.nn.Module):
+    """A one-block causal transformer language model (pre-norm, one attention head without
+    biases — a key bias has no gradient but rounding noise, which Adam would turn into
+    steps — and an MLP), small enough for Debian's CPU torch."""
+
+    def __init__(self, vocab=16, d=16, seq=8):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Parameter(0.1 * torch.randn(seq, d))
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+        self.out = torch.nn.Linear(d, vocab)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1))
+
+    def forward(self, x):
+        n = x.shape[1]
+        h = self.emb(x) + self.pos[:n]
+        q, k, v = self.qkv(self.ln1(h)).chunk(3, dim=-1)
+        att = (q @ k.transpose(1, 2)) / math.sqrt(q.shape[-1]) + self.mask[:n, :n]
+        h = h + self.proj(att.softmax(-1) @ v)
+        h = h + self.mlp(self.ln2(h))
+        return self.out(h)
+
+
+def lm_batch(step, n=16, seq=8, vocab=16):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def lm_loss(model, x, y):
+    return F.cross_entropy(model(x).reshape(-1, 16), y.reshape(-1))
+
+
+def warmup_cosine(opt, warmup=5, total=30):
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def adamw_recipe(params):
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+    return opt, warmup_cosine(opt)
+
+
+def train_recipe(model, opt, sched, steps, part=None):
+    """PyTorch's own loop: zero_grad, forward, backward, clip, step, schedule."""
+    for step in range(steps):
+        x, y = lm_batch(step)
+        if part is not None:
+            x, y = x[part], y[part]
+        opt.zero_grad()
+        lm_loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+
+
+def max_difference(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_optimizer_settings_name_local_for_what_the_servers_cannot_apply():
+    params = small_model().parameters()
+    assert ft.optimizer_settings(torch.optim.AdamW(params, lr=0.1)) == ft.LOCAL
+    assert ft.optimizer_settings(torch.optim.RMSprop(small_model().parameters())) == ft.LOCAL
+    sgd = torch.optim.SGD(small_model().parameters(), lr=0.1)
+    assert ft.optimizer_settings(sgd)["FALCON_OPTIMIZER"] == "sgd"
+    assert ft.optimizer_settings(sgd, local=True) == ft.LOCAL
+    with pytest.raises(falcon.ConfigError, match="FALCON_OPTIMIZER=local"):
+        ft.optimizer_settings(torch.optim.RMSprop(small_model().parameters()), local=False)
+
+
+def test_adamw_warmup_cosine_and_clipping_follow_single_process_pytorch():
+    torch.manual_seed(3)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    settings = ft.optimizer_settings(torch.optim.AdamW(model.parameters()))
+    c = falcon.local_cluster(
+        workers=1, policy="bsp", optimizer=settings["FALCON_OPTIMIZER"], lr=settings["FALCON_LR"]
+    )
+    falcon.init(env=c.env)
+    opt, sched = adamw_recipe(model.parameters())
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    ropt, rsched = adamw_recipe(ref.parameters())
+    for step in range(30):
+        x, y = lm_batch(step)
+        for m, o, s in ((model, dopt, sched), (ref, ropt, rsched)):
+            o.zero_grad()
+            lm_loss(m, x, y).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            o.step()
+            s.step()
+        assert max_difference(model, ref) <= 1e-4, f"step {step}"
+    assert dopt.clock == 30
+    assert sched.get_last_lr() == rsched.get_last_lr()
+    falcon.finish()
+    c.finish()
+
+
+def test_two_workers_with_their_own_adamw_train_as_one_process_on_the_whole_batch():
+    # Each worker's half batch, the mean of their gradients at the end of backward, then each
+    # worker's own AdamW, clipping and schedule: what one process does on the whole batch
+    # (DDP's contract), and the two replicas stay identical.
+    torch.manual_seed(4)
+    start = TinyLM()
+    ref = copy.deepcopy(start)
+    ropt, rsched = adamw_recipe(ref.parameters())
+    train_recipe(ref, ropt, rsched, 30)
+    c = falcon.local_cluster(workers=2, policy="bsp", optimizer="local", lr=1)
+    names = [(n, p.numel()) for n, p in start.named_parameters()]
+    models = [copy.deepcopy(start), copy.deepcopy(start)]
+    errors = []
+
+    def run(rank):
+        try:
+            w = falcon.Worker.join(names, {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
+            opt, sched = adamw_recipe(models[rank].parameters())
+            dopt = ft.DistributedOptimizer(opt, models[rank].named_parameters(), worker=w)
+            train_recipe(models[rank], dopt, sched, 30, part=slice(8 * rank, 8 * rank + 8))
+            w.finish()
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors, errors
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b), "the replicas differ"
+    assert max_difference(models[0], ref) <= 1e-4
+    c.finish()
+
+
+def test_an_asynchronous_job_pushes_what_each_workers_optimizer_changed():
+    # ASP, one worker: RMSprop with clipping applied by the worker, its change added on the
+    # servers, the values pulled back: single-process PyTorch, step for step.
+    torch.manual_seed(5)
+    model = small_model()
+    ref = copy.deepcopy(model)
+    c = falcon.local_cluster(workers=1, policy="asp", optimizer="local", lr=1)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(torch.optim.RMSprop(model.parameters(), lr=0.01), model.named_parameters())
+    ropt = torch.optim.RMSprop(ref.parameters(), lr=0.01)
+    x, y = data()
+    for step in range(20):
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+            o.step()
+        assert max_difference(model, ref) <= 1e-5, f"step {step}"
+    assert dopt.clock == 20
+    falcon.finish()
+    c.finish()
+
+
+def test_a_job_whose_workers_apply_their_own_optimizer_refuses_summed_gradients():
+    model = small_model()
+    c = falcon.local_cluster(workers=1, policy="bsp", optimizer="local", lr=1, aggregate="sum")
+    falcon.init(env=c.env)
+    with pytest.raises(falcon.ConfigError, match="FALCON_AGGREGATE=mean"):
+        ft.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model.named_parameters())
     falcon.finish()
     c.finish()

@@ -369,6 +369,9 @@ fn check_spec(spec: &JobSpec, model: &dyn Model, data: &Dataset) -> Result<()> {
             t.batch, t.tasks
         )));
     }
+    if let Some(opt) = spec.optimizer {
+        crate::train::refuse_local(opt)?;
+    }
     let conflict = |e: falcon_engine::checks::Conflict| Error::Config(e.to_string());
     falcon_engine::checks::roles_fit(spec.servers, spec.workers).map_err(conflict)?;
     falcon_engine::checks::policy_fits(&spec.policy, &spec.policy.to_string(), spec.workers)

@@ -356,6 +356,7 @@ impl Trainer {
     /// every `eval_every` iterations.
     pub fn run(&mut self, mut on_snapshot: impl FnMut(Snapshot)) -> Result<WorkerSummary> {
         let w = self.worker.clone();
+        refuse_local(w.optimizer())?;
         let sh = self.shared.clone();
         let cfg = sh.cfg.clone();
         let n = sh.model.num_params();
@@ -608,3 +609,19 @@ pub fn evaluate(
     }
     Ok((correct as f64 / n as f64, loss / n as f64))
 }
+
+/// The Rust trainer pushes gradients for the servers' optimizer to apply: a job whose
+/// workers apply their own (`local`) is not one it can train.
+pub fn refuse_local(opt: falcon_engine::update::Optimizer) -> Result<()> {
+    if let falcon_engine::update::Optimizer::Local { .. } = opt {
+        return Err(Error::Config(
+            "this job's servers apply no optimizer (FALCON_OPTIMIZER=local: each worker applies \
+             its own, as falcon.torch's DistributedOptimizer does); the Rust trainer and the \
+             synthetic workloads push gradients for the servers to apply: start the job with \
+             sgd, momentum(MU), adam or adagrad"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
