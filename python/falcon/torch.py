@@ -257,6 +257,18 @@ def _named(params) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _wait_all(handles) -> None:
+    """Waits for every handle (none is left running when one fails); raises the first error."""
+    errors = []
+    for h in handles:
+        try:
+            h.wait()
+        except _f.Error as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 def _view(t: torch.Tensor):
     """What a pull writes in place: a CPU float32 tensor's numpy view (no copy), or a CUDA
     tensor itself (moved through DLPack, one DMA copy)."""
@@ -420,14 +432,7 @@ class _Distributed:
         """Waits for the pulls `step()` left in flight (with `model=`, the forward pass waits
         for each module's own; call this before reading parameters any other way)."""
         pending, self._falcon_pending = self._falcon_pending, {}
-        errors = []
-        for h in pending.values():
-            try:
-                h.wait()
-            except _f.Error as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _wait_all(pending.values())
 
     def _falcon_hook_for(self, p):
         def hook(*_):
@@ -538,14 +543,7 @@ class _Distributed:
                 self._falcon_send(n, p)
         handles, self._falcon_handles = self._falcon_handles, {}
         means, self._falcon_next = self._falcon_next, {}
-        errors = []
-        for h in list(handles.values()) + list(means.values()):
-            try:
-                h.wait()
-            except _f.Error as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _wait_all(list(handles.values()) + list(means.values()))
         with torch.no_grad():
             for n, p in self._falcon_named:
                 mean = self._falcon_mean[n]
@@ -595,14 +593,7 @@ class _Distributed:
                 pushed, pulled = w.push_pull_async(n, _view(change), _view(p.data), self._falcon_clock)
                 handles[n] = pushed
                 self._falcon_next[n] = pulled
-        errors = []
-        for h in handles.values():
-            try:
-                h.wait()
-            except _f.Error as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _wait_all(handles.values())
         self._falcon_clock += 1
         nxt, self._falcon_next = self._falcon_next, {}
         for n in self.pull_order:
@@ -638,14 +629,7 @@ class _Distributed:
             if n not in self._falcon_handles:
                 self._falcon_push_pull(n, p)
         handles, self._falcon_handles = self._falcon_handles, {}
-        errors = []
-        for h in handles.values():
-            try:
-                h.wait()
-            except _f.Error as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _wait_all(handles.values())
         for n in self._falcon_passes:
             self._falcon_passes[n] = 0
 
