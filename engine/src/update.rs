@@ -1376,7 +1376,11 @@ mod tests {
     #[test]
     fn local_leaves_a_steps_mean_under_sync_and_subtracts_under_async() {
         let opt = Optimizer::parse("local", 0.3).unwrap();
-        assert_eq!(opt, Optimizer::Local { lr: 1.0 }, "the rate is the servers' fixed 1");
+        assert_eq!(
+            opt,
+            Optimizer::Local { lr: 1.0 },
+            "the rate is the servers' fixed 1"
+        );
         assert_eq!(opt.to_string(), "local");
         assert!(Optimizer::parse("local(2)", 1.0).is_err());
         // A schedule does not reach it: what the workers send is applied as it is.
@@ -1391,14 +1395,20 @@ mod tests {
         let mut w = [9.0f32, 9.0, 9.0];
         sync.apply(&mut w, &g);
         assert_eq!(w, g, "sync: the values are the step's aggregate, exactly");
-        sync.apply_blocks(&mut w, 0.5, |at, out| out.copy_from_slice(&g[at..at + out.len()]));
+        sync.apply_blocks(&mut w, 0.5, |at, out| {
+            out.copy_from_slice(&g[at..at + out.len()])
+        });
         assert_eq!(w, [0.125, -0.75, 1.5]);
-        let mut asy = ShardOptimizer::new(opt.with_lr(0.5), Arc::new(Halving), 3)
-            .for_mode(UpdateMode::Async);
+        let mut asy =
+            ShardOptimizer::new(opt.with_lr(0.5), Arc::new(Halving), 3).for_mode(UpdateMode::Async);
         let mut w = [1.0f32, 1.0, 1.0];
         asy.apply(&mut w, &g);
         asy.apply(&mut w, &g);
-        assert_eq!(w, [0.75, 2.5, -2.0], "async: w -= lr · g twice, no schedule");
+        assert_eq!(
+            w,
+            [0.75, 2.5, -2.0],
+            "async: w -= lr · g twice, no schedule"
+        );
     }
 
     #[test]

@@ -624,4 +624,3 @@ pub fn refuse_local(opt: falcon_engine::update::Optimizer) -> Result<()> {
     }
     Ok(())
 }
-
