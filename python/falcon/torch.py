@@ -232,13 +232,13 @@ def _worker_for(named: Sequence[tuple[str, torch.Tensor]], worker) -> "_f.Worker
 
 def _check_param(name: str, p: torch.Tensor) -> None:
     if p.dtype != torch.float32:
-        raise _f.LengthError(f"parameter {name!r} is {p.dtype}: falcon moves float32 tensors")
+        raise _f.TensorError(f"parameter {name!r} is {p.dtype}: falcon moves float32 tensors")
     if p.device.type not in ("cpu", "cuda"):
         raise _f.ConfigError(
             f"parameter {name!r} is on {p.device}: falcon moves CPU and CUDA tensors"
         )
     if not p.is_contiguous():
-        raise _f.LengthError(f"parameter {name!r} is not contiguous")
+        raise _f.TensorError(f"parameter {name!r} is not contiguous")
 
 
 def _named(params) -> list[tuple[str, torch.Tensor]]:
@@ -281,7 +281,7 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     initial values (the first initialization of a tensor wins), every worker waits at a
     barrier and pulls them. `params`: model.named_parameters(), model.state_dict() or (name,
     tensor) pairs; every name must be a float32 tensor of the job (a state_dict with integer
-    buffers, BatchNorm's step counter say, is refused with a LengthError naming it). Joins a deferred `init()` with
+    buffers, BatchNorm's step counter say, is refused with a TensorError naming it). Joins a deferred `init()` with
     these tensors."""
     named = _named(params)
     for n, p in named:

@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyDict};
 
 use crate::dlpack::{CUDA, CUDA_MANAGED};
-use crate::{CudaError, LengthError};
+use crate::{CudaError, LengthError, TensorError};
 
 /// `kDLFloat`.
 const FLOAT: u8 = 2;
@@ -127,7 +127,7 @@ pub(crate) fn export(
         )));
     }
     if t.dtype.code != FLOAT || t.dtype.bits != 32 || t.dtype.lanes != 1 {
-        return Err(LengthError::new_err(format!(
+        return Err(TensorError::new_err(format!(
             "tensor {tensor:?}: the buffer must hold float32 values (DLPack type code {}, {} \
              bits, {} lanes)",
             t.dtype.code, t.dtype.bits, t.dtype.lanes
@@ -164,7 +164,7 @@ pub(crate) fn export(
         let mut want = 1i64;
         for (&n, &s) in shape.iter().zip(strides).rev() {
             if n != 1 && s != want {
-                return Err(LengthError::new_err(format!(
+                return Err(TensorError::new_err(format!(
                     "tensor {tensor:?}: the buffer must be contiguous (tensor.contiguous())"
                 )));
             }

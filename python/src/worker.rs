@@ -199,7 +199,7 @@ fn row_ids(py: Python<'_>, tensor: &str, rows: &Bound<'_, PyAny>) -> PyResult<Ve
 fn floats(py: Python<'_>, tensor: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
     let view = numpy_view(values)?;
     let b = PyBuffer::<f32>::get(view.as_ref().unwrap_or(values)).map_err(|e| {
-        LengthError::new_err(format!(
+        TensorError::new_err(format!(
             "tensor {tensor:?}: the rows' gradients must be float32 values ({e})"
         ))
     })?;
@@ -278,12 +278,12 @@ impl Worker {
             obj
         };
         let buf = PyBuffer::<f32>::get(obj).map_err(|e| {
-            LengthError::new_err(format!(
+            TensorError::new_err(format!(
                 "tensor {tensor:?}: the buffer must hold float32 values ({e})"
             ))
         })?;
         if !buf.is_c_contiguous() {
-            return Err(LengthError::new_err(format!(
+            return Err(TensorError::new_err(format!(
                 "tensor {tensor:?}: the buffer must be contiguous (numpy.ascontiguousarray, \
                  tensor.contiguous())"
             )));
@@ -790,7 +790,7 @@ impl Worker {
         let ids = row_ids(py, tensor, rows)?;
         let obj = numpy_view(out)?;
         let buf = PyBuffer::<f32>::get(obj.as_ref().unwrap_or(out)).map_err(|e| {
-            LengthError::new_err(format!(
+            TensorError::new_err(format!(
                 "tensor {tensor:?}: the rows' buffer must hold float32 values ({e})"
             ))
         })?;

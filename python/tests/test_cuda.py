@@ -71,9 +71,9 @@ def test_cuda_tensors_are_pushed_and_pulled_in_place(bsp1):
     np.testing.assert_array_equal(values.detach().cpu().numpy(), host)
     np.testing.assert_allclose(host, -0.5 - 0.5 * np.arange(1, 5), rtol=1e-6)
     # Refusals: type, layout, length; nothing is lost.
-    with pytest.raises(falcon.LengthError, match="float32"):
+    with pytest.raises(falcon.TensorError, match="float32"):
         w.push("w", torch.ones(4, device="cuda", dtype=torch.float64), 2)
-    with pytest.raises(falcon.LengthError, match="contiguous"):
+    with pytest.raises(falcon.TensorError, match="contiguous"):
         w.push("w", torch.ones(4, 2, device="cuda").t()[0], 2)
     with pytest.raises(falcon.LengthError, match="has 4 floats"):
         w.push("w", torch.ones(5, device="cuda"), 2)
