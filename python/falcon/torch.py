@@ -594,13 +594,19 @@ class _Distributed:
                 handles[n] = pushed
                 self._falcon_next[n] = pulled
         _wait_all(handles.values())
+        self._falcon_next_clock()
+        return loss
+
+    def _falcon_next_clock(self):
+        """The step is pushed: the clock moves on, and the pulls that went out with the
+        pushes (one exchange per tensor) are handed to the forward pass, which takes the
+        values in the order of first use (without a model, they are waited for now)."""
         self._falcon_clock += 1
         nxt, self._falcon_next = self._falcon_next, {}
         for n in self.pull_order:
             self._falcon_pending[n] = nxt.pop(n)
         if not self._falcon_model_hooks:
             self.wait_pulls()
-        return loss
 
     def _falcon_push_pull(self, name, p):
         """Pushes `p`'s gradient and asks, in the same exchange, for the values of the next
@@ -650,14 +656,7 @@ class _Distributed:
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
-        self._falcon_clock += 1
-        # Each pull went out with its push (one exchange per tensor); the forward pass, or
-        # the wait below, takes the values in the order of first use.
-        nxt, self._falcon_next = self._falcon_next, {}
-        for n in self.pull_order:
-            self._falcon_pending[n] = nxt.pop(n)
-        if not self._falcon_model_hooks:
-            self.wait_pulls()
+        self._falcon_next_clock()
         return loss
 
     @property
