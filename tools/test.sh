@@ -10,8 +10,10 @@ cd "$(dirname "$0")/.."
 passed=0
 failed=0
 failures=()
+started=$SECONDS
+timings=()
 stage() {
-    local name=$1
+    local name=$1 t0=$SECONDS
     shift
     echo "::: $name"
     if "$@"; then
@@ -21,6 +23,8 @@ stage() {
         failures+=("$name")
         echo "::: FAILED: $name"
     fi
+    timings+=("$(printf '%5d s  %s' $((SECONDS - t0)) "$name")")
+    echo "::: took $((SECONDS - t0)) s"
     echo "::: disk: target/ holds $(du -sh target 2>/dev/null | cut -f1), $(df -h --output=avail . | tail -1 | tr -d ' ') free"
 }
 
@@ -155,11 +159,13 @@ netns_guest() {
 }
 
 # rdma tests on the host: they skip without a device; say how many, so a skip is never silent.
+# Built as the guest stage builds them (release, transport and engine with rdma), so the two
+# stages share one build.
 rdma_host() {
-    cargo test -p falcon-transport --features rdma || return 1
+    cargo test --release -p falcon-transport -p falcon-engine --features rdma || return 1
     echo "::: rdma tests skipped on this host (no device):"
-    cargo test -p falcon-transport --features rdma --test conformance rdma:: -- --nocapture 2>&1 |
-        grep "^SKIPPED" | sort | uniq -c
+    cargo test --release -p falcon-transport -p falcon-engine --features rdma --test conformance \
+        rdma:: -- --nocapture 2>&1 | grep "^SKIPPED" | sort | uniq -c
     return 0
 }
 
@@ -230,8 +236,13 @@ cuda_no_gpu() {
 stage "cargo fmt --check" cargo fmt --all -- --check
 stage "cargo clippy (all targets, all features, -D warnings)" \
     cargo clippy --workspace --all-targets --all-features -- -D warnings
-# The network-fault tests run in their own stage (FALCON_NETNS=0 skips them here, visibly).
-stage "cargo test (workspace)" env FALCON_NETNS=0 cargo test --workspace --no-fail-fast
+# The network-fault tests and the chaos run have stages of their own (FALCON_NETNS=0 and
+# FALCON_CHAOS=0 skip them here, visibly). The chaos run trains three jobs of seven
+# processes: in a release build (shared with the main command and the netns guest) it takes
+# a quarter of its debug time.
+stage "cargo test (workspace)" env FALCON_NETNS=0 FALCON_CHAOS=0 cargo test --workspace --no-fail-fast
+stage "chaos run: kills, restarts, dropped links (tests/chaos.rs, release)" \
+    cargo test --release -p falcon --test chaos -- --nocapture
 stage "network faults between namespace hosts (tests/netns.rs)" \
     cargo test -p falcon --test netns -- --nocapture --test-threads=1
 stage "Python package: pip install ./python, then its tests (numpy, PyTorch, processes)" python_tests
@@ -252,6 +263,8 @@ stage "rdma in the soft-RoCE guest" rdma_guest
 stage "network latency and loss (netem) in the test guest" netns_guest
 
 echo
+echo "::: time per stage (total $((SECONDS - started)) s):"
+printf '%s\n' "${timings[@]}"
 for f in "${failures[@]}"; do echo "failed stage: $f"; done
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
