@@ -9,6 +9,11 @@ Rounds alternate (the order flipped every round); each side's figure is the medi
 rounds of the round's mean step time; the cost per tensor is (falcon − plain) / tensors.
 
     python3 python/bench/many_tensors.py [--layers 80] [--rounds 9] [--steps 30] [--mode server|local]
+        [--bucket-bytes N | --sweep]
+
+`--bucket-bytes N`: DistributedOptimizer's buckets (0: one tensor per parameter; default:
+falcon.torch.BUCKET_BYTES). `--sweep`: one run per bucket size, each in a process of its own,
+and a table of them all.
 
 Prints a Markdown table and, last, one JSON line (`RESULT {...}`).
 """
@@ -19,6 +24,8 @@ import argparse
 import datetime
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -51,7 +58,11 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--mode", choices=("server", "local"), default="server")
+    ap.add_argument("--bucket-bytes", type=int, default=None)
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args(argv)
+    if args.sweep:
+        return sweep(args)
     torch.set_num_threads(1)
     plain, wrapped = model(args.layers), model(args.layers)
     tensors = len(list(plain.parameters()))
@@ -60,7 +71,8 @@ def main(argv=None) -> None:
     s = ft.optimizer_settings(base, local=True) if args.mode == "local" else ft.optimizer_settings(base)
     c = falcon.local_cluster(workers=1, policy="bsp", optimizer=s["FALCON_OPTIMIZER"], lr=s["FALCON_LR"])
     falcon.init(env=c.env)
-    dopt = ft.DistributedOptimizer(base, wrapped.named_parameters())
+    dopt = ft.DistributedOptimizer(base, wrapped.named_parameters(), bucket_bytes=args.bucket_bytes)
+    buckets = len(dopt.buckets)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
     steps(plain, popt, x, y, 5)
@@ -74,13 +86,33 @@ def main(argv=None) -> None:
     us = (f - p) / tensors * 1e6
     falcon.finish()
     c.finish()
-    print(f"{tensors} tensors, mode {args.mode}, {args.rounds} rounds of {args.steps} steps, "
+    bb = ft.BUCKET_BYTES if args.bucket_bytes is None else args.bucket_bytes
+    print(f"{tensors} tensors in {buckets} job tensors (bucket_bytes {bb}), mode {args.mode}, "
+          f"{args.rounds} rounds of {args.steps} steps, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print("| plain step ms | falcon step ms | falcon / plain | µs per tensor per step |")
     print("|---:|---:|---:|---:|")
     print(f"| {p * 1e3:.3f} | {f * 1e3:.3f} | {f / p:.3f} | {us:.1f} |")
-    print("RESULT " + json.dumps({"tensors": tensors, "mode": args.mode, "plain_ms": p * 1e3,
-                                  "falcon_ms": f * 1e3, "us_per_tensor": us}))
+    print("RESULT " + json.dumps({"tensors": tensors, "buckets": buckets, "bucket_bytes": bb,
+                                  "mode": args.mode, "plain_ms": p * 1e3, "falcon_ms": f * 1e3,
+                                  "ratio": f / p, "us_per_tensor": us}))
+
+
+def sweep(args) -> None:
+    rows = []
+    for bb in (0, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 25 << 20):
+        cmd = [sys.executable, __file__, "--layers", str(args.layers), "--rounds", str(args.rounds),
+               "--steps", str(args.steps), "--mode", args.mode, "--bucket-bytes", str(bb)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1][len("RESULT "):]))
+    print(f"{rows[0]['tensors']} tensors, mode {args.mode}, {args.rounds} rounds of {args.steps} "
+          f"steps, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print("| bucket bytes | job tensors | plain step ms | falcon step ms | falcon / plain | µs per tensor per step |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['bucket_bytes']} | {r['buckets']} | {r['plain_ms']:.3f} | {r['falcon_ms']:.3f} "
+              f"| {r['ratio']:.3f} | {r['us_per_tensor']:.1f} |")
+    print("RESULT " + json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ Every policy works through both: the staleness rules act on the pulls.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import time
+import weakref
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -39,12 +41,14 @@ import falcon as _f
 
 __all__ = [
     "DistributedOptimizer",
+    "BUCKET_BYTES",
     "FitSummary",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "evaluate",
     "fit",
     "heterogeneity",
+    "job_tensors",
     "optimizer_settings",
     "task_examples",
 ]
@@ -284,6 +288,12 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     buffers, BatchNorm's step counter say, is refused with a TensorError naming it). Joins a deferred `init()` with
     these tensors."""
     named = _named(params)
+    # A DistributedOptimizer's parameters are its buckets' views: it broadcast them when it
+    # was made, and its pulls keep them the servers' (Horovod's order of calls is fine).
+    live = set().union(*(o._falcon_ptrs for o in list(_LIVE)))
+    named = [(n, p) for n, p in named if not (isinstance(p, torch.Tensor) and p.data_ptr() in live)]
+    if not named:
+        return
     for n, p in named:
         _check_param(n, p)
     w = _worker_for(named, worker)
@@ -322,11 +332,202 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, worker=None) -> Non
     w.barrier()
 
 
+# --- fusion: the job's tensors are buckets of parameters -----------------------------------
+
+BUCKET_BYTES = 1 << 20
+"""The default size of a bucket of parameters (FALCON_BUCKET_BYTES sets another; 0 keeps one
+tensor per parameter). Chosen by measurement: python/bench/many_tensors.py --sweep."""
+
+
+def _bucket_bytes(value) -> int:
+    if value is None:
+        text = os.environ.get("FALCON_BUCKET_BYTES")
+        if text is None:
+            return BUCKET_BYTES
+        try:
+            value = int(text)
+        except ValueError:
+            raise _f.ConfigError(
+                f"FALCON_BUCKET_BYTES={text!r}: a bucket's size is a number of bytes (0: one "
+                f"tensor per parameter)"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _f.ConfigError(
+            f"bucket_bytes={value!r}: a bucket's size is a number of bytes, 0 or more (0: one "
+            f"tensor per parameter)"
+        )
+    return value
+
+
+def _row_params(model) -> set[int]:
+    """The parameters whose gradients PyTorch makes sparse: the weights of
+    `nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` of `model`."""
+    if model is None:
+        return set()
+    return {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+    }
+
+
+def _plan(optimizer, named, bucket_bytes: int, rows: set[int]) -> list[tuple[str, list[int]]]:
+    """The job's tensors for `named`: (name, indices into `named`). With `bucket_bytes` 0,
+    one tensor per parameter, named as it. Otherwise, as DDP's buckets: the parameters in
+    reverse order (the order backward makes their gradients), those of one parameter group,
+    device type and trainability together, a bucket closed once it holds `bucket_bytes`;
+    named `falcon.bucket<k>`. A sparse embedding's weight is a tensor of its own (its
+    gradient travels as rows)."""
+    if bucket_bytes == 0:
+        return [(n, [i]) for i, (n, _) in enumerate(named)]
+    group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    order = [i for i in reversed(range(len(named))) if named[i][1].requires_grad]
+    order += [i for i in range(len(named)) if not named[i][1].requires_grad]
+    plan: list[tuple[str, list[int]]] = []
+    buckets: list[list[int]] = []
+    open_: dict[tuple, tuple[list[int], list[int]]] = {}
+    for i in order:
+        n, p = named[i]
+        if id(p) in rows:
+            plan.append((n, [i]))
+            continue
+        key = (group_of.get(id(p)), p.device.type, p.requires_grad)
+        if key not in open_:
+            open_[key] = ([], [0])
+            buckets.append(open_[key][0])
+        members, size = open_[key]
+        members.append(i)
+        size[0] += 4 * p.numel()
+        if size[0] >= bucket_bytes:
+            del open_[key]
+    taken = {n for n, _ in named}
+    k = 0
+    for members in buckets:
+        while f"falcon.bucket{k}" in taken:
+            k += 1
+        plan.append((f"falcon.bucket{k}", members))
+        k += 1
+    return plan
+
+
+def job_tensors(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]],
+    *,
+    bucket_bytes: int | None = None,
+    model: torch.nn.Module | None = None,
+) -> list[tuple[str, int]]:
+    """The tensors a worker declares (`falcon.Worker.join(...)`, `falcon.init(tensors=...)`)
+    for `DistributedOptimizer(optimizer, named_parameters, bucket_bytes=..., model=...)` to
+    train them in buckets: [(name, length)]. A deferred `falcon.init()` needs none of this:
+    `DistributedOptimizer` declares them itself."""
+    named = _named(named_parameters)
+    plan = _plan(optimizer, named, _bucket_bytes(bucket_bytes), _row_params(model))
+    return [(name, sum(named[i][1].numel() for i in idx)) for name, idx in plan]
+
+
+class _Bucket:
+    """Parameters moved as one tensor of the job. Their values are views into `values` and
+    their gradients views into `grads` (as DDP's gradient_as_bucket_view), so a pull writes
+    every parameter at once and a push reads every gradient at once; `rows`: a sparse
+    embedding's weight, alone, whose gradient travels as rows."""
+
+    __slots__ = (
+        "name", "params", "names", "values", "grads", "gviews", "trainable", "expect", "count",
+        "fired", "sent", "source", "none", "mean", "group", "rows", "slices",
+    )
+
+    def __init__(self, name, named, group, per_step, rows=False):
+        self.name = name
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.group = group
+        self.rows = rows
+        self.trainable = sum(1 for p in self.params if p.requires_grad)
+        self.expect = self.trainable * per_step
+        self.count = 0
+        self.fired = [False] * len(self.params)
+        self.sent = False
+        self.source = None
+        self.none = False
+        self.mean = None
+        first = self.params[0]
+        total = sum(p.numel() for p in self.params)
+        self.slices = []
+        if rows:
+            self.values = first.detach().view(-1)
+            self.grads = None
+            self.gviews = [None]
+            self.slices = [(0, total)]
+            return
+        self.values = torch.empty(total, dtype=torch.float32, device=first.device)
+        self.grads = torch.zeros(total, dtype=torch.float32, device=first.device)
+        self.gviews = []
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.slices.append((off, n))
+                v = self.values[off : off + n]
+                v.copy_(p.detach().reshape(-1))
+                p.data = v.view_as(p)
+                gv = self.grads[off : off + n].view_as(p)
+                if p.grad is not None:
+                    gv.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                    p.grad = gv
+                self.gviews.append(gv)
+                off += n
+
+    def adopt(self, i: int) -> None:
+        """Makes parameter `i`'s gradient the view into `grads` again (a new tensor after
+        `zero_grad(set_to_none=True)` by hand, a gradient set by the user, a sparse one):
+        copied in, or zeros for none."""
+        p, gv = self.params[i], self.gviews[i]
+        g = p.grad
+        if g is gv:
+            return
+        with torch.no_grad():
+            if g is None:
+                gv.zero_()
+                return
+            gv.copy_(g.to_dense() if g.is_sparse else g)
+        p.grad = gv
+
+    def complete(self) -> None:
+        """Before a push that not every parameter's hook started: what each `.grad` holds
+        (zeros for none) is in `grads`."""
+        for i, p in enumerate(self.params):
+            if not self.fired[i]:
+                self.adopt(i)
+
+    def unfired_to_none(self, mean=None) -> None:
+        """`zero_grad(set_to_none=True)` semantics for the parameters backward did not reach:
+        no gradient (the optimizer skips them) where the step's mean for them is zero."""
+        if not self.none or self.count >= self.expect:
+            return
+        for i, p in enumerate(self.params):
+            if self.fired[i] or not p.requires_grad:
+                continue
+            off, n = self.slices[i]
+            if mean is None or not bool(torch.any(mean[off : off + n] != 0)):
+                p.grad = None
+
+    def reset(self) -> None:
+        self.count = 0
+        self.fired = [False] * len(self.params)
+        self.sent = False
+        self.source = None
+
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+"""The DistributedOptimizers alive: broadcast_parameters leaves their parameters alone."""
+
+
 class _Distributed:
     """Methods mixed into the user's optimizer class (as Horovod does), so learning-rate
     schedulers and `isinstance` checks keep working."""
 
-    def _falcon_setup(self, named, policy, worker, backward_passes_per_step, model=None):
+    def _falcon_setup(self, named, policy, worker, backward_passes_per_step, model, bucket_bytes):
         if backward_passes_per_step < 1:
             raise _f.ConfigError("backward_passes_per_step must be at least 1")
         mine = {id(p) for g in self.param_groups for p in g["params"]}
@@ -340,7 +541,9 @@ class _Distributed:
             )
         for n, p in named:
             _check_param(n, p)
-        w = _worker_for(named, worker)
+        rows = _row_params(model)
+        plan = _plan(self, named, _bucket_bytes(bucket_bytes), rows)
+        w, plan = _join(named, plan, worker)
         job = w.job
         if policy is not None and not w.runs_policy(policy):
             raise _f.ConfigError(
@@ -352,17 +555,6 @@ class _Distributed:
         self._falcon_job = job
         self._falcon_worker = w
         self._falcon_named = named
-        self._falcon_name = {id(p): n for n, p in named}
-        self._falcon_group = {id(p): g for g in self.param_groups for p in g["params"]}
-        self._falcon_handles: dict[str, object] = {}
-        # The pull half of each push_pull started this step (the values for the next clock),
-        # kept until step() hands them to the forward pass.
-        self._falcon_next: dict[str, object] = {}
-        self._falcon_passes = {n: 0 for n, _ in named}
-        self._falcon_per_step = backward_passes_per_step
-        self._falcon_hooks = []
-        broadcast_parameters(named, 0, w)
-        self._falcon_clock = min(w.clock_of(n) for n, _ in named)
         # Each worker applies its own optimizer (FALCON_OPTIMIZER=local).
         self._falcon_local = job["optimizer"] == "local"
         self._falcon_sync = job["mode"] == "sync"
@@ -373,29 +565,60 @@ class _Distributed:
                 "servers, so there is nothing to rejoin from; restart the job (from your own "
                 "checkpoint)"
             )
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        row_job = self._falcon_kind in ("sgd", "adagrad") and not self._falcon_local
+        self._falcon_buckets: list[_Bucket] = []
+        self._falcon_slot: dict[int, tuple[_Bucket, int]] = {}
+        for name, idx in plan:
+            members = [named[i] for i in idx]
+            p0 = members[0][1]
+            is_rows = id(p0) in rows and len(members) == 1 and row_job
+            b = _Bucket(name, members, group_of[id(p0)], backward_passes_per_step, is_rows)
+            self._falcon_buckets.append(b)
+            for i, (_, p) in enumerate(members):
+                self._falcon_slot[id(p)] = (b, i)
+        self._falcon_by_name = {b.name: b for b in self._falcon_buckets}
+        self._falcon_ptrs = {p.data_ptr() for _, p in named}
+        self._falcon_handles: dict[str, object] = {}
+        # The pull half of each push_pull started this step (the values for the next clock),
+        # kept until step() hands them to the forward pass.
+        self._falcon_next: dict[str, object] = {}
+        self._falcon_per_step = backward_passes_per_step
+        self._falcon_hooks = []
+        _broadcast_buckets(self._falcon_buckets, w)
+        self._falcon_clock = min(w.clock_of(b.name) for b in self._falcon_buckets)
         if self._falcon_local:
-            # Where each step's mean gradient arrives.
-            self._falcon_mean = {
-                n: torch.empty(p.numel(), dtype=torch.float32, device=p.device) for n, p in named
-            }
+            for b in self._falcon_buckets:
+                b.mean = torch.empty_like(b.values)
             # This backward's exchanges are waited for at its end (once queued).
             self._falcon_queued = False
             self._falcon_averaged = False
         # Pulls go out in the order of first use in the forward pass (learnt from the first
-        # forward with a model; the parameters' order until then) and, with a model, each
-        # module waits only for its own parameters: the next forward starts while later
-        # layers' values are still arriving (priority scheduling, as P3 and ByteScheduler).
+        # forward with a model; the buckets' order until then) and, with a model, each
+        # module waits only for its own parameters' buckets: the next forward starts while
+        # later layers' values are still arriving (priority scheduling, as P3 and
+        # ByteScheduler).
         self._falcon_pending: dict[str, object] = {}
         self._falcon_first_use: list[str] = []
         self._falcon_model_hooks = []
         if model is not None:
-            params = {id(p): n for n, p in named}
             for module in model.modules():
-                own = [params[id(p)] for p in module.parameters(recurse=False) if id(p) in params]
+                own = []
+                for p in module.parameters(recurse=False):
+                    slot = self._falcon_slot.get(id(p))
+                    if slot is not None and slot[0].name not in own:
+                        own.append(slot[0].name)
                 if own:
                     self._falcon_model_hooks.append(
                         module.register_forward_pre_hook(self._falcon_pre_forward(own))
                     )
+            for module in model.modules():
+                if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+                    slot = self._falcon_slot.get(id(module.weight))
+                    if slot is not None and slot[0].rows:
+                        self._falcon_model_hooks.append(
+                            module.register_forward_pre_hook(self._falcon_row_pull(slot[0]))
+                        )
         for n, p in named:
             if not p.requires_grad:
                 continue
@@ -407,26 +630,39 @@ class _Distributed:
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 self._falcon_hooks.append(acc.register_hook(self._falcon_hook_for(p)))
                 self._falcon_hooks.append(acc)  # keep the accumulator alive
+        _LIVE.add(self)
 
     def _falcon_pre_forward(self, names):
         def hook(*_):
-            seen = set(self._falcon_first_use)
-            for n in names:
-                if n not in seen:
-                    self._falcon_first_use.append(n)
-                h = self._falcon_pending.pop(n, None)
-                if h is not None:
-                    h.wait()
+            if len(self._falcon_first_use) < len(self._falcon_buckets):
+                seen = set(self._falcon_first_use)
+                for n in names:
+                    if n not in seen:
+                        self._falcon_first_use.append(n)
+            pending = self._falcon_pending
+            if pending:
+                for n in names:
+                    h = pending.pop(n, None)
+                    if h is not None:
+                        h.wait()
 
         return hook
 
     @property
     def pull_order(self) -> list[str]:
-        """The order in which `step()` pulls the parameters: first use in the forward pass
-        (known once a forward ran with `model=` given), then the rest in their own order."""
-        used = [n for n in self._falcon_first_use if n in self._falcon_passes]
+        """The order in which `step()` pulls the job's tensors (buckets, or parameters with
+        `bucket_bytes=0`): first use in the forward pass (known once a forward ran with
+        `model=` given), then the rest in their own order."""
+        names = self._falcon_by_name
+        used = [n for n in self._falcon_first_use if n in names]
         seen = set(used)
-        return used + [n for n, _ in self._falcon_named if n not in seen]
+        return used + [b.name for b in self._falcon_buckets if b.name not in seen]
+
+    @property
+    def buckets(self) -> list[tuple[str, list[str]]]:
+        """The job's tensors this optimizer moves and the parameters in each: [(tensor,
+        [parameter names])]."""
+        return [(b.name, list(b.names)) for b in self._falcon_buckets]
 
     def wait_pulls(self) -> None:
         """Waits for the pulls `step()` left in flight (with `model=`, the forward pass waits
@@ -440,18 +676,11 @@ class _Distributed:
 
         return hook
 
-    def _falcon_gradient(self, p) -> np.ndarray:
-        """The gradient to push: weight decay added, scaled by the group's rate over the
-        servers' (a learning-rate schedule carried by the gradient under SGD and momentum)."""
-        g = p.grad
-        group = self._falcon_group[id(p)]
-        if g is None:
-            # No gradient (frozen, or unused in this step): PyTorch leaves such a parameter
-            # alone, so no weight decay either (the servers' momentum or Adam state may still
-            # move it, as it would a parameter whose gradient is zero).
-            return np.zeros(p.numel(), np.float32)
-        if g.is_sparse:
-            g = g.to_dense()
+    def _falcon_gradient(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's gradient to push: weight decay added, scaled by the group's rate over
+        the servers' (a learning-rate schedule carried by the gradient under SGD and
+        momentum)."""
+        group = b.group
         wd = group.get("weight_decay", 0) or 0
         scale = 1.0
         lr = float(group["lr"])
@@ -479,86 +708,176 @@ class _Distributed:
                     f"(each worker applies its own optimizer)"
                 )
             scale = lr / self._falcon_job_lr
+        g = b.grads
         if wd or scale != 1.0:
-            g = g.detach().clone()
-            if wd:
-                g.add_(p.detach(), alpha=wd)
-            if scale != 1.0:
-                g.mul_(scale)
-        g = g.detach()
-        if g.dtype != torch.float32 or not g.is_contiguous():
-            g = g.to(torch.float32).contiguous()
-        return g if g.is_cuda else g.numpy()
+            with torch.no_grad():
+                g = g.clone()
+                if wd:
+                    g.add_(b.values, alpha=wd)
+                    if b.count < b.expect or not b.trainable:
+                        # No decay for a parameter without a gradient (PyTorch skips it).
+                        for i, p in enumerate(b.params):
+                            if not b.fired[i] and (p.grad is None or b.none):
+                                off, n = b.slices[i]
+                                g[off : off + n] = 0
+                if scale != 1.0:
+                    g.mul_(scale)
+        return g
 
     def _falcon_ready(self, p):
-        name = self._falcon_name.get(id(p))
-        if name is None:
+        slot = self._falcon_slot.get(id(p))
+        if slot is None:
             return
+        b, i = slot
         if self._falcon_local and not self._falcon_sync:
             return  # step() pushes what the worker's own optimizer changed
-        self._falcon_passes[name] += 1
-        if self._falcon_passes[name] < self._falcon_per_step:
-            return
-        if name in self._falcon_handles or (self._falcon_local and self._falcon_averaged):
+        if b.rows:
+            return self._falcon_push_rows(b, p)
+        if b.sent:
             raise _f.ClockError(
-                f"the gradient of {name!r} is ready again before step(): call step() after "
-                f"each backward, or pass backward_passes_per_step=N to accumulate N"
+                f"the gradient of {b.names[i]!r} is ready again before step(): call step() "
+                f"after each backward, or pass backward_passes_per_step=N to accumulate N"
             )
-        if self._falcon_local:
-            if not self._falcon_queued:
-                # The end of this backward waits for the mean of every gradient (as DDP's).
-                torch.autograd.Variable._execution_engine.queue_callback(self._falcon_average)
-                self._falcon_queued = True
-            self._falcon_send(name, p)
+        if p.grad is not b.gviews[i]:
+            b.adopt(i)
+        b.fired[i] = True
+        b.count += 1
+        if b.count < b.expect:
             return
-        self._falcon_push_pull(name, p)
+        if self._falcon_local and not self._falcon_queued:
+            # The end of this backward waits for the mean of every gradient (as DDP's).
+            torch.autograd.Variable._execution_engine.queue_callback(self._falcon_average)
+            self._falcon_queued = True
+        self._falcon_send(b)
 
-    def _falcon_send(self, name, p):
-        """Local optimizers, synchronous policy: sends this worker's gradient (zeros where it
-        has none) and asks, in the same exchange, for the step's mean, which the servers
-        leave as the tensor's values."""
-        g = p.grad
-        if g is None:
-            send = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+    def _falcon_send(self, b: _Bucket):
+        """Pushes the bucket's gradient and asks, in the same exchange, for the values of the
+        next clock into its parameters (server-side optimizers; written when step() or the
+        forward pass waits for them) or for the step's mean gradient (each worker's own
+        optimizer under a synchronous policy; the servers leave the mean as the values)."""
+        if self._falcon_local and self._falcon_averaged:
+            raise _f.ClockError(
+                f"the gradients of {b.names} are ready again before step(): call step() "
+                f"after each backward, or pass backward_passes_per_step=N to accumulate N"
+            )
+        pending = self._falcon_pending.pop(b.name, None)
+        if pending is not None:
+            # The last step's values land before this step's are asked for.
+            pending.wait()
+        if b.count < b.expect or not b.trainable:
+            b.complete()
+        if self._falcon_local:
+            g, out = b.grads, b.mean
         else:
-            if g.is_sparse:
-                g = g.to_dense()
-            send = g.detach().reshape(-1).to(torch.float32).contiguous()
+            g, out = self._falcon_gradient(b), b.values
         pushed, pulled = self._falcon_worker.push_pull_async(
-            name, _view(send), _view(self._falcon_mean[name]), self._falcon_clock
+            b.name, _view(g), _view(out), self._falcon_clock
         )
-        self._falcon_handles[name] = pushed
-        self._falcon_next[name] = pulled
+        b.sent = True
+        b.source = g
+        self._falcon_handles[b.name] = pushed
+        self._falcon_next[b.name] = pulled
+
+    # --- sparse embeddings: rows -------------------------------------------------------
+
+    def _falcon_row_pull(self, b: _Bucket):
+        """The forward pre-hook of a sparse embedding: pulls the rows its input uses (the
+        values the policy lets this clock see) into its weight before it reads them."""
+
+        def hook(module, inputs):
+            pending = self._falcon_pending.pop(b.name, None)
+            if pending is not None:
+                pending.wait()
+            ids = inputs[0]
+            if not isinstance(ids, torch.Tensor):
+                return
+            rows = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64))
+            if rows.numel() == 0:
+                return
+            weight = module.weight
+            dim = weight.shape[1]
+            out = torch.empty(rows.numel(), dim, dtype=torch.float32)
+            self._falcon_worker.pull_rows(b.name, rows.numpy(), out.numpy(), self._falcon_clock, dim)
+            with torch.no_grad():
+                weight.index_copy_(0, rows.to(weight.device), out.to(weight.device))
+
+        return hook
+
+    def _falcon_push_rows(self, b: _Bucket, p):
+        """A sparse embedding's gradient: only the rows it touches travel (duplicates summed,
+        weight decay added and the rate's schedule carried, as for every gradient)."""
+        if b.sent:
+            raise _f.ClockError(
+                f"the gradient of {b.names[0]!r} is ready again before step(): call step() "
+                f"after each backward"
+            )
+        b.count += 1
+        if b.count < b.expect:
+            return
+        self._falcon_send_rows(b, p)
+
+    def _falcon_send_rows(self, b: _Bucket, p):
+        g = p.grad
+        dim = p.shape[1]
+        scale = self._falcon_scale(b.group)
+        wd = b.group.get("weight_decay", 0) or 0
+        with torch.no_grad():
+            if g is None:
+                rows = torch.empty(0, dtype=torch.int64)
+                vals = torch.empty(0, dim)
+            elif g.is_sparse:
+                g = g.coalesce()
+                rows, vals = g.indices()[0], g.values()
+            else:
+                rows = torch.nonzero(g.abs().sum(1)).reshape(-1)
+                vals = g.index_select(0, rows)
+            rows = rows.to("cpu", torch.int64)
+            vals = vals.to("cpu", torch.float32)
+            if wd:
+                vals = vals + wd * p.detach().index_select(0, rows.to(p.device)).cpu()
+            if scale != 1.0:
+                vals = vals * scale
+            vals = vals.contiguous()
+        self._falcon_worker.push_rows(b.name, rows.numpy(), vals.numpy(), self._falcon_clock, dim)
+        b.sent = True
+
+    def _falcon_scale(self, group) -> float:
+        lr = float(group["lr"])
+        if _close(lr, self._falcon_job_lr):
+            return 1.0
+        if self._falcon_kind == "adagrad":
+            raise _f.ConfigError(
+                f"the learning rate changed to {lr}; the servers apply Adagrad with "
+                f"{self._falcon_job_lr}, and Adagrad is blind to a gradient's scale"
+            )
+        return lr / self._falcon_job_lr
+
+    # --- each worker's own optimizer ---------------------------------------------------
 
     def _falcon_average(self):
         """Local optimizers, synchronous policy: sends what backward did not (a parameter
-        without a gradient sends none), waits for every exchange, and puts each tensor's mean
-        gradient in `.grad` — a parameter without a gradient here gets one where another
+        without a gradient sends zeros), waits for every exchange, and puts each parameter's
+        mean gradient in `.grad` — a parameter without a gradient here gets one where another
         worker's had one. Runs at the end of backward, or from step()."""
         self._falcon_queued = False
         if self._falcon_averaged:
             return
-        for n, p in self._falcon_named:
-            if n not in self._falcon_handles:
-                self._falcon_send(n, p)
+        for b in self._falcon_buckets:
+            if not b.sent:
+                self._falcon_send(b)
         handles, self._falcon_handles = self._falcon_handles, {}
         means, self._falcon_next = self._falcon_next, {}
         _wait_all(list(handles.values()) + list(means.values()))
         with torch.no_grad():
-            for n, p in self._falcon_named:
-                mean = self._falcon_mean[n]
-                if not p.requires_grad:
-                    continue
-                g = mean.view_as(p)
-                if p.grad is None:
-                    if bool(torch.any(g != 0)):
-                        p.grad = g.clone()
-                elif p.grad.is_sparse:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-        for n in self._falcon_passes:
-            self._falcon_passes[n] = 0
+            for b in self._falcon_buckets:
+                b.grads.copy_(b.mean)
+                for i, p in enumerate(b.params):
+                    if p.requires_grad and p.grad is None:
+                        off, n = b.slices[i]
+                        if bool(torch.any(b.mean[off : off + n] != 0)):
+                            p.grad = b.gviews[i]
+                b.unfired_to_none(b.mean)
+                b.reset()
         self._falcon_clock += 1
         self._falcon_averaged = True
 
@@ -583,43 +902,57 @@ class _Distributed:
         # goes to the servers, which add it (scaled by 1 / workers), and the values the
         # policy allows come back into the parameters.
         self.wait_pulls()
-        before = {n: p.detach().clone() for n, p in self._falcon_named}
+        before = [b.values.clone() for b in self._falcon_buckets]
         loss = super().step(closure)
         w = self._falcon_worker
         handles = {}
         with torch.no_grad():
-            for n, p in self._falcon_named:
-                change = (before[n] - p.detach()).reshape(-1)
-                pushed, pulled = w.push_pull_async(n, _view(change), _view(p.data), self._falcon_clock)
-                handles[n] = pushed
-                self._falcon_next[n] = pulled
+            for b, change in zip(self._falcon_buckets, before):
+                change.sub_(b.values)
+                pushed, pulled = w.push_pull_async(
+                    b.name, _view(change), _view(b.values), self._falcon_clock
+                )
+                handles[b.name] = pushed
+                self._falcon_next[b.name] = pulled
         _wait_all(handles.values())
         self._falcon_next_clock()
         return loss
 
     def _falcon_next_clock(self):
         """The step is pushed: the clock moves on, and the pulls that went out with the
-        pushes (one exchange per tensor) are handed to the forward pass, which takes the
+        pushes (one exchange per bucket) are handed to the forward pass, which takes the
         values in the order of first use (without a model, they are waited for now)."""
         self._falcon_clock += 1
         nxt, self._falcon_next = self._falcon_next, {}
         for n in self.pull_order:
-            self._falcon_pending[n] = nxt.pop(n)
+            h = nxt.pop(n, None)
+            if h is not None:
+                self._falcon_pending[n] = h
         if not self._falcon_model_hooks:
             self.wait_pulls()
 
-    def _falcon_push_pull(self, name, p):
-        """Pushes `p`'s gradient and asks, in the same exchange, for the values of the next
-        clock into `p` (written when step() or the forward pass waits for them)."""
-        pending = self._falcon_pending.pop(name, None)
-        if pending is not None:
-            # The last step's values land in `p` before this step's are asked for.
-            pending.wait()
-        pushed, pulled = self._falcon_worker.push_pull_async(
-            name, self._falcon_gradient(p), _view(p.data), self._falcon_clock
-        )
-        self._falcon_handles[name] = pushed
-        self._falcon_next[name] = pulled
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """As the optimizer's own: a bucket's gradients are zeroed in place (they stay views
+        into it; after `set_to_none=True` a parameter that backward does not reach has no
+        gradient again by `step()`)."""
+        if set_to_none is None:
+            set_to_none = _ZERO_GRAD_TO_NONE
+        if self._falcon_local and not self._falcon_sync:
+            return super().zero_grad(set_to_none)
+        for b in self._falcon_buckets:
+            if b.rows:
+                p = b.params[0]
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad = None if p.grad.is_sparse else p.grad.zero_()
+                continue
+            with torch.no_grad():
+                b.grads.zero_()
+            b.none = set_to_none
+            for i, p in enumerate(b.params):
+                if p.grad is not None and p.grad is not b.gviews[i]:
+                    p.grad = None if set_to_none else b.gviews[i]
 
     def synchronize(self) -> None:
         """Pushes what backward did not (parameters without a gradient push zeros, so
@@ -631,13 +964,18 @@ class _Distributed:
                 self._falcon_average()
             return
         self.wait_pulls()
-        for n, p in self._falcon_named:
-            if n not in self._falcon_handles:
-                self._falcon_push_pull(n, p)
+        for b in self._falcon_buckets:
+            if not b.sent:
+                if b.rows:
+                    self._falcon_send_rows(b, b.params[0])
+                else:
+                    self._falcon_send(b)
         handles, self._falcon_handles = self._falcon_handles, {}
         _wait_all(handles.values())
-        for n in self._falcon_passes:
-            self._falcon_passes[n] = 0
+        for b in self._falcon_buckets:
+            if not b.rows:
+                b.unfired_to_none()
+            b.reset()
 
     def step(self, closure: Callable[[], float] | None = None):
         """Waits for this step's pushes, then pulls the values the job's policy lets the
@@ -670,6 +1008,57 @@ class _Distributed:
         return self._falcon_worker
 
 
+_ZERO_GRAD_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
+    "set_to_none"
+].default
+
+
+def _join(named, plan, worker):
+    """The worker and the plan to train with: a deferred `init()` joins with `plan`; a
+    worker that declared the plan's tensors keeps it; one that declared a tensor per
+    parameter trains them one by one."""
+    want = [(name, sum(named[i][1].numel() for i in idx)) for name, idx in plan]
+    if worker is None and _f._worker is None:
+        return _f.declare(want), plan
+    w = worker if worker is not None else _f._worker
+    declared = dict(w.tensors)
+    if all(declared.get(n) == k for n, k in want):
+        return w, plan
+    if all(n in declared for n, _ in named):
+        for n, p in named:
+            if declared[n] != p.numel():
+                raise _f.LengthError(
+                    f"parameter {n!r} has {p.numel()} values; the job's tensor has {declared[n]}"
+                )
+        return w, [(n, [i]) for i, (n, _) in enumerate(named)]
+    missing = next((n for n, _ in want if n not in declared), None)
+    if missing is None:
+        n, k = next((n, k) for n, k in want if declared.get(n) != k)
+        raise _f.LengthError(f"tensor {n!r} has {k} values here; the job's has {declared[n]}")
+    raise _f.TensorError(
+        f"{missing!r} is not a tensor of this job (it has {sorted(declared)}): declare "
+        f"falcon.torch.job_tensors(optimizer, model.named_parameters()) (buckets of "
+        f"parameters), or one tensor per parameter"
+    )
+
+
+def _broadcast_buckets(buckets, w) -> None:
+    """Rank 0's values become the servers' initial values, and every worker pulls them (a
+    rejoining worker takes the running job's)."""
+    if w.rejoined:
+        for b in buckets:
+            w.pull(b.name, _view(b.values), w.clock_of(b.name))
+        return
+    if w.rank == 0:
+        for b in buckets:
+            w.init_tensor(b.name, _view(b.values))
+    w.barrier()
+    _wait_all([w.pull_async(b.name, _view(b.values), w.clock_of(b.name)) for b in buckets])
+    # Nobody pushes before everyone has the values (an asynchronous policy would let the
+    # root's first update into a slower worker's start).
+    w.barrier()
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -678,33 +1067,44 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     worker=None,
     model: torch.nn.Module | None = None,
+    bucket_bytes: int | None = None,
 ):
     """Wraps `optimizer` for training on a falcon job, in the manner of Horovod's and
     BytePS's `DistributedOptimizer`.
 
-    Each named parameter is a tensor of the job (`named_parameters`: model.named_parameters();
-    a deferred `falcon.init()` joins here with them). The servers start from rank 0's values,
-    which every worker pulls before this returns. During backward each parameter's gradient
-    is pushed as soon as it is ready (weight decay added); `step()` waits for the pushes and
-    pulls the values the job's policy allows into the parameters. `policy`, when given, must
-    be the job's (it is checked). The servers apply the optimizer's rule, which must be the
-    job's (`optimizer_settings`); a learning-rate schedule reaches them under SGD and momentum
-    through the gradient's scale.
+    The parameters travel in buckets of about `bucket_bytes` (default `BUCKET_BYTES`, or
+    FALCON_BUCKET_BYTES), each a tensor of the job (`job_tensors` lists them; a deferred
+    `falcon.init()` joins here with them): as DDP's, a bucket holds parameters of one group
+    in reverse order and leaves as soon as backward has made all its gradients, in one
+    push-pull. The parameters become views into their bucket's values, and their `.grad`
+    views into its gradients (DDP's gradient_as_bucket_view): one pull writes them all. With
+    `bucket_bytes=0`, or a worker that declared one tensor per parameter, each parameter is
+    its own tensor. The servers start from rank 0's values, which every worker pulls before
+    this returns.
 
-    Gradients leave during backward: a change made to `.grad` between `backward()` and
-    `step()` (gradient clipping, a manual edit) does not reach the servers; clip inside the
-    loss, or train with `fit`. `model.named_parameters()` is the input, not a state_dict
-    (whose tensors are copies).
+    How the optimizer applies (`optimizer_settings`): where the servers apply it (SGD,
+    momentum, Adam, Adagrad), each gradient is pushed with weight decay added, `step()` waits
+    for the pushes and pulls the values the job's policy allows; a learning-rate schedule
+    reaches them under SGD and momentum through the gradient's scale, and a change made to
+    `.grad` after backward does not. With FALCON_OPTIMIZER=local each worker applies its own
+    optimizer, whatever it is: under a synchronous policy backward ends with `.grad` holding
+    the mean of every worker's gradient, so clipping, a gradient scaler and any optimizer
+    and schedule run as in one process; under an asynchronous one `step()` pushes the change
+    this worker's optimizer made. `policy`, when given, must be the job's (it is checked).
 
     With `model` (the module whose parameters these are), `step()` returns as soon as the
-    pulls are issued, in the order the forward pass first uses the parameters, and each
-    module's forward waits only for its own parameters' values: the next forward overlaps
+    pulls are issued, in the order the forward pass first uses the buckets, and each
+    module's forward waits only for its own parameters' buckets: the next forward overlaps
     the pulls still arriving. A parameter read outside its own module's forward (a weight
     used functionally by a parent) must not be: leave `model` out then, or call
     `wait_pulls()` first. `wait_pulls()` also precedes evaluation or saving outside forward.
+    `model` also finds sparse embeddings (`nn.Embedding(sparse=True)`, `nn.EmbeddingBag`):
+    under server-side SGD or Adagrad each is a tensor of its own whose gradient travels as
+    the rows it touches, and its forward pulls the rows its input uses.
 
     The result is an instance of `optimizer`'s class (schedulers accept it) that trains the
-    same parameter groups."""
+    same parameter groups. `model.named_parameters()` is the input, not a state_dict (whose
+    tensors are copies)."""
     if isinstance(optimizer, _Distributed):
         raise _f.ConfigError("this optimizer is already a falcon DistributedOptimizer")
     if named_parameters is None:
@@ -729,7 +1129,7 @@ def DistributedOptimizer(
     except TypeError:  # a class whose defaults are not all constructor arguments
         base.__init__(new, optimizer.param_groups)
     new._falcon_base = optimizer
-    new._falcon_setup(named, policy, worker, backward_passes_per_step, model)
+    new._falcon_setup(named, policy, worker, backward_passes_per_step, model, bucket_bytes)
     return new
 
 

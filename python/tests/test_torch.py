@@ -327,7 +327,8 @@ def test_pulls_go_in_first_use_order_and_forward_waits_per_layer():
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     c = cluster_for(opt)
     falcon.init(env=c.env)
-    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), model=model)
+    # One tensor per parameter (no buckets): the order is the parameters'.
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), model=model, bucket_bytes=0)
     # Before any forward: the parameters' own order (b before a).
     assert dopt.pull_order == ["b.weight", "b.bias", "a.weight", "a.bias"]
     x, y = data()
@@ -354,7 +355,7 @@ def test_without_a_model_every_pull_is_done_when_step_returns():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     c = cluster_for(opt)
     falcon.init(env=c.env)
-    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=0)
     x, y = data()
     dopt.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -366,15 +367,23 @@ def test_without_a_model_every_pull_is_done_when_step_returns():
     c.finish()
 
 
-def test_each_step_is_one_push_pull_per_tensor():
+@pytest.mark.parametrize("bucket_bytes", [0, 1, None])
+def test_each_step_is_one_push_pull_per_tensor(bucket_bytes):
     # The pull of the next clock's values rides in each gradient's push (started from the
-    # backward hook): no lock-free attempt, no pull request of its own.
+    # backward hook): no lock-free attempt, no pull request of its own. One tensor per
+    # parameter (0), buckets of one parameter each (1 byte: every parameter fills one), one
+    # bucket for the whole model (the default).
     model, ref = small_model(), small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     c = cluster_for(opt)
     falcon.init(env=c.env)
-    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=bucket_bytes)
+    names = [n for n, _ in model.named_parameters()]
+    tensors = {0: names, 1: [f"falcon.bucket{k}" for k in range(len(names))], None: ["falcon.bucket0"]}
+    assert [t for t, _ in dopt.buckets] == tensors[bucket_bytes]
+    if bucket_bytes == 1:  # reverse order: the last parameter's gradient is made first
+        assert [ps for _, ps in dopt.buckets] == [[n] for n in reversed(names)]
     w = dopt.worker
     before = w.stats()
     x, y = data()
@@ -386,7 +395,7 @@ def test_each_step_is_one_push_pull_per_tensor():
             o.step()
     after = w.stats()
     pushes = after["pushes"] - before["pushes"]
-    assert pushes == steps * len(list(model.parameters()))
+    assert pushes == steps * len(tensors[bucket_bytes])
     assert after["slow_pulls"] - before["slow_pulls"] == pushes
     assert after["fast_pulls"] == before["fast_pulls"]
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
@@ -513,7 +522,9 @@ def test_two_workers_with_their_own_adamw_train_as_one_process_on_the_whole_batc
     ropt, rsched = adamw_recipe(ref.parameters())
     train_recipe(ref, ropt, rsched, 30)
     c = falcon.local_cluster(workers=2, policy="bsp", optimizer="local", lr=1)
-    names = [(n, p.numel()) for n, p in start.named_parameters()]
+    # In buckets of 1 KiB (the model's 25 tensors in several).
+    names = ft.job_tensors(adamw_recipe(start.parameters())[0], start.named_parameters(), bucket_bytes=1024)
+    assert 1 < len(names) < len(list(start.parameters()))
     models = [copy.deepcopy(start), copy.deepcopy(start)]
     errors = []
 
@@ -521,7 +532,7 @@ def test_two_workers_with_their_own_adamw_train_as_one_process_on_the_whole_batc
         try:
             w = falcon.Worker.join(names, {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
             opt, sched = adamw_recipe(models[rank].parameters())
-            dopt = ft.DistributedOptimizer(opt, models[rank].named_parameters(), worker=w)
+            dopt = ft.DistributedOptimizer(opt, models[rank].named_parameters(), worker=w, bucket_bytes=1024)
             train_recipe(models[rank], dopt, sched, 30, part=slice(8 * rank, 8 * rank + 8))
             w.finish()
         except BaseException as e:
@@ -569,4 +580,222 @@ def test_a_job_whose_workers_apply_their_own_optimizer_refuses_summed_gradients(
     with pytest.raises(falcon.ConfigError, match="FALCON_AGGREGATE=mean"):
         ft.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model.named_parameters())
     falcon.finish()
+    c.finish()
+
+
+# --- buckets (fusion) -------------------------------------------------------------------------
+
+
+class _Mixed(torch.nn.Module):
+    """Parameters of many sizes: a layer larger than the test's buckets, small ones, a frozen
+    one and one the forward pass never uses (no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.big = torch.nn.Linear(10, 64)  # 640 + 64 floats: more than a 1 KiB bucket
+        self.mid = torch.nn.Linear(64, 4)
+        self.small = torch.nn.Linear(4, 3)
+        self.frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+        self.unused = torch.nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        return self.small(torch.tanh(self.mid(torch.relu(self.big(x))))) + self.frozen
+
+
+def mixed_groups(model, make):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return make([{"params": decay, "weight_decay": 1e-2}, {"params": rest, "weight_decay": 0.0}])
+
+
+@pytest.mark.parametrize(
+    "make, local",
+    [
+        (lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9), False),
+        (lambda g: torch.optim.AdamW(g, lr=0.01), True),
+    ],
+    ids=["servers-momentum", "local-adamw"],
+)
+def test_buckets_follow_single_process_pytorch_at_every_boundary(make, local):
+    # 1 KiB buckets: the big layer's weight alone is more than a bucket, biases share one,
+    # the frozen parameter is in a bucket of its own (it never makes a gradient), and the
+    # unused one sends zeros without weight decay, as PyTorch skips it.
+    model, ref = _Mixed(), _Mixed()
+    opt, ropt = mixed_groups(model, make), mixed_groups(ref, make)
+    s = ft.optimizer_settings(opt, local=local or None)
+    c = falcon.local_cluster(workers=1, policy="bsp", optimizer=s["FALCON_OPTIMIZER"], lr=s["FALCON_LR"])
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=1024)
+    buckets = dict(dopt.buckets)
+    assert ["big.weight"] in buckets.values()  # larger than a bucket: alone
+    assert ["frozen"] in buckets.values()
+    by = {n: t for t, ns in dopt.buckets for n in ns}
+    assert by["big.weight"] != by["big.bias"]  # other parameter group
+    assert len({by["small.bias"], by["mid.bias"], by["big.bias"], by["unused"]}) == 1
+    assert [t for t, _ in dopt.buckets] == [f"falcon.bucket{k}" for k in range(len(buckets))]
+    assert dict(falcon.worker().tensors) == dict(ft.job_tensors(opt, model.named_parameters(), bucket_bytes=1024))
+    x, y = data(n=16)
+    for step in range(12):
+        for o in (dopt, ropt):
+            m = model if o is dopt else ref
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        assert model.unused.grad is None
+    dopt.wait_pulls()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    torch.testing.assert_close(model.unused, _Mixed().unused)  # never moved
+    # The parameters are views into their buckets, as the gradients are.
+    assert model.big.weight.grad.data_ptr() != 0
+    assert model.big.weight.is_contiguous() and model.big.weight.grad.shape == (64, 10)
+    falcon.finish()
+    c.finish()
+
+
+def test_bucket_bytes_is_checked_and_a_worker_of_other_tensors_is_refused():
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    c = cluster_for(opt)
+    with pytest.raises(falcon.ConfigError, match="bucket_bytes"):
+        ft.job_tensors(opt, model.named_parameters(), bucket_bytes=-1)
+    w = falcon.Worker.join([("other", 4)], {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": "0"})
+    with pytest.raises(falcon.TensorError, match="job_tensors"):
+        ft.DistributedOptimizer(opt, model.named_parameters(), worker=w)
+    w.finish()
+    c.finish()
+
+
+def test_bf16_autocast_on_the_cpu_trains_as_in_one_process():
+    torch.manual_seed(3)
+    start = TinyLM()
+    model, ref = copy.deepcopy(start), copy.deepcopy(start)
+    ropt, rsched = adamw_recipe(ref.parameters())
+    opt, sched = adamw_recipe(model.parameters())
+    c = falcon.local_cluster(workers=1, policy="bsp", **{"optimizer": "local", "lr": 1})
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    for step in range(8):
+        x, y = lm_batch(step)
+        for m, o, s in ((model, dopt, sched), (ref, ropt, rsched)):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(m, x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            o.step()
+            s.step()
+    assert max_difference(model, ref) <= 1e-4
+    falcon.finish()
+    c.finish()
+
+
+# --- sparse embeddings: rows ------------------------------------------------------------------
+
+
+class _Recommender(torch.nn.Module):
+    """Embedding bags of users and items (sparse gradients) and an MLP over them."""
+
+    def __init__(self, users=50, items=80, d=8):
+        super().__init__()
+        torch.manual_seed(7)
+        self.users = torch.nn.EmbeddingBag(users, d, mode="mean", sparse=True)
+        self.items = torch.nn.Embedding(items, d, sparse=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(2 * d, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def forward(self, users, items):
+        return self.mlp(torch.cat([self.users(users), self.items(items)], 1)).squeeze(1)
+
+
+def rec_batch(step, n=16):
+    g = torch.Generator().manual_seed(50 + step)
+    users = torch.randint(0, 50, (n, 3), generator=g)  # three ids per bag
+    items = torch.randint(0, 80, (n,), generator=g)
+    return users, items, torch.rand(n, generator=g)
+
+
+def test_sparse_embeddings_push_rows_and_follow_plain_pytorch():
+    model, ref = _Recommender(), _Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), model=model)
+    tensors = [t for t, _ in dopt.buckets]
+    assert "users.weight" in tensors and "items.weight" in tensors  # tensors of their own
+    for step in range(15):
+        users, items, target = rec_batch(step)
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            F.mse_loss(m(users, items), target).backward()
+            if m is model:
+                assert model.items.weight.grad.is_sparse  # never made dense here
+            o.step()
+    dopt.wait_pulls()
+    # The rows a forward pass never read are stale here by design: compare the servers'.
+    w = dopt.worker
+    for name in ("users.weight", "items.weight"):
+        got = torch.empty_like(dict(ref.named_parameters())[name])
+        w.pull(name, got.numpy(), dopt.clock)
+        torch.testing.assert_close(got, dict(ref.named_parameters())[name], rtol=1e-5, atol=1e-6, msg=name)
+    for n in ("mlp.0.weight", "mlp.2.bias"):
+        torch.testing.assert_close(dict(model.named_parameters())[n], dict(ref.named_parameters())[n], rtol=1e-5, atol=1e-6)
+    falcon.finish()
+    c.finish()
+
+
+def test_two_workers_with_sparse_embeddings_train_as_one_process_on_the_whole_batch():
+    # BSP, mean aggregation, disjoint halves: the servers' SGD on the mean gradient is one
+    # process's SGD on the whole batch. Each worker pulls only the rows its own forward reads,
+    # so the other's updates reach it through those pulls.
+    ref = _Recommender()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    steps = 10
+    for step in range(steps):
+        users, items, target = rec_batch(step)
+        ropt.zero_grad()
+        F.mse_loss(ref(users, items), target).backward()
+        ropt.step()
+    probe = _Recommender()
+    opt = torch.optim.SGD(probe.parameters(), lr=0.2)
+    c = cluster_for(opt, workers=2)
+    names = ft.job_tensors(opt, probe.named_parameters(), model=probe)
+    finals, errors = [None, None], []
+    models = [_Recommender(), _Recommender()]  # here: the seeded start is not thread-safe
+
+    def run(rank):
+        try:
+            model = models[rank]
+            w = falcon.Worker.join(names, {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
+            dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), model.named_parameters(), worker=w, model=model)
+            for step in range(steps):
+                users, items, target = rec_batch(step)
+                part = slice(8 * rank, 8 * rank + 8)
+                dopt.zero_grad()
+                F.mse_loss(model(users[part], items[part]), target[part]).backward()
+                dopt.step()
+            dopt.wait_pulls()
+            out = {}
+            declared = dict(w.tensors)
+            for name, p in model.named_parameters():
+                got = p.detach().clone()
+                if name in declared:  # an embedding: the servers' rows, every one
+                    w.pull(name, got.numpy(), dopt.clock)
+                out[name] = got
+            finals[rank] = out
+            w.finish()
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts), "a worker hangs"
+    assert not errors, errors
+    for name, p in ref.named_parameters():
+        for rank in range(2):
+            torch.testing.assert_close(finals[rank][name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{name} on {rank}")
     c.finish()
