@@ -12,12 +12,20 @@ with AdamW and gradient clipping, the loop written as PyTorch's examples write i
   (`FALCON_OPTIMIZER=local`, BSP): backward ends with the mean gradient in `.grad`, as
   DDP's does; the scheduler and one server run on threads of this process.
 
-Rounds alternate between the two (the order flipped every round), so a drift of the machine
-hits both alike; each round's figure is the workers' mean step time over the timed steps
-(after `--warmup` untimed ones), and each side's figure is the median over rounds. Every
-process runs one torch thread.
+- plain (`--sides ...,plain`): one process, no distribution, training what one worker does
+  (its part of each global batch; the whole batch with `--workers 1`): falcon's cost over
+  PyTorch itself.
+
+Rounds alternate between the sides (the order rotated every round), so a drift of the machine
+hits all alike; each round's figure is the workers' mean step time over the timed steps
+(after `--warmup` untimed ones), and each side's figure is the median over rounds. Time to a
+loss: the loss of a step is the mean of the workers' losses, smoothed over 5 steps; the
+target is the highest final smoothed loss of every distributed run (each reaches it), and a
+run's time to it is the wall time from its first step to the first step at or below it.
+Every process runs one torch thread.
 
     python3 python/bench/ddp.py [--model cnn|lm|both] [--workers 2] [--rounds 3] [--steps 30]
+        [--sides ddp,falcon[,plain]]
 
 Prints a Markdown table and, last, one JSON line (`RESULT {...}`).
 """
@@ -96,7 +104,8 @@ def model_and_data(kind: str):
 def train(rank, workers, kind, args, model, opt, x, y, loss_fn):
     """The loop, timed: this worker's part of each global batch."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    times, loss = [], None
+    times, loss, losses, clock = [], None, [], []
+    start = time.perf_counter()
     for step in range(args.warmup + args.steps):
         at = (step * args.batch) % (len(x) - args.batch)
         idx = torch.arange(at, at + args.batch)[rank::workers]
@@ -107,9 +116,12 @@ def train(rank, workers, kind, args, model, opt, x, y, loss_fn):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        t1 = time.perf_counter()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.mean(times), float(loss)
+            times.append(t1 - t0)
+        losses.append(float(loss))
+        clock.append(t1 - start)
+    return statistics.mean(times), float(loss), losses, clock
 
 
 def ddp_worker(rank, workers, kind, args, port, out):
@@ -124,6 +136,13 @@ def ddp_worker(rank, workers, kind, args, port, out):
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.01)
     out.put(("ddp", rank, *train(rank, workers, kind, args, ddp, opt, x, y, loss_fn)))
     dist.destroy_process_group()
+
+
+def plain_worker(rank, workers, kind, args, out):
+    torch.set_num_threads(1)
+    model, x, y, loss_fn = model_and_data(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    out.put(("plain", rank, *train(rank, workers, kind, args, model, opt, x, y, loss_fn)))
 
 
 def falcon_worker(rank, workers, kind, args, env, out):
@@ -144,7 +163,9 @@ def run(side, kind, args):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     cluster = None
-    if side == "ddp":
+    if side == "plain":
+        procs = [ctx.Process(target=plain_worker, args=(0, args.workers, kind, args, out))]
+    elif side == "ddp":
         port = free_port()
         procs = [
             ctx.Process(target=ddp_worker, args=(r, args.workers, kind, args, port, out))
@@ -167,7 +188,21 @@ def run(side, kind, args):
             raise SystemExit(f"{side} worker exited {p.exitcode}")
     if cluster is not None:
         cluster.finish()
-    return statistics.mean(g[2] for g in got), [g[3] for g in got]
+    # The run's curve: each step's mean loss over the workers, at the slowest one's time.
+    curve = [
+        (max(g[5][s] for g in got), statistics.mean(g[4][s] for g in got))
+        for s in range(len(got[0][4]))
+    ]
+    return statistics.mean(g[2] for g in got), [g[3] for g in got], curve
+
+
+def smoothed(curve, k=5):
+    return [(t, statistics.mean(l for _, l in curve[max(0, i - k + 1) : i + 1]))
+            for i, (t, _) in enumerate(curve)]
+
+
+def time_to(curve, target):
+    return next((t for t, l in smoothed(curve) if l <= target), float("nan"))
 
 
 def main(argv=None) -> None:
@@ -178,38 +213,59 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64, help="the global batch")
+    ap.add_argument("--sides", default="ddp,falcon", help="of ddp, falcon, plain")
     args = ap.parse_args(argv)
+    sides = args.sides.split(",")
+    if not set(sides) <= {"ddp", "falcon", "plain"} or not {"ddp", "falcon"} <= set(sides):
+        raise SystemExit("--sides: ddp and falcon, and plain if wanted")
     kinds = ["cnn", "lm"] if args.model == "both" else [args.model]
     rows = []
     for kind in kinds:
-        per = {"ddp": [], "falcon": []}
-        losses = {"ddp": [], "falcon": []}
+        per = {s: [] for s in sides}
+        losses = {s: [] for s in sides}
+        curves = {s: [] for s in sides}
         for r in range(args.rounds):
-            order = ("ddp", "falcon") if r % 2 == 0 else ("falcon", "ddp")
-            for side in order:
-                t, l = run(side, kind, args)
+            k = r % len(sides)
+            for side in sides[k:] + sides[:k]:
+                t, l, curve = run(side, kind, args)
                 per[side].append(t)
                 losses[side].append(l)
-        d, f = statistics.median(per["ddp"]), statistics.median(per["falcon"])
-        rows.append({
+                curves[side].append(curve)
+        target = max(smoothed(c)[-1][1] for s in ("ddp", "falcon") for c in curves[s])
+        med = {s: statistics.median(per[s]) for s in sides}
+        ttl = {s: statistics.median(time_to(c, target) for c in curves[s]) for s in sides}
+        row = {
             "model": kind,
             "workers": args.workers,
-            "ddp_step_ms": round(d * 1e3, 3),
-            "falcon_step_ms": round(f * 1e3, 3),
-            "ratio_falcon_over_ddp": round(f / d, 3),
+            "ddp_step_ms": round(med["ddp"] * 1e3, 3),
+            "falcon_step_ms": round(med["falcon"] * 1e3, 3),
+            "ratio_falcon_over_ddp": round(med["falcon"] / med["ddp"], 3),
+            "target_loss": round(target, 4),
+            "ddp_time_to_loss_s": round(ttl["ddp"], 3),
+            "falcon_time_to_loss_s": round(ttl["falcon"], 3),
             "ddp_final_losses": losses["ddp"][-1],
             "falcon_final_losses": losses["falcon"][-1],
-        })
+        }
+        if "plain" in sides:
+            row["plain_step_ms"] = round(med["plain"] * 1e3, 3)
+            row["ratio_falcon_over_plain"] = round(med["falcon"] / med["plain"], 3)
+        rows.append(row)
     print(f"falcon beside DDP (gloo), {args.workers} worker processes, {args.rounds} rounds of "
           f"{args.steps} steps after {args.warmup}, global batch {args.batch}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}")
     print()
-    print("| model | DDP step ms | falcon step ms | falcon / DDP | final loss DDP | final loss falcon |")
-    print("|---|---:|---:|---:|---|---|")
+    plain = "plain" in sides
+    print("| model | DDP step ms | falcon step ms | falcon / DDP |"
+          + (" plain step ms | falcon / plain |" if plain else "")
+          + " target loss | time to it, DDP s | falcon s | final loss DDP | final loss falcon |")
+    print("|---|---:|---:|---:|" + ("---:|---:|" if plain else "") + "---:|---:|---:|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['ddp_step_ms']} | {r['falcon_step_ms']} | "
-              f"{r['ratio_falcon_over_ddp']} | {', '.join(f'{v:.4f}' for v in r['ddp_final_losses'])} | "
+              f"{r['ratio_falcon_over_ddp']} | "
+              + (f"{r['plain_step_ms']} | {r['ratio_falcon_over_plain']} | " if plain else "")
+              + f"{r['target_loss']} | {r['ddp_time_to_loss_s']} | {r['falcon_time_to_loss_s']} | "
+              f"{', '.join(f'{v:.4f}' for v in r['ddp_final_losses'])} | "
               f"{', '.join(f'{v:.4f}' for v in r['falcon_final_losses'])} |")
     print("RESULT " + json.dumps({"rows": rows, "steps": args.steps, "rounds": args.rounds}))
 

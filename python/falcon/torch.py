@@ -3,8 +3,9 @@
 Two ways in:
 
 - `DistributedOptimizer(optimizer, model.named_parameters())`, in the manner of Horovod and
-  BytePS: each parameter is a tensor of the job; backward's gradient hooks push each
-  parameter's gradient as soon as it is ready. Two ways to apply the optimizer:
+  BytePS: the parameters travel in buckets (DDP's fusion), each a tensor of the job; a
+  bucket's gradients leave in one exchange as soon as backward has made them all. Two ways to
+  apply the optimizer:
   - the servers apply it (`FALCON_OPTIMIZER` sgd, momentum, adam or adagrad, `FALCON_LR`):
     the wrapped optimizer must describe the same one, its state lives on the servers (one
     copy for the whole job), and `step()` pulls the values the job's policy lets this clock
@@ -622,13 +623,12 @@ class _Distributed:
         for n, p in named:
             if not p.requires_grad:
                 continue
+            hook = self._falcon_hook_for(p)
             if hasattr(p, "register_post_accumulate_grad_hook"):  # PyTorch ≥ 2.1
-                self._falcon_hooks.append(
-                    p.register_post_accumulate_grad_hook(lambda q: self._falcon_ready(q))
-                )
+                self._falcon_hooks.append(p.register_post_accumulate_grad_hook(hook))
             else:  # the gradient accumulator's hook, as Horovod does on older PyTorch
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                self._falcon_hooks.append(acc.register_hook(self._falcon_hook_for(p)))
+                self._falcon_hooks.append(acc.register_hook(hook))
                 self._falcon_hooks.append(acc)  # keep the accumulator alive
         _LIVE.add(self)
 
@@ -671,8 +671,20 @@ class _Distributed:
         _wait_all(pending.values())
 
     def _falcon_hook_for(self, p):
+        """The gradient hook of `p`: the common case (a bucket's view filled, the bucket not
+        yet sent) inline, every other case through `_falcon_ready`."""
+        b, i = self._falcon_slot[id(p)]
+        gv = b.gviews[i]
+        if b.rows or (self._falcon_local and not self._falcon_sync):
+            return lambda *_: self._falcon_ready(p)
+
         def hook(*_):
-            self._falcon_ready(p)
+            if b.sent or p.grad is not gv:
+                return self._falcon_ready(p)
+            b.fired[i] = True
+            b.count += 1
+            if b.count >= b.expect:
+                self._falcon_full(b)
 
         return hook
 
@@ -742,8 +754,11 @@ class _Distributed:
             b.adopt(i)
         b.fired[i] = True
         b.count += 1
-        if b.count < b.expect:
-            return
+        if b.count >= b.expect:
+            self._falcon_full(b)
+
+    def _falcon_full(self, b: _Bucket):
+        """Backward has made every gradient of `b`: it leaves."""
         if self._falcon_local and not self._falcon_queued:
             # The end of this backward waits for the mean of every gradient (as DDP's).
             torch.autograd.Variable._execution_engine.queue_callback(self._falcon_average)
