@@ -108,7 +108,8 @@ pub struct Knobs {
     /// target is reported, the spread beside it.
     #[arg(long, value_parser = crate::checks::at_least_one_u32)]
     seeds: Option<u32>,
-    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adagrad.
+    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adamw,
+    /// adamw(B1,B2,EPS,WD), adagrad.
     #[arg(long)]
     optimizer: Option<String>,
     /// How a synchronous step's gradients combine: sum or mean.

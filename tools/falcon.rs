@@ -189,7 +189,8 @@ Environment: the launch contract, the same for a worker process of one's own
                                 workload's mean of unit gradients; train's models: 0.05);
                                 asynchronous policies apply each gradient with lr / workers
   FALCON_OPTIMIZER              the servers' optimizer: sgd (default), momentum(MU), adam,
-                                adam(B1,B2,EPS), adagrad or adagrad(EPS)
+                                adam(B1,B2,EPS), adamw, adamw(B1,B2,EPS,WD), adagrad,
+                                adagrad(EPS), or local (each worker applies its own)
   FALCON_AGGREGATE              a clock's gradients combined: mean (default) or sum
   FALCON_SCALE                  staleness scaling of asynchronous gradients: none (default),
                                 dynsgd, consgd(F)

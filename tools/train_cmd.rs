@@ -77,8 +77,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
           allow_negative_numbers = true)]
     lr: f32,
-    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adagrad or
-    /// adagrad(EPS), at --lr.
+    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adamw,
+    /// adamw(B1,B2,EPS,WD), adagrad or adagrad(EPS), at --lr.
     #[arg(long, default_value = "sgd", env = "FALCON_OPTIMIZER")]
     optimizer: String,
     /// How a synchronous step's gradients combine: sum or mean.
@@ -838,8 +838,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.05, env = "FALCON_LR", value_parser = checks::learning_rate,
           allow_negative_numbers = true)]
     lr: f32,
-    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adagrad or
-    /// adagrad(EPS), at --lr.
+    /// The servers' optimizer: sgd, momentum(MU), adam, adam(B1,B2,EPS), adamw,
+    /// adamw(B1,B2,EPS,WD), adagrad or adagrad(EPS), at --lr.
     #[arg(long, default_value = "sgd")]
     optimizer: String,
     /// How a synchronous step's gradients combine: sum or mean.

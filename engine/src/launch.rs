@@ -981,7 +981,8 @@ mod tests {
                 lr: 0.1,
                 beta1: 0.8,
                 beta2: 0.99,
-                eps: 1e-6
+                eps: 1e-6,
+                wd: 0.0,
             }
         );
     }

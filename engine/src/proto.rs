@@ -562,6 +562,9 @@ pub struct SlotTrailer {
     /// A gradient left where the worker holds it: its values are not in the slot, the server
     /// reads them from the worker's memory (shm maps it; see [`TrailerSrc`]).
     pub src: Option<TrailerSrc>,
+    /// The learning rate and weight decay the push asks for, as multiples of the job's
+    /// (`None`: the job's own).
+    pub rates: Option<crate::update::Rates>,
 }
 
 /// Where a gradient left in the worker's memory lies: a region the worker granted on the link
@@ -593,8 +596,13 @@ impl SlotTrailer {
     /// straggler): version, sequence number, straggler, its iteration; then the pull: a u32
     /// (1: there is one), its request id (u32), the destination offset (u64) and key; then
     /// the gradient's place in the worker's memory: a u32 (1: it is there, not in the slot),
-    /// four reserved bytes, the offset (u64) and the key.
-    pub const BYTES: u64 = 64 + 2 * RemoteKey::SIZE as u64;
+    /// four reserved bytes, the offset (u64) and the key; then the rates: two little-endian
+    /// f32 (the learning rate's factor, the weight decay's), both 0 for none (a factor of 0
+    /// travels as −0).
+    pub const BYTES: u64 = 72 + 2 * RemoteKey::SIZE as u64;
+
+    /// Where the rates start.
+    const RATES: usize = 64 + 2 * RemoteKey::SIZE;
 
     /// The wire form.
     pub fn to_bytes(self) -> [u8; Self::BYTES as usize] {
@@ -617,7 +625,19 @@ impl SlotTrailer {
         if let Some(src) = self.src {
             b[88..92].copy_from_slice(&1u32.to_le_bytes());
             b[96..104].copy_from_slice(&src.off.to_le_bytes());
-            b[104..].copy_from_slice(&src.key);
+            b[104..Self::RATES].copy_from_slice(&src.key);
+        }
+        if let Some(r) = self.rates {
+            // 0 is "none": a factor of 0 is sent as −0 (the same number).
+            let bits = |x: f32| {
+                if x.to_bits() == 0 {
+                    (-0.0f32).to_bits()
+                } else {
+                    x.to_bits()
+                }
+            };
+            b[Self::RATES..Self::RATES + 4].copy_from_slice(&bits(r.lr).to_le_bytes());
+            b[Self::RATES + 4..].copy_from_slice(&bits(r.wd).to_le_bytes());
         }
         b
     }
@@ -646,15 +666,24 @@ impl SlotTrailer {
         });
         let src = (half(88) == 1).then(|| {
             let mut key = [0u8; RemoteKey::SIZE];
-            key.copy_from_slice(&b[104..]);
+            key.copy_from_slice(&b[104..Self::RATES]);
             TrailerSrc { key, off: word(12) }
         });
+        // Rates that are not finite numbers ≥ 0 are none (a worker cannot send them).
+        let (lr, wd) = (half(Self::RATES), half(Self::RATES + 4));
+        let rates = (lr != 0 || wd != 0)
+            .then(|| crate::update::Rates {
+                lr: f32::from_bits(lr),
+                wd: f32::from_bits(wd),
+            })
+            .filter(crate::update::Rates::valid);
         SlotTrailer {
             computed_on: Some(word(0)).filter(|&v| v != u64::MAX),
             seq: word(1),
             help_for: u32::try_from(word(2)).ok().map(|w| (w, word(3))),
             pull,
             src,
+            rates,
         }
     }
 }
@@ -870,6 +899,7 @@ mod tests {
                 help_for: None,
                 pull: None,
                 src: None,
+                rates: None,
             },
             SlotTrailer {
                 computed_on: Some(7),
@@ -877,6 +907,7 @@ mod tests {
                 help_for: Some((3, 41)),
                 pull: None,
                 src: None,
+                rates: None,
             },
             SlotTrailer {
                 computed_on: Some(1),
@@ -891,6 +922,7 @@ mod tests {
                     key: [0x5A; RemoteKey::SIZE],
                     off: (1 << 33) + 4,
                 }),
+                rates: Some(crate::update::Rates { lr: 0.25, wd: 0.0 }),
             },
             SlotTrailer {
                 computed_on: None,
@@ -901,6 +933,7 @@ mod tests {
                     key: [1; RemoteKey::SIZE],
                     off: 0,
                 }),
+                rates: Some(crate::update::Rates { lr: 0.0, wd: 3.5 }),
             },
         ] {
             assert_eq!(SlotTrailer::from_bytes(t.to_bytes()), t);
@@ -918,6 +951,17 @@ mod tests {
         assert_eq!(
             SlotTrailer::from_bytes(b).pull.map(|p| p.req),
             Some(u32::MAX)
+        );
+        // Rates that are not finite numbers ≥ 0 (NaN here, then −1) are none.
+        assert_eq!(SlotTrailer::from_bytes(b).rates, None);
+        let at = SlotTrailer::BYTES as usize - 8;
+        b[at..at + 4].copy_from_slice(&(-1.0f32).to_bits().to_le_bytes());
+        b[at + 4..].copy_from_slice(&0.5f32.to_bits().to_le_bytes());
+        assert_eq!(SlotTrailer::from_bytes(b).rates, None);
+        b[at..at + 4].copy_from_slice(&2.0f32.to_bits().to_le_bytes());
+        assert_eq!(
+            SlotTrailer::from_bytes(b).rates,
+            Some(crate::update::Rates { lr: 2.0, wd: 0.5 })
         );
         for m in [
             Msg::PushAck {

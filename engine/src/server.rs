@@ -1096,6 +1096,7 @@ impl Serving {
             help_for,
             pull,
             src,
+            rates,
         } = SlotTrailer::from_bytes(trailer);
         let in_place = SlotGrad {
             slot: &slot,
@@ -1147,6 +1148,9 @@ impl Serving {
         let pull = pull.filter(|_| imm.kind == PushKind::Gradient);
         if pull.is_some() {
             self.outbox = Some(Vec::new());
+        }
+        if imm.kind != PushKind::Init {
+            self.shards[i].core.set_rates(rates.unwrap_or_default());
         }
         self.feed(i, input);
         if let Some(p) = pull

@@ -678,6 +678,13 @@ impl ShardCore {
             .max(self.pushes(w))
     }
 
+    /// The rates the updates that follow take (a push's, given with it: the driver sets them
+    /// right before feeding the push; under synchronous updates a step takes those of the
+    /// push that completes it).
+    pub fn set_rates(&mut self, rates: crate::update::Rates) {
+        self.opt.set_rates(rates);
+    }
+
     /// Feeds one input at time `now` (nanoseconds on the driver's clock); what the driver
     /// must do comes out through `out`, in order. Refused (with nothing changed) when the
     /// worker is not one of the shard's or a buffer has the wrong length.

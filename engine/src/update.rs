@@ -49,7 +49,8 @@ pub enum Optimizer {
         /// Momentum μ.
         mu: f32,
     },
-    /// Adam (Kingma & Ba), bias-corrected.
+    /// Adam (Kingma & Ba), bias-corrected; with `wd` > 0, AdamW (Loshchilov & Hutter):
+    /// `w -= lr · wd · w` before the step, as PyTorch's AdamW.
     Adam {
         /// Learning rate.
         lr: f32,
@@ -59,6 +60,9 @@ pub enum Optimizer {
         beta2: f32,
         /// ε.
         eps: f32,
+        /// Decoupled weight decay (0: Adam).
+        #[serde(default)]
+        wd: f32,
     },
     /// Adagrad (Duchi et al.): `v += g²; w -= lr · g / (√v + ε)`, initial accumulator 0 (as
     /// PyTorch's). A zero gradient changes neither `v` nor `w`: rows a sparse push does not
@@ -103,6 +107,13 @@ impl std::fmt::Display for Optimizer {
             Optimizer::Sgd { .. } => write!(f, "sgd"),
             Optimizer::Momentum { mu, .. } => write!(f, "momentum({mu})"),
             Optimizer::Adam {
+                beta1,
+                beta2,
+                eps,
+                wd,
+                ..
+            } if wd > 0.0 => write!(f, "adamw({beta1},{beta2},{eps},{wd})"),
+            Optimizer::Adam {
                 beta1, beta2, eps, ..
             } => write!(f, "adam({beta1},{beta2},{eps})"),
             Optimizer::Adagrad { eps, .. } => write!(f, "adagrad({eps})"),
@@ -118,23 +129,29 @@ impl Optimizer {
             Optimizer::Sgd { .. } => Optimizer::Sgd { lr },
             Optimizer::Momentum { mu, .. } => Optimizer::Momentum { lr, mu },
             Optimizer::Adam {
-                beta1, beta2, eps, ..
+                beta1,
+                beta2,
+                eps,
+                wd,
+                ..
             } => Optimizer::Adam {
                 lr,
                 beta1,
                 beta2,
                 eps,
+                wd,
             },
             Optimizer::Adagrad { eps, .. } => Optimizer::Adagrad { lr, eps },
             Optimizer::Local { .. } => Optimizer::Local { lr },
         }
     }
 
-    /// Its name as the settings spell it (`sgd`, `momentum`, `adam`, `adagrad`).
+    /// Its name as the settings spell it (`sgd`, `momentum`, `adam`, `adamw`, `adagrad`).
     pub fn name(&self) -> &'static str {
         match self {
             Optimizer::Sgd { .. } => "sgd",
             Optimizer::Momentum { .. } => "momentum",
+            Optimizer::Adam { wd, .. } if *wd > 0.0 => "adamw",
             Optimizer::Adam { .. } => "adam",
             Optimizer::Adagrad { .. } => "adagrad",
             Optimizer::Local { .. } => "local",
@@ -152,15 +169,16 @@ impl Optimizer {
 
     /// Parses an optimizer's text, given the learning rate: `sgd`, `momentum(MU)` (0 ≤ MU <
     /// 1; PyTorch's SGD with momentum, no dampening), `adam` or `adam(B1,B2,EPS)` (defaults
-    /// 0.9, 0.999, 1e-8). A wrong text is an [`Error::Config`](crate::Error::Config) saying
-    /// what is accepted.
+    /// 0.9, 0.999, 1e-8), `adamw` or `adamw(B1,B2,EPS,WD)` (PyTorch's defaults: WD 0.01).
+    /// A wrong text is an [`Error::Config`](crate::Error::Config) saying what is accepted.
     pub fn parse(text: &str, lr: f32) -> Result<Optimizer, crate::Error> {
         let shown = text.trim();
         let l = shown.to_ascii_lowercase().replace(' ', "");
         let err = |why: &str| {
             crate::Error::Config(format!(
                 "optimizer {shown}: {why}; the optimizers: sgd, momentum(MU), adam, \
-                 adam(B1,B2,EPS), adagrad, adagrad(EPS), local (the workers apply their own)"
+                 adam(B1,B2,EPS), adamw, adamw(B1,B2,EPS,WD), adagrad, adagrad(EPS), local \
+                 (the workers apply their own)"
             ))
         };
         let (name, args) = match l.split_once('(') {
@@ -188,6 +206,7 @@ impl Optimizer {
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
+                wd: 0.0,
             }),
             ("adam", Some(&[beta1, beta2, eps]))
                 if (0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2) && eps > 0.0 =>
@@ -197,10 +216,35 @@ impl Optimizer {
                     beta1,
                     beta2,
                     eps,
+                    wd: 0.0,
                 })
             }
             ("adam", _) => Err(err(
                 "adam takes none or three arguments: B1 and B2 in [0, 1), EPS > 0",
+            )),
+            ("adamw", None) => Ok(Optimizer::Adam {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                wd: 0.01,
+            }),
+            ("adamw", Some(&[beta1, beta2, eps, wd]))
+                if (0.0..1.0).contains(&beta1)
+                    && (0.0..1.0).contains(&beta2)
+                    && eps > 0.0
+                    && wd >= 0.0 =>
+            {
+                Ok(Optimizer::Adam {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    wd,
+                })
+            }
+            ("adamw", _) => Err(err(
+                "adamw takes none or four arguments: B1 and B2 in [0, 1), EPS > 0, WD ≥ 0",
             )),
             ("adagrad", None) => Ok(Optimizer::Adagrad { lr, eps: 1e-10 }),
             ("adagrad", Some(&[eps])) if eps > 0.0 => Ok(Optimizer::Adagrad { lr, eps }),
@@ -353,6 +397,34 @@ impl std::str::FromStr for ScaleSpec {
     }
 }
 
+/// What a push asks of the update it takes part in: its learning rate and weight decay as
+/// multiples of the job's (a worker's learning-rate schedule and its parameter groups' decay,
+/// carried with each push; see [`crate::Worker::set_rates`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// × the job's learning rate (after the servers' own schedule).
+    pub lr: f32,
+    /// × the job's decoupled weight decay (AdamW; the other rules have none).
+    pub wd: f32,
+}
+
+// Rates are finite numbers (`Rates::valid`; a trailer's others are none), so equality is
+// an equivalence.
+impl Eq for Rates {}
+
+impl Default for Rates {
+    fn default() -> Rates {
+        Rates { lr: 1.0, wd: 1.0 }
+    }
+}
+
+impl Rates {
+    /// Whether both are finite numbers ≥ 0 (what a worker may ask for).
+    pub fn valid(&self) -> bool {
+        self.lr.is_finite() && self.lr >= 0.0 && self.wd.is_finite() && self.wd >= 0.0
+    }
+}
+
 /// One shard's optimizer state.
 pub struct ShardOptimizer {
     opt: Optimizer,
@@ -360,6 +432,8 @@ pub struct ShardOptimizer {
     m: Vec<f32>,
     v: Vec<f32>,
     step: u64,
+    /// The rates the next update takes (set for each by the shard's core).
+    rates: Rates,
     /// [`Optimizer::Local`] under synchronous updates: a step's aggregate replaces the
     /// values (they are the step's mean gradient, which every worker's own optimizer takes).
     assign: bool,
@@ -380,7 +454,33 @@ impl ShardOptimizer {
             m,
             v,
             step: 0,
+            rates: Rates::default(),
             assign: false,
+        }
+    }
+
+    /// The rates the next updates take, until set again (a push's, or the default).
+    pub fn set_rates(&mut self, rates: Rates) {
+        self.rates = rates;
+    }
+
+    /// The rule as the next update applies it: AdamW's decay × the rates' factor.
+    fn rule(&self) -> Optimizer {
+        match self.opt {
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                wd,
+            } if wd > 0.0 => Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                wd: wd * self.rates.wd,
+            },
+            o => o,
         }
     }
 
@@ -459,7 +559,7 @@ impl ShardOptimizer {
             return self.apply(w, &widen(w.len(), parts, values));
         }
         let rate = self.next_rate();
-        let (opt, v) = (self.opt, &mut self.v);
+        let (opt, v) = (self.rule(), &mut self.v);
         parts.each_block(|i, offs| rows_block(opt, rate, w, v, 0, offs, &values[i..]));
     }
 
@@ -468,7 +568,7 @@ impl ShardOptimizer {
         let lr = match self.opt {
             // What the workers send is applied as it is: no schedule.
             Optimizer::Local { lr } => lr,
-            _ => self.schedule.lr(self.opt.lr(), self.step),
+            _ => self.schedule.lr(self.opt.lr(), self.step) * self.rates.lr,
         };
         self.step += 1;
         (lr, floor_for(lr))
@@ -478,7 +578,7 @@ impl ShardOptimizer {
     /// helper threads: each piece updates its own range of `w` (and of Adagrad's state).
     fn apply_pieces(&mut self, w: &mut [f32], index: &RowIndex, pieces: &[Piece], values: &[f32]) {
         let rate = self.next_rate();
-        let opt = self.opt;
+        let opt = self.rule();
         // Adagrad keeps a sum of squares per float, as long as `w`; SGD keeps nothing.
         let stateful = matches!(opt, Optimizer::Adagrad { .. });
         debug_assert!(!stateful || self.v.len() == w.len());
@@ -520,7 +620,7 @@ impl ShardOptimizer {
             return;
         }
         let (lr, lr_floor) = self.next_rate();
-        let (opt, step) = (self.opt, self.step);
+        let (opt, step) = (self.rule(), self.step);
         for_each_part(w, &mut self.m, &mut self.v, |p| {
             pulp::Arch::new().dispatch(ApplyOp {
                 opt,
@@ -557,7 +657,7 @@ impl ShardOptimizer {
             return;
         }
         let (lr, lr_floor) = self.next_rate();
-        let (opt, step) = (self.opt, self.step);
+        let (opt, step) = (self.rule(), self.step);
         for_each_part(w, &mut self.m, &mut self.v, |p| {
             let arch = pulp::Arch::new();
             let mut block = [0f32; APPLY_BLOCK];
@@ -691,8 +791,20 @@ fn apply_rule(
             }
         }
         Optimizer::Adam {
-            beta1, beta2, eps, ..
+            beta1,
+            beta2,
+            eps,
+            wd,
+            ..
         } => {
+            if wd > 0.0 {
+                // AdamW's decoupled decay, before the step (as PyTorch's).
+                let keep_w = 1.0 - lr * wd;
+                let w_floor = floor_for(keep_w);
+                for wi in w.iter_mut() {
+                    *wi = keep(keep_w * keep(*wi, w_floor), TINY);
+                }
+            }
             let t = step as i32;
             let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
             let (b1_floor, b2_floor) = (floor_for(beta1), floor_for(beta2));
@@ -923,6 +1035,7 @@ mod tests {
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
+                wd: 0.0,
             },
         ] {
             let mut w = vec![0.0f32; 4];
@@ -949,6 +1062,7 @@ mod tests {
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
+                wd: 0.0,
             },
         ]
     }
@@ -1154,6 +1268,7 @@ mod tests {
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
+                wd: 0.0,
             },
             Optimizer::Adagrad { lr: 0.1, eps: 1e-8 },
         ];
@@ -1292,6 +1407,7 @@ mod tests {
                             beta1,
                             beta2,
                             eps,
+                            ..
                         } => {
                             let t = t as i32 + 1;
                             let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
@@ -1411,6 +1527,71 @@ mod tests {
         );
     }
 
+    /// PyTorch's AdamW, one float at a time in f64: `w · (1 − lr·wd)`, then Adam's step.
+    fn adamw_reference(
+        w: &mut [f64],
+        m: &mut [f64],
+        v: &mut [f64],
+        g: &[f32],
+        t: i32,
+        lr: f64,
+        wd: f64,
+    ) {
+        let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+        for i in 0..w.len() {
+            let gi = f64::from(g[i]);
+            w[i] *= 1.0 - lr * wd;
+            m[i] = b1 * m[i] + (1.0 - b1) * gi;
+            v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+            let (mh, vh) = (m[i] / (1.0 - b1.powi(t)), v[i] / (1.0 - b2.powi(t)));
+            w[i] -= lr * mh / (vh.sqrt() + eps);
+        }
+    }
+
+    #[test]
+    fn adamw_and_each_pushs_rates_follow_pytorchs_rule() {
+        // Rates per update: the learning rate's factor (a worker's schedule) and the decay's
+        // (0 for a group without decay), against the reference at the product rates.
+        let opt = Optimizer::parse("adamw(0.9,0.999,1e-8,0.1)", 0.01).unwrap();
+        let len = 3 * APPLY_BLOCK + 5;
+        let mut rng = fastrand::Rng::with_seed(3);
+        let mut o = ShardOptimizer::new(opt, Arc::new(Constant), len);
+        let mut w: Vec<f32> = (0..len).map(|_| rng.f32() - 0.5).collect();
+        let mut wr: Vec<f64> = w.iter().map(|&x| f64::from(x)).collect();
+        let (mut m, mut v) = (vec![0f64; len], vec![0f64; len]);
+        let rates = [(1.0, 1.0), (0.5, 1.0), (0.25, 0.0), (0.0, 1.0), (2.0, 3.0)];
+        for (t, &(lr, wd)) in rates.iter().enumerate() {
+            let g: Vec<f32> = (0..len).map(|_| rng.f32() * 2.0 - 1.0).collect();
+            o.set_rates(Rates { lr, wd });
+            if t % 2 == 0 {
+                o.apply(&mut w, &g);
+            } else {
+                o.apply_blocks(&mut w, 1.0, |at, b| b.copy_from_slice(&g[at..at + b.len()]));
+            }
+            let (lr, wd) = (0.01 * f64::from(lr), 0.1 * f64::from(wd));
+            adamw_reference(&mut wr, &mut m, &mut v, &g, t as i32 + 1, lr, wd);
+            for (a, b) in w.iter().zip(&wr) {
+                assert!(
+                    (f64::from(*a) - b).abs() <= 1e-6 * b.abs().max(1.0),
+                    "update {t}: {a} vs {b}"
+                );
+            }
+        }
+        // Without decay (Adam), the decay's factor changes nothing; the rate's still does.
+        let adam = Optimizer::parse("adam", 0.01).unwrap();
+        let (mut a, mut b) = (
+            ShardOptimizer::new(adam, Arc::new(Constant), 4),
+            ShardOptimizer::new(adam.with_lr(0.005), Arc::new(Constant), 4),
+        );
+        let (mut wa, mut wb) = (vec![1.0f32; 4], vec![1.0f32; 4]);
+        a.set_rates(Rates { lr: 0.5, wd: 7.0 });
+        for _ in 0..3 {
+            a.apply(&mut wa, &[0.5, -0.5, 0.1, 0.0]);
+            b.apply(&mut wb, &[0.5, -0.5, 0.1, 0.0]);
+        }
+        assert_eq!(wa, wb);
+    }
+
     #[test]
     fn optimizers_parse_and_refuse_with_the_accepted_forms() {
         assert_eq!(
@@ -1427,18 +1608,38 @@ mod tests {
                 lr: 0.01,
                 beta1: 0.8,
                 beta2: 0.99,
-                eps: 1e-6
+                eps: 1e-6,
+                wd: 0.0,
             }
         );
         assert!(matches!(
             Optimizer::parse("adam", 1.0).unwrap(),
             Optimizer::Adam { .. }
         ));
+        let adamw = Optimizer::parse("adamw(0.9,0.95,1e-8,0.1)", 0.01).unwrap();
+        assert_eq!(
+            adamw,
+            Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                wd: 0.1,
+            }
+        );
+        assert_eq!(adamw.name(), "adamw");
+        assert_eq!(Optimizer::parse(&adamw.to_string(), 0.01).unwrap(), adamw);
+        assert!(matches!(
+            Optimizer::parse("adamw", 1.0).unwrap(),
+            Optimizer::Adam { wd: 0.01, .. }
+        ));
         for bad in [
             "rmsprop",
             "momentum",
             "momentum(1.5)",
             "adam(1,2)",
+            "adamw(0.9,0.999,1e-8)",
+            "adamw(0.9,0.999,1e-8,-1)",
             "sgd(0.1)",
             "momentum(0.9",
         ] {

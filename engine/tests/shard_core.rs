@@ -242,6 +242,7 @@ fn optimizer(i: u8) -> Optimizer {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
+            wd: 0.0,
         },
     }
 }

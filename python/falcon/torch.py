@@ -73,12 +73,14 @@ def optimizer_settings(optimizer: torch.optim.Optimizer, *, local: bool | None =
 
     The servers apply the optimizer themselves (one state for the whole job) when they can:
     torch.optim.SGD (with or without momentum; no dampening, no Nesterov), torch.optim.Adam
-    (no amsgrad, no decoupled weight decay) and torch.optim.Adagrad (no lr_decay, initial
-    accumulator 0), weight decay added to each gradient on the worker as PyTorch does. For
-    any other optimizer — AdamW, Nesterov, RMSprop, LAMB, … — or with `local=True`, the
-    workers apply their own: `{"FALCON_OPTIMIZER": "local", "FALCON_LR": "1"}` (see
-    `DistributedOptimizer`). `local=False` insists on the servers' (ConfigError when they
-    cannot)."""
+    and torch.optim.AdamW (no amsgrad) and torch.optim.Adagrad (no lr_decay, initial
+    accumulator 0); weight decay is added to each gradient on the worker as PyTorch does,
+    AdamW's decoupled decay applied by the servers. The job's rate is the first parameter
+    group's (and AdamW's decay the largest group's): each push carries its group's rate (a
+    schedule) and decay as multiples of them. For any other optimizer — Nesterov, RMSprop,
+    LAMB, … — or with `local=True`, the workers apply their own: `{"FALCON_OPTIMIZER":
+    "local", "FALCON_LR": "1"}` (see `DistributedOptimizer`). `local=False` insists on the
+    servers' (ConfigError when they cannot)."""
     if local:
         return dict(LOCAL)
     try:
@@ -93,6 +95,9 @@ def optimizer_settings(optimizer: torch.optim.Optimizer, *, local: bool | None =
         text = f"momentum({extra['momentum']!r})"
     elif kind == "adagrad":
         text = f"adagrad({extra['eps']!r})"
+    elif kind == "adamw":
+        b1, b2 = extra["betas"]
+        text = f"adamw({b1!r},{b2!r},{extra['eps']!r},{extra['weight_decay']!r})"
     else:
         b1, b2 = extra["betas"]
         text = f"adam({b1!r},{b2!r},{extra['eps']!r})"
@@ -118,7 +123,19 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
                 )
         return first
 
-    lr = float(same("lr"))
+    # Groups may differ in their rate (and AdamW's in their decay): each push carries its
+    # group's as a multiple of the job's (the first group's).
+    lr = float(groups[0]["lr"])
+    if lr <= 0:
+        raise _f.ConfigError(f"{name}: the first parameter group's learning rate is {lr}; the job's must be > 0")
+    if "AdamW" in mro or ("Adam" in mro and same("decoupled_weight_decay")):
+        if same("amsgrad"):
+            raise _f.ConfigError(f"{name} with amsgrad=True: the servers apply plain AdamW")
+        if same("maximize"):
+            raise _f.ConfigError(f"{name} with maximize=True is not supported")
+        b1, b2 = (float(b) for b in same("betas"))
+        wd = max(float(g.get("weight_decay", 0) or 0) for g in groups)
+        return "adamw", lr, {"betas": (b1, b2), "eps": float(same("eps")), "weight_decay": wd}
     if "SGD" in mro:
         if same("nesterov"):
             raise _f.ConfigError(f"{name} with nesterov=True: the servers apply plain momentum")
@@ -131,11 +148,6 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
     if "Adam" in mro and "AdamW" not in mro:
         if same("amsgrad"):
             raise _f.ConfigError(f"{name} with amsgrad=True: the servers apply plain Adam")
-        if same("decoupled_weight_decay"):  # PyTorch 2.x: AdamW's rule
-            raise _f.ConfigError(
-                f"{name} with decoupled_weight_decay=True (AdamW's rule): the servers apply "
-                f"Adam, with weight decay added to the gradient"
-            )
         if same("maximize"):
             raise _f.ConfigError(f"{name} with maximize=True is not supported")
         b1, b2 = (float(b) for b in same("betas"))
@@ -190,26 +202,25 @@ def _check_rule(optimizer, job: Mapping) -> float:
             f"the job's servers apply momentum {job['momentum']}, the optimizer has "
             f"{extra['momentum']}: {fix}"
         )
-    if kind == "adam":
+    if kind in ("adam", "adamw"):
         if not all(_close(a, b) for a, b in zip(extra["betas"], job["betas"])) or not _close(
             extra["eps"], job["eps"]
         ):
             raise _f.ConfigError(
-                f"the job's servers apply adam{tuple(job['betas']) + (job['eps'],)}, the "
+                f"the job's servers apply {kind}{tuple(job['betas']) + (job['eps'],)}, the "
                 f"optimizer has betas {extra['betas']} and eps {extra['eps']}: {fix}"
             )
+    if kind == "adamw" and extra["weight_decay"] > 0 and not job["weight_decay"] > 0:
+        raise _f.ConfigError(
+            f"the job's servers apply AdamW without weight decay, the optimizer has "
+            f"{extra['weight_decay']}: {fix}"
+        )
     if kind == "adagrad" and not _close(extra["eps"], job["eps"]):
         raise _f.ConfigError(
             f"the job's servers apply adagrad({job['eps']}), the optimizer has eps "
             f"{extra['eps']}: {fix}"
         )
-    if kind in ("adam", "adagrad") and not _close(lr, job["lr"]):
-        rule = "Adam" if kind == "adam" else "Adagrad"
-        raise _f.ConfigError(
-            f"the job's servers apply {rule} with lr {job['lr']}, the optimizer has {lr}: "
-            f"{fix} ({rule} is blind to a gradient's scale, so the rate cannot be carried "
-            f"by the gradient), or with FALCON_OPTIMIZER=local"
-        )
+    # Any rate: each push carries its group's as a multiple of the job's.
     return float(job["lr"])
 
 
@@ -585,6 +596,9 @@ class _Distributed:
         # kept until step() hands them to the forward pass.
         self._falcon_next: dict[str, object] = {}
         self._falcon_per_step = backward_passes_per_step
+        # The rates the pushes ask for (`_falcon_rates`; (1, 1): the job's own).
+        self._falcon_asked = (1.0, 1.0)
+        w.set_rates()
         self._falcon_hooks = []
         _broadcast_buckets(self._falcon_buckets, w)
         self._falcon_clock = min(w.clock_of(b.name) for b in self._falcon_buckets)
@@ -689,13 +703,10 @@ class _Distributed:
         return hook
 
     def _falcon_gradient(self, b: _Bucket) -> torch.Tensor:
-        """The bucket's gradient to push: weight decay added, scaled by the group's rate over
-        the servers' (a learning-rate schedule carried by the gradient under SGD and
-        momentum)."""
+        """The bucket's gradient to push, weight decay added as PyTorch adds it (AdamW's
+        decoupled decay is the servers'); the push asks for the group's rate and decay as
+        multiples of the job's (`_falcon_rates`)."""
         group = b.group
-        wd = group.get("weight_decay", 0) or 0
-        scale = 1.0
-        lr = float(group["lr"])
         job = self._falcon_job
         if self._falcon_kind == "momentum" and not _close(float(group["momentum"]), job["momentum"]):
             raise _f.ConfigError(
@@ -703,38 +714,43 @@ class _Distributed:
                 f"{job['momentum']} (a momentum schedule, such as OneCycleLR's "
                 f"cycle_momentum, does not reach them: turn it off)"
             )
-        if self._falcon_kind == "adam" and not all(
+        if self._falcon_kind in ("adam", "adamw") and not all(
             _close(float(a), b) for a, b in zip(group["betas"], job["betas"])
         ):
             raise _f.ConfigError(
                 f"Adam's betas changed to {tuple(group['betas'])}; the servers apply "
                 f"{tuple(job['betas'])} (a momentum schedule does not reach them: turn it off)"
             )
-        if not _close(lr, self._falcon_job_lr):
-            if self._falcon_kind in ("adam", "adagrad"):
-                rule = "Adam" if self._falcon_kind == "adam" else "Adagrad"
-                raise _f.ConfigError(
-                    f"the learning rate changed to {lr}; the servers apply {rule} with "
-                    f"{self._falcon_job_lr}, and {rule} is blind to a gradient's scale: for "
-                    f"a schedule under {rule}, start the job with FALCON_OPTIMIZER=local "
-                    f"(each worker applies its own optimizer)"
-                )
-            scale = lr / self._falcon_job_lr
+        self._falcon_rates(group)
+        wd = 0 if self._falcon_kind == "adamw" else (group.get("weight_decay", 0) or 0)
         g = b.grads
-        if wd or scale != 1.0:
+        if wd:
             with torch.no_grad():
                 g = g.clone()
-                if wd:
-                    g.add_(b.values, alpha=wd)
-                    if b.count < b.expect or not b.trainable:
-                        # No decay for a parameter without a gradient (PyTorch skips it).
-                        for i, p in enumerate(b.params):
-                            if not b.fired[i] and (p.grad is None or b.none):
-                                off, n = b.slices[i]
-                                g[off : off + n] = 0
-                if scale != 1.0:
-                    g.mul_(scale)
+                g.add_(b.values, alpha=wd)
+                if b.count < b.expect or not b.trainable:
+                    # No decay for a parameter without a gradient (PyTorch skips it).
+                    for i, p in enumerate(b.params):
+                        if not b.fired[i] and (p.grad is None or b.none):
+                            off, n = b.slices[i]
+                            g[off : off + n] = 0
         return g
+
+    def _falcon_rates(self, group) -> None:
+        """Asks the next pushes for `group`'s learning rate (its schedule) and, under AdamW,
+        its decoupled weight decay, as multiples of the job's."""
+        lr = float(group["lr"]) / self._falcon_job_lr
+        wd = 1.0
+        if self._falcon_kind == "adamw":
+            job_wd = self._falcon_job["weight_decay"]
+            wd = (float(group.get("weight_decay", 0) or 0) / job_wd) if job_wd > 0 else 0.0
+        rates = (lr, wd)
+        if rates != self._falcon_asked:
+            if rates == (1.0, 1.0):
+                self._falcon_worker.set_rates()
+            else:
+                self._falcon_worker.set_rates(lr=lr, weight_decay=wd)
+            self._falcon_asked = rates
 
     def _falcon_ready(self, p):
         slot = self._falcon_slot.get(id(p))
@@ -834,7 +850,7 @@ class _Distributed:
     def _falcon_send_rows(self, b: _Bucket, p):
         g = p.grad
         dim = p.shape[1]
-        scale = self._falcon_scale(b.group)
+        self._falcon_rates(b.group)
         wd = b.group.get("weight_decay", 0) or 0
         with torch.no_grad():
             if g is None:
@@ -850,22 +866,9 @@ class _Distributed:
             vals = vals.to("cpu", torch.float32)
             if wd:
                 vals = vals + wd * p.detach().index_select(0, rows.to(p.device)).cpu()
-            if scale != 1.0:
-                vals = vals * scale
             vals = vals.contiguous()
         self._falcon_worker.push_rows(b.name, rows.numpy(), vals.numpy(), self._falcon_clock, dim)
         b.sent = True
-
-    def _falcon_scale(self, group) -> float:
-        lr = float(group["lr"])
-        if _close(lr, self._falcon_job_lr):
-            return 1.0
-        if self._falcon_kind == "adagrad":
-            raise _f.ConfigError(
-                f"the learning rate changed to {lr}; the servers apply Adagrad with "
-                f"{self._falcon_job_lr}, and Adagrad is blind to a gradient's scale"
-            )
-        return lr / self._falcon_job_lr
 
     # --- each worker's own optimizer ---------------------------------------------------
 
@@ -1098,10 +1101,10 @@ def DistributedOptimizer(
     this returns.
 
     How the optimizer applies (`optimizer_settings`): where the servers apply it (SGD,
-    momentum, Adam, Adagrad), each gradient is pushed with weight decay added, `step()` waits
-    for the pushes and pulls the values the job's policy allows; a learning-rate schedule
-    reaches them under SGD and momentum through the gradient's scale, and a change made to
-    `.grad` after backward does not. With FALCON_OPTIMIZER=local each worker applies its own
+    momentum, Adam, AdamW, Adagrad), each gradient is pushed with weight decay added (AdamW's
+    is the servers'), asking for its parameter group's current learning rate (any schedule)
+    and decay as multiples of the job's; `step()` waits for the pushes and pulls the values
+    the job's policy allows; a change made to `.grad` after backward does not reach them. With FALCON_OPTIMIZER=local each worker applies its own
     optimizer, whatever it is: under a synchronous policy backward ends with `.grad` holding
     the mean of every worker's gradient, so clipping, a gradient scaler and any optimizer
     and schedule run as in one process; under an asynchronous one `step()` pushes the change

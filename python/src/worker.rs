@@ -603,9 +603,11 @@ impl Worker {
                 beta1,
                 beta2,
                 eps,
+                wd,
             } => {
-                d.set_item("optimizer", "adam")?;
+                d.set_item("optimizer", if wd > 0.0 { "adamw" } else { "adam" })?;
                 d.set_item("lr", lr)?;
+                d.set_item("weight_decay", wd)?;
                 d.set_item("betas", (beta1, beta2))?;
                 d.set_item("eps", eps)?;
             }
@@ -808,6 +810,20 @@ impl Worker {
             Ok(v)
         })?;
         buf.copy_from_slice(py, &got)
+    }
+
+    /// Sets what this worker's next pushes ask of the servers' update, as multiples of the
+    /// job's: `lr` × the servers' learning rate (a schedule of your own) and `weight_decay`
+    /// × AdamW's decoupled decay (0 for parameters that take none); each defaults to 1.
+    /// With neither, the job's own. Worker-wide; every push made afterwards carries them.
+    #[pyo3(signature = (lr=None, weight_decay=None))]
+    fn set_rates(&self, lr: Option<f32>, weight_decay: Option<f32>) -> PyResult<()> {
+        let rates =
+            (lr.is_some() || weight_decay.is_some()).then(|| falcon_engine::update::Rates {
+                lr: lr.unwrap_or(1.0),
+                wd: weight_decay.unwrap_or(1.0),
+            });
+        self.w.set_rates(rates).map_err(engine_err)
     }
 
     /// Waits until every live worker has reached this barrier.

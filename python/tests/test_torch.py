@@ -476,7 +476,8 @@ def max_difference(a, b):
 
 def test_optimizer_settings_name_local_for_what_the_servers_cannot_apply():
     params = small_model().parameters()
-    assert ft.optimizer_settings(torch.optim.AdamW(params, lr=0.1)) == ft.LOCAL
+    adamw = ft.optimizer_settings(torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.95)))
+    assert adamw == {"FALCON_OPTIMIZER": "adamw(0.9,0.95,1e-08,0.01)", "FALCON_LR": "0.1"}
     assert ft.optimizer_settings(torch.optim.RMSprop(small_model().parameters())) == ft.LOCAL
     sgd = torch.optim.SGD(small_model().parameters(), lr=0.1)
     assert ft.optimizer_settings(sgd)["FALCON_OPTIMIZER"] == "sgd"
@@ -489,7 +490,8 @@ def test_adamw_warmup_cosine_and_clipping_follow_single_process_pytorch():
     torch.manual_seed(3)
     model = TinyLM()
     ref = copy.deepcopy(model)
-    settings = ft.optimizer_settings(torch.optim.AdamW(model.parameters()))
+    # Clipping between backward() and step(): each worker applies its own AdamW.
+    settings = ft.optimizer_settings(torch.optim.AdamW(model.parameters()), local=True)
     c = falcon.local_cluster(
         workers=1, policy="bsp", optimizer=settings["FALCON_OPTIMIZER"], lr=settings["FALCON_LR"]
     )
@@ -798,4 +800,67 @@ def test_two_workers_with_sparse_embeddings_train_as_one_process_on_the_whole_ba
     for name, p in ref.named_parameters():
         for rank in range(2):
             torch.testing.assert_close(finals[rank][name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{name} on {rank}")
+    c.finish()
+
+
+# --- the servers' optimizers with each push's rates ------------------------------------------
+
+
+def decay_groups(model, make):
+    """The transformer recipe's groups: weight decay on matrices, none on biases, norms and
+    embeddings' positions."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "pos")]
+    return make([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.optim.AdamW(g, lr=3e-3, betas=(0.9, 0.95)),
+        lambda g: torch.optim.Adam(g, lr=3e-3),
+        lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9),
+        lambda g: torch.optim.Adagrad(g, lr=0.05),
+    ],
+    ids=["adamw-groups", "adam", "momentum", "adagrad"],
+)
+def test_the_servers_optimizer_follows_pytorch_through_a_schedule_and_decay_groups(make):
+    # Warm-up then cosine and two groups (decay and none): each push carries its group's
+    # rate and decay as multiples of the job's, so the servers' step is PyTorch's exactly.
+    torch.manual_seed(6)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    opt, ropt = decay_groups(model, make), decay_groups(ref, make)
+    sched, rsched = warmup_cosine(opt, total=20), warmup_cosine(ropt, total=20)
+    settings = ft.optimizer_settings(opt, local=False)
+    c = falcon.local_cluster(workers=1, policy="bsp", optimizer=settings["FALCON_OPTIMIZER"], lr=settings["FALCON_LR"])
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=2048)
+    assert falcon.worker().job["optimizer"] == settings["FALCON_OPTIMIZER"].split("(")[0]
+    for step in range(20):
+        x, y = lm_batch(step)
+        for m, o, s in ((model, dopt, sched), (ref, ropt, rsched)):
+            o.zero_grad()
+            lm_loss(m, x, y).backward()
+            o.step()
+            s.step()
+    assert max_difference(model, ref) <= 1e-4
+    falcon.finish()
+    c.finish()
+
+
+def test_rates_that_are_not_numbers_at_least_zero_are_refused():
+    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.5)
+    w = falcon.init({"w": 4}, env=c.env)
+    for lr, wd in ((-1.0, 1.0), (float("nan"), 1.0), (1.0, float("inf"))):
+        with pytest.raises(falcon.ConfigError, match="finite numbers"):
+            w.set_rates(lr=lr, weight_decay=wd)
+    # Half the rate: the servers' SGD moves half as far.
+    w.init_tensor("w", torch.zeros(4).numpy())
+    w.set_rates(lr=0.5)
+    w.push("w", torch.ones(4).numpy(), 0)
+    out = torch.empty(4)
+    w.pull("w", out.numpy(), 1)
+    torch.testing.assert_close(out, torch.full((4,), -0.25))
+    falcon.finish()
     c.finish()

@@ -36,6 +36,8 @@ pub(super) struct PushRecord {
     pub(super) seq: u64,
     /// Transferred tasks: the straggler and iteration they were taken from.
     pub(super) help_for: Option<(u32, u64)>,
+    /// The rates asked for when it was made ([`crate::Worker::set_rates`]).
+    pub(super) rates: Option<crate::update::Rates>,
 }
 
 /// What a tracked request keeps so that it can be sent again on a new link.

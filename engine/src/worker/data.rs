@@ -52,6 +52,7 @@ impl Worker {
             kind,
             seq,
             help_for: None,
+            rates: self.inner.rates(),
         };
         self.write_record(s, rec, ack)
     }
@@ -449,6 +450,7 @@ impl Inner {
             help_for: rec.help_for,
             pull,
             src: in_place,
+            rates: rec.rates,
         };
         scratch.write_at(0, &trailer.to_bytes())?;
         let imm = Some(

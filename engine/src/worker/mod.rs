@@ -68,7 +68,7 @@
 //! call: closing its links. `granting` is taken under nothing, and only the core under it. Waiting on a signal, or on `changed`, holds no other lock.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -293,6 +293,9 @@ struct Inner {
     /// [`JobConfig::shm_in_place`].
     shm_in_place: bool,
     stop: AtomicBool,
+    /// The rates the next pushes ask for ([`Worker::set_rates`]): the learning rate's and the
+    /// weight decay's factor as two f32 bit patterns (high, low); 0 for none.
+    rates: AtomicU64,
     /// The policy's lock-free pull rule (fixed for the job).
     fast_path: FastPath,
     /// Per-server parts of large pushes and pulls go out at once (see `Worker::per_server`).
@@ -398,6 +401,7 @@ impl Worker {
             timeout: cfg.transport.op_timeout,
             shm_in_place: cfg.shm_in_place,
             stop: AtomicBool::new(false),
+            rates: AtomicU64::new(0),
         });
         Inner::start_threads(&inner, cfg.heartbeat)?;
         Ok(Worker { inner })
@@ -671,6 +675,7 @@ impl Worker {
                 kind: PushKind::Gradient,
                 seq: clock + 1,
                 help_for: None,
+                rates: self.inner.rates(),
             };
             // The pull rides in the push's trailer: one write, answered with the push's
             // acknowledgement in one write back.
@@ -817,6 +822,7 @@ impl Worker {
                 kind,
                 seq: clock + 1,
                 help_for: None,
+                rates: self.inner.rates(),
             };
             let sig = self.write_record(s, rec, AckOf::Push { clock })?;
             self.pushed(s);
@@ -1219,6 +1225,39 @@ impl Worker {
         Ok(slow)
     }
 
+    /// Sets what this worker's next pushes ask of the servers' update, as multiples of the
+    /// job's: the learning rate (a schedule of the worker's own: the servers multiply their
+    /// rate, after their own schedule, by `lr`) and AdamW's decoupled weight decay (`wd`: 0
+    /// for parameters that take none). `None`: the job's own. Every push made after this
+    /// returns carries them (a push sent again after a reconnection carries what it carried
+    /// first); under synchronous updates a step takes the rates of its last push, so every
+    /// worker should ask for the same. Worker-wide: set it from the thread that pushes.
+    /// Factors that are not finite numbers ≥ 0 are a [`Error::Config`].
+    pub fn set_rates(&self, rates: Option<crate::update::Rates>) -> Result<()> {
+        let bits = match rates {
+            None => 0,
+            Some(r) if r.valid() => {
+                let nz = |x: f32| {
+                    if x.to_bits() == 0 {
+                        (-0.0f32).to_bits()
+                    } else {
+                        x.to_bits()
+                    }
+                };
+                (u64::from(nz(r.lr)) << 32) | u64::from(nz(r.wd))
+            }
+            Some(r) => {
+                return Err(Error::Config(format!(
+                    "rates: the learning rate's factor {} and the weight decay's {} must be \
+                     finite numbers ≥ 0",
+                    r.lr, r.wd
+                )));
+            }
+        };
+        self.inner.rates.store(bits, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Waits until every live worker has reached this barrier. Under ElasticBSP a worker
     /// waiting here does not hold the others' superstep barrier (they could never get here).
     pub fn barrier(&self) -> Result<()> {
@@ -1258,6 +1297,17 @@ impl Worker {
         self.inner.sched.close();
         said?;
         Ok(())
+    }
+}
+
+impl Inner {
+    /// The rates the next push asks for ([`Worker::set_rates`]).
+    fn rates(&self) -> Option<crate::update::Rates> {
+        let bits = self.rates.load(Ordering::Relaxed);
+        (bits != 0).then(|| crate::update::Rates {
+            lr: f32::from_bits((bits >> 32) as u32),
+            wd: f32::from_bits(bits as u32),
+        })
     }
 }
 

@@ -93,6 +93,7 @@ impl Worker {
                 kind: PushKind::Help,
                 seq,
                 help_for: Some((straggler, clock)),
+                rates: self.inner.rates(),
             };
             signals.push(self.write_record(s, rec, AckOf::Help)?);
         }

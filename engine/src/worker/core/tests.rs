@@ -200,6 +200,7 @@ impl Bench {
                     kind,
                     seq,
                     help_for: help.then_some((0, 0)),
+                    rates: None,
                 };
                 let req = Request::Ack {
                     shard: shard as u32,
