@@ -136,3 +136,36 @@ def test_distributed_optimizer_on_the_gpu_matches_plain_pytorch(make):
     assert dopt.clock == 25
     falcon.finish()
     c.finish()
+
+
+@needs_gpu
+def test_fp16_autocast_and_a_grad_scaler_follow_one_process_on_the_gpu():
+    # Each worker's own AdamW (FALCON_OPTIMIZER=local): the scaler unscales the mean gradient
+    # in the bucket's views, clipping and the step run as in one process; the buckets live
+    # on the device (one export and one copy per bucket).
+    model, ref = small_model().cuda(), small_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    c = falcon.local_cluster(workers=1, policy="bsp", optimizer="local", lr=1)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    assert len(dopt.buckets) == 1 and model[0].weight.grad is None
+    scalers = {id(dopt): torch.cuda.amp.GradScaler(), id(ropt): torch.cuda.amp.GradScaler()}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 10, generator=g).cuda(), torch.randint(0, 3, (32,), generator=g).cuda()
+    for step in range(15):
+        for m, o in ((model, dopt), (ref, ropt)):
+            scaler = scalers[id(o)]
+            o.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(m(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            scaler.step(o)
+            scaler.update()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert a.is_cuda and a.grad.is_cuda
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=n)
+    falcon.finish()
+    c.finish()
