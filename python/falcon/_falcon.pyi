@@ -88,6 +88,9 @@ class Worker:
         """Pushes the gradients of some rows (row ids, float32 rows); only they travel."""
     def pull_rows(self, tensor: str, rows: Any, out: Any, clock: int, dim: int | None = None) -> None:
         """Pulls some rows into a writable float32 buffer of len(rows) × dim values."""
+    def set_rates(self, lr: float | None = None, weight_decay: float | None = None) -> None:
+        """What the next pushes ask of the servers' update, as multiples of the job's: the
+        learning rate and AdamW's weight decay (each 1 by default; neither: the job's own)."""
     def barrier(self) -> None: ...
     def finish(self) -> None: ...
     def dead_workers(self) -> list[int]: ...

@@ -6,7 +6,8 @@ Two ways in:
   BytePS: the parameters travel in buckets (DDP's fusion), each a tensor of the job; a
   bucket's gradients leave in one exchange as soon as backward has made them all. Two ways to
   apply the optimizer:
-  - the servers apply it (`FALCON_OPTIMIZER` sgd, momentum, adam or adagrad, `FALCON_LR`):
+  - the servers apply it (`FALCON_OPTIMIZER` sgd, momentum, adam, adamw or adagrad,
+    `FALCON_LR`; each push carries its parameter group's current rate and decay):
     the wrapped optimizer must describe the same one, its state lives on the servers (one
     copy for the whole job), and `step()` pulls the values the job's policy lets this clock
     see into the parameters;
@@ -135,6 +136,8 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
             raise _f.ConfigError(f"{name} with maximize=True is not supported")
         b1, b2 = (float(b) for b in same("betas"))
         wd = max(float(g.get("weight_decay", 0) or 0) for g in groups)
+        if wd == 0:  # AdamW without decay is Adam (the servers name it so)
+            return "adam", lr, {"betas": (b1, b2), "eps": float(same("eps"))}
         return "adamw", lr, {"betas": (b1, b2), "eps": float(same("eps")), "weight_decay": wd}
     if "SGD" in mro:
         if same("nesterov"):
@@ -163,9 +166,9 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
             raise _f.ConfigError(f"{name} with maximize=True is not supported")
         return "adagrad", lr, {"eps": float(same("eps"))}
     raise _f.ConfigError(
-        f"the servers apply SGD (with or without momentum), Adam or Adagrad; {name} is none "
-        f"of them: start the job with FALCON_OPTIMIZER=local (each worker applies its own "
-        f"optimizer), or wrap torch.optim.SGD, torch.optim.Adam or torch.optim.Adagrad"
+        f"the servers apply SGD (with or without momentum), Adam, AdamW or Adagrad; {name} "
+        f"is none of them: start the job with FALCON_OPTIMIZER=local (each worker applies its "
+        f"own optimizer), or wrap torch.optim.SGD, Adam, AdamW or Adagrad"
     )
 
 
@@ -387,8 +390,9 @@ def _plan(optimizer, named, bucket_bytes: int, rows: set[int]) -> list[tuple[str
     """The job's tensors for `named`: (name, indices into `named`). With `bucket_bytes` 0,
     one tensor per parameter, named as it. Otherwise, as DDP's buckets: the parameters in
     reverse order (the order backward makes their gradients), those of one parameter group,
-    device type and trainability together, a bucket closed once it holds `bucket_bytes`;
-    named `falcon.bucket<k>`. A sparse embedding's weight is a tensor of its own (its
+    device and trainability together, a bucket closed once it holds `bucket_bytes`;
+    named `bucket:<its first parameter>+<its parameters>` (two optimizers on one worker need
+    parameters named apart, as they would unfused). A sparse embedding's weight is a tensor of its own (its
     gradient travels as rows)."""
     if bucket_bytes == 0:
         return [(n, [i]) for i, (n, _) in enumerate(named)]
@@ -403,7 +407,7 @@ def _plan(optimizer, named, bucket_bytes: int, rows: set[int]) -> list[tuple[str
         if id(p) in rows:
             plan.append((n, [i]))
             continue
-        key = (group_of.get(id(p)), p.device.type, p.requires_grad)
+        key = (group_of.get(id(p)), str(p.device), p.requires_grad)
         if key not in open_:
             open_[key] = ([], [0])
             buckets.append(open_[key][0])
@@ -412,13 +416,8 @@ def _plan(optimizer, named, bucket_bytes: int, rows: set[int]) -> list[tuple[str
         size[0] += 4 * p.numel()
         if size[0] >= bucket_bytes:
             del open_[key]
-    taken = {n for n, _ in named}
-    k = 0
     for members in buckets:
-        while f"falcon.bucket{k}" in taken:
-            k += 1
-        plan.append((f"falcon.bucket{k}", members))
-        k += 1
+        plan.append((f"bucket:{named[members[0]][0]}+{len(members)}", members))
     return plan
 
 
@@ -596,17 +595,16 @@ class _Distributed:
         # kept until step() hands them to the forward pass.
         self._falcon_next: dict[str, object] = {}
         self._falcon_per_step = backward_passes_per_step
-        # The rates the pushes ask for (`_falcon_rates`; (1, 1): the job's own).
-        self._falcon_asked = (1.0, 1.0)
-        w.set_rates()
         self._falcon_hooks = []
         _broadcast_buckets(self._falcon_buckets, w)
         self._falcon_clock = min(w.clock_of(b.name) for b in self._falcon_buckets)
         if self._falcon_local:
             for b in self._falcon_buckets:
                 b.mean = torch.empty_like(b.values)
-            # This backward's exchanges are waited for at its end (once queued).
-            self._falcon_queued = False
+            # Backward passes since the last exchange; whether one is under way; whether the
+            # step's mean is in `.grad` (until step()).
+            self._falcon_backwards = 0
+            self._falcon_in_backward = False
             self._falcon_averaged = False
         # Pulls go out in the order of first use in the forward pass (learnt from the first
         # forward with a model; the buckets' order until then) and, with a model, each
@@ -700,7 +698,15 @@ class _Distributed:
             if b.count >= b.expect:
                 self._falcon_full(b)
 
-        return hook
+        if not self._falcon_local:
+            return hook
+
+        def local_hook(*_):
+            if not self._falcon_in_backward:
+                self._falcon_begin()
+            hook()
+
+        return local_hook
 
     def _falcon_gradient(self, b: _Bucket) -> torch.Tensor:
         """The bucket's gradient to push, weight decay added as PyTorch adds it (AdamW's
@@ -721,7 +727,10 @@ class _Distributed:
                 f"Adam's betas changed to {tuple(group['betas'])}; the servers apply "
                 f"{tuple(job['betas'])} (a momentum schedule does not reach them: turn it off)"
             )
-        self._falcon_rates(group)
+        # A bucket of frozen parameters asks for no decoupled decay (PyTorch's AdamW skips
+        # a parameter without a gradient; one that backward merely missed this step is
+        # decayed with its bucket).
+        self._falcon_rates(group, decays=b.trainable > 0)
         wd = 0 if self._falcon_kind == "adamw" else (group.get("weight_decay", 0) or 0)
         g = b.grads
         if wd:
@@ -736,21 +745,19 @@ class _Distributed:
                             g[off : off + n] = 0
         return g
 
-    def _falcon_rates(self, group) -> None:
-        """Asks the next pushes for `group`'s learning rate (its schedule) and, under AdamW,
-        its decoupled weight decay, as multiples of the job's."""
+    def _falcon_rates(self, group, decays: bool = True) -> None:
+        """Asks the next push for `group`'s learning rate (its schedule) and, under AdamW, its
+        decoupled weight decay (none where `decays` is false: a bucket of frozen parameters),
+        as multiples of the job's. The setting is the worker's: made right before each push
+        (another optimizer on the same worker may have set its own)."""
         lr = float(group["lr"]) / self._falcon_job_lr
         wd = 1.0
         if self._falcon_kind == "adamw":
             job_wd = self._falcon_job["weight_decay"]
             wd = (float(group.get("weight_decay", 0) or 0) / job_wd) if job_wd > 0 else 0.0
-        rates = (lr, wd)
-        if rates != self._falcon_asked:
-            if rates == (1.0, 1.0):
-                self._falcon_worker.set_rates()
-            else:
-                self._falcon_worker.set_rates(lr=lr, weight_decay=wd)
-            self._falcon_asked = rates
+            if not decays:
+                wd = 0.0
+        self._falcon_worker.set_rates(lr=lr, weight_decay=wd)
 
     def _falcon_ready(self, p):
         slot = self._falcon_slot.get(id(p))
@@ -775,22 +782,32 @@ class _Distributed:
 
     def _falcon_full(self, b: _Bucket):
         """Backward has made every gradient of `b`: it leaves."""
-        if self._falcon_local and not self._falcon_queued:
-            # The end of this backward waits for the mean of every gradient (as DDP's).
-            torch.autograd.Variable._execution_engine.queue_callback(self._falcon_average)
-            self._falcon_queued = True
         self._falcon_send(b)
+
+    def _falcon_begin(self):
+        """Each worker's own optimizer, synchronous policy: the first gradient of a backward.
+        A backward after an exchange that no `step()` followed (a gradient scaler that found
+        infinities skips the step) is the next exchange. The backward that completes the
+        step's passes (`backward_passes_per_step`) ends waiting for the mean of every
+        gradient, as DDP's does, whether or not a bucket filled during it."""
+        self._falcon_in_backward = True
+        if self._falcon_averaged:
+            self._falcon_averaged = False
+        self._falcon_backwards += 1
+        engine = torch.autograd.Variable._execution_engine
+        if self._falcon_backwards >= self._falcon_per_step:
+            engine.queue_callback(self._falcon_average)
+        else:
+            engine.queue_callback(self._falcon_end_pass)
+
+    def _falcon_end_pass(self):
+        self._falcon_in_backward = False
 
     def _falcon_send(self, b: _Bucket):
         """Pushes the bucket's gradient and asks, in the same exchange, for the values of the
         next clock into its parameters (server-side optimizers; written when step() or the
         forward pass waits for them) or for the step's mean gradient (each worker's own
         optimizer under a synchronous policy; the servers leave the mean as the values)."""
-        if self._falcon_local and self._falcon_averaged:
-            raise _f.ClockError(
-                f"the gradients of {b.names} are ready again before step(): call step() "
-                f"after each backward, or pass backward_passes_per_step=N to accumulate N"
-            )
         pending = self._falcon_pending.pop(b.name, None)
         if pending is not None:
             # The last step's values land before this step's are asked for.
@@ -877,7 +894,8 @@ class _Distributed:
         without a gradient sends zeros), waits for every exchange, and puts each parameter's
         mean gradient in `.grad` — a parameter without a gradient here gets one where another
         worker's had one. Runs at the end of backward, or from step()."""
-        self._falcon_queued = False
+        self._falcon_in_backward = False
+        self._falcon_backwards = 0
         if self._falcon_averaged:
             return
         for b in self._falcon_buckets:
@@ -1001,6 +1019,7 @@ class _Distributed:
         worker's own optimizer (FALCON_OPTIMIZER=local): the optimizer's own step, on the
         mean gradient (synchronous policies) or on this worker's, whose change then goes to
         the servers (asynchronous ones)."""
+        self._falcon_check_views()
         # A scheduler made on the wrapped optimizer counts its steps there.
         base = self._falcon_base
         if base is not self and hasattr(base, "_step_count"):
@@ -1014,6 +1033,17 @@ class _Distributed:
         self.synchronize()
         self._falcon_next_clock()
         return loss
+
+    def _falcon_check_views(self) -> None:
+        """The parameters still lie in their buckets (a pull writes there): a model moved or
+        parameters replaced after the optimizer was made would silently stop training."""
+        for b in self._falcon_buckets:
+            if not b.rows and b.params[0].data_ptr() != b.values.data_ptr():
+                raise _f.ConfigError(
+                    f"parameter {b.names[0]!r} no longer lies in its bucket: the model was "
+                    f"moved (model.to(), .half()) or its parameters replaced after "
+                    f"DistributedOptimizer was made; make the optimizer after moving the model"
+                )
 
     @property
     def clock(self) -> int:

@@ -380,7 +380,8 @@ def test_each_step_is_one_push_pull_per_tensor(bucket_bytes):
     falcon.init(env=c.env)
     dopt = ft.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=bucket_bytes)
     names = [n for n, _ in model.named_parameters()]
-    tensors = {0: names, 1: [f"falcon.bucket{k}" for k in range(len(names))], None: ["falcon.bucket0"]}
+    one_each = [f"bucket:{n}+1" for n in reversed(names)]
+    tensors = {0: names, 1: one_each, None: [f"bucket:{names[-1]}+{len(names)}"]}
     assert [t for t, _ in dopt.buckets] == tensors[bucket_bytes]
     if bucket_bytes == 1:  # reverse order: the last parameter's gradient is made first
         assert [ps for _, ps in dopt.buckets] == [[n] for n in reversed(names)]
@@ -635,7 +636,7 @@ def test_buckets_follow_single_process_pytorch_at_every_boundary(make, local):
     by = {n: t for t, ns in dopt.buckets for n in ns}
     assert by["big.weight"] != by["big.bias"]  # other parameter group
     assert len({by["small.bias"], by["mid.bias"], by["big.bias"], by["unused"]}) == 1
-    assert [t for t, _ in dopt.buckets] == [f"falcon.bucket{k}" for k in range(len(buckets))]
+    assert all(t == f"bucket:{ps[0]}+{len(ps)}" for t, ps in dopt.buckets)
     assert dict(falcon.worker().tensors) == dict(ft.job_tensors(opt, model.named_parameters(), bucket_bytes=1024))
     x, y = data(n=16)
     for step in range(12):
@@ -669,13 +670,16 @@ def test_bucket_bytes_is_checked_and_a_worker_of_other_tensors_is_refused():
     c.finish()
 
 
-def test_bf16_autocast_on_the_cpu_trains_as_in_one_process():
+@pytest.mark.parametrize("wire", ["f32", "bf16"])
+def test_bf16_autocast_on_the_cpu_trains_as_in_one_process(wire):
+    # With FALCON_WIRE=bf16 the gradients and their mean travel in 16 bits: rounded, so
+    # near one process but no longer equal to it.
     torch.manual_seed(3)
     start = TinyLM()
     model, ref = copy.deepcopy(start), copy.deepcopy(start)
     ropt, rsched = adamw_recipe(ref.parameters())
     opt, sched = adamw_recipe(model.parameters())
-    c = falcon.local_cluster(workers=1, policy="bsp", **{"optimizer": "local", "lr": 1})
+    c = falcon.local_cluster(workers=1, policy="bsp", optimizer="local", lr=1, wire=wire)
     falcon.init(env=c.env)
     dopt = ft.DistributedOptimizer(opt, model.named_parameters())
     for step in range(8):
@@ -688,7 +692,10 @@ def test_bf16_autocast_on_the_cpu_trains_as_in_one_process():
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
             o.step()
             s.step()
-    assert max_difference(model, ref) <= 1e-4
+    if wire == "f32":
+        assert max_difference(model, ref) <= 1e-4
+    else:
+        assert 0 < max_difference(model, ref) <= 2e-2
     falcon.finish()
     c.finish()
 
@@ -863,4 +870,169 @@ def test_rates_that_are_not_numbers_at_least_zero_are_refused():
     w.pull("w", out.numpy(), 1)
     torch.testing.assert_close(out, torch.full((4,), -0.25))
     falcon.finish()
+    c.finish()
+
+
+# --- what a reviewer found: each a scenario that went wrong -----------------------------------
+
+
+def test_a_skipped_step_is_no_clock_error_with_each_workers_own_optimizer():
+    # A gradient scaler that finds infinities skips step(); the next backward is the next
+    # exchange, as under DDP.
+    torch.manual_seed(3)
+    start = TinyLM()
+    model, ref = copy.deepcopy(start), copy.deepcopy(start)
+    ropt, _ = adamw_recipe(ref.parameters())
+    opt, _ = adamw_recipe(model.parameters())
+    c = falcon.local_cluster(workers=1, policy="bsp", optimizer="local", lr=1)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    for step in range(6):
+        x, y = lm_batch(step)
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            lm_loss(m, x, y).backward()
+            if step != 2:  # skipped, as a scaler would
+                o.step()
+    assert max_difference(model, ref) <= 1e-4
+    falcon.finish()
+    c.finish()
+
+
+def test_two_optimizers_on_one_worker_each_carry_their_own_schedule():
+    # A GAN's two optimizers: the rate each push asks for is its own optimizer's, and their
+    # buckets are named after their own (distinctly named) parameters.
+    def pair():
+        torch.manual_seed(8)
+        return small_model(), small_model(seed=9)
+
+    (a, b), (ra, rb) = pair(), pair()
+    named_a = [(f"g.{n}", p) for n, p in a.named_parameters()]
+    named_b = [(f"d.{n}", p) for n, p in b.named_parameters()]
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    oa, ob, roa, rob = make(a.parameters()), make(b.parameters()), make(ra.parameters()), make(rb.parameters())
+    sa, rsa = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (oa, roa))
+    c = cluster_for(oa)
+    falcon.init(ft.job_tensors(oa, named_a) + ft.job_tensors(ob, named_b), env=c.env)
+    da, db = ft.DistributedOptimizer(oa, named_a), ft.DistributedOptimizer(ob, named_b)
+    x, y = data()
+    for _ in range(6):
+        for (m, o, s) in ((a, da, sa), (ra, roa, rsa)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+        for (m, o) in ((b, db), (rb, rob)):  # a constant rate: 1 × the job's
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    for got, want in ((a, ra), (b, rb)):
+        for (n, p), q in zip(got.named_parameters(), want.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    falcon.finish()
+    c.finish()
+
+
+def test_adamw_without_decay_runs_on_the_servers_as_adam_and_frozen_parameters_do_not_decay():
+    assert ft.optimizer_settings(torch.optim.AdamW(small_model().parameters(), weight_decay=0))[
+        "FALCON_OPTIMIZER"
+    ].startswith("adam(")
+    model, ref = _Mixed(), _Mixed()
+    frozen_before = model.frozen.detach().clone()
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight") or n == "frozen"]
+        rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") or n == "frozen")]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.01)
+
+    opt, ropt = groups(model), groups(ref)
+    s = ft.optimizer_settings(opt)
+    assert s["FALCON_OPTIMIZER"].startswith("adamw(")
+    c = falcon.local_cluster(workers=1, policy="bsp", optimizer=s["FALCON_OPTIMIZER"], lr=s["FALCON_LR"])
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=1024)
+    x, y = data(n=16)
+    for _ in range(8):
+        for m, o in ((model, dopt), (ref, ropt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    dopt.wait_pulls()
+    torch.testing.assert_close(model.frozen, frozen_before)  # PyTorch skips it: no decay
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    falcon.finish()
+    c.finish()
+
+
+def test_a_model_moved_after_the_optimizer_was_made_is_a_clear_error():
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    c = cluster_for(opt)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    for p in model.parameters():  # what model.to(other device) does
+        p.data = p.data.clone()
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(falcon.ConfigError, match="no longer lies in its bucket"):
+        dopt.step()
+    falcon.finish()
+    c.finish()
+
+
+def test_two_workers_average_before_clipping_even_when_no_bucket_fills():
+    # An unused parameter shares the only bucket: it never fills during backward, yet
+    # backward ends with the mean in .grad, so clipping clips the mean, as one process
+    # clips the whole batch's gradient.
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(2)
+            self.lin = torch.nn.Linear(10, 3)
+            self.unused = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    x, y = data(n=16)
+    ref = WithUnused()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for _ in range(6):
+        ropt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ropt.step()
+    c = falcon.local_cluster(workers=2, policy="bsp", optimizer="local", lr=1)
+    models = [WithUnused(), WithUnused()]
+    probe = torch.optim.AdamW(models[0].parameters(), lr=0.05)
+    names = ft.job_tensors(probe, models[0].named_parameters())
+    assert len(names) == 1
+    errors = []
+
+    def run(rank):
+        try:
+            w = falcon.Worker.join(names, {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
+            m = models[rank]
+            dopt = ft.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=0.05), m.named_parameters(), worker=w)
+            part = slice(8 * rank, 8 * rank + 8)
+            for _ in range(6):
+                dopt.zero_grad()
+                F.cross_entropy(m(x[part]), y[part]).backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                dopt.step()
+            w.finish()
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts), "a worker hangs"
+    assert not errors, errors
+    for m in models:
+        torch.testing.assert_close(m.lin.weight, ref.lin.weight, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(m.unused, ref.unused)
     c.finish()
