@@ -79,6 +79,12 @@ pub struct LocalArgs {
     /// `;`-separated.
     #[arg(long, env = "FALCON_HETERO", value_delimiter = ';')]
     hetero: Vec<String>,
+    /// Workers held to a CPU quota the kernel enforces, RANKS:CPUS[,...] (RANKS: N, A-B or
+    /// *; CPUS > 0: 3:0.25 gives worker 3 a quarter of one CPU's time): each such worker
+    /// process in a control group of its own (cgroup v1 `cpu` or v2 `cpu.max`), made and
+    /// removed by falcon. Where cgroups are not writable, said so and skipped.
+    #[arg(long, env = "FALCON_CPU_QUOTA", value_name = "RANKS:CPUS")]
+    cpu_quota: Option<String>,
     /// With server checkpoints (FALCON_CHECKPOINT_DIR): how long the job waits for a dead
     /// server to restart from its checkpoint, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 60_000,
@@ -364,6 +370,12 @@ pub fn local(a: LocalArgs) -> crate::Res {
         .name("falcon-scheduler-out".into())
         .spawn(move || forward_scheduler(out, &addr_tx))?;
     let addr = announced(&mut procs, &interrupts, &addr_rx)?;
+    let quotas = match &a.cpu_quota {
+        Some(q) => falcon_engine::quota::parse_quotas(q, a.workers)?,
+        None => Vec::new(),
+    };
+    // The groups live until the job has ended (then they are empty and removed).
+    let mut groups = Vec::new();
     let roles = (0..a.servers)
         .map(|r| ("server", r))
         .chain((0..a.workers).map(|r| ("worker", r)));
@@ -373,12 +385,32 @@ pub fn local(a: LocalArgs) -> crate::Res {
         }
         let mut c = command(role, Some(r));
         c.env("FALCON_SCHEDULER", &addr);
-        if let Err(e) = procs.spawn(format!("{role} {r}"), c) {
-            procs.stop(rustix::process::Signal::TERM);
-            return Err(e.into());
+        let pid = match procs.spawn(format!("{role} {r}"), c) {
+            Ok(p) => p.child.id(),
+            Err(e) => {
+                procs.stop(rustix::process::Signal::TERM);
+                return Err(e.into());
+            }
+        };
+        if let (true, Some(Some(cpus))) = (role == "worker", quotas.get(r as usize)) {
+            let name = format!("falcon-{}-worker{r}", std::process::id());
+            match falcon_engine::quota::CpuQuota::new(&name, *cpus)
+                .and_then(|q| q.add(pid).map(|()| q))
+            {
+                Ok(q) => {
+                    outln!(
+                        "falcon: worker {r} held to {cpus} CPUs ({})",
+                        q.dir().display()
+                    );
+                    groups.push(q);
+                }
+                Err(e) => outln!("falcon: SKIPPED: worker {r}'s CPU quota: {e}"),
+            }
         }
     }
-    watch(&mut procs, &interrupts)?;
+    let watched = watch(&mut procs, &interrupts);
+    drop(groups);
+    watched?;
     let _ = forward.join();
     for p in &mut procs.procs {
         if let Some(h) = p.forward.take() {
@@ -461,8 +493,11 @@ fn check_local(a: &LocalArgs) -> Result<falcon_trainer::job::Timeouts, Box<dyn s
         // What the workers will read: FALCON_BATCH, FALCON_TASKS, FALCON_THREADS, …
         crate::train_cmd::trainer_env(a.workers)?;
     }
-    // The heterogeneity's ranks must be workers of this job.
+    // The heterogeneity's ranks must be workers of this job, and so must the quotas'.
     checks::setting(falcon_trainer::hetero::assign(a.workers, &a.hetero))?;
+    if let Some(q) = &a.cpu_quota {
+        checks::setting(falcon_engine::quota::parse_quotas(q, a.workers))?;
+    }
     let threads = if train {
         checks::env_value(&["FALCON_THREADS"], 1, checks::at_least_one_u64)?
     } else {

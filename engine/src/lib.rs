@@ -29,6 +29,7 @@ pub mod launch;
 pub mod postoffice;
 pub mod precision;
 pub mod proto;
+pub mod quota;
 pub mod rows;
 pub mod shard;
 // The roles map real shared memory with std atomics; the loom build (`--cfg loom`) models

@@ -25,7 +25,11 @@ run's time to it is the wall time from its first step to the first step at or be
 Every process runs one torch thread.
 
     python3 python/bench/ddp.py [--model cnn|lm|both] [--workers 2] [--rounds 3] [--steps 30]
-        [--sides ddp,falcon[,plain]]
+        [--sides ddp,falcon[,plain]] [--cpu-quota RANK:CPUS[,...]]
+
+`--cpu-quota 1:0.25` holds worker 1's process (on every side) to a quarter of one CPU in a
+control group of its own (`falcon.CpuQuota`: a slow machine the kernel enforces); where
+cgroups are not writable the run stops saying so.
 
 Prints a Markdown table and, last, one JSON line (`RESULT {...}`).
 """
@@ -181,11 +185,22 @@ def run(side, kind, args):
         ]
     for p in procs:
         p.start()
+    groups = []
+    for r, p in enumerate(procs):
+        cpus = args.quotas.get(r)
+        if cpus is not None:
+            import falcon
+
+            q = falcon.CpuQuota(f"falcon-{os.getpid()}-bench-{side}-{r}", cpus)
+            q.add(p.pid)
+            groups.append(q)
     got = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(60)
         if p.exitcode != 0:
             raise SystemExit(f"{side} worker exited {p.exitcode}")
+    for q in groups:
+        q.close()
     if cluster is not None:
         cluster.finish()
     # The run's curve: each step's mean loss over the workers, at the slowest one's time.
@@ -214,7 +229,12 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64, help="the global batch")
     ap.add_argument("--sides", default="ddp,falcon", help="of ddp, falcon, plain")
+    ap.add_argument("--cpu-quota", default="", help="RANK:CPUS[,...]: workers held to CPU quotas")
     args = ap.parse_args(argv)
+    args.quotas = {}
+    for part in filter(None, args.cpu_quota.split(",")):
+        rank, cpus = part.split(":")
+        args.quotas[int(rank)] = float(cpus)
     sides = args.sides.split(",")
     if not set(sides) <= {"ddp", "falcon", "plain"} or not {"ddp", "falcon"} <= set(sides):
         raise SystemExit("--sides: ddp and falcon, and plain if wanted")

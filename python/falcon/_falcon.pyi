@@ -112,6 +112,21 @@ class Cluster:
     def env(self) -> dict[str, str]: ...
     def finish(self, timeout: float | None = None) -> dict[str, Any]: ...
 
+class CpuQuota:
+    """A control group holding its processes to `cpus` CPUs (cgroup v1 `cpu` or v2
+    `cpu.max`): a slow machine the kernel enforces. Removed by `close()` or at the end of a
+    `with` block. Where cgroups are not writable, making one raises an Error that says so."""
+
+    def __init__(self, name: str, cpus: float) -> None: ...
+    def add(self, pid: int) -> None:
+        """Moves process `pid` (with its threads) into the group."""
+    @property
+    def path(self) -> str | None: ...
+    @property
+    def cpus(self) -> float | None: ...
+    def close(self) -> None:
+        """Removes the group once its processes have left it (ended)."""
+
 class Tasks:
     """The tasks of one iteration: each claimed or taken exactly once."""
 

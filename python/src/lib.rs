@@ -23,6 +23,7 @@ use pyo3::prelude::*;
 #[cfg(feature = "cuda")]
 mod device;
 mod dlpack;
+mod quota;
 mod roles;
 mod tasks;
 mod worker;
@@ -178,6 +179,7 @@ fn _falcon(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<roles::Cluster>()?;
     m.add_function(wrap_pyfunction!(roles::serve, m)?)?;
     m.add_class::<tasks::Tasks>()?;
+    m.add_class::<quota::CpuQuota>()?;
     m.add_class::<tasks::Hetero>()?;
     m.add_function(wrap_pyfunction!(tasks::hetero_of, m)?)?;
     m.add_function(wrap_pyfunction!(tasks::load_fashion_mnist, m)?)?;
