@@ -56,9 +56,9 @@ fn a_busy_process_in_a_quota_group_is_throttled_and_the_group_removed_after() {
     assert!(!dir.exists(), "{} is removed", dir.display());
 }
 
-#[test]
-fn falcon_local_holds_a_worker_to_its_quota_and_refuses_a_rank_it_lacks() {
-    let out = Command::new(FALCON)
+/// A short synthetic `falcon local` job of 2 workers with `--cpu-quota quota`.
+fn local_with_quota(quota: &str) -> std::process::Output {
+    Command::new(FALCON)
         .args([
             "local",
             "--workers",
@@ -68,26 +68,19 @@ fn falcon_local_holds_a_worker_to_its_quota_and_refuses_a_rank_it_lacks() {
             "--floats",
             "1024",
         ])
-        .args(["--cpu-quota", "9:0.5"])
+        .args(["--cpu-quota", quota])
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn falcon_local_holds_a_worker_to_its_quota_and_refuses_a_rank_it_lacks() {
+    let out = local_with_quota("9:0.5");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("RANKS:CPUS") && err.contains("9-9"), "{err}");
 
-    let out = Command::new(FALCON)
-        .args([
-            "local",
-            "--workers",
-            "2",
-            "--iters",
-            "20",
-            "--floats",
-            "1024",
-        ])
-        .args(["--cpu-quota", "1:0.5"])
-        .output()
-        .unwrap();
+    let out = local_with_quota("1:0.5");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -36,6 +36,17 @@ def cluster_for(opt, workers=1, policy="bsp"):
     )
 
 
+def in_threads(run, workers=2):
+    """Runs `run(rank)` on a thread per worker (each a worker of the job); fails on a worker
+    that hangs."""
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts), "a worker hangs"
+
+
 @pytest.fixture(autouse=True)
 def no_worker_left():
     yield
@@ -182,12 +193,7 @@ def test_every_policy_trains_through_the_optimizer(policy):
         except BaseException as e:  # reported by the main thread
             results[rank] = e
 
-    ts = [threading.Thread(target=train, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    assert not any(t.is_alive() for t in ts), f"{policy}: a worker hangs"
+    in_threads(train)
     for r in results:
         if isinstance(r, BaseException):
             raise r
@@ -213,12 +219,8 @@ def test_broadcast_parameters_gives_everyone_rank_0s_values():
         except BaseException as e:
             errors.append(e)
 
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     want = copy.deepcopy(models[0].state_dict())
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
+    in_threads(run)
     assert not errors, errors
     for k, v in models[1].state_dict().items():
         torch.testing.assert_close(v, want[k])
@@ -541,11 +543,7 @@ def test_two_workers_with_their_own_adamw_train_as_one_process_on_the_whole_batc
         except BaseException as e:
             errors.append(e)
 
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
+    in_threads(run)
     assert not errors, errors
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b), "the replicas differ"
@@ -797,12 +795,7 @@ def test_two_workers_with_sparse_embeddings_train_as_one_process_on_the_whole_ba
         except BaseException as e:
             errors.append(e)
 
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    assert not any(t.is_alive() for t in ts), "a worker hangs"
+    in_threads(run)
     assert not errors, errors
     for name, p in ref.named_parameters():
         for rank in range(2):
@@ -1025,12 +1018,7 @@ def test_two_workers_average_before_clipping_even_when_no_bucket_fills():
         except BaseException as e:
             errors.append(e)
 
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    assert not any(t.is_alive() for t in ts), "a worker hangs"
+    in_threads(run)
     assert not errors, errors
     for m in models:
         torch.testing.assert_close(m.lin.weight, ref.lin.weight, rtol=1e-4, atol=1e-5)
