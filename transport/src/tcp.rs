@@ -462,7 +462,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                     ));
                 }
                 Ok(n) => hs.sent(n),
-                Err(e) if heard.is_empty() && is_reset(&e) => return Err(reset_busy(stream, &e)),
+                Err(e) if is_reset(&e) => return Err(reset_busy(stream, &e)),
                 Err(e) => handshake_io(e, "send tcp hello", &timed_out)?,
             }
         }
@@ -506,7 +506,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, cfg: &TcpSettings, ask: u32) -> 
                     return Err(named(e, stream, &heard));
                 }
             }
-            Err(e) if heard.is_empty() && is_reset(&e) => return Err(reset_busy(stream, &e)),
+            Err(e) if is_reset(&e) => return Err(reset_busy(stream, &e)),
             Err(e) => handshake_io(e, "receive tcp hello", &timed_out)?,
         }
     }
@@ -517,8 +517,9 @@ fn is_reset(e: &std::io::Error) -> bool {
     matches!(e.kind(), ConnectionReset | ConnectionAborted | BrokenPipe)
 }
 
-/// A reset before the peer said anything: a wall that had to let us go, or a process that
-/// died; the caller retries it as it retries a busy peer.
+/// A reset during the handshake, before or after the peer's hello (a peer that refuses says
+/// why; a foreign one is known by its first bytes): a wall that had to let us go, or a process
+/// that died; the caller retries it as it retries a busy peer, until its deadline.
 fn reset_busy(stream: &TcpStream, e: &std::io::Error) -> Error {
     Error::Busy {
         peer: peer_name(stream),

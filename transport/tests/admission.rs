@@ -144,3 +144,46 @@ fn a_full_wall_still_lets_a_less_represented_address_in() {
     assert_eq!(server.admission().over_cap, 3);
     drop(flood);
 }
+
+#[test]
+fn a_reset_after_the_peers_hello_is_a_busy_peer_tried_again() {
+    // A peer that answers the hello (the connector's own, echoed: a valid record of this job)
+    // and then resets the connection, as a wall that lets a handshake go in the middle does:
+    // the connector tries again until its handshake deadline, then says the peer is busy
+    // (it was an I/O error, which stopped a worker's rendezvous at once).
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let to = l.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted = seen.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut hello = [0u8; 512];
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let Ok(n) = s.read(&mut hello) else { continue };
+            let _ = std::io::Write::write_all(&mut s, &hello[..n]);
+            let _ = s.read(&mut hello); // its proof
+            socket2::SockRef::from(&s)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
+        }
+    });
+    let t = with(
+        "tok",
+        TransportConfig {
+            handshake_timeout: Duration::from_millis(600),
+            ..TransportConfig::default()
+        },
+    );
+    let peer: falcon_transport::PeerAddr = format!("host=elsewhere;tcp={to}").parse().unwrap();
+    match t.connect_with(&peer, Medium::Tcp) {
+        Err(Error::Busy { why, .. }) => assert!(why.contains("reset"), "{why}"),
+        Err(e) => panic!("a reset mid-handshake must be a busy peer: {e}"),
+        Ok(_) => panic!("the fake peer never completes a handshake"),
+    }
+    assert!(
+        seen.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "tried again"
+    );
+}
