@@ -272,8 +272,11 @@ pub fn parse_quotas(text: &str, workers: u32) -> Result<Vec<Option<f64>>> {
         let (lo, hi) = match ranks {
             "*" => (0, workers.saturating_sub(1)),
             r => match r.split_once('-') {
-                Some((a, b)) => (a.trim().parse().ok(), b.trim().parse().ok())
-                    .zip_ok()
+                Some((a, b)) => a
+                    .trim()
+                    .parse()
+                    .ok()
+                    .zip(b.trim().parse().ok())
                     .ok_or_else(|| err(format!("{r:?} is not a range of ranks")))?,
                 None => {
                     let n = r.parse().map_err(|_| err(format!("{r:?} is not a rank")))?;
@@ -291,16 +294,6 @@ pub fn parse_quotas(text: &str, workers: u32) -> Result<Vec<Option<f64>>> {
         }
     }
     Ok(out)
-}
-
-trait ZipOk<A, B> {
-    fn zip_ok(self) -> Option<(A, B)>;
-}
-
-impl<A, B> ZipOk<A, B> for (Option<A>, Option<B>) {
-    fn zip_ok(self) -> Option<(A, B)> {
-        self.0.zip(self.1)
-    }
 }
 
 #[cfg(test)]
