@@ -78,7 +78,10 @@ fn falcon_local_holds_a_worker_to_its_quota_and_refuses_a_rank_it_lacks() {
     let out = local_with_quota("9:0.5");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("RANKS:CPUS") && err.contains("9-9"), "{err}");
+    assert!(
+        err.contains("RANKS:CPUS") && err.contains("worker 9 is out of range"),
+        "{err}"
+    );
 
     let out = local_with_quota("1:0.5");
     let text = String::from_utf8_lossy(&out.stdout);

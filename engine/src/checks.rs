@@ -288,6 +288,42 @@ pub fn suspicion_fits(heartbeat: Duration, suspicion: Option<Duration>) -> Resul
     Ok(())
 }
 
+/// The workers a `RANKS` text names, for a job of `workers`: a rank `N`, a range `A-B`
+/// (inclusive) or `*` (every worker), as `(first, last)`. Shared by every per-worker setting
+/// (`FALCON_HETERO`'s entries, CPU quotas); the error says what is wrong.
+pub fn worker_ranks(ranks: &str, workers: u32) -> Result<(u32, u32), String> {
+    let rank = |text: &str| -> Result<u32, String> {
+        text.trim().parse::<u32>().map_err(|_| {
+            format!(
+                "`{}` is not a worker rank (a whole number, a range A-B or *)",
+                text.trim()
+            )
+        })
+    };
+    let (lo, hi) = match ranks.trim() {
+        "*" => (0, workers.saturating_sub(1)),
+        r => match r.split_once('-') {
+            Some((a, b)) => (rank(a)?, rank(b)?),
+            None => {
+                let n = rank(r)?;
+                (n, n)
+            }
+        },
+    };
+    if lo > hi {
+        return Err(format!(
+            "the range {lo}-{hi} is empty (write A-B with A ≤ B)"
+        ));
+    }
+    if workers == 0 || hi >= workers {
+        return Err(format!(
+            "worker {hi} is out of range: this job has {workers} worker(s), ranks 0 to {}",
+            workers.saturating_sub(1)
+        ));
+    }
+    Ok((lo, hi))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -268,27 +268,7 @@ pub fn parse_quotas(text: &str, workers: u32) -> Result<Vec<Option<f64>>> {
             .ok()
             .filter(|c: &f64| c.is_finite() && *c > 0.0)
             .ok_or_else(|| err(format!("{cpus:?} is not a number of CPUs > 0")))?;
-        let ranks = ranks.trim();
-        let (lo, hi) = match ranks {
-            "*" => (0, workers.saturating_sub(1)),
-            r => match r.split_once('-') {
-                Some((a, b)) => a
-                    .trim()
-                    .parse()
-                    .ok()
-                    .zip(b.trim().parse().ok())
-                    .ok_or_else(|| err(format!("{r:?} is not a range of ranks")))?,
-                None => {
-                    let n = r.parse().map_err(|_| err(format!("{r:?} is not a rank")))?;
-                    (n, n)
-                }
-            },
-        };
-        if lo > hi || hi >= workers {
-            return Err(err(format!(
-                "ranks {lo}-{hi} are not among the {workers} workers"
-            )));
-        }
+        let (lo, hi) = crate::checks::worker_ranks(ranks, workers).map_err(err)?;
         for q in &mut out[lo as usize..=hi as usize] {
             *q = Some(cpus);
         }

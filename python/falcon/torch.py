@@ -445,7 +445,7 @@ class _Bucket:
 
     __slots__ = (
         "name", "params", "names", "values", "grads", "gviews", "trainable", "expect", "count",
-        "fired", "sent", "source", "none", "mean", "group", "rows", "slices",
+        "fired", "sent", "none", "mean", "group", "rows", "slices",
     )
 
     def __init__(self, name, named, group, per_step, rows=False):
@@ -459,7 +459,6 @@ class _Bucket:
         self.count = 0
         self.fired = [False] * len(self.params)
         self.sent = False
-        self.source = None
         self.none = False
         self.mean = None
         first = self.params[0]
@@ -527,7 +526,6 @@ class _Bucket:
         self.count = 0
         self.fired = [False] * len(self.params)
         self.sent = False
-        self.source = None
 
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
@@ -613,6 +611,7 @@ class _Distributed:
         # ByteScheduler).
         self._falcon_pending: dict[str, object] = {}
         self._falcon_first_use: list[str] = []
+        self._falcon_seen: set[str] = set()
         self._falcon_model_hooks = []
         if model is not None:
             for module in model.modules():
@@ -632,8 +631,11 @@ class _Distributed:
                         self._falcon_model_hooks.append(
                             module.register_forward_pre_hook(self._falcon_row_pull(slot[0]))
                         )
+        # Asynchronous with each worker's own optimizer, step() pushes what it changed:
+        # backward's gradients are the optimizer's alone, no hook needed.
+        hooked = not (self._falcon_local and not self._falcon_sync)
         for n, p in named:
-            if not p.requires_grad:
+            if not (p.requires_grad and hooked):
                 continue
             hook = self._falcon_hook_for(p)
             if hasattr(p, "register_post_accumulate_grad_hook"):  # PyTorch ≥ 2.1
@@ -646,11 +648,11 @@ class _Distributed:
 
     def _falcon_pre_forward(self, names):
         def hook(*_):
-            if len(self._falcon_first_use) < len(self._falcon_buckets):
-                seen = set(self._falcon_first_use)
-                for n in names:
-                    if n not in seen:
-                        self._falcon_first_use.append(n)
+            seen = self._falcon_seen
+            for n in names:
+                if n not in seen:
+                    seen.add(n)
+                    self._falcon_first_use.append(n)
             pending = self._falcon_pending
             if pending:
                 for n in names:
@@ -687,7 +689,7 @@ class _Distributed:
         yet sent) inline, every other case through `_falcon_ready`."""
         b, i = self._falcon_slot[id(p)]
         gv = b.gviews[i]
-        if b.rows or (self._falcon_local and not self._falcon_sync):
+        if b.rows:
             return lambda *_: self._falcon_ready(p)
 
         def hook(*_):
@@ -764,8 +766,6 @@ class _Distributed:
         if slot is None:
             return
         b, i = slot
-        if self._falcon_local and not self._falcon_sync:
-            return  # step() pushes what the worker's own optimizer changed
         if b.rows:
             return self._falcon_push_rows(b, p)
         if b.sent:
@@ -822,7 +822,6 @@ class _Distributed:
             b.name, _view(g), _view(out), self._falcon_clock
         )
         b.sent = True
-        b.source = g
         self._falcon_handles[b.name] = pushed
         self._falcon_next[b.name] = pulled
 

@@ -36,6 +36,12 @@ def cluster_for(opt, workers=1, policy="bsp"):
     )
 
 
+def assert_same_parameters(model, ref, rtol, atol):
+    """Every parameter of `model` is `ref`'s, parameter by parameter (named in a failure)."""
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=n)
+
+
 def in_threads(run, workers=2):
     """Runs `run(rank)` on a thread per worker (each a worker of the job); fails on a worker
     that hangs."""
@@ -345,8 +351,7 @@ def test_pulls_go_in_first_use_order_and_forward_waits_per_layer():
         with torch.no_grad():
             torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-5)
     dopt.wait_pulls()
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    assert_same_parameters(model, ref, rtol=1e-4, atol=1e-5)
     assert dopt.clock == 15
     falcon.finish()
     c.finish()
@@ -401,8 +406,7 @@ def test_each_step_is_one_push_pull_per_tensor(bucket_bytes):
     assert pushes == steps * len(tensors[bucket_bytes])
     assert after["slow_pulls"] - before["slow_pulls"] == pushes
     assert after["fast_pulls"] == before["fast_pulls"]
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    assert_same_parameters(model, ref, rtol=1e-4, atol=1e-5)
     falcon.finish()
     c.finish()
 
@@ -645,8 +649,7 @@ def test_buckets_follow_single_process_pytorch_at_every_boundary(make, local):
             o.step()
         assert model.unused.grad is None
     dopt.wait_pulls()
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_parameters(model, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.unused, _Mixed().unused)  # never moved
     # The parameters are views into their buckets, as the gradients are.
     assert model.big.weight.grad.data_ptr() != 0
@@ -952,8 +955,7 @@ def test_adamw_without_decay_runs_on_the_servers_as_adam_and_frozen_parameters_d
             o.step()
     dopt.wait_pulls()
     torch.testing.assert_close(model.frozen, frozen_before)  # PyTorch skips it: no decay
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_parameters(model, ref, rtol=1e-5, atol=1e-6)
     falcon.finish()
     c.finish()
 

@@ -593,35 +593,7 @@ pub fn assign_onto<S: AsRef<str>>(base: &mut [Hetero], entries: &[S]) -> Result<
             )
         })?;
         let spec = Hetero::parse(spec)?;
-        let rank = |text: &str| -> Result<u32> {
-            text.trim().parse::<u32>().map_err(|_| {
-                bad(format!(
-                    "`{}` is not a worker rank (a whole number, a range A-B or *)",
-                    text.trim()
-                ))
-            })
-        };
-        let (lo, hi) = match ranks.trim() {
-            "*" => (0, workers.saturating_sub(1)),
-            r => match r.split_once('-') {
-                Some((a, b)) => (rank(a)?, rank(b)?),
-                None => {
-                    let n = rank(r)?;
-                    (n, n)
-                }
-            },
-        };
-        if lo > hi {
-            return Err(bad(format!(
-                "the range {lo}-{hi} is empty (write A-B with A ≤ B)"
-            )));
-        }
-        if workers == 0 || hi >= workers {
-            return Err(bad(format!(
-                "worker {hi} is out of range: this job has {workers} worker(s), ranks 0 to {}",
-                workers.saturating_sub(1)
-            )));
-        }
+        let (lo, hi) = falcon_engine::checks::worker_ranks(ranks, workers).map_err(bad)?;
         for slot in &mut out[lo as usize..=hi as usize] {
             *slot = spec.clone();
         }
