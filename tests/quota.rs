@@ -36,7 +36,7 @@ fn a_busy_process_in_a_quota_group_is_throttled_and_the_group_removed_after() {
         procs.lines().any(|l| l.trim() == busy.id().to_string()),
         "{procs}"
     );
-    // A tenth of a CPU per 100 ms period: a process that never yields is held back in
+    // A tenth of a CPU per 10 ms period: a process that never yields is held back in
     // (nearly) every period.
     let mut throttled = 0;
     for _ in 0..100 {

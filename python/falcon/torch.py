@@ -45,6 +45,7 @@ __all__ = [
     "DistributedOptimizer",
     "BUCKET_BYTES",
     "FitSummary",
+    "TaskLoader",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "evaluate",
@@ -536,9 +537,29 @@ class _Distributed:
     """Methods mixed into the user's optimizer class (as Horovod does), so learning-rate
     schedulers and `isinstance` checks keep working."""
 
-    def _falcon_setup(self, named, policy, worker, backward_passes_per_step, model, bucket_bytes):
+    def _falcon_setup(
+        self, named, policy, worker, backward_passes_per_step, model, bucket_bytes, tasks=None,
+        loss_fn=None, compute=None,
+    ):
         if backward_passes_per_step < 1:
             raise _f.ConfigError("backward_passes_per_step must be at least 1")
+        if tasks is not None:
+            if not isinstance(tasks, TaskLoader):
+                raise _f.ConfigError("tasks= takes a falcon.torch.TaskLoader")
+            if tasks._opt is not None:
+                raise _f.ConfigError("this TaskLoader already feeds another DistributedOptimizer")
+            if backward_passes_per_step != 1:
+                raise _f.ConfigError(
+                    "a TaskLoader's batch is one step: backward_passes_per_step must be 1"
+                )
+            if (compute is None) == (loss_fn is None or model is None):
+                raise _f.ConfigError(
+                    "tasks= needs a way to compute a task: model= and loss_fn= (the loss is "
+                    "loss_fn(model(inputs), targets)), or compute= (a callable taking a batch "
+                    "and returning its mean loss), not both"
+                )
+        elif loss_fn is not None or compute is not None:
+            raise _f.ConfigError("loss_fn= and compute= go with tasks= (a TaskLoader)")
         mine = {id(p) for g in self.param_groups for p in g["params"]}
         named = [(n, p) for n, p in named if id(p) in mine]
         if not named:
@@ -550,7 +571,9 @@ class _Distributed:
             )
         for n, p in named:
             _check_param(n, p)
-        rows = _row_params(model)
+        # With task transfer a helper pushes a dense gradient of a straggler's tasks: sparse
+        # embeddings travel dense too.
+        rows = _row_params(model) if tasks is None else set()
         plan = _plan(self, named, _bucket_bytes(bucket_bytes), rows)
         w, plan = _join(named, plan, worker)
         job = w.job
@@ -634,6 +657,15 @@ class _Distributed:
         # Asynchronous with each worker's own optimizer, step() pushes what it changed:
         # backward's gradients are the optimizer's alone, no hook needed.
         hooked = not (self._falcon_local and not self._falcon_sync)
+        # Task transfer (a TaskLoader): this step's share of the iteration's batch (the tasks
+        # computed here; helpers push the rest), how to compute a task, and whether a task
+        # of a straggler is being computed (the hooks stand aside).
+        self._falcon_share = 1.0
+        self._falcon_helping = False
+        self._falcon_tasks = tasks
+        self._falcon_model = model
+        self._falcon_loss_fn = loss_fn
+        self._falcon_compute = compute
         for n, p in named:
             if not (p.requires_grad and hooked):
                 continue
@@ -648,6 +680,8 @@ class _Distributed:
 
     def _falcon_pre_forward(self, names):
         def hook(*_):
+            if self._falcon_helping:
+                return
             seen = self._falcon_seen
             for n in names:
                 if n not in seen:
@@ -735,9 +769,13 @@ class _Distributed:
         self._falcon_rates(group, decays=b.trainable > 0)
         wd = 0 if self._falcon_kind == "adamw" else (group.get("weight_decay", 0) or 0)
         g = b.grads
+        if self._falcon_share != 1.0:
+            # The tasks computed here are this share of the iteration's batch (helpers push
+            # the rest); the decay is the whole step's, added once.
+            g = g * self._falcon_share
         if wd:
             with torch.no_grad():
-                g = g.clone()
+                g = g.clone() if g is b.grads else g
                 g.add_(b.values, alpha=wd)
                 if b.count < b.expect or not b.trainable:
                     # No decay for a parameter without a gradient (PyTorch skips it).
@@ -816,6 +854,8 @@ class _Distributed:
             b.complete()
         if self._falcon_local:
             g, out = b.grads, b.mean
+            if self._falcon_share != 1.0:
+                g = g * self._falcon_share
         else:
             g, out = self._falcon_gradient(b), b.values
         pushed, pulled = self._falcon_worker.push_pull_async(
@@ -963,8 +1003,88 @@ class _Distributed:
             h = nxt.pop(n, None)
             if h is not None:
                 self._falcon_pending[n] = h
-        if not self._falcon_model_hooks:
+        # With a TaskLoader its next batch waits for them (taking a straggler's tasks while
+        # the policy holds this worker back).
+        if not self._falcon_model_hooks and self._falcon_tasks is None:
             self.wait_pulls()
+
+    # --- task transfer in the user's loop (a TaskLoader) -----------------------------------
+
+    def _falcon_help_wait(self) -> None:
+        """Waits for the pulls step() left in flight; while the policy holds them back, takes
+        the straggler's unstarted tasks the servers offer (those of its next iteration, which
+        its TaskLoader has opened to helpers), computes them on this worker's values and pushes
+        their gradient credited to the straggler."""
+        loader = self._falcon_tasks
+        pending = self._falcon_pending
+        if pending and loader._transfer:
+            w = self._falcon_worker
+            want = max(1, math.ceil((loader.tasks - 1) / max(1, w.workers - 1)))
+            nap, asks = 0.0002, []
+            t0 = time.perf_counter()
+            helping = 0.0
+            while not all(h.ready() for h in pending.values()):
+                # The offer names the straggler's iteration not yet pushed: computing it, its
+                # loader has opened the next one to helpers; between its push and its next
+                # batch, that one is still open.
+                asks.extend(a for s, c in w.offers() for a in ((s, c + 1), (s, c)))
+                helped = False
+                while asks and not helped:
+                    straggler, clock = asks[0]
+                    lo, hi = w.steal(straggler, clock, want)
+                    if hi <= lo:
+                        asks.pop(0)  # nothing (more) to take there
+                        continue
+                    th = time.perf_counter()
+                    self._falcon_help(straggler, clock, range(lo, hi))
+                    helping += time.perf_counter() - th
+                    loader.stats["tasks_helped"] += hi - lo
+                    helped = True
+                if helped:
+                    nap = 0.0002
+                else:
+                    time.sleep(nap)
+                    nap = min(nap * 2, 0.005)
+            loader.stats["helping_s"] += helping
+            loader.stats["blocked_s"] += time.perf_counter() - t0 - helping
+        self.wait_pulls()
+
+    def _falcon_help(self, owner: int, clock: int, task_ids) -> None:
+        """Computes tasks `task_ids` of worker `owner`'s iteration `clock` on this worker's
+        values and pushes each bucket's gradient (their share of the batch) for it."""
+        loader = self._falcon_tasks
+        idx = loader._indices(owner, clock, task_ids)
+        if loader.ledger is not None:
+            loader.ledger.extend((owner, clock, t) for t in task_ids)
+        trainable = [
+            (b, i, p) for b in self._falcon_buckets for i, p in enumerate(b.params) if p.requires_grad
+        ]
+        grads: list = [None] * len(trainable)
+        if len(idx) > 0:
+            batch = loader._batch(idx)
+            self._falcon_helping = True
+            try:
+                with torch.enable_grad():
+                    if self._falcon_compute is not None:
+                        loss = self._falcon_compute(batch)
+                    else:
+                        x, y = batch
+                        loss = self._falcon_loss_fn(self._falcon_model(x), y)
+                    loss = loss * (len(idx) / loader.batch_size)
+                    grads = torch.autograd.grad(
+                        loss, [p for _, _, p in trainable], allow_unused=True
+                    )
+            finally:
+                self._falcon_helping = False
+        flat = {b.name: torch.zeros_like(b.values) for b in self._falcon_buckets}
+        with torch.no_grad():
+            for (b, i, _), g in zip(trainable, grads):
+                if g is not None:
+                    off, n = b.slices[i]
+                    flat[b.name][off : off + n].copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+        w = self._falcon_worker
+        for b in self._falcon_buckets:
+            w.push_for(b.name, _view(flat[b.name]), owner, clock)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """As the optimizer's own: a bucket's gradients are zeroed in place (they stay views
@@ -1115,6 +1235,9 @@ def DistributedOptimizer(
     worker=None,
     model: torch.nn.Module | None = None,
     bucket_bytes: int | None = None,
+    tasks: "TaskLoader | None" = None,
+    loss_fn: Callable | None = None,
+    compute: Callable | None = None,
 ):
     """Wraps `optimizer` for training on a falcon job, in the manner of Horovod's and
     BytePS's `DistributedOptimizer`.
@@ -1149,6 +1272,13 @@ def DistributedOptimizer(
     under server-side SGD or Adagrad each is a tensor of its own whose gradient travels as
     the rows it touches, and its forward pulls the rows its input uses.
 
+    With `tasks` (a `TaskLoader` the loop iterates) falcon's task transfer works in the user's
+    own loop: each batch the loader yields is this worker's share of its iteration, and while
+    the policy holds this worker back (waiting for the next batch) it computes a straggler's
+    unstarted tasks — with `model` and `loss_fn` (`loss_fn(model(inputs), targets)`, a mean
+    over its examples) or `compute` (a callable taking a batch, returning its mean loss) — and
+    pushes their gradient credited to the straggler.
+
     The result is an instance of `optimizer`'s class (schedulers accept it) that trains the
     same parameter groups. `model.named_parameters()` is the input, not a state_dict (whose
     tensors are copies)."""
@@ -1176,8 +1306,169 @@ def DistributedOptimizer(
     except TypeError:  # a class whose defaults are not all constructor arguments
         base.__init__(new, optimizer.param_groups)
     new._falcon_base = optimizer
-    new._falcon_setup(named, policy, worker, backward_passes_per_step, model, bucket_bytes)
+    new._falcon_setup(
+        named, policy, worker, backward_passes_per_step, model, bucket_bytes, tasks, loss_fn,
+        compute,
+    )
+    if tasks is not None:
+        tasks._attach(new)
     return new
+
+
+class TaskLoader:
+    """The batches of this worker's iterations, as a `DistributedSampler`'s loader gives them,
+    cut into tasks that other workers can take over (falcon's task transfer in the user's own
+    loop).
+
+    Iteration `c` of worker `w` is `batch_size` examples of the job's shuffled stream (each
+    epoch a permutation drawn from `seed`, the same on every worker: `task_examples`), cut into
+    `tasks` tasks. Iterating yields, for each iteration, the examples of the tasks still this
+    worker's — (inputs, targets) for tensor data, `collate_fn`'s batch for a dataset. Pass the
+    loader to `DistributedOptimizer(..., tasks=loader, model=model, loss_fn=loss_fn)`: when a
+    batch is yielded, the next iteration's tasks open to helpers; a worker the policy holds
+    back (EPSP's) takes some of a straggler's, computes them on its own values and pushes
+    their gradient credited to the straggler; what the straggler's loader yields next is the
+    rest (at least one task), and its gradient counts as that share of the batch. Every task
+    is processed exactly once. A helper's values are one step older than the straggler's
+    would be: the staleness EPSP's projection allows.
+
+    `for batch in loader` runs `iterations` iterations (default: one epoch, the examples
+    divided by `batch_size` × workers), continuing from the optimizer's clock; after the loop
+    the parameters hold the last step's values. Each iteration is reported to the
+    scheduler's parallelism manager, whose advice sets `torch.set_num_threads`. `stats` counts
+    own, given and helped tasks and the seconds spent helping and blocked; with
+    `ledger=True`, `ledger` lists every (owner, clock, task) processed here."""
+
+    def __init__(
+        self,
+        data,
+        batch_size: int,
+        *,
+        tasks: int = 4,
+        seed: int = 1,
+        iterations: int | None = None,
+        collate_fn: Callable | None = None,
+        transfer: bool = True,
+        ledger: bool = False,
+    ):
+        if batch_size < 1 or tasks < 1 or tasks > batch_size:
+            raise _f.ConfigError(
+                f"batch_size ≥ 1 and 1 ≤ tasks ≤ batch_size; got batch_size={batch_size}, "
+                f"tasks={tasks}"
+            )
+        if iterations is not None and iterations < 0:
+            raise _f.ConfigError(f"iterations must be ≥ 0, not {iterations}")
+        self._data = _Data(data)
+        self._orders = _Orders(self._data.n, seed)
+        self.batch_size, self.tasks, self.seed = batch_size, tasks, seed
+        self.iterations = iterations
+        self._collate = collate_fn
+        self._transfer = transfer
+        self._opt = None
+        self._source = _f.Tasks()
+        self._open: int | None = None  # the iteration whose tasks the source holds
+        self.ledger: list | None = [] if ledger else None
+        self.stats = {
+            "iterations": 0, "tasks_own": 0, "tasks_given": 0, "tasks_helped": 0,
+            "helping_s": 0.0, "blocked_s": 0.0, "threads": torch.get_num_threads(),
+        }
+
+    def _attach(self, opt) -> None:
+        w = opt._falcon_worker
+        if self.batch_size * w.workers > self._data.n * 1000:
+            raise _f.ConfigError(
+                f"a batch of {self.batch_size} on {w.workers} workers is beyond "
+                f"{self._data.n} examples"
+            )
+        # Each worker applying its own optimizer under an asynchronous policy pushes the
+        # change its optimizer made, not a gradient: nothing there for a helper to add to.
+        if opt._falcon_local and not opt._falcon_sync:
+            self._transfer = False
+        self._opt = opt
+        if self._transfer:
+            w.serve_steals(self._source, keep=1)
+
+    def __len__(self) -> int:
+        if self.iterations is not None:
+            return self.iterations
+        if self._opt is None:
+            raise _f.ConfigError(
+                "a TaskLoader's length depends on the job's workers: pass it to "
+                "DistributedOptimizer(..., tasks=loader) first, or give iterations="
+            )
+        return max(1, self._data.n // (self.batch_size * self._opt._falcon_worker.workers))
+
+    def _indices(self, owner: int, clock: int, task_ids) -> torch.Tensor:
+        w = self._opt._falcon_worker
+        parts = [
+            _task_examples(self._orders, w.workers, self.batch_size, self.tasks, owner, clock, t)
+            for t in task_ids
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def _batch(self, idx: torch.Tensor):
+        if self._collate is not None and self._data.ds is not None:
+            return self._collate([self._data.ds[int(i)] for i in idx])
+        return self._data.batch(idx)
+
+    def _open_for(self, clock: int) -> None:
+        """Opens iteration `clock`'s tasks to this worker and its helpers."""
+        if self._open != clock:
+            self._source.reset(clock, self.tasks)
+            self._open = clock
+
+    def __iter__(self):
+        opt = self._opt
+        if opt is None:
+            raise _f.ConfigError(
+                "pass this TaskLoader to DistributedOptimizer(..., tasks=loader) before "
+                "iterating it: its iterations are the optimizer's clocks"
+            )
+        w = opt._falcon_worker
+        n = len(self)
+        yielded_at, own = None, 0
+        threads = torch.get_num_threads()
+        for k in range(n):
+            if yielded_at is not None:
+                self._report(w, threads, own, time.perf_counter() - yielded_at)
+                threads = torch.get_num_threads()
+            opt._falcon_help_wait()
+            c = opt.clock
+            self._open_for(c)
+            claimed = []
+            while True:
+                t = self._source.claim()
+                if t is None:
+                    break
+                claimed.append(t)
+            # The next iteration's tasks open to helpers while this one is computed (not past
+            # this loop's last: a later loop opens its own first one).
+            if k + 1 < n and self._transfer:
+                self._open_for(c + 1)
+            own = len(claimed)
+            if self.ledger is not None:
+                self.ledger.extend((w.rank, c, t) for t in claimed)
+            idx = self._indices(w.rank, c, claimed)
+            opt._falcon_share = len(idx) / self.batch_size
+            self.stats["iterations"] += 1
+            self.stats["tasks_own"] += own
+            self.stats["tasks_given"] += self.tasks - own
+            yielded_at = time.perf_counter()
+            yield self._batch(idx)
+        if yielded_at is not None:
+            self._report(w, threads, own, time.perf_counter() - yielded_at)
+        # The last step's values in the parameters.
+        opt._falcon_help_wait()
+
+    def _report(self, w, threads: int, own: int, seconds: float) -> None:
+        """The iteration's compute to the parallelism manager; its advice for the next."""
+        w.report_iteration(threads, own, seconds)
+        advice = w.advised_threads()
+        if advice is not None:
+            advice = max(1, min(int(advice), os.cpu_count() or 1))
+            if advice != torch.get_num_threads():
+                torch.set_num_threads(advice)
+        self.stats["threads"] = torch.get_num_threads()
 
 
 # --- the task-driven trainer ---------------------------------------------------------------

@@ -865,15 +865,16 @@ impl Worker {
 
     /// Gives helpers this worker's unprocessed tasks from `tasks` (a `Tasks`): a helper's
     /// request for iteration `clock` takes the tail of what is left, only if that iteration
-    /// is the one in the source.
-    fn serve_steals(&self, tasks: &crate::tasks::Tasks) {
+    /// is the one in the source, and leaves at least `keep` tasks for this worker.
+    #[pyo3(signature = (tasks, keep=0))]
+    fn serve_steals(&self, tasks: &crate::tasks::Tasks, keep: usize) {
         let source = tasks.source();
-        self.w.on_steal(
-            move |clock, want| match source.steal_for(clock, want as usize) {
+        self.w.on_steal(move |clock, want| {
+            match source.steal_for_keeping(clock, want as usize, keep) {
                 Some(s) => s.tasks.start as u32..s.tasks.end as u32,
                 None => 0..0,
-            },
-        );
+            }
+        });
     }
 
     /// Task-transfer offers the servers made while this worker's pull was parked: a list of

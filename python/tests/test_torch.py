@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import math
 import threading
 
@@ -279,6 +280,109 @@ def test_epsp_moves_a_stragglers_tasks_and_processes_each_once(procs):
     assert report["scheduler"]["tasks_transferred"] == helped
     for s in sums:
         assert s["iterations"] == iterations and s["accuracy"] > 0.5
+
+
+def run_loop(procs, policy, iterations, kind, slow_ms):
+    """Four worker processes training in their own loop over a TaskLoader (loop_worker.py),
+    worker 3 slowed by `slow_ms` per task; their LOOP lines and the job's report."""
+    c = falcon.local_cluster(workers=4, policy=policy, lr=0.1, heartbeat_ms=200)
+    for r in range(4):
+        procs.start(
+            f"worker {r}", ["python/tests/loop_worker.py", str(iterations), kind, str(slow_ms)],
+            {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(r)},
+        )
+    outs = procs.wait_all(timeout=240)
+    report = c.finish()
+    lines = []
+    for r in range(4):
+        line = next((l for l in outs[f"worker {r}"].splitlines() if l.startswith("LOOP ")), None)
+        assert line is not None, outs[f"worker {r}"]
+        lines.append(json.loads(line[5:]))
+    return lines, report
+
+
+def test_epsp_in_the_users_own_loop_moves_a_stragglers_tasks_and_processes_each_once(procs):
+    iterations, tasks = 40, 4
+    sums, report = run_loop(procs, "epsp(0)", iterations, "mlp", 40)
+    ledger = collections.Counter()
+    for s in sums:
+        ledger.update(tuple(e) for e in s["ledger"])
+    want = {(w, c, t) for w in range(4) for c in range(iterations) for t in range(tasks)}
+    assert set(ledger) == want, "a task was lost or invented"
+    twice = [k for k, n in ledger.items() if n != 1]
+    assert not twice, f"processed more than once: {twice[:5]}"
+    helped = sum(s["tasks_helped"] for s in sums)
+    given = sum(s["tasks_given"] for s in sums)
+    print(f"tasks moved: {helped}; the straggler gave {sums[3]['tasks_given']}")
+    assert helped == given > 0
+    assert sums[3]["tasks_given"] > 0, "the slowed worker gave nothing away"
+    assert sums[3]["tasks_own"] >= iterations, "a straggler keeps a task of each iteration"
+    assert report["scheduler"]["tasks_transferred"] == helped
+    for s in sums:
+        assert s["iterations"] == iterations and s["clock"] == iterations
+        assert s["accuracy"] > 0.5
+        # Every worker ends with the job's last values.
+        assert s["values"] == sums[0]["values"]
+
+
+def test_transferred_tasks_keep_bsps_arithmetic(procs):
+    """With a loss whose gradient does not depend on the values, staleness changes nothing:
+    the values after the loop are exactly BSP's, however the tasks moved — the straggler's
+    share and its helpers' add up to each iteration's batch."""
+    iterations, batch, tasks = 30, 32, 4
+    sums, _ = run_loop(procs, "epsp(0)", iterations, "linear", 40)
+    assert sum(s["tasks_helped"] for s in sums) > 0, "no task moved"
+    (tx, ty), _, _ = falcon.fashion_mnist()
+    x = torch.from_numpy(tx).reshape(len(tx), -1).double()
+    sign = torch.from_numpy(ty).double() - 4.5
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 1))
+    w0 = torch.nn.utils.parameters_to_vector(model.parameters()).double()
+    total = torch.zeros_like(w0)
+    for c in range(iterations):
+        for w in range(4):
+            idx = torch.cat([ft.task_examples(len(x), 4, batch, tasks, 3, w, c, t) for t in range(tasks)])
+            g_w = (x[idx] * sign[idx, None]).sum(0) / batch
+            g_b = sign[idx].sum() / batch
+            total += torch.cat([g_w, g_b.reshape(1)])
+    want = w0 - 0.1 * total / 4
+    for s in sums:
+        got = torch.tensor(s["values"], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_task_loader_without_stragglers_yields_every_task_and_refuses_misuse():
+    c = falcon.local_cluster(workers=1, policy="bsp", lr=0.1)
+    falcon.init(env={**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": "0"})
+    x, y = torch.randn(64, 3), torch.randint(0, 2, (64,))
+    loader = ft.TaskLoader((x, y), 16, tasks=4, iterations=3, ledger=True)
+    with pytest.raises(falcon.ConfigError, match="DistributedOptimizer"):
+        next(iter(loader))
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(falcon.ConfigError, match="loss_fn"):
+        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), tasks=loader)
+    opt = ft.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), model=model,
+        tasks=loader, loss_fn=torch.nn.functional.cross_entropy,
+    )
+    seen = []
+    for xb, yb in loader:
+        assert len(xb) == 16
+        seen.append(xb)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert opt.clock == 3 and loader.stats["tasks_own"] == 12 and loader.stats["tasks_given"] == 0
+    assert sorted(loader.ledger) == [(0, c, t) for c in range(3) for t in range(4)]
+    # The batches are the job's stream: the same examples `task_examples` names.
+    idx = torch.cat([ft.task_examples(64, 1, 16, 4, 1, 0, 1, t) for t in range(4)])
+    torch.testing.assert_close(seen[1], x[idx])
+    with pytest.raises(falcon.ConfigError, match="tasks"):
+        ft.TaskLoader((x, y), 4, tasks=5)
+    with pytest.raises(falcon.ConfigError, match="TaskLoader"):
+        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), tasks=[1])
+    falcon.finish()
+    c.finish()
 
 
 def test_cpu_tensors_are_buffers_pushed_and_pulled_in_place():

@@ -213,7 +213,7 @@ impl TaskSource {
     /// Takes up to `max` tasks from the back — everything not yet claimed if `max` allows —
     /// or `None` when none is left or `max` is 0.
     pub fn steal(&self, max: usize) -> Option<Stolen> {
-        self.steal_if(None, max)
+        self.steal_if(None, max, 0)
     }
 
     /// Like [`steal`](Self::steal), but only tasks of `iteration`: `None` when the source
@@ -221,17 +221,24 @@ impl TaskSource {
     /// step, so a thief never takes tasks of an iteration it did not ask for, even when the
     /// owner resets concurrently.
     pub fn steal_for(&self, iteration: u64, max: usize) -> Option<Stolen> {
-        self.steal_if(Some(iteration_tag(iteration)), max)
+        self.steal_if(Some(iteration_tag(iteration)), max, 0)
     }
 
-    fn steal_if(&self, want_tag: Option<u32>, max: usize) -> Option<Stolen> {
+    /// Like [`steal_for`](Self::steal_for), but leaving at least `keep` tasks unclaimed for
+    /// the owner (checked in the same atomic step): an owner that takes an iteration's tasks
+    /// in one go always has some of its own.
+    pub fn steal_for_keeping(&self, iteration: u64, max: usize, keep: usize) -> Option<Stolen> {
+        self.steal_if(Some(iteration_tag(iteration)), max, keep)
+    }
+
+    fn steal_if(&self, want_tag: Option<u32>, max: usize, keep: usize) -> Option<Stolen> {
         let mut current = self.state.load(Ordering::Relaxed);
         loop {
             let (tag, next, end) = unpack(current);
             if want_tag.is_some_and(|t| t != tag) {
                 return None;
             }
-            let k = max.min((end.saturating_sub(next)) as usize) as u32;
+            let k = max.min((end.saturating_sub(next) as usize).saturating_sub(keep)) as u32;
             if k == 0 {
                 return None;
             }

@@ -313,6 +313,27 @@ fn task_source_basics() {
     assert_eq!(s.tag(), 5, "a rejected reset changes nothing");
 }
 
+#[test]
+fn a_thief_leaves_the_owner_what_it_keeps() {
+    let s = TaskSource::new(0).unwrap();
+    s.reset(3, 5).unwrap();
+    assert_eq!(s.steal_for_keeping(2, 4, 1), None, "another iteration");
+    assert_eq!(s.steal_for_keeping(3, 9, 1).unwrap().tasks, 1..5);
+    assert_eq!(
+        s.steal_for_keeping(3, 9, 1),
+        None,
+        "the last task is the owner's"
+    );
+    assert_eq!(s.remaining(), 1);
+    assert_eq!(s.claim(), Some(0));
+    assert_eq!(s.steal_for_keeping(3, 1, 0), None, "nothing left");
+    s.reset(4, 3).unwrap();
+    assert_eq!(s.steal_for_keeping(4, 1, 1).unwrap().tasks, 2..3);
+    assert_eq!(s.steal_for_keeping(4, 5, 2), None);
+    assert_eq!(s.claim(), Some(0));
+    assert_eq!(s.claim(), Some(1));
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Claim,
