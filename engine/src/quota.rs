@@ -212,6 +212,14 @@ impl CpuQuota {
         self.write("cgroup.procs", &pid.to_string())
     }
 
+    /// Moves process `pid` out of the group, back into the group the new groups are made
+    /// in (a process that held itself to a quota leaves before the group is removed).
+    pub fn release(&self, pid: u32) -> Result<()> {
+        let parent = self.dir.parent().unwrap_or(&self.dir).join("cgroup.procs");
+        std::fs::write(&parent, pid.to_string())
+            .map_err(|e| Error::os(format!("moving process {pid} to {}", parent.display()), e))
+    }
+
     /// Its directory.
     pub fn dir(&self) -> &Path {
         &self.dir

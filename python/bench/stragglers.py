@@ -15,7 +15,9 @@ the loop PyTorch's examples write:
 - epsp: `epsp(0)` (a barrier per iteration, BSP's arithmetic), the loop iterating a
   `TaskLoader` passed to `DistributedOptimizer(..., tasks=loader, loss_fn=...)`: a worker the
   barrier holds back computes the straggler's unstarted tasks;
-- ddp: `torch.nn.parallel.DistributedDataParallel` over gloo, the same loop.
+- ddp: `torch.nn.parallel.DistributedDataParallel` over gloo, the same loop;
+- bsp-loader and epsp-no-transfer (not run by default): the `TaskLoader` loop under BSP, and
+  under `epsp(0)` with `transfer=False`, which separate the loader's cost from the transfer's.
 
 Worker 0 keeps a copy of its parameters (the global model it pulled; DDP's replica) every
 `--every` iterations, with the time since its loop started; they are scored on the test set
@@ -50,7 +52,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4
-POLICIES = {"bsp": "bsp", "epsp": "epsp(0)", "syncopt": "syncopt(1)", "asp": "asp"}
+POLICIES = {"bsp": "bsp", "epsp": "epsp(0)", "syncopt": "syncopt(1)", "asp": "asp",
+            "epsp-no-transfer": "epsp(0)", "bsp-loader": "bsp"}
 LR, MOMENTUM = 0.05, 0.9
 
 
@@ -102,9 +105,10 @@ def worker(cfg, rank, args, seed, env, port, out):
         import falcon
 
         falcon.init(env={**env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
-        if cfg == "epsp":
+        if cfg in ("epsp", "epsp-no-transfer", "bsp-loader"):
             loader = ft.TaskLoader(
-                (x, y), args.batch, tasks=args.tasks, seed=seed, iterations=args.iterations
+                (x, y), args.batch, tasks=args.tasks, seed=seed, iterations=args.iterations,
+                transfer=cfg == "epsp",
             )
             opt = ft.DistributedOptimizer(
                 opt, model.named_parameters(), model=model, tasks=loader, loss_fn=loss_fn
@@ -252,7 +256,7 @@ def main(argv=None) -> None:
     configs = args.configs.split(",")
     unknown = set(configs) - set(POLICIES) - {"ddp"}
     if unknown:
-        raise SystemExit(f"--configs: unknown {sorted(unknown)}; of bsp, epsp, syncopt, asp, ddp")
+        raise SystemExit(f"--configs: unknown {sorted(unknown)}; of {', '.join(POLICIES)}, ddp")
     seeds = [int(s) for s in args.seeds.split(",")]
     quotas = parse_quotas(args.cpu_quota)
     why = quotas_usable(quotas)

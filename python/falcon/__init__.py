@@ -243,7 +243,34 @@ def declare(tensors) -> Worker:
         if _overrides is None:
             raise NotInitializedError("call falcon.init() before declaring tensors")
         _worker = Worker.join(_tensor_list(tensors), _overrides)
+        _hold_to_quota(_worker, _overrides)
         return _worker
+
+
+_quota = None
+"""This worker process's CPU quota (FALCON_CPU_QUOTA), until finish()."""
+
+
+def _hold_to_quota(w: Worker, overrides) -> None:
+    """FALCON_CPU_QUOTA (`RANKS:CPUS[,...]`, as `falcon local --cpu-quota`): this worker
+    process goes into a control group of its own held to its rank's CPUs, a slow machine the
+    kernel enforces, until finish(). Where cgroups are not writable it says so and runs at
+    full speed."""
+    global _quota
+    spec = overrides.get("FALCON_CPU_QUOTA") or os.environ.get("FALCON_CPU_QUOTA")
+    if not spec:
+        return
+    cpus = _falcon.cpu_quota_of(spec, w.workers, w.rank)
+    if cpus is None:
+        return
+    try:
+        q = CpuQuota(f"falcon-{os.getpid()}-worker-{w.rank}", cpus)
+        q.add(os.getpid())
+    except Error as e:
+        print(f"SKIPPED: FALCON_CPU_QUOTA for worker {w.rank}: {e}; it runs at full speed",
+              file=sys.stderr, flush=True)
+        return
+    _quota = q
 
 
 def worker() -> Worker:
@@ -312,10 +339,20 @@ def barrier() -> None:
 def finish() -> None:
     """Tells the job this worker is done. The job ends when every worker is."""
     global _worker, _overrides
+    global _quota
     with _lock:
         w, _worker, _overrides = _worker, None, None
-    if w is not None:
-        w.finish()
+        q, _quota = _quota, None
+    try:
+        if w is not None:
+            w.finish()
+    finally:
+        if q is not None:
+            try:
+                q.release(os.getpid())
+            except Error:
+                pass  # left to be removed by the next group made on this host
+            q.close()
 
 
 def local_cluster(

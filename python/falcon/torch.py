@@ -1023,11 +1023,22 @@ class _Distributed:
             nap, asks = 0.0002, []
             t0 = time.perf_counter()
             helping = 0.0
+            # Taking a task pays only where the wait is longer than taking it costs (its own
+            # forward, backward and push, on values a step old): at once when the last wait
+            # was twice that (a straggler that stays one), else once this wait has lasted as
+            # long. Workers of one speed wait a moment for the last of them at each barrier;
+            # a task taken then delays the helper more than it saves.
+            cost = 2 * (loader._help_s or loader._task_s)
+            eager = loader._parked_s >= cost
             while not all(h.ready() for h in pending.values()):
                 # The offer names the straggler's iteration not yet pushed: computing it, its
                 # loader has opened the next one to helpers; between its push and its next
                 # batch, that one is still open.
                 asks.extend(a for s, c in w.offers() for a in ((s, c + 1), (s, c)))
+                if not eager and time.perf_counter() - t0 < cost:
+                    time.sleep(nap)
+                    nap = min(nap * 2, 0.002)
+                    continue
                 helped = False
                 while asks and not helped:
                     straggler, clock = asks[0]
@@ -1037,7 +1048,10 @@ class _Distributed:
                         continue
                     th = time.perf_counter()
                     self._falcon_help(straggler, clock, range(lo, hi))
-                    helping += time.perf_counter() - th
+                    took = time.perf_counter() - th
+                    helping += took
+                    per = took / (hi - lo)
+                    loader._help_s = per if loader._help_s == 0.0 else 0.8 * loader._help_s + 0.2 * per
                     loader.stats["tasks_helped"] += hi - lo
                     helped = True
                 if helped:
@@ -1045,8 +1059,10 @@ class _Distributed:
                 else:
                     time.sleep(nap)
                     nap = min(nap * 2, 0.005)
+            parked = time.perf_counter() - t0
+            loader._parked_s = parked
             loader.stats["helping_s"] += helping
-            loader.stats["blocked_s"] += time.perf_counter() - t0 - helping
+            loader.stats["blocked_s"] += parked - helping
         self.wait_pulls()
 
     def _falcon_help(self, owner: int, clock: int, task_ids) -> None:
@@ -1367,6 +1383,12 @@ class TaskLoader:
         self._opt = None
         self._source = _f.Tasks()
         self._open: int | None = None  # the iteration whose tasks the source holds
+        self._last: int | None = None  # the last iteration yielded
+        # Seconds one own task takes (a running mean; none known yet: 0, helping at once) and
+        # the last wait for the values, helping included.
+        self._task_s = 0.0
+        self._help_s = 0.0  # seconds one helped task takes, pushed (a running mean)
+        self._parked_s = 0.0
         self.ledger: list | None = [] if ledger else None
         self.stats = {
             "iterations": 0, "tasks_own": 0, "tasks_given": 0, "tasks_helped": 0,
@@ -1380,9 +1402,11 @@ class TaskLoader:
                 f"a batch of {self.batch_size} on {w.workers} workers is beyond "
                 f"{self._data.n} examples"
             )
-        # Each worker applying its own optimizer under an asynchronous policy pushes the
-        # change its optimizer made, not a gradient: nothing there for a helper to add to.
-        if opt._falcon_local and not opt._falcon_sync:
+        # Each worker applying its own optimizer waits for the step's mean at the end of
+        # backward (synchronous policies), where nothing else can run, or pushes the change
+        # its optimizer made (asynchronous ones), to which a helper's gradient cannot add:
+        # the loader then only deals the batches.
+        if opt._falcon_local:
             self._transfer = False
         self._opt = opt
         if self._transfer:
@@ -1434,6 +1458,12 @@ class TaskLoader:
                 threads = torch.get_num_threads()
             opt._falcon_help_wait()
             c = opt.clock
+            if c == self._last:
+                raise _f.ClockError(
+                    f"iteration {c} of this TaskLoader again: call opt.step() once per batch "
+                    f"(a batch is one step of the job)"
+                )
+            self._last = c
             self._open_for(c)
             claimed = []
             while True:
@@ -1457,12 +1487,17 @@ class TaskLoader:
             yield self._batch(idx)
         if yielded_at is not None:
             self._report(w, threads, own, time.perf_counter() - yielded_at)
-        # The last step's values in the parameters.
+        # The last step's values in the parameters; a step outside the loader is a whole
+        # batch.
         opt._falcon_help_wait()
+        opt._falcon_share = 1.0
 
     def _report(self, w, threads: int, own: int, seconds: float) -> None:
         """The iteration's compute to the parallelism manager; its advice for the next."""
         w.report_iteration(threads, own, seconds)
+        if own > 0:
+            per = seconds / own
+            self._task_s = per if self._task_s == 0.0 else 0.8 * self._task_s + 0.2 * per
         advice = w.advised_threads()
         if advice is not None:
             advice = max(1, min(int(advice), os.cpu_count() or 1))
@@ -1528,7 +1563,17 @@ def task_examples(
     """The example indices of task `task` of worker `worker`'s iteration `clock`: a range of
     the job's shuffled stream of examples (each epoch a permutation drawn from `seed`), so
     any worker can compute any other's task."""
-    return _task_examples(_Orders(n, seed), workers, batch, tasks, worker, clock, task)
+    orders = _ORDERS.get((n, seed))
+    if orders is None:
+        if len(_ORDERS) > 8:
+            _ORDERS.clear()
+        orders = _ORDERS[(n, seed)] = _Orders(n, seed)
+    return _task_examples(orders, workers, batch, tasks, worker, clock, task)
+
+
+_ORDERS: dict = {}
+"""The epochs' orders `task_examples` drew, by (examples, seed): a loop calling it for every
+task does not draw a permutation each time."""
 
 
 def _task_examples(orders: _Orders, workers, batch, tasks, worker, clock, task) -> torch.Tensor:

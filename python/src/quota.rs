@@ -30,6 +30,14 @@ impl CpuQuota {
         }
     }
 
+    /// Moves process `pid` out of the group (back where new groups are made).
+    fn release(&self, pid: u32) -> PyResult<()> {
+        match &self.q {
+            Some(q) => q.release(pid).map_err(engine_err),
+            None => Err(crate::ConfigError::new_err("this CPU quota was closed")),
+        }
+    }
+
     /// The group's directory.
     #[getter]
     fn path(&self) -> Option<String> {
@@ -69,4 +77,12 @@ impl CpuQuota {
             None => "CpuQuota(closed)".into(),
         }
     }
+}
+
+/// Worker `rank`'s CPUs in `quotas` (`RANKS:CPUS[,RANKS:CPUS...]`, as FALCON_CPU_QUOTA and
+/// `falcon local --cpu-quota`) for a job of `workers` workers; None when it has no quota.
+#[pyfunction]
+pub fn cpu_quota_of(quotas: &str, workers: u32, rank: u32) -> PyResult<Option<f64>> {
+    let all = falcon_engine::quota::parse_quotas(quotas, workers).map_err(engine_err)?;
+    Ok(all.get(rank as usize).copied().flatten())
 }

@@ -169,3 +169,23 @@ def test_the_pytorch_quick_start_runs_as_written(tmp_path):
     assert len(done) == 2 and done[0] == done[1], out[-3000:]
     assert float(done[0]) < 1.2, out[-3000:]
     assert "job done" in out, out[-3000:]
+
+
+def test_the_straggler_benchmark_runs_every_side_in_quick_mode():
+    """python/bench/stragglers.py --quick, two of its configurations (task transfer in the
+    user's loop, and DDP): it ends with a RESULT line naming each, every run finished."""
+    out = subprocess.run(
+        [sys.executable, "python/bench/stragglers.py", "--quick", "--configs", "epsp,ddp",
+         "--test-examples", "500"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), out.stdout
+    result = json.loads(last[len("RESULT "):])
+    assert set(result["configs"]) == {"epsp", "ddp"}
+    for name, r in result["configs"].items():
+        assert r["training_seconds"] > 0 and 0 <= r["final_accuracy"] <= 1, (name, r)
+    if "SKIPPED" not in out.stdout:
+        # Worker 3 at a quarter of the others' CPU: the others take its tasks.
+        assert result["configs"]["epsp"]["tasks_moved"] > 0, out.stdout

@@ -35,3 +35,45 @@ def test_a_cpu_quota_is_checked_holds_a_process_and_is_removed():
     assert q.path is None
     with pytest.raises(falcon.ConfigError, match="closed"):
         q.add(busy.pid)
+
+
+QUOTA_WORKER = """
+import os, falcon
+falcon.init({"w": 4})
+q = falcon._quota
+path = q.path if q is not None else None
+print("GROUP", path, flush=True)
+with open("/proc/self/cgroup") as f:
+    print("IN", any(path is not None and os.path.basename(path) in l for l in f), flush=True)
+falcon.finish()
+with open("/proc/self/cgroup") as f:
+    print("AFTER", any(path is not None and os.path.basename(path) in l for l in f), flush=True)
+"""
+
+
+def test_falcon_cpu_quota_holds_a_worker_process_from_init_to_finish():
+    try:
+        falcon.CpuQuota(f"falcon-{os.getpid()}-probe", 1).close()
+    except falcon.Error as e:
+        pytest.skip(f"no CPU quota can be made here: {e}")
+    import sys
+
+    c = falcon.local_cluster(workers=2, policy="bsp", lr=0.1)
+    env = {**os.environ, **c.env, "FALCON_ROLE": "worker", "FALCON_CPU_QUOTA": "1:0.5"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", QUOTA_WORKER], env={**env, "FALCON_RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    c.finish()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    lines = [dict(l.split(" ", 1) for l in out.splitlines()) for out, _ in outs]
+    assert lines[0] == {"GROUP": "None", "IN": "False", "AFTER": "False"}, outs[0]
+    group = lines[1]["GROUP"]
+    assert group != "None" and lines[1]["IN"] == "True", outs[1]
+    assert lines[1]["AFTER"] == "False", "the worker left its group at finish()"
+    assert not os.path.exists(group), "the group is removed"
+    with pytest.raises(falcon.ConfigError, match="RANKS:CPUS"):
+        falcon._falcon.cpu_quota_of("3=0.5", 4, 3)
