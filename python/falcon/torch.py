@@ -1012,58 +1012,74 @@ class _Distributed:
 
     def _falcon_help_wait(self) -> None:
         """Waits for the pulls step() left in flight; while the policy holds them back, takes
-        the straggler's unstarted tasks the servers offer (those of its next iteration, which
-        its TaskLoader has opened to helpers), computes them on this worker's values and pushes
-        their gradient credited to the straggler."""
+        the straggler's unstarted tasks the servers offer and pushes their gradient credited
+        to the straggler, each computed on the values its step would see: tasks of the
+        iteration the straggler is about to start (its loader opened them to helpers when
+        it started the one it is computing) once this worker's values have landed — they are
+        that iteration's values — and tasks of the iteration whose step it holds back at
+        once, on the values this worker holds."""
         loader = self._falcon_tasks
         pending = self._falcon_pending
+        later: list[tuple[int, int, range]] = []
         if pending and loader._transfer:
             w = self._falcon_worker
-            want = max(1, math.ceil((loader.tasks - 1) / max(1, w.workers - 1)))
             nap, asks = 0.0002, []
             t0 = time.perf_counter()
             helping = 0.0
             # Taking a task pays only where the wait is longer than taking it costs (its own
-            # forward, backward and push, on values a step old): at once when the last wait
-            # was twice that (a straggler that stays one), else once this wait has lasted as
-            # long. Workers of one speed wait a moment for the last of them at each barrier;
-            # a task taken then delays the helper more than it saves.
-            cost = 2 * (loader._help_s or loader._task_s)
-            eager = loader._parked_s >= cost
+            # forward, backward and push): workers of one speed wait a moment for the last
+            # of them at each barrier, and a task taken then delays the helper more than it
+            # saves. So: one task per `cost` of waiting, from the start when the last wait
+            # was that long (a straggler that stays one), else once this one has been.
+            cost = loader._help_s or loader._task_s
+            eager = loader._parked_s >= 2 * cost
+            taken = 0
             while not all(h.ready() for h in pending.values()):
                 # The offer names the straggler's iteration not yet pushed: computing it, its
                 # loader has opened the next one to helpers; between its push and its next
-                # batch, that one is still open.
-                asks.extend(a for s, c in w.offers() for a in ((s, c + 1), (s, c)))
-                if not eager and time.perf_counter() - t0 < cost:
+                # batch, the one it names is still open.
+                asks.extend(a for s, c in w.offers() for a in ((s, c + 1, True), (s, c, False)))
+                waited = time.perf_counter() - t0
+                allowed = waited / cost if cost > 0 else math.inf
+                if not eager:
+                    allowed -= 2
+                if not asks or taken >= allowed:
+                    # Short naps: each costs the iteration up to its length once the values
+                    # are in.
                     time.sleep(nap)
-                    nap = min(nap * 2, 0.002)
+                    nap = min(nap * 2, 0.0005)
                     continue
-                helped = False
-                while asks and not helped:
-                    straggler, clock = asks[0]
-                    lo, hi = w.steal(straggler, clock, want)
-                    if hi <= lo:
-                        asks.pop(0)  # nothing (more) to take there
-                        continue
-                    th = time.perf_counter()
-                    self._falcon_help(straggler, clock, range(lo, hi))
-                    took = time.perf_counter() - th
-                    helping += took
-                    per = took / (hi - lo)
-                    loader._help_s = per if loader._help_s == 0.0 else 0.8 * loader._help_s + 0.2 * per
-                    loader.stats["tasks_helped"] += hi - lo
-                    helped = True
-                if helped:
-                    nap = 0.0002
-                else:
-                    time.sleep(nap)
-                    nap = min(nap * 2, 0.005)
+                straggler, clock, ahead = asks[0]
+                lo, hi = w.steal(straggler, clock, 1)
+                if hi <= lo:
+                    asks.pop(0)  # nothing (more) to take there
+                    continue
+                taken += hi - lo
+                nap = 0.0002
+                if ahead:
+                    later.append((straggler, clock, range(lo, hi)))
+                    continue
+                th = time.perf_counter()
+                self._help_timed(straggler, clock, range(lo, hi))
+                helping += time.perf_counter() - th
             parked = time.perf_counter() - t0
             loader._parked_s = parked
             loader.stats["helping_s"] += helping
             loader.stats["blocked_s"] += parked - helping
         self.wait_pulls()
+        for straggler, clock, tasks in later:
+            th = time.perf_counter()
+            self._help_timed(straggler, clock, tasks)
+            loader.stats["helping_s"] += time.perf_counter() - th
+
+    def _help_timed(self, owner: int, clock: int, tasks: range) -> None:
+        """`_falcon_help`, counted, its time per task kept for the pacing above."""
+        loader = self._falcon_tasks
+        th = time.perf_counter()
+        self._falcon_help(owner, clock, tasks)
+        per = (time.perf_counter() - th) / len(tasks)
+        loader._help_s = per if loader._help_s == 0.0 else 0.8 * loader._help_s + 0.2 * per
+        loader.stats["tasks_helped"] += len(tasks)
 
     def _falcon_help(self, owner: int, clock: int, task_ids) -> None:
         """Computes tasks `task_ids` of worker `owner`'s iteration `clock` on this worker's
@@ -1345,8 +1361,10 @@ class TaskLoader:
     back (EPSP's) takes some of a straggler's, computes them on its own values and pushes
     their gradient credited to the straggler; what the straggler's loader yields next is the
     rest (at least one task), and its gradient counts as that share of the batch. Every task
-    is processed exactly once. A helper's values are one step older than the straggler's
-    would be: the staleness EPSP's projection allows.
+    is processed exactly once, on the values its step sees: a helper takes tasks of the
+    straggler's next iteration while it waits and computes them once its own values for that
+    iteration have landed, so each step is BSP's mean over every worker's batch (a helper's
+    push that reaches the servers after the straggler's own joins the next step).
 
     `for batch in loader` runs `iterations` iterations (default: one epoch, the examples
     divided by `batch_size` × workers), continuing from the optimizer's clock; after the loop
@@ -1500,10 +1518,48 @@ class TaskLoader:
             self._task_s = per if self._task_s == 0.0 else 0.8 * self._task_s + 0.2 * per
         advice = w.advised_threads()
         if advice is not None:
-            advice = max(1, min(int(advice), os.cpu_count() or 1))
+            advice = max(1, min(int(advice), _usable_cpus()))
             if advice != torch.get_num_threads():
                 torch.set_num_threads(advice)
         self.stats["threads"] = torch.get_num_threads()
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process can use at once: those it may run on, fewer where its control
+    group's CPU quota allows less (a worker held to half a CPU gains nothing from a second
+    thread, and its arithmetic changes with the thread count)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return max(1, cpus)
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for base, files in (
+            (f"/sys/fs/cgroup/cpu,cpuacct{path}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")),
+            (f"/sys/fs/cgroup/cpu{path}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")),
+            (f"/sys/fs/cgroup{path}", ("cpu.max",)),
+        ):
+            if not (controllers == "" or "cpu" in controllers.split(",")):
+                continue
+            try:
+                texts = [open(os.path.join(base, n)).read().split() for n in files]
+            except OSError:
+                continue
+            if len(files) == 2:
+                quota, period = int(texts[0][0]), int(texts[1][0])
+            else:
+                if texts[0][0] == "max":
+                    break
+                quota, period = int(texts[0][0]), int(texts[0][1])
+            if quota > 0 and period > 0:
+                cpus = min(cpus, max(1, quota // period))
+            break
+    return max(1, cpus)
 
 
 # --- the task-driven trainer ---------------------------------------------------------------

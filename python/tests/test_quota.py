@@ -43,6 +43,8 @@ falcon.init({"w": 4})
 q = falcon._quota
 path = q.path if q is not None else None
 print("GROUP", path, flush=True)
+import falcon.torch as ft
+print("CPUS", ft._usable_cpus(), flush=True)  # what a thread-count advice is capped at
 with open("/proc/self/cgroup") as f:
     print("IN", any(path is not None and os.path.basename(path) in l for l in f), flush=True)
 falcon.finish()
@@ -52,6 +54,7 @@ with open("/proc/self/cgroup") as f:
 
 
 def test_falcon_cpu_quota_holds_a_worker_process_from_init_to_finish():
+    pytest.importorskip("torch")
     try:
         falcon.CpuQuota(f"falcon-{os.getpid()}-probe", 1).close()
     except falcon.Error as e:
@@ -70,7 +73,10 @@ def test_falcon_cpu_quota_holds_a_worker_process_from_init_to_finish():
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err
     lines = [dict(l.split(" ", 1) for l in out.splitlines()) for out, _ in outs]
-    assert lines[0] == {"GROUP": "None", "IN": "False", "AFTER": "False"}, outs[0]
+    assert {k: lines[0][k] for k in ("GROUP", "IN", "AFTER")} == {
+        "GROUP": "None", "IN": "False", "AFTER": "False"
+    }, outs[0]
+    assert lines[1]["CPUS"] == "1", "half a CPU: one thread"
     group = lines[1]["GROUP"]
     assert group != "None" and lines[1]["IN"] == "True", outs[1]
     assert lines[1]["AFTER"] == "False", "the worker left its group at finish()"
