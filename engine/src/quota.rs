@@ -73,6 +73,23 @@ impl Mounts {
         v2
     }
 
+    /// The CPUs this process's own group may use at once (its quota over its period),
+    /// `read(file)` giving a file of that group; `None` where it has no limit.
+    pub fn own_cpus(&self, read: impl Fn(&str) -> Option<String>) -> Option<f64> {
+        let (quota, period) = if self.v2 {
+            let max = read("cpu.max")?;
+            let mut f = max.split_whitespace();
+            (
+                f.next()?.parse::<f64>().ok()?,
+                f.next()?.parse::<f64>().ok()?,
+            )
+        } else {
+            let n = |f: &str| read(f)?.trim().parse::<f64>().ok();
+            (n("cpu.cfs_quota_us")?, n("cpu.cfs_period_us")?)
+        };
+        (quota > 0.0 && period > 0.0).then(|| quota / period)
+    }
+
     /// The host's, read from `/proc`.
     pub fn of_this_host() -> Option<Mounts> {
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
@@ -81,6 +98,13 @@ impl Mounts {
             std::fs::read_to_string(d.join("cgroup.controllers")).ok()
         })
     }
+}
+
+/// The CPUs this process may use at once under its control group's quota; `None` where it
+/// has none or the host mounts no CPU controller.
+pub fn own_cpus() -> Option<f64> {
+    let m = Mounts::of_this_host()?;
+    m.own_cpus(|f| std::fs::read_to_string(m.parent.join(f)).ok())
 }
 
 /// This process's group in the hierarchy whose controller list matches `which`
@@ -298,6 +322,41 @@ mod tests {
 33 31 0:29 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw
 36 31 0:32 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct
 37 31 0:33 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset";
+
+    #[test]
+    fn a_groups_quota_is_read_in_cpus() {
+        fn files(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+            let owned: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(n, t)| (n.to_string(), t.to_string()))
+                .collect();
+            move |f| owned.iter().find(|(n, _)| n == f).map(|(_, t)| t.clone())
+        }
+        let v1 = Mounts {
+            parent: "/g".into(),
+            v2: false,
+        };
+        let v2 = Mounts {
+            parent: "/g".into(),
+            v2: true,
+        };
+        let half = [
+            ("cpu.cfs_quota_us", "5000\n"),
+            ("cpu.cfs_period_us", "10000\n"),
+        ];
+        assert_eq!(v1.own_cpus(files(&half)), Some(0.5));
+        let none = [
+            ("cpu.cfs_quota_us", "-1\n"),
+            ("cpu.cfs_period_us", "100000\n"),
+        ];
+        assert_eq!(v1.own_cpus(files(&none)), None);
+        assert_eq!(
+            v2.own_cpus(files(&[("cpu.max", "150000 100000\n")])),
+            Some(1.5)
+        );
+        assert_eq!(v2.own_cpus(files(&[("cpu.max", "max 100000\n")])), None);
+        assert_eq!(v2.own_cpus(files(&[])), None);
+    }
 
     #[test]
     fn the_cpu_controller_is_found_in_v1_v2_and_hybrid_hosts() {

@@ -25,7 +25,7 @@ run's time to it is the wall time from its first step to the first step at or be
 Every process runs one torch thread.
 
     python3 python/bench/ddp.py [--model cnn|lm|both] [--workers 2] [--rounds 3] [--steps 30]
-        [--sides ddp,falcon[,plain]] [--cpu-quota RANK:CPUS[,...]]
+        [--sides ddp,falcon[,plain]] [--cpu-quota RANKS:CPUS[,...]]
 
 `--cpu-quota 1:0.25` holds worker 1's process (on every side) to a quarter of one CPU in a
 control group of its own (`falcon.CpuQuota`: a slow machine the kernel enforces); where
@@ -229,12 +229,17 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64, help="the global batch")
     ap.add_argument("--sides", default="ddp,falcon", help="of ddp, falcon, plain")
-    ap.add_argument("--cpu-quota", default="", help="RANK:CPUS[,...]: workers held to CPU quotas")
+    ap.add_argument("--cpu-quota", default="", help="RANKS:CPUS[,...]: workers held to CPU quotas")
     args = ap.parse_args(argv)
     args.quotas = {}
-    for part in filter(None, args.cpu_quota.split(",")):
-        rank, cpus = part.split(":")
-        args.quotas[int(rank)] = float(cpus)
+    if args.cpu_quota:
+        import falcon
+
+        # falcon's grammar, as FALCON_CPU_QUOTA and `falcon local --cpu-quota`.
+        for r in range(args.workers):
+            cpus = falcon._falcon.cpu_quota_of(args.cpu_quota, args.workers, r)
+            if cpus is not None:
+                args.quotas[r] = cpus
     sides = args.sides.split(",")
     if not set(sides) <= {"ddp", "falcon", "plain"} or not {"ddp", "falcon"} <= set(sides):
         raise SystemExit("--sides: ddp and falcon, and plain if wanted")

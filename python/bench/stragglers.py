@@ -214,13 +214,11 @@ def accuracy(model, values, test) -> float:
 
 
 def parse_quotas(text: str) -> dict[int, float]:
-    quotas = {}
-    for part in filter(None, text.split(",")):
-        ranks, cpus = part.split(":")
-        lo, _, hi = ranks.partition("-")
-        for r in range(int(lo), int(hi or lo) + 1):
-            quotas[r] = float(cpus)
-    return quotas
+    """Each worker's CPUs in `RANKS:CPUS[,...]` (falcon's grammar, as FALCON_CPU_QUOTA)."""
+    import falcon
+
+    cpus = {r: falcon._falcon.cpu_quota_of(text, WORKERS, r) for r in range(WORKERS)}
+    return {r: c for r, c in cpus.items() if c is not None}
 
 
 def quotas_usable(quotas) -> str | None:

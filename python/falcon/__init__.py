@@ -338,8 +338,7 @@ def barrier() -> None:
 
 def finish() -> None:
     """Tells the job this worker is done. The job ends when every worker is."""
-    global _worker, _overrides
-    global _quota
+    global _worker, _overrides, _quota
     with _lock:
         w, _worker, _overrides = _worker, None, None
         q, _quota = _quota, None

@@ -1059,27 +1059,26 @@ class _Distributed:
                 if ahead:
                     later.append((straggler, clock, range(lo, hi)))
                     continue
-                th = time.perf_counter()
-                self._help_timed(straggler, clock, range(lo, hi))
-                helping += time.perf_counter() - th
+                helping += self._help_timed(straggler, clock, range(lo, hi))
             parked = time.perf_counter() - t0
             loader._parked_s = parked
             loader.stats["helping_s"] += helping
             loader.stats["blocked_s"] += parked - helping
         self.wait_pulls()
         for straggler, clock, tasks in later:
-            th = time.perf_counter()
-            self._help_timed(straggler, clock, tasks)
-            loader.stats["helping_s"] += time.perf_counter() - th
+            loader.stats["helping_s"] += self._help_timed(straggler, clock, tasks)
 
-    def _help_timed(self, owner: int, clock: int, tasks: range) -> None:
-        """`_falcon_help`, counted, its time per task kept for the pacing above."""
+    def _help_timed(self, owner: int, clock: int, tasks: range) -> float:
+        """`_falcon_help`, counted, its time per task kept for the pacing above; returns its
+        seconds."""
         loader = self._falcon_tasks
         th = time.perf_counter()
         self._falcon_help(owner, clock, tasks)
-        per = (time.perf_counter() - th) / len(tasks)
+        took = time.perf_counter() - th
+        per = took / len(tasks)
         loader._help_s = per if loader._help_s == 0.0 else 0.8 * loader._help_s + 0.2 * per
         loader.stats["tasks_helped"] += len(tasks)
+        return took
 
     def _falcon_help(self, owner: int, clock: int, task_ids) -> None:
         """Computes tasks `task_ids` of worker `owner`'s iteration `clock` on this worker's
@@ -1516,12 +1515,7 @@ class TaskLoader:
         if own > 0:
             per = seconds / own
             self._task_s = per if self._task_s == 0.0 else 0.8 * self._task_s + 0.2 * per
-        advice = w.advised_threads()
-        if advice is not None:
-            advice = max(1, min(int(advice), _usable_cpus()))
-            if advice != torch.get_num_threads():
-                torch.set_num_threads(advice)
-        self.stats["threads"] = torch.get_num_threads()
+        self.stats["threads"] = _take_advice(w)
 
 
 def _usable_cpus() -> int:
@@ -1532,34 +1526,21 @@ def _usable_cpus() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return max(1, cpus)
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        for base, files in (
-            (f"/sys/fs/cgroup/cpu,cpuacct{path}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")),
-            (f"/sys/fs/cgroup/cpu{path}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")),
-            (f"/sys/fs/cgroup{path}", ("cpu.max",)),
-        ):
-            if not (controllers == "" or "cpu" in controllers.split(",")):
-                continue
-            try:
-                texts = [open(os.path.join(base, n)).read().split() for n in files]
-            except OSError:
-                continue
-            if len(files) == 2:
-                quota, period = int(texts[0][0]), int(texts[1][0])
-            else:
-                if texts[0][0] == "max":
-                    break
-                quota, period = int(texts[0][0]), int(texts[0][1])
-            if quota > 0 and period > 0:
-                cpus = min(cpus, max(1, quota // period))
-            break
+    quota = _f._falcon.own_cpus()
+    if quota is not None:
+        cpus = min(cpus, int(quota))
     return max(1, cpus)
+
+
+def _take_advice(w) -> int:
+    """Applies the parallelism manager's thread-count advice, if any (capped at the CPUs this
+    process can use); returns the thread count now."""
+    advice = w.advised_threads()
+    if advice is not None:
+        advice = max(1, min(int(advice), _usable_cpus()))
+        if advice != torch.get_num_threads():
+            torch.set_num_threads(advice)
+    return torch.get_num_threads()
 
 
 # --- the task-driven trainer ---------------------------------------------------------------
@@ -1851,12 +1832,7 @@ def fit(
         summary["threads"].append(threads_now)
         summary["iterations"] = c + 1
         w.report_iteration(threads_now, done, compute if per_task else compute + slept)
-        advice = w.advised_threads()
-        if advice is not None:
-            advice = max(1, min(int(advice), os.cpu_count() or 1))
-            if advice != threads_now:
-                threads_now = advice
-                torch.set_num_threads(threads_now)
+        threads_now = _take_advice(w)
         if rank == 0 and snapshot_every > 0 and (c + 1) % snapshot_every == 0:
             # The values this iteration started from: `c` steps of this worker's clock.
             summary["snapshots"].append((time.perf_counter() - start, c, flat.copy()))

@@ -181,6 +181,7 @@ fn _falcon(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tasks::Tasks>()?;
     m.add_class::<quota::CpuQuota>()?;
     m.add_function(wrap_pyfunction!(quota::cpu_quota_of, m)?)?;
+    m.add_function(wrap_pyfunction!(quota::own_cpus, m)?)?;
     m.add_class::<tasks::Hetero>()?;
     m.add_function(wrap_pyfunction!(tasks::hetero_of, m)?)?;
     m.add_function(wrap_pyfunction!(tasks::load_fashion_mnist, m)?)?;

@@ -86,3 +86,10 @@ pub fn cpu_quota_of(quotas: &str, workers: u32, rank: u32) -> PyResult<Option<f6
     let all = falcon_engine::quota::parse_quotas(quotas, workers).map_err(engine_err)?;
     Ok(all.get(rank as usize).copied().flatten())
 }
+
+/// The CPUs this process may use at once under its control group's CPU quota (a fraction
+/// for a group held below one CPU); None where it has no quota.
+#[pyfunction]
+pub fn own_cpus() -> Option<f64> {
+    falcon_engine::quota::own_cpus()
+}
