@@ -371,6 +371,101 @@ fn flexrr_helps_the_helpee_with_the_most_work_left() {
     assert_eq!(offers, vec![(0, 2)], "{out:?}");
 }
 
+/// A rejoin starts the worker's iteration: among helpees equally far behind, one that rejoined
+/// after the other's last push has the more work left, whatever it pushed before it left.
+#[test]
+fn flexrr_counts_a_rejoin_as_the_start_of_an_iteration() {
+    let mut f = FlexRr::new(3, 1, 1, 0);
+    let mut out = Vec::new();
+    let push = |w, c, at| Event::Push {
+        worker: w,
+        clock: c,
+        at,
+    };
+    // Worker 1 pushes iteration 0 at 10 and leaves; worker 2 pushes it at 20; worker 1
+    // rejoins at 50 with its one gradient counted. Both have 1 applied; worker 1's iteration
+    // started at 50, worker 2's at 20: worker 1 has the more work left.
+    f.on_event(push(0, 0, 5), &mut out);
+    f.on_event(push(1, 0, 10), &mut out);
+    f.on_event(Event::Leave { worker: 1, at: 15 }, &mut out);
+    f.on_event(push(2, 0, 20), &mut out);
+    f.on_event(
+        Event::Join {
+            worker: 1,
+            clock: 1,
+            at: 50,
+        },
+        &mut out,
+    );
+    out.clear();
+    f.on_event(push(0, 1, 60), &mut out);
+    let offers: Vec<_> = out
+        .iter()
+        .filter_map(|a| match *a {
+            Action::Transfer {
+                helper, straggler, ..
+            } => Some((helper, straggler)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(offers, vec![(0, 1)], "{out:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Over random traces with departures and rejoins, each FlexRR offer goes to the group
+    /// member furthest behind and, among those, to the one whose iteration started latest — a
+    /// rejoin being a start — then the lowest rank.
+    #[test]
+    fn flexrr_picks_by_iteration_start_across_rejoins(
+        workers in 2u32..6,
+        steps in prop::collection::vec((0u32..6, 0u8..10), 1..150),
+    ) {
+        let n = workers as usize;
+        let mut f = FlexRr::new(workers, 1, 1, 0);
+        let mut applied = vec![0u64; n];
+        let mut live = vec![true; n];
+        let mut start = vec![0u64; n];
+        let mut out = Vec::new();
+        for (i, &(w, kind)) in steps.iter().enumerate() {
+            let w = w % workers;
+            let wi = w as usize;
+            let at = 10 * (i as u64 + 1);
+            let ev = match kind {
+                0 if live[wi] && live.iter().filter(|l| **l).count() > 1 => {
+                    live[wi] = false;
+                    Event::Leave { worker: w, at }
+                }
+                1 if !live[wi] => {
+                    live[wi] = true;
+                    start[wi] = at;
+                    Event::Join { worker: w, clock: applied[wi], at }
+                }
+                _ if live[wi] => {
+                    let clock = applied[wi];
+                    applied[wi] += 1;
+                    start[wi] = at;
+                    Event::Push { worker: w, clock, at }
+                }
+                _ => continue,
+            };
+            out.clear();
+            f.on_event(ev, &mut out);
+            for a in &out {
+                if let Action::Transfer { helper, straggler, clock } = *a {
+                    let expected = (0..n)
+                        .filter(|&j| j != helper as usize && live[j])
+                        .min_by_key(|&j| (applied[j], std::cmp::Reverse(start[j]), j))
+                        .unwrap();
+                    prop_assert_eq!(straggler as usize, expected, "{:?}", out);
+                    prop_assert_eq!(clock, applied[expected]);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn flexrr_helps_the_slow_worker_of_its_group_only() {
     // Two groups of two; worker 1 and worker 3 are slow. Helpers only help their own group.

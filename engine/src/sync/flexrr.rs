@@ -15,7 +15,8 @@
 //!   reading): after each push of worker `h`, and when `h`'s pull is parked, `h` is offered
 //!   the work of the group member `j` with the most work left: furthest behind (smallest
 //!   applied count); on ties the one whose current iteration started latest (its latest push
-//!   is the newest, so the least of its iteration is done), then the lowest rank) if `applied[h] − applied[j] ≥ theta`: [`Action::Transfer`]`{ helper: h, straggler:
+//!   is the newest, so the least of its iteration is done; a rejoin starts an iteration), then
+//!   the lowest rank) if `applied[h] − applied[j] ≥ theta`: [`Action::Transfer`]`{ helper: h, straggler:
 //!   j, clock: applied[j] }`. A helper is offered one helpee iteration once (no repeat offer
 //!   for the same `(j, clock)`). The task side hands over the tail of `j`'s unprocessed items,
 //!   the helper pushes their gradient credited to `j`'s clock, `j` skips them.
@@ -132,7 +133,15 @@ impl SyncPolicy for FlexRr {
                 self.release_ready(out);
                 self.offer(worker, out);
             }
-            Event::Leave { .. } | Event::Join { .. } => self.release_ready(out),
+            Event::Join { worker, at, .. } => {
+                // A rejoined worker starts a fresh iteration now: its last push before it left
+                // says nothing about how much of its current iteration is done.
+                if let Some(t) = self.last_push.get_mut(worker as usize) {
+                    *t = at;
+                }
+                self.release_ready(out);
+            }
+            Event::Leave { .. } => self.release_ready(out),
             Event::Tick { .. } => {}
         }
     }
