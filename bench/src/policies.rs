@@ -1,4 +1,4 @@
-//! The synchronization policies' decision cost per push at 8, 64 and 1024 workers, and
+//! The synchronization policies' decision cost per push at 8, 64, 1024 and 4096 workers, and
 //! ZipLine's runtime at N ∈ {10, 100, 1000} workers and R ∈ {15, 150} beside the ElasticBSP
 //! paper's Table II, each beside the physical references measured in the same run: one
 //! uncontended atomic `fetch_add` and one cache-missing random read over 64 MiB. Used by
@@ -46,7 +46,7 @@ pub const SPECS: [&str; 12] = [
 ];
 /// ElasticBSP with ZipLine as one state machine (the simulator's), R = 15.
 const ELASTIC_SIM: &str = "elasticbsp-sim(15)";
-pub const WORKERS: [u32; 3] = [8, 64, 1024];
+pub const WORKERS: [u32; 4] = [8, 64, 1024, 4096];
 /// One simulated time unit.
 const UNIT: Nanos = 1_000_000;
 /// The random-read reference's buffer.
@@ -459,7 +459,14 @@ pub fn markdown(s: &Summary) -> String {
     for n in WORKERS {
         let _ = write!(t, " {n} w ns/push | ×atomic |");
     }
-    let _ = writeln!(t, " 1024 w / 8 w | parked pulls 8 / 64 / 1024 w |");
+    let counts: Vec<String> = WORKERS.iter().map(|n| n.to_string()).collect();
+    let _ = writeln!(
+        t,
+        " {} w / {} w | parked pulls {} w |",
+        WORKERS[WORKERS.len() - 1],
+        WORKERS[0],
+        counts.join(" / ")
+    );
     let _ = writeln!(t, "|---|{}---:|---|", "---:|---:|".repeat(WORKERS.len()));
     let mut names: Vec<&str> = Vec::new();
     for r in &s.policies {

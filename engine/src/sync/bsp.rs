@@ -4,14 +4,16 @@
 //! Written on its own (not as `Ssp::new(w, 0)`) so the equivalence SSP(0) ≡ BSP is a test of
 //! two implementations, not one.
 
+use std::collections::BTreeSet;
+
 use super::{Action, Clocks, Event, FastPath, SyncPolicy};
 
 /// BSP.
 #[derive(Clone, Debug)]
 pub struct Bsp {
     clocks: Clocks,
-    /// Parked pulls by the iteration they wait for: (clock, req, worker).
-    waiting: Vec<(u64, u64, u32)>,
+    /// Parked pulls by the iteration they wait for: (clock, req, worker), in release order.
+    waiting: BTreeSet<(u64, u64, u32)>,
     delayed: u64,
 }
 
@@ -20,7 +22,7 @@ impl Bsp {
     pub fn new(workers: u32) -> Bsp {
         Bsp {
             clocks: Clocks::new(workers),
-            waiting: Vec::new(),
+            waiting: BTreeSet::new(),
             delayed: 0,
         }
     }
@@ -43,19 +45,19 @@ impl SyncPolicy for Bsp {
             Event::Pull {
                 worker, clock, req, ..
             } => {
-                self.waiting.push((clock, req, worker));
+                self.waiting.insert((clock, req, worker));
                 self.delayed += 1;
                 out.push(Action::Park { worker, req });
             }
             Event::Push { .. } | Event::Leave { .. } | Event::Join { .. } => {
                 // The barrier for every iteration up to `done` has fallen.
-                self.waiting.sort_unstable();
-                let n = self.waiting.partition_point(|&(clock, ..)| clock <= done);
-                out.extend(
-                    self.waiting
-                        .drain(..n)
-                        .map(|(_, req, worker)| Action::Release { worker, req }),
-                );
+                while let Some(&(clock, req, worker)) = self.waiting.first() {
+                    if clock > done {
+                        break;
+                    }
+                    self.waiting.pop_first();
+                    out.push(Action::Release { worker, req });
+                }
             }
             Event::Tick { .. } => {}
         }

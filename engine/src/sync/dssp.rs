@@ -67,6 +67,8 @@
 //! With `s_U = s_L` the controller can only return 0 and DSSP is SSP(`s_L`) action for action
 //! (a property test checks it).
 
+use std::collections::BTreeSet;
+
 use super::{Action, Clocks, Event, FastPath, Nanos, SyncPolicy, Worker};
 use crate::meta::within_staleness;
 
@@ -82,8 +84,12 @@ pub struct Dssp {
     ok_through: Vec<u64>,
     /// `A[i]`: latest and second-latest push timestamps.
     stamps: Vec<[Option<Nanos>; 2]>,
-    /// Parked pulls: (clock, req, worker), answered in clock order.
-    parked: Vec<(u64, u64, Worker)>,
+    /// Parked pulls no grant covers: (clock, req, worker), answered within `s_L`.
+    plain: BTreeSet<(u64, u64, Worker)>,
+    /// The same pulls by worker: (worker, clock, req), for a grant to find its worker's.
+    plain_of: BTreeSet<(Worker, u64, u64)>,
+    /// Parked pulls a grant covers, answered within `s_U`.
+    granted_pulls: BTreeSet<(u64, u64, Worker)>,
     delayed: u64,
     controller_calls: u64,
     extra_granted: u64,
@@ -106,11 +112,13 @@ impl Dssp {
         Dssp {
             s_lower,
             s_upper,
-            clocks: Clocks::new(workers),
+            clocks: Clocks::ranked(workers),
             grant: vec![0; n],
             ok_through: vec![0; n],
             stamps: vec![[None; 2]; n],
-            parked: Vec::new(),
+            plain: BTreeSet::new(),
+            plain_of: BTreeSet::new(),
+            granted_pulls: BTreeSet::new(),
             delayed: 0,
             controller_calls: 0,
             extra_granted: 0,
@@ -200,22 +208,15 @@ impl Dssp {
         if within_staleness(min, next, self.s_lower) {
             return;
         }
-        let applied = &self.clocks.applied;
-        let live = &self.clocks.live;
-        let fastest = applied
-            .iter()
-            .zip(live)
-            .all(|(&a, &l)| !l || a <= applied[p]);
+        let fastest = self.clocks.max_live() <= self.clocks.applied[p];
         if !fastest {
             return; // held until within s_L
         }
         self.controller_calls += 1;
         // The slowest live worker, lowest rank on ties.
-        let q = (0..applied.len())
-            .filter(|&j| live[j])
-            .min_by_key(|&j| applied[j]);
+        let q = self.clocks.slowest();
         let r = match (q, self.stamps[p]) {
-            (Some(q), [Some(p0), Some(p1)]) => match self.stamps[q] {
+            (Some(q), [Some(p0), Some(p1)]) => match self.stamps[q as usize] {
                 [Some(q0), Some(q1)] => {
                     let gap = next - min;
                     let limit = (self.s_upper + 1).saturating_sub(gap);
@@ -233,19 +234,59 @@ impl Dssp {
         }
     }
 
+    /// Parks a pull where the grants of its worker put it.
+    fn park(&mut self, (worker, clock, req): (Worker, u64, u64)) {
+        if clock <= self.ok_through[worker as usize] {
+            self.granted_pulls.insert((clock, req, worker));
+        } else {
+            self.plain.insert((clock, req, worker));
+            self.plain_of.insert((worker, clock, req));
+        }
+    }
+
+    /// A grant to `p` covers its parked pulls up to `ok_through[p]`: they move to the granted.
+    fn regrant(&mut self, p: usize) {
+        let worker = p as Worker;
+        let through = self.ok_through[p];
+        let covered: Vec<(Worker, u64, u64)> = self
+            .plain_of
+            .range((worker, 0, 0)..=(worker, through, u64::MAX))
+            .copied()
+            .collect();
+        for (w, clock, req) in covered {
+            self.plain_of.remove(&(w, clock, req));
+            self.plain.remove(&(clock, req, w));
+            self.granted_pulls.insert((clock, req, w));
+        }
+    }
+
+    /// Releases the parked pulls `may_pull` now allows, in `(clock, req, worker)` order: the
+    /// uncovered ones within `s_L` of the live minimum, the granted ones within `s_U` (only
+    /// the fronts of the two sets are read).
     fn release_ready(&mut self, out: &mut Vec<Action>) {
-        self.parked.sort_unstable();
-        let mut parked = std::mem::take(&mut self.parked);
         let min = self.clocks.min_live();
-        parked.retain(|&(clock, req, worker)| {
-            if self.may_pull_at(min, worker, clock) {
-                out.push(Action::Release { worker, req });
-                false
-            } else {
-                true
+        let mut ready = Vec::new();
+        while let Some(&(clock, req, worker)) = self.plain.first() {
+            if !within_staleness(min, clock, self.s_lower) {
+                break;
             }
-        });
-        self.parked = parked;
+            self.plain.pop_first();
+            self.plain_of.remove(&(worker, clock, req));
+            ready.push((clock, req, worker));
+        }
+        while let Some(&(clock, req, worker)) = self.granted_pulls.first() {
+            if !within_staleness(min, clock, self.s_upper) {
+                break;
+            }
+            self.granted_pulls.pop_first();
+            ready.push((clock, req, worker));
+        }
+        ready.sort_unstable();
+        out.extend(
+            ready
+                .into_iter()
+                .map(|(_, req, worker)| Action::Release { worker, req }),
+        );
     }
 }
 
@@ -269,7 +310,7 @@ impl SyncPolicy for Dssp {
                 if self.may_pull(worker, clock) {
                     out.push(Action::Release { worker, req });
                 } else {
-                    self.parked.push((clock, req, worker));
+                    self.park((worker, clock, req));
                     self.delayed += 1;
                     out.push(Action::Park { worker, req });
                 }
@@ -280,6 +321,7 @@ impl SyncPolicy for Dssp {
                 if before.is_some_and(|b| next > b) {
                     self.stamps[p] = [Some(at), self.stamps[p][0]];
                     self.decide(p, next);
+                    self.regrant(p);
                 }
                 self.release_ready(out);
             }
@@ -299,7 +341,7 @@ impl SyncPolicy for Dssp {
     }
 
     fn parked(&self) -> usize {
-        self.parked.len()
+        self.plain.len() + self.granted_pulls.len()
     }
 
     fn delayed_total(&self) -> u64 {

@@ -65,8 +65,11 @@
 //! Events about unknown workers are ignored. `Leave` releases what the departed worker held
 //! back; `Join` forgets the worker's projection history.
 
+use std::cmp::Reverse;
+use std::collections::BTreeSet;
+
 use super::projection::{Projection, ProjectionConfig, Verdict};
-use super::{Action, Clocks, Event, FastPath, Nanos, Parked, SyncPolicy, Worker, release_within};
+use super::{Action, Clocks, Event, FastPath, Nanos, Parked, SyncPolicy, Worker};
 
 /// EPSP's knobs (see the [module docs](self)).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -108,9 +111,30 @@ pub struct Epsp {
     /// Per worker: the straggler iteration it was last offered while its pull is parked
     /// (cleared when the pull is released).
     helping: Vec<Option<(Worker, u64)>>,
+    /// Per helper with a current offer, the parked pull it was made for: (clock, req).
+    helping_pull: Vec<Option<(u64, u64)>>,
+    /// Per straggler, the parked pioneers offered its current iteration.
+    helpers_of: Vec<u32>,
+    /// Per straggler, the pioneers offered its tasks since its applied count last moved (some
+    /// may have been released or offered another since: checked against `helping`).
+    helped_by: Vec<Vec<Worker>>,
+    /// The live workers as offers weigh them: (applied, when its iteration is expected to end —
+    /// `u64::MAX` when unknown — latest first, rank).
+    candidates: BTreeSet<(u64, Reverse<Nanos>, Worker)>,
+    /// Each live worker's key in `candidates`.
+    keys: Vec<Option<(u64, Reverse<Nanos>, Worker)>>,
+    /// Every parked pioneer is offered again at the next push that moves a worker (after a
+    /// change of bound, a rejoin or a restore, which can make stragglers of workers that were
+    /// not).
+    reoffer_all: bool,
     /// The latest event's time.
     now: Nanos,
 }
+
+/// The most stragglers an offer weighs: those furthest behind, the latest expected to end
+/// first. Exact whenever fewer hold the pioneer back; keeps an offer `O(log workers)` at any
+/// size.
+pub const OFFER_CANDIDATES: usize = 16;
 
 impl Epsp {
     /// EPSP for `workers` workers.
@@ -125,6 +149,14 @@ impl Epsp {
             switches: 0,
             since_verdict: 0,
             helping: vec![None; workers as usize],
+            helping_pull: vec![None; workers as usize],
+            helpers_of: vec![0; workers as usize],
+            helped_by: vec![Vec::new(); workers as usize],
+            candidates: (0..workers).map(|w| (0, Reverse(u64::MAX), w)).collect(),
+            keys: (0..workers)
+                .map(|w| Some((0, Reverse(u64::MAX), w)))
+                .collect(),
+            reoffer_all: false,
             now: 0,
         }
     }
@@ -154,12 +186,12 @@ impl Epsp {
         &self.projection
     }
 
-    /// The slack bound the verdict asks for.
-    fn bound_for(&self, v: &Verdict) -> u64 {
-        if !v.any_persistent() {
+    /// The slack bound the verdict asks for: 0 without a persistent straggler.
+    fn bound_from(&self, persistent: bool, spread: f64) -> u64 {
+        if !persistent {
             return 0;
         }
-        let s = (v.spread.ceil() as u64).saturating_sub(1);
+        let s = (spread.ceil() as u64).saturating_sub(1);
         s.clamp(1, self.cfg.s_max.max(1)).min(self.cfg.s_max)
     }
 
@@ -168,7 +200,7 @@ impl Epsp {
     /// `O(window)` amortized per push; membership changes always take one.
     fn adapt_on_push(&mut self) {
         self.since_verdict += 1;
-        let live = self.clocks.live.iter().filter(|&&l| l).count() as u64;
+        let live = self.clocks.live_count() as u64;
         if self.since_verdict >= live.div_ceil(8).max(1) {
             self.adapt();
         }
@@ -179,60 +211,141 @@ impl Epsp {
         if !self.cfg.adaptive {
             return;
         }
-        let s = self.bound_for(&self.projection.verdict());
+        let (persistent, spread) = self.projection.outlook();
+        let s = self.bound_from(persistent, spread);
         if s != self.s {
             self.s = s;
             self.switches += 1;
+            self.reoffer_all = true;
         }
+    }
+
+    /// `w`'s key among the candidates, while it is live.
+    fn key(&self, w: Worker) -> Option<(u64, Reverse<Nanos>, Worker)> {
+        if !self.clocks.is_live(w) {
+            return None;
+        }
+        let end = match (self.projection.started(w), self.projection.predicted(w)) {
+            (Some(s), Some(p)) => s.saturating_add(p),
+            _ => u64::MAX,
+        };
+        Some((self.clocks.applied(w)?, Reverse(end), w))
+    }
+
+    /// Puts `w` back in its place among the candidates after its count, its iteration's start
+    /// or prediction or its liveness changed.
+    fn rekey(&mut self, w: Worker) {
+        let Some(slot) = self.keys.get(w as usize).copied() else {
+            return;
+        };
+        let key = self.key(w);
+        if slot != key {
+            if let Some(old) = slot {
+                self.candidates.remove(&old);
+            }
+            if let Some(k) = key {
+                self.candidates.insert(k);
+            }
+            self.keys[w as usize] = key;
+        }
+    }
+
+    /// True when `o` is an offer of a straggler's current iteration.
+    fn current(&self, o: Option<(Worker, u64)>) -> bool {
+        o.is_some_and(|(s, c)| self.clocks.applied(s) == Some(c))
+    }
+
+    /// Sets `helper`'s offer (or clears it), keeping the per-straggler helper counts.
+    fn set_helping(
+        &mut self,
+        helper: Worker,
+        offer: Option<(Worker, u64)>,
+        pull: Option<(u64, u64)>,
+    ) {
+        let h = helper as usize;
+        let Some(&old) = self.helping.get(h) else {
+            return;
+        };
+        if self.current(old)
+            && let Some((s, _)) = old
+        {
+            self.helpers_of[s as usize] -= 1;
+        }
+        if let Some((s, _)) = offer {
+            self.helpers_of[s as usize] += 1;
+            self.helped_by[s as usize].push(helper);
+        }
+        self.helping[h] = offer;
+        self.helping_pull[h] = pull;
+    }
+
+    /// `w`'s applied count moved: every offer of its tasks is spent. Returns the pioneers that
+    /// held one, to be offered again.
+    fn spend_offers_of(&mut self, w: Worker, was: u64) -> Vec<Worker> {
+        let Some(list) = self.helped_by.get_mut(w as usize) else {
+            return Vec::new();
+        };
+        let list = std::mem::take(list);
+        self.helpers_of[w as usize] = 0;
+        list.into_iter()
+            .filter(|&h| self.helping[h as usize] == Some((w, was)))
+            .collect()
     }
 
     /// The straggler whose tasks a pioneer pulling at `clock` should take at `now`, if any
-    /// (the most remaining work per helper; see the [module docs](self)).
+    /// (the most remaining work per helper; see the [module docs](self)). It weighs at most
+    /// [`OFFER_CANDIDATES`] stragglers, furthest behind and latest to end first, and stops at
+    /// the first one of the last level that no one helps (none after it has more work).
     fn straggler_for(&self, helper: Worker, clock: u64, now: Nanos) -> Option<(Worker, u64)> {
         let threshold = clock.saturating_sub(self.s);
-        let n = self.clocks.applied.len();
-        // Per straggler, the other pioneers offered its current iteration: one pass, so an
-        // offer costs O(workers), not O(workers²) (1 ms a push at 1024 workers).
-        let mut helpers = vec![0u32; n];
-        for (h, o) in self.helping.iter().enumerate() {
-            if let Some((s, c)) = *o
-                && h != helper as usize
-                && self.clocks.applied.get(s as usize) == Some(&c)
-            {
-                helpers[s as usize] += 1;
+        let own = self.helping.get(helper as usize).copied().flatten();
+        let own = self.current(own).then_some(own).flatten();
+        let mut best: Option<(u128, Worker, u64)> = None;
+        let below = self.candidates.range(..(threshold, Reverse(u64::MAX), 0));
+        for &(applied, Reverse(end), w) in below.filter(|k| k.2 != helper).take(OFFER_CANDIDATES) {
+            let known = end != u64::MAX;
+            let behind = threshold - applied - 1;
+            let work = match self.projection.predicted(w) {
+                Some(p) if known => {
+                    u128::from(end.saturating_sub(now)) + u128::from(behind) * u128::from(p)
+                }
+                // Unknown: more than any known amount.
+                _ => u128::from(u64::MAX) * u128::from(u64::MAX),
+            };
+            let mut helpers = self.helpers_of[w as usize];
+            if own.is_some_and(|(s, _)| s == w) {
+                helpers -= 1;
+            }
+            let value = if helpers == 0 {
+                work
+            } else {
+                work / (u128::from(helpers) + 1)
+            };
+            if best.is_none_or(|(v, b, _)| value > v || (value == v && w < b)) {
+                best = Some((value, w, applied));
+            }
+            // In the last level the work is what is left of the iteration, which the order
+            // already sorts: an unhelped straggler there has the most of whatever follows.
+            if behind == 0 && helpers == 0 && value > 0 {
+                break;
             }
         }
-        (0..n)
-            .filter(|&w| self.clocks.live[w] && w != helper as usize)
-            .filter(|&w| self.clocks.applied[w] < threshold)
-            .map(|w| {
-                let applied = self.clocks.applied[w];
-                let work = match (
-                    self.projection.started(w as Worker),
-                    self.projection.predicted(w as Worker),
-                ) {
-                    (Some(s), Some(p)) => {
-                        let left = s.saturating_add(p).saturating_sub(now);
-                        let behind = threshold - applied - 1;
-                        u128::from(left) + u128::from(behind) * u128::from(p)
-                    }
-                    // Unknown: more than any known amount.
-                    _ => u128::from(u64::MAX) * u128::from(u64::MAX),
-                };
-                (w, applied, work / (u128::from(helpers[w]) + 1))
-            })
-            .max_by(|a, b| a.2.cmp(&b.2).then(b.0.cmp(&a.0)))
-            .map(|(w, applied, _)| (w as Worker, applied))
+        best.map(|(_, w, applied)| (w, applied))
     }
 
-    /// Offers `helper`, parked at `clock`, a straggler's tasks (when one holds it back).
-    fn offer(&mut self, helper: Worker, clock: u64, now: Nanos, out: &mut Vec<Action>) {
+    /// Offers `helper`, parked at `clock` with `req`, a straggler's tasks (when one holds it
+    /// back).
+    fn offer(
+        &mut self,
+        helper: Worker,
+        (clock, req): (u64, u64),
+        now: Nanos,
+        out: &mut Vec<Action>,
+    ) {
         let Some((straggler, sclock)) = self.straggler_for(helper, clock, now) else {
             return;
         };
-        if let Some(h) = self.helping.get_mut(helper as usize) {
-            *h = Some((straggler, sclock));
-        }
+        self.set_helping(helper, Some((straggler, sclock)), Some((clock, req)));
         self.transfers += 1;
         out.push(Action::Transfer {
             helper,
@@ -241,39 +354,55 @@ impl Epsp {
         });
     }
 
-    /// After a push: every parked pioneer whose offer is spent (its straggler moved on) is
-    /// offered again.
-    fn offer_again(&mut self, now: Nanos, out: &mut Vec<Action>) {
+    /// After a push that moved `mover`'s count from `was`: the parked pioneers whose offer that
+    /// spent are offered again, in the order of their pulls (every parked pioneer without a
+    /// current offer, after a change that can make new stragglers).
+    fn offer_again(&mut self, mover: Worker, was: u64, now: Nanos, out: &mut Vec<Action>) {
+        let spent = self.spend_offers_of(mover, was);
         if !self.cfg.transfer {
             return;
         }
-        let parked: Vec<(u64, Worker)> = self.parked.list.iter().map(|&(c, _, w)| (c, w)).collect();
-        for (clock, helper) in parked {
-            let spent = match self.helping.get(helper as usize).copied().flatten() {
-                Some((s, c)) => self.clocks.applied.get(s as usize) != Some(&c),
-                None => true,
-            };
-            if spent {
-                self.offer(helper, clock, now, out);
-            }
+        let mut again: Vec<(u64, u64, Worker)> = if std::mem::take(&mut self.reoffer_all) {
+            self.parked
+                .iter()
+                .copied()
+                .filter(|&(_, _, h)| !self.current(self.helping.get(h as usize).copied().flatten()))
+                .collect()
+        } else {
+            spent
+                .into_iter()
+                .filter_map(|h| self.helping_pull[h as usize].map(|(c, r)| (c, r, h)))
+                .collect()
+        };
+        again.sort_unstable();
+        again.dedup();
+        for (clock, req, helper) in again {
+            self.offer(helper, (clock, req), now, out);
         }
     }
 
     fn release_ready(&mut self, at: Nanos, out: &mut Vec<Action>) {
-        let projection = &mut self.projection;
-        let helping = &mut self.helping;
-        release_within(
-            &mut self.parked.list,
-            self.clocks.min_live(),
-            self.s,
-            |worker, req| {
+        let mut released = Vec::new();
+        self.parked
+            .release_within(self.clocks.min_live(), self.s, |worker, req| {
                 out.push(Action::Release { worker, req });
-                projection.start(worker, at);
-                if let Some(h) = helping.get_mut(worker as usize) {
-                    *h = None;
-                }
-            },
-        );
+                released.push(worker);
+            });
+        for worker in released {
+            self.projection.start(worker, at);
+            self.set_helping(worker, None, None);
+            self.rekey(worker);
+        }
+    }
+
+    /// A known worker's count was raised outside a push (a rejoin, a restore): the offers of
+    /// its tasks are spent, and every parked pioneer is offered again at the next push.
+    fn raised(&mut self, w: Worker, was: u64) {
+        if self.clocks.applied(w) != Some(was) {
+            let _ = self.spend_offers_of(w, was);
+            self.reoffer_all = true;
+        }
+        self.rekey(w);
     }
 }
 
@@ -299,7 +428,7 @@ impl SyncPolicy for Epsp {
             | Event::Tick { at } => at,
         });
         let before = match ev {
-            Event::Push { worker, .. } => self.clocks.applied.get(worker as usize).copied(),
+            Event::Push { worker, .. } | Event::Join { worker, .. } => self.clocks.applied(worker),
             _ => None,
         };
         if !self.clocks.observe(&ev) {
@@ -315,31 +444,35 @@ impl SyncPolicy for Epsp {
                 let min = self.clocks.min_live();
                 if !self.parked.judge(min, self.s, (worker, clock, req), out) {
                     self.projection.start(worker, at);
+                    self.rekey(worker);
                 } else if self.cfg.transfer {
-                    self.offer(worker, clock, at, out);
+                    self.offer(worker, (clock, req), at, out);
                 }
             }
             Event::Push { worker, at, .. } => {
-                let moved = before.is_some_and(|b| self.clocks.applied[worker as usize] > b);
+                let was = before.unwrap_or(0);
+                let moved = self.clocks.applied(worker).is_some_and(|a| a > was);
                 if moved {
                     self.projection.finish(worker, at);
+                    self.rekey(worker);
                     self.adapt_on_push();
                 }
                 self.release_ready(at, out);
                 if moved {
-                    self.offer_again(at, out);
+                    self.offer_again(worker, was, at, out);
                 }
             }
             Event::Leave { worker, at } => {
                 self.projection.leave(worker);
-                if let Some(h) = self.helping.get_mut(worker as usize) {
-                    *h = None;
-                }
+                self.set_helping(worker, None, None);
+                self.rekey(worker);
                 self.adapt();
                 self.release_ready(at, out);
             }
             Event::Join { worker, at, .. } => {
                 self.projection.join(worker);
+                self.raised(worker, before.unwrap_or(0));
+                self.reoffer_all = true;
                 self.adapt();
                 self.release_ready(at, out);
             }
@@ -356,7 +489,7 @@ impl SyncPolicy for Epsp {
     }
 
     fn parked(&self) -> usize {
-        self.parked.list.len()
+        self.parked.len()
     }
 
     fn delayed_total(&self) -> u64 {
@@ -378,16 +511,124 @@ impl SyncPolicy for Epsp {
     /// The gradients waiting in their steps arrived: they count (see
     /// [`SyncPolicy::judges_arrivals`]).
     fn restored(&mut self, steps: u64, pending: &[(u64, Vec<Worker>)], out: &mut Vec<Action>) {
-        for a in &mut self.clocks.applied {
-            *a = (*a).max(steps);
+        let n = self.clocks.workers() as Worker;
+        for w in 0..n {
+            let was = self.clocks.applied(w).unwrap_or(0);
+            self.clocks.raise(w, steps);
+            self.raised(w, was);
         }
         for (step, workers) in pending {
             for &w in workers {
-                if let Some(a) = self.clocks.applied.get_mut(w as usize) {
-                    *a = (*a).max(step + 1);
+                if let Some(was) = self.clocks.applied(w) {
+                    self.clocks.raise(w, step + 1);
+                    self.raised(w, was);
                 }
             }
         }
         self.release_ready(self.now, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The offer rule as a pass over every worker: the definition the indexed
+    /// `straggler_for` must agree with while fewer than [`OFFER_CANDIDATES`] stragglers hold the
+    /// pioneer back.
+    fn exact(e: &Epsp, helper: Worker, clock: u64, now: Nanos) -> Option<(Worker, u64)> {
+        let threshold = clock.saturating_sub(e.s);
+        let n = e.clocks.workers() as Worker;
+        (0..n)
+            .filter(|&w| e.clocks.is_live(w) && w != helper)
+            .filter(|&w| e.clocks.applied(w).unwrap() < threshold)
+            .map(|w| {
+                let applied = e.clocks.applied(w).unwrap();
+                let helpers = (0..n)
+                    .filter(|&h| h != helper)
+                    .filter(|&h| {
+                        e.helping[h as usize].is_some_and(|o| o.0 == w && e.current(Some(o)))
+                    })
+                    .count() as u128;
+                let work = match (e.projection.started(w), e.projection.predicted(w)) {
+                    (Some(s), Some(p)) => {
+                        let left = s.saturating_add(p).saturating_sub(now);
+                        let behind = threshold - applied - 1;
+                        u128::from(left) + u128::from(behind) * u128::from(p)
+                    }
+                    _ => u128::from(u64::MAX) * u128::from(u64::MAX),
+                };
+                (w, applied, work / (helpers + 1))
+            })
+            .max_by(|a, b| a.2.cmp(&b.2).then(b.0.cmp(&a.0)))
+            .map(|(w, applied, _)| (w, applied))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// Over random traces (pushes, pulls, departures, rejoins; slack or enforced), every
+        /// parked pioneer would be offered what the pass over every worker gives, and the
+        /// per-straggler helper counts match the offers held.
+        #[test]
+        fn indexed_offers_agree_with_the_pass_over_every_worker(
+            workers in 2u32..8,
+            s_max in 0u64..3,
+            steps in prop::collection::vec((0u32..8, 0u8..12, 1u64..400), 1..250),
+        ) {
+            let cfg = EpspConfig { s_max, ..EpspConfig::default() };
+            let mut e = Epsp::new(workers, cfg);
+            let n = workers as usize;
+            let mut clock = vec![0u64; n];
+            let mut waiting = vec![false; n];
+            let mut live = vec![true; n];
+            let (mut at, mut req) = (0u64, 0u64);
+            let mut out = Vec::new();
+            for &(w, kind, dt) in &steps {
+                let w = w % workers;
+                let wi = w as usize;
+                at += dt;
+                let ev = match kind {
+                    0 if live[wi] && live.iter().filter(|l| **l).count() > 1 => {
+                        live[wi] = false;
+                        Event::Leave { worker: w, at }
+                    }
+                    1 if !live[wi] => {
+                        live[wi] = true;
+                        waiting[wi] = false;
+                        Event::Join { worker: w, clock: clock[wi], at }
+                    }
+                    2..=6 if live[wi] && !waiting[wi] => {
+                        req += 1;
+                        waiting[wi] = true;
+                        Event::Pull { worker: w, clock: clock[wi], req, at }
+                    }
+                    _ if live[wi] && !waiting[wi] => {
+                        clock[wi] += 1;
+                        Event::Push { worker: w, clock: clock[wi] - 1, at }
+                    }
+                    _ => Event::Tick { at },
+                };
+                out.clear();
+                e.on_event(ev, &mut out);
+                for a in &out {
+                    if let Action::Release { worker, .. } = *a {
+                        waiting[worker as usize] = false;
+                    }
+                }
+                let v = e.projection.verdict();
+                prop_assert_eq!(e.projection.outlook(), (v.any_persistent(), v.spread));
+                for &(c, _, h) in e.parked.iter() {
+                    prop_assert_eq!(e.straggler_for(h, c, at), exact(&e, h, c, at));
+                }
+                for st in 0..workers {
+                    let held = (0..workers)
+                        .filter(|&h| e.helping[h as usize].is_some_and(|o| o.0 == st && e.current(Some(o))))
+                        .count() as u32;
+                    prop_assert_eq!(e.helpers_of[st as usize], held, "straggler {}", st);
+                }
+            }
+        }
     }
 }

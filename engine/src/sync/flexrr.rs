@@ -30,8 +30,9 @@
 //! the policy. Events about unknown workers are ignored.
 
 use std::cmp::Reverse;
+use std::collections::BTreeSet;
 
-use super::{Action, Clocks, Event, FastPath, Nanos, Parked, SyncPolicy, Worker, release_within};
+use super::{Action, Clocks, Event, FastPath, Nanos, Parked, SyncPolicy, Worker};
 
 /// FlexRR for one shard (see the [module docs](self)).
 #[derive(Clone, Debug)]
@@ -43,8 +44,11 @@ pub struct FlexRr {
     parked: Parked,
     /// Per helper, the last helpee iteration it was offered.
     offered: Vec<Option<(Worker, u64)>>,
-    /// Per worker, when its latest counted push arrived (its current iteration's start).
+    /// Per worker, when its current iteration started: its latest counted push, or its rejoin.
     last_push: Vec<Nanos>,
+    /// Per helper group, its live members in helpee order: furthest behind, then the latest
+    /// iteration start, then the lowest rank. An offer reads the first two: `O(log workers)`.
+    helpees: Vec<BTreeSet<(u64, Reverse<Nanos>, Worker)>>,
     transfers: u64,
 }
 
@@ -52,6 +56,16 @@ impl FlexRr {
     /// FlexRR for `workers` workers with slack `s`, help threshold `theta` iterations (≥ 1)
     /// and helper groups of `group` ranks (0: everyone).
     pub fn new(workers: u32, s: u64, theta: u64, group: u32) -> FlexRr {
+        let groups = if group == 0 {
+            1
+        } else {
+            workers.div_ceil(group).max(1)
+        };
+        let mut helpees = vec![BTreeSet::new(); groups as usize];
+        for w in 0..workers {
+            let g = w.checked_div(group).unwrap_or(0);
+            helpees[g as usize].insert((0, Reverse(0), w));
+        }
         FlexRr {
             s,
             theta: theta.max(1),
@@ -60,63 +74,51 @@ impl FlexRr {
             parked: Parked::default(),
             offered: vec![None; workers as usize],
             last_push: vec![0; workers as usize],
+            helpees,
             transfers: 0,
         }
     }
 
-    fn same_group(&self, a: usize, b: usize) -> bool {
-        self.group == 0 || a / self.group as usize == b / self.group as usize
+    fn group_of(&self, w: Worker) -> usize {
+        // Group 0: everyone is in one group.
+        w.checked_div(self.group).unwrap_or(0) as usize
+    }
+
+    /// `w`'s place in its group's helpee order, while it is live.
+    fn key(&self, w: Worker) -> Option<(u64, Reverse<Nanos>, Worker)> {
+        let applied = self.clocks.applied(w)?;
+        self.clocks
+            .is_live(w)
+            .then(|| (applied, Reverse(self.last_push[w as usize]), w))
     }
 
     fn offer(&mut self, helper: Worker, out: &mut Vec<Action>) {
         let h = helper as usize;
-        if h >= self.offered.len() || !self.clocks.live[h] {
+        if h >= self.offered.len() || !self.clocks.is_live(helper) {
             return;
         }
         let mine = self.clocks.applied[h];
-        let Some(j) = (0..self.clocks.applied.len())
-            .filter(|&j| j != h && self.clocks.live[j] && self.same_group(h, j))
-            .min_by_key(|&j| (self.clocks.applied[j], Reverse(self.last_push[j]), j))
+        let Some(&(theirs, _, j)) = self.helpees[self.group_of(helper)]
+            .iter()
+            .take(2)
+            .find(|&&(_, _, j)| j != helper)
         else {
             return;
         };
-        let theirs = self.clocks.applied[j];
-        if mine.saturating_sub(theirs) < self.theta
-            || self.offered[h] == Some((j as Worker, theirs))
-        {
+        if mine.saturating_sub(theirs) < self.theta || self.offered[h] == Some((j, theirs)) {
             return;
         }
-        self.offered[h] = Some((j as Worker, theirs));
+        self.offered[h] = Some((j, theirs));
         self.transfers += 1;
         out.push(Action::Transfer {
             helper,
-            straggler: j as Worker,
+            straggler: j,
             clock: theirs,
         });
     }
 
-    fn release_ready(&mut self, out: &mut Vec<Action>) {
-        release_within(
-            &mut self.parked.list,
-            self.clocks.min_live(),
-            self.s,
-            |worker, req| out.push(Action::Release { worker, req }),
-        );
-    }
-}
-
-impl SyncPolicy for FlexRr {
-    fn name(&self) -> String {
-        format!(
-            "flexrr({},theta={},group={})",
-            self.s, self.theta, self.group
-        )
-    }
-
-    fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
-        if !self.clocks.observe(&ev) {
-            return;
-        }
+    /// The policy's answer to a known worker's event.
+    fn handle(&mut self, ev: Event, out: &mut Vec<Action>) {
         match ev {
             Event::Pull {
                 worker, clock, req, ..
@@ -146,12 +148,54 @@ impl SyncPolicy for FlexRr {
         }
     }
 
+    fn release_ready(&mut self, out: &mut Vec<Action>) {
+        self.parked
+            .release_within(self.clocks.min_live(), self.s, |worker, req| {
+                out.push(Action::Release { worker, req })
+            });
+    }
+}
+
+impl SyncPolicy for FlexRr {
+    fn name(&self) -> String {
+        format!(
+            "flexrr({},theta={},group={})",
+            self.s, self.theta, self.group
+        )
+    }
+
+    fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
+        // The event's worker leaves its group's helpee order and comes back with its new place.
+        let moved = match ev {
+            Event::Push { worker, .. }
+            | Event::Leave { worker, .. }
+            | Event::Join { worker, .. } => self.key(worker).map(|k| (worker, k)),
+            _ => None,
+        };
+        if let Some((w, k)) = moved {
+            let g = self.group_of(w);
+            self.helpees[g].remove(&k);
+        }
+        let known = self.clocks.observe(&ev);
+        if known {
+            self.handle(ev, out);
+        }
+        if let Event::Push { worker: w, .. }
+        | Event::Leave { worker: w, .. }
+        | Event::Join { worker: w, .. } = ev
+            && let Some(k) = self.key(w)
+        {
+            let g = self.group_of(w);
+            self.helpees[g].insert(k);
+        }
+    }
+
     fn fast_path(&self) -> FastPath {
         FastPath::Within(self.s)
     }
 
     fn parked(&self) -> usize {
-        self.parked.list.len()
+        self.parked.len()
     }
 
     fn delayed_total(&self) -> u64 {

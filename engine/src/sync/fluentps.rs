@@ -2,7 +2,9 @@
 //! execution of parked pulls and probabilistic pausing of fast workers. The design is
 //! documented on [`FluentPs`] (this module is private; its items are re-exported by `sync`).
 
-use super::{Action, Event, FastPath, SyncPolicy, Worker};
+use std::collections::BTreeSet;
+
+use super::{Action, Clocks, Event, FastPath, SyncPolicy, Worker};
 use crate::meta::within_staleness;
 
 /// When FluentPS pauses a pull that fails the SSP condition (see [`FluentPs`]).
@@ -22,8 +24,8 @@ pub enum Pause {
     FastestSigmoid,
 }
 
-/// A parked pull.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A parked pull, ordered by the slowest clock it waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Parked {
     /// Released once the slowest clock is at least this.
     wait_for: u64,
@@ -112,9 +114,9 @@ struct Parked {
 pub struct FluentPs {
     pause: Pause,
     s: u64,
-    applied: Vec<u64>,
-    live: Vec<bool>,
-    parked: Vec<Parked>,
+    clocks: Clocks,
+    /// Parked pulls in the order their targets are reached.
+    parked: BTreeSet<Parked>,
     delayed: u64,
     rng: SplitMix64,
 }
@@ -132,9 +134,8 @@ impl FluentPs {
         FluentPs {
             pause,
             s,
-            applied: vec![0; workers as usize],
-            live: vec![true; workers as usize],
-            parked: Vec::new(),
+            clocks: Clocks::new(workers),
+            parked: BTreeSet::new(),
             delayed: 0,
             rng: SplitMix64(seed),
         }
@@ -153,25 +154,13 @@ impl FluentPs {
     /// The shard's slowest clock: the smallest applied count among live workers (`u64::MAX`
     /// when none is live).
     pub fn slowest(&self) -> u64 {
-        self.applied
-            .iter()
-            .zip(&self.live)
-            .filter(|(_, l)| **l)
-            .map(|(a, _)| *a)
-            .min()
-            .unwrap_or(u64::MAX)
+        self.clocks.min_live()
     }
 
     /// The shard's fastest clock: the largest applied count among live workers (0 when none is
     /// live).
     pub fn fastest(&self) -> u64 {
-        self.applied
-            .iter()
-            .zip(&self.live)
-            .filter(|(_, l)| **l)
-            .map(|(a, _)| *a)
-            .max()
-            .unwrap_or(0)
+        self.clocks.max_live()
     }
 
     /// The probability that the rule pauses a pull past the bound with gap `k ≥ s` (the
@@ -190,7 +179,7 @@ impl FluentPs {
     }
 
     fn known(&self, w: Worker) -> bool {
-        (w as usize) < self.applied.len()
+        (w as usize) < self.clocks.workers()
     }
 
     fn on_pull(&mut self, worker: Worker, clock: u64, req: u64, out: &mut Vec<Action>) {
@@ -216,7 +205,7 @@ impl FluentPs {
             Pause::RawSsp => clock - self.s,
             _ => slow + 1,
         };
-        self.parked.push(Parked {
+        self.parked.insert(Parked {
             wait_for,
             clock,
             req,
@@ -233,14 +222,13 @@ impl FluentPs {
         }
         let slow = self.slowest();
         let mut ready: Vec<Parked> = Vec::new();
-        self.parked.retain(|p| {
-            if p.wait_for <= slow {
-                ready.push(*p);
-                false
-            } else {
-                true
+        while let Some(&p) = self.parked.first() {
+            if p.wait_for > slow {
+                break;
             }
-        });
+            self.parked.pop_first();
+            ready.push(p);
+        }
         ready.sort_unstable_by_key(|p| (p.clock, p.req, p.worker));
         out.extend(ready.into_iter().map(|p| Action::Release {
             worker: p.worker,
@@ -270,17 +258,12 @@ impl SyncPolicy for FluentPs {
                 }
                 return;
             }
-            Event::Push { worker, clock, .. } if self.known(worker) => {
-                let a = &mut self.applied[worker as usize];
-                *a = (*a).max(clock.saturating_add(1));
-            }
-            Event::Leave { worker, .. } if self.known(worker) => {
-                self.live[worker as usize] = false;
-            }
-            Event::Join { worker, clock, .. } if self.known(worker) => {
-                self.live[worker as usize] = true;
-                let a = &mut self.applied[worker as usize];
-                *a = (*a).max(clock);
+            Event::Push { worker, .. }
+            | Event::Leave { worker, .. }
+            | Event::Join { worker, .. }
+                if self.known(worker) =>
+            {
+                self.clocks.observe(&ev);
             }
             Event::Tick { .. } => {}
             _ => return,

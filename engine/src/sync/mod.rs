@@ -639,11 +639,13 @@ fn parse_fluentps(a: &[&str]) -> Result<PolicySpec, String> {
     Ok(PolicySpec::FluentPs { s: n, pause })
 }
 
-/// Pulls parked under the SSP rule, in release order, and how many were ever parked.
+/// Pulls parked, kept in release order `(clock, req, worker)`, and how many were ever parked.
+/// Releasing takes pulls from the front only: `O(log parked)` per pull, not a pass over every
+/// parked pull per event.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Parked {
     /// (clock, req, worker).
-    pub(crate) list: Vec<(u64, u64, Worker)>,
+    set: std::collections::BTreeSet<(u64, u64, Worker)>,
     /// Pulls ever parked.
     pub(crate) delayed: u64,
 }
@@ -662,38 +664,60 @@ impl Parked {
             out.push(Action::Release { worker, req });
             false
         } else {
-            self.list.push((clock, req, worker));
-            self.delayed += 1;
-            out.push(Action::Park { worker, req });
+            self.park((worker, clock, req), out);
             true
         }
     }
-}
 
-/// Releases, in `(clock, req, worker)` order, every parked pull within staleness `s` of the
-/// live minimum `min` (the SSP rule), calling `on(worker, req)` for each; keeps the others.
-pub(crate) fn release_within(
-    parked: &mut Vec<(u64, u64, Worker)>,
-    min: u64,
-    s: u64,
-    mut on: impl FnMut(Worker, u64),
-) {
-    parked.sort_unstable();
-    parked.retain(|&(clock, req, worker)| {
-        if crate::meta::within_staleness(min, clock, s) {
+    /// Parks the pull: [`Action::Park`].
+    pub(crate) fn park(&mut self, (worker, clock, req): (Worker, u64, u64), out: &mut Vec<Action>) {
+        self.set.insert((clock, req, worker));
+        self.delayed += 1;
+        out.push(Action::Park { worker, req });
+    }
+
+    /// Releases, in `(clock, req, worker)` order, every parked pull within staleness `s` of the
+    /// live minimum `min` (the SSP rule), calling `on(worker, req)` for each; keeps the others.
+    pub(crate) fn release_within(&mut self, min: u64, s: u64, on: impl FnMut(Worker, u64)) {
+        self.release_through(min.saturating_add(s), on);
+    }
+
+    /// Releases, in order, every parked pull at a clock `≤ last`.
+    pub(crate) fn release_through(&mut self, last: u64, mut on: impl FnMut(Worker, u64)) {
+        while let Some(&(clock, req, worker)) = self.set.first() {
+            if clock > last {
+                break;
+            }
+            self.set.pop_first();
             on(worker, req);
-            false
-        } else {
-            true
         }
-    });
+    }
+
+    /// Pulls parked now.
+    pub(crate) fn len(&self) -> usize {
+        self.set.len()
+    }
+
+    /// The parked pulls in release order: (clock, req, worker).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &(u64, u64, Worker)> {
+        self.set.iter()
+    }
 }
 
-/// Bookkeeping shared by the staleness-based policies: applied counts and liveness.
+/// Bookkeeping shared by the staleness-based policies: applied counts and liveness, with how
+/// many live workers stand at each applied count. The live workers' counts span few distinct
+/// values (the staleness bound keeps them close), so the slowest and fastest clocks cost
+/// `O(log levels)` per event, not a pass over the job. [`Clocks::ranked`] also keeps the live
+/// workers in order, for a policy that needs the slowest worker itself.
 #[derive(Clone, Debug)]
 pub(crate) struct Clocks {
     applied: Vec<u64>,
     live: Vec<bool>,
+    /// Live workers per applied count.
+    levels: std::collections::BTreeMap<u64, u32>,
+    live_count: usize,
+    /// The live workers by (applied, rank), when ranked.
+    order: Option<std::collections::BTreeSet<(u64, Worker)>>,
 }
 
 impl Clocks {
@@ -701,6 +725,21 @@ impl Clocks {
         Clocks {
             applied: vec![0; workers as usize],
             live: vec![true; workers as usize],
+            levels: if workers > 0 {
+                std::iter::once((0, workers)).collect()
+            } else {
+                Default::default()
+            },
+            live_count: workers as usize,
+            order: None,
+        }
+    }
+
+    /// As [`Clocks::new`], keeping the live workers in order too ([`Clocks::slowest`]).
+    pub(crate) fn ranked(workers: u32) -> Clocks {
+        Clocks {
+            order: Some((0..workers).map(|w| (0, w)).collect()),
+            ..Clocks::new(workers)
         }
     }
 
@@ -709,16 +748,12 @@ impl Clocks {
         let n = self.applied.len();
         match *ev {
             Event::Push { worker, clock, .. } if (worker as usize) < n => {
-                let a = &mut self.applied[worker as usize];
-                *a = (*a).max(clock + 1);
+                self.raise(worker, clock.saturating_add(1))
             }
-            Event::Leave { worker, .. } if (worker as usize) < n => {
-                self.live[worker as usize] = false
-            }
+            Event::Leave { worker, .. } if (worker as usize) < n => self.set_live(worker, false),
             Event::Join { worker, clock, .. } if (worker as usize) < n => {
-                self.live[worker as usize] = true;
-                let a = &mut self.applied[worker as usize];
-                *a = (*a).max(clock);
+                self.set_live(worker, true);
+                self.raise(worker, clock);
             }
             Event::Pull { worker, .. } if (worker as usize) < n => {}
             Event::Tick { .. } => {}
@@ -727,15 +762,86 @@ impl Clocks {
         true
     }
 
+    fn count(&mut self, (applied, worker): (u64, Worker), present: bool) {
+        if present {
+            *self.levels.entry(applied).or_insert(0) += 1;
+            self.live_count += 1;
+        } else if let std::collections::btree_map::Entry::Occupied(mut e) =
+            self.levels.entry(applied)
+        {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+            self.live_count -= 1;
+        }
+        if let Some(order) = &mut self.order {
+            if present {
+                order.insert((applied, worker));
+            } else {
+                order.remove(&(applied, worker));
+            }
+        }
+    }
+
+    /// Raises `worker`'s applied count to at least `to`.
+    pub(crate) fn raise(&mut self, worker: Worker, to: u64) {
+        let w = worker as usize;
+        let Some(&a) = self.applied.get(w) else {
+            return;
+        };
+        if to <= a {
+            return;
+        }
+        if self.live[w] {
+            self.count((a, worker), false);
+            self.count((to, worker), true);
+        }
+        self.applied[w] = to;
+    }
+
+    fn set_live(&mut self, worker: Worker, live: bool) {
+        let w = worker as usize;
+        if self.live[w] != live {
+            self.live[w] = live;
+            self.count((self.applied[w], worker), live);
+        }
+    }
+
+    /// Workers, live or not.
+    pub(crate) fn workers(&self) -> usize {
+        self.applied.len()
+    }
+
+    /// `worker`'s applied count (`None` for an unknown worker).
+    pub(crate) fn applied(&self, worker: Worker) -> Option<u64> {
+        self.applied.get(worker as usize).copied()
+    }
+
+    /// True when `worker` is known and live.
+    pub(crate) fn is_live(&self, worker: Worker) -> bool {
+        self.live.get(worker as usize).copied().unwrap_or(false)
+    }
+
+    /// Live workers.
+    pub(crate) fn live_count(&self) -> usize {
+        self.live_count
+    }
+
     /// The smallest applied count among live workers (u64::MAX when none is live).
     pub(crate) fn min_live(&self) -> u64 {
-        self.applied
-            .iter()
-            .zip(&self.live)
-            .filter(|(_, l)| **l)
-            .map(|(a, _)| *a)
-            .min()
-            .unwrap_or(u64::MAX)
+        self.levels.first_key_value().map_or(u64::MAX, |(&a, _)| a)
+    }
+
+    /// The largest applied count among live workers (0 when none is live).
+    pub(crate) fn max_live(&self) -> u64 {
+        self.levels.last_key_value().map_or(0, |(&a, _)| a)
+    }
+
+    /// The slowest live worker (the lowest rank on ties); needs [`Clocks::ranked`] (`None`
+    /// otherwise).
+    pub(crate) fn slowest(&self) -> Option<Worker> {
+        self.order.as_ref()?.first().map(|&(_, w)| w)
     }
 }
 

@@ -31,7 +31,7 @@
 //! Cost: a sample is `O(window log window)` (its median is kept up to date); a verdict is
 //! `O(workers × window)`.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 use super::{Nanos, Worker};
 
@@ -109,15 +109,29 @@ pub struct Projection {
     live: Vec<bool>,
     /// Straggling samples seen, per worker, ever.
     episodes: Vec<u64>,
+    /// The live workers with a median, by (median, rank): the reference and the spread
+    /// without a pass over the job.
+    by_median: BTreeSet<(Nanos, Worker)>,
 }
 
 fn median(v: &VecDeque<Nanos>) -> Option<Nanos> {
     if v.is_empty() {
         return None;
     }
-    let mut s: Vec<Nanos> = v.iter().copied().collect();
-    s.sort_unstable();
-    Some(s[s.len() / 2])
+    // On the stack for the usual windows: a median per push allocates nothing.
+    let mut small = [0 as Nanos; 32];
+    let mut big = Vec::new();
+    let s: &mut [Nanos] = if v.len() <= small.len() {
+        for (d, x) in small.iter_mut().zip(v) {
+            *d = *x;
+        }
+        &mut small[..v.len()]
+    } else {
+        big.extend(v.iter().copied());
+        &mut big
+    };
+    let mid = s.len() / 2;
+    Some(*s.select_nth_unstable(mid).1)
 }
 
 impl Projection {
@@ -136,6 +150,7 @@ impl Projection {
             started: vec![None; n],
             live: vec![true; n],
             episodes: vec![0; n],
+            by_median: BTreeSet::new(),
         }
     }
 
@@ -169,15 +184,31 @@ impl Projection {
             while v.len() > self.cfg.window {
                 v.pop_front();
             }
-            self.medians[w] = median(v);
+            let m = median(v);
+            self.set_median(w, m);
         }
         self.started[w] = Some(at);
     }
 
+    /// Sets `w`'s median, keeping the order of the live medians.
+    fn set_median(&mut self, w: usize, m: Option<Nanos>) {
+        if let Some(old) = self.medians[w] {
+            self.by_median.remove(&(old, w as Worker));
+        }
+        self.medians[w] = m;
+        if let (Some(m), true) = (m, self.live[w]) {
+            self.by_median.insert((m, w as Worker));
+        }
+    }
+
     /// `worker` left: it is no longer classed nor the reference.
     pub fn leave(&mut self, worker: Worker) {
-        if let Some(l) = self.live.get_mut(worker as usize) {
-            *l = false;
+        let w = worker as usize;
+        if w < self.live.len() {
+            if let Some(m) = self.medians[w] {
+                self.by_median.remove(&(m, worker));
+            }
+            self.live[w] = false;
         }
     }
 
@@ -187,7 +218,7 @@ impl Projection {
         if w < self.live.len() {
             self.live[w] = true;
             self.samples[w].clear();
-            self.medians[w] = None;
+            self.set_median(w, None);
             self.started[w] = None;
         }
     }
@@ -198,12 +229,7 @@ impl Projection {
 
     /// The fastest live worker's typical iteration time (smallest median), if any is known.
     pub fn reference(&self) -> Option<Nanos> {
-        self.medians
-            .iter()
-            .zip(&self.live)
-            .filter(|(_, l)| **l)
-            .filter_map(|(m, _)| *m)
-            .min()
+        self.by_median.first().map(|&(m, _)| m)
     }
 
     /// `worker`'s predicted next iteration time (the median of its window).
@@ -249,6 +275,38 @@ impl Projection {
         }
     }
 
+    /// What EPSP's switch reads of a verdict, without classing every worker: whether any live
+    /// worker is a persistent straggler (the pass stops at the first), and the spread.
+    pub fn outlook(&self) -> (bool, f64) {
+        let spread = self.spread();
+        let Some(reference) = self.reference() else {
+            return (false, spread);
+        };
+        // A sample straggles when sample > (1 + theta) × reference: for whole nanoseconds,
+        // when it is above that bound's floor.
+        let limit = ((1.0 + self.cfg.theta) * reference as f64).floor();
+        let limit = if limit >= u64::MAX as f64 {
+            u64::MAX
+        } else {
+            limit.max(0.0) as u64
+        };
+        let any = (0..self.samples.len()).any(|w| {
+            let v = &self.samples[w];
+            self.live[w] && v.len() >= self.cfg.min_samples && {
+                let slow = v.iter().filter(|&&x| x > limit).count();
+                slow > 0 && slow as f64 >= self.cfg.persistent * v.len() as f64
+            }
+        });
+        (any, spread)
+    }
+
+    fn spread(&self) -> f64 {
+        match (self.by_median.first(), self.by_median.last()) {
+            (Some(&(lo, _)), Some(&(hi, _))) if lo > 0 => hi as f64 / lo as f64,
+            _ => 1.0,
+        }
+    }
+
     /// The verdict on every worker.
     pub fn verdict(&self) -> Verdict {
         let n = self.samples.len();
@@ -256,18 +314,10 @@ impl Projection {
             Some(r) => (0..n).map(|w| self.class_against(w as Worker, r)).collect(),
             None => vec![Class::Unknown; n],
         };
-        let live = || {
-            self.medians
-                .iter()
-                .zip(&self.live)
-                .filter(|(_, l)| **l)
-                .filter_map(|(m, _)| *m)
-        };
-        let spread = match (live().min(), live().max()) {
-            (Some(lo), Some(hi)) if lo > 0 => hi as f64 / lo as f64,
-            _ => 1.0,
-        };
-        Verdict { classes, spread }
+        Verdict {
+            classes,
+            spread: self.spread(),
+        }
     }
 }
 
@@ -299,6 +349,7 @@ mod tests {
         );
         assert!(v.any_persistent());
         assert!((v.spread - 2.5).abs() < 1e-9);
+        assert_eq!(p.outlook(), (true, v.spread));
         assert_eq!(p.predicted(1), Some(100));
         assert_eq!(v.of(Class::Pioneer), vec![0]);
     }

@@ -2,7 +2,7 @@
 //! live worker has `≥ c − s` gradients applied; the fastest worker runs at most `s` iterations
 //! ahead of the slowest.
 
-use super::{Action, Clocks, Event, FastPath, Parked, SyncPolicy, release_within};
+use super::{Action, Clocks, Event, FastPath, Parked, SyncPolicy};
 
 /// SSP with bound `s`.
 #[derive(Clone, Debug)]
@@ -24,12 +24,10 @@ impl Ssp {
     }
 
     fn release_ready(&mut self, out: &mut Vec<Action>) {
-        release_within(
-            &mut self.parked.list,
-            self.clocks.min_live(),
-            self.s,
-            |worker, req| out.push(Action::Release { worker, req }),
-        );
+        self.parked
+            .release_within(self.clocks.min_live(), self.s, |worker, req| {
+                out.push(Action::Release { worker, req })
+            });
     }
 }
 
@@ -61,7 +59,7 @@ impl SyncPolicy for Ssp {
     }
 
     fn parked(&self) -> usize {
-        self.parked.list.len()
+        self.parked.len()
     }
 
     fn delayed_total(&self) -> u64 {

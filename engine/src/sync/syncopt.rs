@@ -53,7 +53,7 @@
 //! With `b = 0` this is BSP action for action (a property test checks it against
 //! [`super::Bsp`]).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 use super::{Action, Event, FastPath, SyncPolicy, Worker};
 
@@ -70,12 +70,14 @@ pub struct SyncOpt {
     /// Per worker: one past the last step it counted in (0: none).
     counted_in: Vec<u64>,
     live: Vec<bool>,
+    /// Live workers.
+    live_count: u32,
     /// Completed steps (the version).
     version: u64,
     /// Counted gradients for clocks `version, version + 1, …`.
     counted: VecDeque<u32>,
-    /// Parked pulls: (clock, req, worker).
-    waiting: Vec<(u64, u64, Worker)>,
+    /// Parked pulls in release order: (clock, req, worker).
+    waiting: BTreeSet<(u64, u64, Worker)>,
     delayed: u64,
     dropped: u64,
 }
@@ -98,9 +100,10 @@ impl SyncOpt {
             base: vec![0; workers_total as usize],
             counted_in: vec![0; workers_total as usize],
             live: vec![true; workers_total as usize],
+            live_count: workers_total,
             version: 0,
             counted: VecDeque::new(),
-            waiting: Vec::new(),
+            waiting: BTreeSet::new(),
             delayed: 0,
             dropped: 0,
         }
@@ -128,8 +131,7 @@ impl SyncOpt {
 
     /// Gradients a step needs now: `N`, or the live workers when fewer are live.
     fn needed(&self) -> u32 {
-        let live = self.live.iter().filter(|l| **l).count() as u32;
-        self.quorum.min(live)
+        self.quorum.min(self.live_count)
     }
 
     /// Advances the version over every complete step; true if it moved.
@@ -146,9 +148,11 @@ impl SyncOpt {
 
     fn release_ready(&mut self, out: &mut Vec<Action>) {
         let v = self.version;
-        self.waiting.sort_unstable();
-        let n = self.waiting.partition_point(|&(clock, ..)| clock <= v);
-        for (_, req, worker) in self.waiting.drain(..n) {
+        while let Some(&(clock, req, worker)) = self.waiting.first() {
+            if clock > v {
+                break;
+            }
+            self.waiting.pop_first();
             self.base[worker as usize] = v;
             out.push(Action::Release { worker, req });
         }
@@ -244,20 +248,24 @@ impl SyncPolicy for SyncOpt {
                     self.base[worker as usize] = self.version;
                     out.push(Action::Release { worker, req });
                 } else {
-                    self.waiting.push((clock, req, worker));
+                    self.waiting.insert((clock, req, worker));
                     self.delayed += 1;
                     out.push(Action::Park { worker, req });
                 }
             }
             Event::Leave { worker, .. } if known(worker) => {
-                self.live[worker as usize] = false;
+                if std::mem::replace(&mut self.live[worker as usize], false) {
+                    self.live_count -= 1;
+                }
                 if self.advance() {
                     self.release_ready(out);
                 }
             }
             Event::Join { worker, clock, .. } if known(worker) => {
                 let w = worker as usize;
-                self.live[w] = true;
+                if !std::mem::replace(&mut self.live[w], true) {
+                    self.live_count += 1;
+                }
                 self.next[w] = self.next[w].max(clock);
             }
             _ => {}
