@@ -922,7 +922,7 @@ pub struct SimArgs {
 
 /// Runs `falcon sim`: every policy on the same simulated workers and seed.
 pub fn sim(a: SimArgs) -> Res {
-    use falcon_trainer::sim::{SimSpec, simulate};
+    use falcon_trainer::sim::SimSpec;
     // Everything checked before the data is read.
     let mut entries = Vec::new();
     for p in top_level_split(&a.policies) {
@@ -967,9 +967,9 @@ pub fn sim(a: SimArgs) -> Res {
         "\n| policy | virtual s | it/s (virtual) | time to {:.0}% | final acc | blocked s (mean) | parked | dropped | offers / tasks moved | wall s | of which gradients s |\n|---|---|---|---|---|---|---|---|---|---|---|",
         100.0 * a.target
     );
-    let mut series = Vec::new();
-    for (p, entry) in entries {
-        let spec = SimSpec {
+    let mut specs = Vec::new();
+    for (_, entry) in &entries {
+        specs.push(SimSpec {
             workers: a.workers,
             iters: a.iters,
             policy: entry.policy,
@@ -995,8 +995,24 @@ pub fn sim(a: SimArgs) -> Res {
             tasks: a.tasks,
             transfer: !a.no_transfer,
             scale: entry.scale,
+        });
+    }
+    // Each policy's simulation on a core of its own; the rows in the order asked.
+    let mut series = Vec::new();
+    let mut failed = None;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    falcon_trainer::sim::simulate_all(&specs, &data, cores, |i, r| {
+        if failed.is_some() {
+            return;
+        }
+        let p = &entries[i].0;
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => {
+                failed = Some(e);
+                return;
+            }
         };
-        let r = simulate(&spec, &data)?;
         let mean_blocked = r.blocked_secs.iter().sum::<f64>() / r.blocked_secs.len().max(1) as f64;
         outln!(
             "| {} | {:.2} | {:.0} | {} | {:.2}%{} | {:.2} | {} | {} | {} / {} | {:.2} | {:.2} |",
@@ -1014,7 +1030,10 @@ pub fn sim(a: SimArgs) -> Res {
             r.wall_secs,
             r.gradient_secs
         );
-        std::fs::write(a.out.join(format!("{}.json", file_name(&p))), r.json())?;
+        if let Err(e) = std::fs::write(a.out.join(format!("{}.json", file_name(p))), r.json()) {
+            failed = Some(e.into());
+            return;
+        }
         series.push((
             p.clone(),
             r.curve
@@ -1022,6 +1041,9 @@ pub fn sim(a: SimArgs) -> Res {
                 .map(|e| (e.secs, 100.0 * e.accuracy))
                 .collect(),
         ));
+    });
+    if let Some(e) = failed {
+        return Err(e.into());
     }
     let png = a.out.join("accuracy.png");
     crate::plot::line_chart(

@@ -563,6 +563,9 @@ pub struct ShardCore {
     /// holds a place lost (a restarted server's, or a rejoining worker's): it counts toward
     /// the quorum and adds nothing.
     pending: BTreeMap<u64, Vec<Option<Vec<f32>>>>,
+    /// Synchronous mode: per step waiting, how many of its places are held (the quorum check
+    /// without a pass over the workers at every push).
+    held_places: BTreeMap<u64, usize>,
     /// Synchronous mode: transferred tasks' gradients waiting for their step, summed.
     help_pending: BTreeMap<u64, Vec<f32>>,
     /// Bytes of the gradients in `pending`.
@@ -585,6 +588,8 @@ pub struct ShardCore {
     held: VecDeque<(u64, u32, AckOf, bool)>,
     /// Per worker: left the job (and not rejoined).
     left: Vec<bool>,
+    /// Workers that have not left.
+    live: u32,
     /// The policy's actions not yet carried out.
     actions: Vec<Action>,
     stats: ShardStats,
@@ -619,6 +624,7 @@ impl ShardCore {
             policy,
             pushes: vec![0; n],
             pending: BTreeMap::new(),
+            held_places: BTreeMap::new(),
             help_pending: BTreeMap::new(),
             pending_bytes: 0,
             counted_for: HashMap::new(),
@@ -629,6 +635,7 @@ impl ShardCore {
             skipped: vec![0; n],
             held: VecDeque::new(),
             left: vec![false; n],
+            live: n as u32,
             actions: Vec::new(),
             stats: ShardStats {
                 per_worker: vec![WorkerCounters::default(); n],
@@ -776,6 +783,7 @@ impl ShardCore {
             Input::Leave { worker } => {
                 if !self.left[worker as usize] {
                     self.left[worker as usize] = true;
+                    self.live -= 1;
                     let ev = Event::Leave { worker, at: now };
                     self.policy.on_event(ev, &mut self.actions);
                     // Its missing gradients no longer hold a synchronous step back.
@@ -1018,6 +1026,8 @@ impl ShardCore {
             .or_insert_with(|| vec![None; workers])[w];
         if let Some(old) = slot.replace(grad) {
             self.pending_bytes -= old.len() as u64 * 4;
+        } else {
+            *self.held_places.entry(step).or_insert(0) += 1;
         }
         self.stats.peak_pending_bytes = self.stats.peak_pending_bytes.max(self.pending_bytes);
     }
@@ -1154,7 +1164,7 @@ impl ShardCore {
         if self.help_pending.is_empty() {
             return;
         }
-        let live = self.left.iter().filter(|l| !**l).count().max(1);
+        let live = (self.live as usize).max(1);
         let mut sum = vec![0f32; self.cfg.len];
         for (_, help) in std::mem::take(&mut self.help_pending) {
             self.add_help(&mut sum, &help, live);
@@ -1171,13 +1181,13 @@ impl ShardCore {
     /// worker's, or what the policy asks for), in order, summing the present ones in rank
     /// order.
     fn apply_ready<P: ShardParams + ?Sized>(&mut self, now: u64, params: &mut P) {
-        let live = self.left.iter().filter(|l| !**l).count() as u32;
-        let quorum = self.policy.step_quorum(live).max(1) as usize;
-        while let Some(grads) = self.pending.get(&self.next_apply) {
-            if grads.iter().filter(|g| g.is_some()).count() < quorum {
+        let quorum = self.policy.step_quorum(self.live).max(1) as usize;
+        while let Some(&held) = self.held_places.get(&self.next_apply) {
+            if held < quorum {
                 break;
             }
             let step = self.next_apply;
+            self.held_places.remove(&step);
             let grads = self.pending.remove(&step).unwrap_or_default();
             let bytes: u64 = grads.iter().flatten().map(|g| g.len() as u64 * 4).sum();
             self.pending_bytes -= bytes;
@@ -1287,8 +1297,8 @@ impl ShardCore {
         params: &mut P,
     ) -> u64 {
         let wi = w as usize;
-        if rejoin {
-            self.left[wi] = false;
+        if rejoin && std::mem::replace(&mut self.left[wi], false) {
+            self.live += 1;
         }
         let mut lost = 0;
         let from = self.pushes[wi];
@@ -1422,6 +1432,11 @@ impl ShardCore {
         self.sent_version.clone_from(&st.sent_version);
         self.next_apply = st.next_apply;
         self.pending = st.pending.iter().cloned().collect();
+        self.held_places = self
+            .pending
+            .iter()
+            .map(|(&step, g)| (step, g.iter().filter(|x| x.is_some()).count()))
+            .collect();
         self.help_pending = st.help_pending.iter().cloned().collect();
         self.pending_bytes = self
             .pending

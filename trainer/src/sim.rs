@@ -75,12 +75,15 @@
 //! The helper then takes `k = ⌊r/2⌋` of them (none if `k = 0`) and computes them at its own
 //! speed: `k` tasks of the duration its *next* iteration (the clock of its waiting pull) would
 //! take, base, jitter and heterogeneity included, i.e. `⌊took_helper·k/tasks⌋`, from `now`
-//! (handing the tasks over is instantaneous; the communication is charged once, on the push). It is
-//! busy until then: a pull of the helper released earlier starts its iteration only when it is
-//! free. The straggler's push is rescheduled to when both its remaining own tasks and every
-//! helper's taken tasks are done, plus the latency (a generation number per worker makes the
-//! push event scheduled before stale; it is ignored). Several helpers may take from the same
-//! iteration, each half of what is left.
+//! (handing the tasks over is instantaneous). It is busy until then: a pull of the helper
+//! released earlier starts its iteration only when it is free. When done, the helper pushes
+//! what it computed: that push pays the latency, the model's bytes on its link and the servers'
+//! receiving side and apply cost, as any push (*communication* above), and counts in
+//! [`SimReport::bytes_moved`]. The straggler's push is rescheduled to when both its remaining
+//! own tasks and every helper's taken tasks are done (a generation number per worker makes the
+//! push event scheduled before stale; it is ignored), and its step is applied once its own push
+//! and every helper's push have been. Several helpers may take from the same iteration, each
+//! half of what is left.
 //!
 //! Simplification: the gradient pushed stays the one the straggler computed at its iteration
 //! start, on the same examples — the real trainer's helper computes the taken tasks on its own
@@ -312,6 +315,8 @@ enum Ev {
     Eval,
     /// Worker `w`'s released pull of clock `c` reaches it: it starts iteration `c`.
     Start(u32, u64),
+    /// Helper `h`'s push of the tasks it took from worker `w`'s iteration `c` leaves it.
+    Helped(u32, u32, u64),
 }
 
 /// A worker's iteration in flight, from its start to its push.
@@ -327,6 +332,8 @@ struct Running {
     own: u32,
     /// When the tasks helpers took are all done (0: none taken).
     helped_until: u64,
+    /// When the helpers' pushes of those tasks are all applied (0: none yet).
+    helpers_applied: u64,
 }
 
 /// `⌊took·i/tasks⌋`: when task `i` of an iteration of `took` begins, relative to its start
@@ -429,11 +436,54 @@ pub fn simulate(spec: &SimSpec, data: &Dataset) -> Result<SimReport> {
         match ev {
             Ev::Start(w, c) => sim.start(w, c, t)?,
             Ev::Sent(w, c, g) => sim.sent(w, c, g, t),
+            Ev::Helped(_, w, c) => sim.helped(w, c, t),
             Ev::Push(w, c, _) => sim.push(w, c, t)?,
             Ev::Eval => {}
         }
     }
     sim.report(wall)
+}
+
+/// Runs `specs` on `data`, up to `threads` simulations at once (each on its own thread: a
+/// simulation is one sequential event loop, and a sweep of policies, rates and seeds is many
+/// independent ones), handing each report to `done` in the order of `specs` as soon as it and
+/// every one before it have finished. Each report is what [`simulate`] gives for its spec alone.
+pub fn simulate_all(
+    specs: &[SimSpec],
+    data: &Dataset,
+    threads: usize,
+    mut done: impl FnMut(usize, Result<SimReport>),
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let threads = threads.clamp(1, specs.len().max(1));
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..threads {
+            let (tx, next) = (tx.clone(), &next);
+            scope.spawn(move || {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(spec) = specs.get(i) else {
+                        break;
+                    };
+                    if tx.send((i, simulate(spec, data))).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let mut waiting = BTreeMap::new();
+        let mut due = 0;
+        for (i, r) in rx {
+            waiting.insert(i, r);
+            while let Some(r) = waiting.remove(&due) {
+                done(due, r);
+                due += 1;
+            }
+        }
+    });
 }
 
 /// One simulated worker.
@@ -512,6 +562,8 @@ struct Sim<'a> {
     offers: u64,
     taken: u64,
     moved: u64,
+    /// Bytes of every pull answer and push, helpers' included.
+    moved_bytes: u64,
 }
 
 impl<'a> Sim<'a> {
@@ -599,6 +651,7 @@ impl<'a> Sim<'a> {
             offers: 0,
             taken: 0,
             moved: 0,
+            moved_bytes: 0,
             model,
         };
         if spec.compute {
@@ -746,7 +799,37 @@ impl<'a> Sim<'a> {
         me.running = Some(run);
         me.generation += 1;
         let g = me.generation;
+        // The helper pushes what it computed as soon as it is done (before the straggler's
+        // own push, which waits for it: scheduled first, it comes first at equal times).
+        self.schedule(done, Ev::Helped(helper, straggler, clock));
         self.schedule(push_at, Ev::Sent(straggler, clock, g));
+    }
+
+    /// A helper's push of tasks of `w`'s iteration `c` leaves it at `t`: it pays the network
+    /// and the servers as any push, and `w`'s step waits for it.
+    fn helped(&mut self, w: u32, c: u64, t: u64) {
+        let done = self.receive(t);
+        if let Some(run) = self.workers[w as usize]
+            .running
+            .as_mut()
+            .filter(|r| r.clock == c)
+        {
+            run.helpers_applied = run.helpers_applied.max(done);
+        }
+    }
+
+    /// A push that leaves its worker at `t`: when the servers have received and applied it
+    /// (see the [module documentation](self#communication)).
+    fn receive(&mut self, t: u64) -> u64 {
+        let spec = self.spec;
+        let servers = u64::from(spec.servers.max(1));
+        let arrive = t.saturating_add(spec.latency_ns);
+        let begin = arrive.max(self.in_free);
+        let side = self.wire(self.bytes.div_ceil(servers)) + self.apply_ns;
+        self.in_free = begin + side;
+        self.busy += side;
+        self.moved_bytes += self.bytes;
+        (begin + side).max(arrive.saturating_add(self.wire(self.bytes)))
     }
 
     /// Virtual ns to move `bytes` over one link.
@@ -765,6 +848,7 @@ impl<'a> Sim<'a> {
         let side = self.wire(self.bytes.div_ceil(servers));
         self.out_free = begin + side;
         self.busy += side;
+        self.moved_bytes += self.bytes;
         (begin + side)
             .max(t.saturating_add(self.wire(self.bytes)))
             .saturating_add(self.spec.latency_ns)
@@ -787,13 +871,10 @@ impl<'a> Sim<'a> {
                 std::time::Duration::from_nanos(own),
             );
         }
-        let servers = u64::from(spec.servers.max(1));
-        let arrive = t.saturating_add(spec.latency_ns);
-        let begin = arrive.max(self.in_free);
-        let side = self.wire(self.bytes.div_ceil(servers)) + self.apply_ns;
-        self.in_free = begin + side;
-        self.busy += side;
-        let done = (begin + side).max(arrive.saturating_add(self.wire(self.bytes)));
+        let helpers = self.workers[w as usize]
+            .running
+            .map_or(0, |r| r.helpers_applied);
+        let done = self.receive(t).max(helpers);
         self.schedule(done, Ev::Push(w, c, g));
     }
 
@@ -852,6 +933,7 @@ impl<'a> Sim<'a> {
             took,
             own: self.spec.tasks,
             helped_until: 0,
+            helpers_applied: 0,
         });
         me.next = c + 1;
         let g = me.generation;
@@ -975,7 +1057,6 @@ impl<'a> Sim<'a> {
         });
         let virtual_secs = self.end as f64 / 1e9;
         let stats = self.core.stats();
-        let p = self.model.num_params() as u64;
         Ok(SimReport {
             policy: format!("{}{}", self.core.policy().name(), spec.scale.suffix()),
             workers: spec.workers,
@@ -1006,7 +1087,7 @@ impl<'a> Sim<'a> {
             tasks_transferred: self.moved,
             tasks_computed: self.workers.iter().map(|w| w.tasks_computed).collect(),
             updates: stats.updates,
-            bytes_moved: 2 * u64::from(spec.workers) * spec.iters * p * 4,
+            bytes_moved: self.moved_bytes,
             server_busy_secs: self.busy as f64 / 1e9,
             threads: self.threads.clone(),
             plans: self.manager.as_ref().map_or(0, Manager::plans),

@@ -2,7 +2,7 @@
 
 use falcon_trainer::data::Dataset;
 use falcon_trainer::hetero::Hetero;
-use falcon_trainer::sim::{SimSpec, simulate};
+use falcon_trainer::sim::{SimSpec, simulate, simulate_all};
 
 fn spec(policy: &str, workers: u32, iters: u64) -> SimSpec {
     let mut hetero = vec![Hetero::None; workers as usize];
@@ -272,4 +272,28 @@ fn partitions_are_fixed_disjoint_and_skewed_as_asked() {
         (a.partition.as_str(), b.partition.as_str()),
         ("iid", "skewed")
     );
+}
+
+/// Simulations run side by side on threads give each spec's own report, handed back in the
+/// order of the specs, and an error in one is that spec's.
+#[test]
+fn simulations_side_by_side_give_each_specs_own_report_in_order() {
+    let d = data();
+    let mut specs: Vec<SimSpec> = ["bsp", "epsp", "asp", "ssp(2)", "syncopt(1)"]
+        .iter()
+        .map(|p| spec(p, 6, 20))
+        .collect();
+    specs[3].tasks = 0;
+    let mut got = Vec::new();
+    simulate_all(&specs, &d, 3, |i, r| got.push((i, r)));
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3, 4]
+    );
+    for (i, r) in got {
+        match simulate(&specs[i], &d) {
+            Ok(alone) => assert_eq!(r.unwrap().digest, alone.digest, "spec {i}"),
+            Err(e) => assert_eq!(r.unwrap_err().to_string(), e.to_string(), "spec {i}"),
+        }
+    }
 }

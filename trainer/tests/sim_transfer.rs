@@ -270,3 +270,37 @@ fn the_parallelism_manager_gives_the_straggler_threads_in_virtual_time() {
     assert_eq!(again.virtual_secs.to_bits(), b.virtual_secs.to_bits());
     assert_eq!(again.threads, b.threads);
 }
+
+/// A helper's push pays as any push: its bytes count, and on a slow network the time it
+/// takes shrinks what transfer gains.
+#[test]
+fn a_helpers_push_pays_the_network_and_the_servers() {
+    let d = data();
+    let on = spec("epsp(0)", 4, 30);
+    let bsp = simulate(&spec("bsp", 4, 30), &d).unwrap();
+    let epsp = simulate(&on, &d).unwrap();
+    assert!(epsp.transfers_taken > 0, "{epsp:?}");
+    // Every pull answer and push is the model's bytes; each taken offer is one more push.
+    assert_eq!(
+        epsp.bytes_moved,
+        bsp.bytes_moved + epsp.transfers_taken * bsp.bytes_moved / (2 * 4 * 30)
+    );
+    // On a network where one push takes a tenth of an iteration, the helpers' pushes cost
+    // time: transfer still helps, less than on a free network.
+    let floats = bsp.bytes_moved / (2 * 4 * 30) / 4;
+    let slow = |policy: &str| {
+        let mut s = spec(policy, 4, 30);
+        s.bandwidth = (floats * 4) as f64 * 1e9 / (s.base_ns as f64 / 10.0);
+        simulate(&s, &d).unwrap()
+    };
+    let (bsp_slow, epsp_slow) = (slow("bsp"), slow("epsp(0)"));
+    let gain_free = bsp.virtual_secs - epsp.virtual_secs;
+    let gain_slow = bsp_slow.virtual_secs - epsp_slow.virtual_secs;
+    assert!(epsp_slow.transfers_taken > 0);
+    assert!(
+        gain_slow < gain_free,
+        "helpers' pushes cost time on a slow network: gain {gain_slow} s there against \
+         {gain_free} s on a free one"
+    );
+    assert!(epsp_slow.server_busy_secs > bsp_slow.server_busy_secs);
+}

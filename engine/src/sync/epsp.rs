@@ -316,17 +316,19 @@ impl Epsp {
             if own.is_some_and(|(s, _)| s == w) {
                 helpers -= 1;
             }
-            let value = if helpers == 0 {
-                work
-            } else {
-                work / (u128::from(helpers) + 1)
+            let value = match u64::try_from(work) {
+                _ if helpers == 0 => work,
+                // A machine division where the work fits in 64 bits (it does unless unknown).
+                Ok(w) => u128::from(w / (u64::from(helpers) + 1)),
+                Err(_) => work / (u128::from(helpers) + 1),
             };
             if best.is_none_or(|(v, b, _)| value > v || (value == v && w < b)) {
                 best = Some((value, w, applied));
             }
             // In the last level the work is what is left of the iteration, which the order
-            // already sorts: an unhelped straggler there has the most of whatever follows.
-            if behind == 0 && helpers == 0 && value > 0 {
+            // already sorts: no straggler after this one has more work than it, so none can
+            // beat a best already above that (an equal one might win its tie by rank).
+            if behind == 0 && best.is_some_and(|(v, _, _)| v > work) {
                 break;
             }
         }
