@@ -20,6 +20,20 @@ pub use falcon_engine::checks::{
     shard_bytes, suspicion_ms, timeout_ms, whole,
 };
 
+/// A momentum: a number in [0, 1).
+pub fn momentum(s: &str) -> Result<f32, BadValue> {
+    let m: f32 = number(s, "a number")?;
+    if (0.0..1.0).contains(&m) {
+        Ok(m)
+    } else {
+        Err(BadValue::OutOfRange {
+            what: "the momentum",
+            allowed: "a number from 0 up to, not including, 1 (e.g. 0.9)",
+            value: s.trim().to_string(),
+        })
+    }
+}
+
 /// An accuracy target: a fraction in (0, 1].
 pub fn accuracy_target(s: &str) -> Result<f64, BadValue> {
     let t: f64 = number(s, "a number")?;

@@ -112,6 +112,21 @@ pub struct Knobs {
     /// adamw(B1,B2,EPS,WD), adagrad.
     #[arg(long)]
     optimizer: Option<String>,
+    /// Momentum values to try where the optimizer is momentum(MU), comma-separated: each
+    /// configuration runs at every one (and every learning rate) and is reported at its best.
+    #[arg(long, value_delimiter = ',', value_parser = crate::checks::momentum)]
+    momenta: Vec<f32>,
+    /// Tasks per iteration: the grain of task transfer (every policy gets the same).
+    #[arg(long, value_parser = crate::checks::at_least_one_u32)]
+    tasks: Option<u32>,
+    /// How the training data is divided among the workers: shuffled (one shuffled stream cut
+    /// in shares), iid (a fixed share each) or skewed (a share mostly of two labels); the
+    /// simulator only.
+    #[arg(long)]
+    partition: Option<String>,
+    /// Evaluate every this many full-speed iterations (default: the experiment's).
+    #[arg(long, value_parser = crate::checks::at_least_one_u64)]
+    eval_every: Option<u64>,
     /// How a synchronous step's gradients combine: sum or mean.
     #[arg(long, value_parser = ["sum", "mean"])]
     aggregate: Option<String>,
@@ -146,7 +161,9 @@ pub struct Knobs {
 #[derive(Clone, Debug)]
 struct Setup {
     modes: Vec<&'static str>,
-    entries: Vec<String>,
+    /// Each configuration as asked, and the variants it is tuned over (`syncopt(*)`: one to as
+    /// many backups as there are slowed workers; otherwise itself).
+    entries: Vec<(String, Vec<String>)>,
     workers: u32,
     hetero: Vec<Hetero>,
     iters: u64,
@@ -165,9 +182,13 @@ struct Setup {
     lrs: Vec<f32>,
     /// The seeds of each configuration and learning rate.
     seeds: Vec<u64>,
-    /// The optimizer's text (parsed at each learning rate) and the aggregate.
+    /// The optimizer's text as asked, the optimizers tried (each momentum of `--momenta`;
+    /// parsed at each learning rate) and the aggregate.
     optimizer: String,
+    optimizers: Vec<String>,
     aggregate: Aggregate,
+    /// How the data is divided (the simulator's).
+    partition: falcon_trainer::data::Partition,
 }
 
 /// An experiment's defaults.
@@ -187,6 +208,8 @@ struct Defaults {
     optimizer: &'static str,
     aggregate: &'static str,
     lr_grid: &'static [f32],
+    /// Momenta tried with a momentum optimizer (empty: the optimizer's own).
+    momenta: &'static [f32],
     seeds: u32,
     /// Evaluations every this many full-speed iterations (`None`: 40 over the run).
     eval_every: Option<u64>,
@@ -209,6 +232,7 @@ impl Default for Defaults {
             optimizer: "sgd",
             aggregate: "sum",
             lr_grid: &[],
+            momenta: &[],
             seeds: 1,
             eval_every: None,
         }
@@ -241,16 +265,22 @@ impl Knobs {
                 falcon_transport::Medium::Auto,
             )?;
         }
-        let entries = top_level_split(self.policies.as_deref().unwrap_or(d.entries));
-        if entries.is_empty() {
+        let asked = top_level_split(self.policies.as_deref().unwrap_or(d.entries));
+        if asked.is_empty() {
             return Err("--policies: no configuration".into());
         }
-        for e in &entries {
-            let parsed: Entry = crate::checks::setting(e.parse())?;
-            crate::checks::policy_fits(&parsed.policy, e, workers)?;
+        let slowed = hetero.iter().filter(|h| **h != Hetero::None).count() as u32;
+        let mut entries = Vec::new();
+        for e in asked {
+            let variants = tuned_variants(&e, slowed, workers);
+            for v in &variants {
+                let parsed: Entry = crate::checks::setting(v.parse())?;
+                crate::checks::policy_fits(&parsed.policy, v, workers)?;
+            }
+            entries.push((e, variants));
         }
         let batch = self.batch.unwrap_or(d.batch).max(1);
-        crate::checks::tasks_fit(4, batch as u64)?;
+        crate::checks::tasks_fit(u64::from(self.tasks.unwrap_or(4)), batch as u64)?;
         let iters = self.iters.unwrap_or(d.iters);
         let iters = if self.quick { iters.min(20) } else { iters }.max(1);
         let lr = self.lr.unwrap_or(d.lr);
@@ -262,8 +292,31 @@ impl Knobs {
             d.lr_grid.to_vec()
         };
         let optimizer = self.optimizer.as_deref().unwrap_or(d.optimizer).to_string();
-        for &lr in &lrs {
-            falcon_engine::update::Optimizer::parse(&optimizer, lr)?;
+        let momenta = if self.momenta.is_empty() {
+            d.momenta
+        } else {
+            &self.momenta[..]
+        };
+        let optimizers: Vec<String> = if optimizer.starts_with("momentum") && !momenta.is_empty() {
+            momenta.iter().map(|m| format!("momentum({m})")).collect()
+        } else {
+            vec![optimizer.clone()]
+        };
+        for o in &optimizers {
+            for &lr in &lrs {
+                falcon_engine::update::Optimizer::parse(o, lr)?;
+            }
+        }
+        let partition: falcon_trainer::data::Partition = match &self.partition {
+            Some(p) => crate::checks::setting(p.parse())?,
+            None => falcon_trainer::data::Partition::Shuffled,
+        };
+        if modes.contains(&"real") && partition != falcon_trainer::data::Partition::Shuffled {
+            return Err(format!(
+                "--partition {partition}: real runs read one shuffled stream; other partitions \
+                 are the simulator's (--mode sim)"
+            )
+            .into());
         }
         let aggregate = match self.aggregate.as_deref().unwrap_or(d.aggregate) {
             "mean" => Aggregate::Mean,
@@ -279,7 +332,7 @@ impl Knobs {
             hetero,
             iters,
             batch,
-            tasks: 4,
+            tasks: self.tasks.unwrap_or(4),
             model: crate::checks::setting(self.model.as_deref().unwrap_or(d.model).parse())?,
             // A quick run's 20 iterations reach no paper's target: at most 60 %.
             target: self.target.unwrap_or(if self.quick {
@@ -295,11 +348,16 @@ impl Knobs {
             quiet: self.quiet,
             base_ms: 10.0,
             latency_us: 50.0,
-            eval_every: d.eval_every.unwrap_or((iters / 40).max(1)),
+            eval_every: self
+                .eval_every
+                .or(d.eval_every)
+                .unwrap_or((iters / 40).max(1)),
             lrs,
             seeds,
             optimizer,
+            optimizers,
             aggregate,
+            partition,
         })
     }
 }
@@ -327,8 +385,13 @@ struct Row {
     /// (seconds, test accuracy): worker 0's snapshots in real mode, the servers' parameters
     /// in the simulator.
     curve: Vec<(f64, f64)>,
-    /// The learning rate reported (the best of the grid).
+    /// The learning rate reported (the best of the grid), and the optimizer (the best of
+    /// `--momenta`).
     lr: f32,
+    optimizer: String,
+    /// The lowest accuracy of the curve after it first reached the target: a run that
+    /// collapses after getting there shows it here.
+    low_after_target: Option<f64>,
     /// The run diverged (the servers' parameters not finite, or near chance with a loss not
     /// clearly below the initial model's).
     diverged: bool,
@@ -339,6 +402,8 @@ struct Row {
 /// One run of a configuration's learning-rate grid.
 #[derive(Clone, Debug, Serialize)]
 struct GridRun {
+    config: String,
+    optimizer: String,
     lr: f32,
     seed: u64,
     time_to_target: Option<f64>,
@@ -375,6 +440,8 @@ impl Row {
             secs: r.secs,
             curve: r.curve.iter().map(|p| (p.secs, p.accuracy)).collect(),
             lr: 0.0,
+            optimizer: String::new(),
+            low_after_target: None,
             diverged: diverged_curve(r),
             grid: Vec::new(),
         }
@@ -396,6 +463,8 @@ impl Row {
             secs: r.virtual_secs,
             curve: r.curve.iter().map(|p| (p.secs, p.accuracy)).collect(),
             lr: 0.0,
+            optimizer: String::new(),
+            low_after_target: None,
             diverged: r.diverged,
             grid: Vec::new(),
         }
@@ -430,47 +499,89 @@ fn bar(quiet: bool, len: u64, prefix: String) -> ProgressBar {
     bar
 }
 
-/// Runs every configuration of `s` in `mode` (on `data`): at every learning rate and seed
-/// (and, in real mode, `repeat` times each), reported at its best learning rate.
+/// The variants configuration `e` is tuned over: `syncopt(*)` is Sync-opt with 1 to `slowed`
+/// backups (at least one, fewer than the workers); any other is itself.
+fn tuned_variants(e: &str, slowed: u32, workers: u32) -> Vec<String> {
+    match e.strip_prefix("syncopt(*)") {
+        Some(rest) => {
+            let most = slowed.clamp(1, workers.saturating_sub(1).max(1));
+            (1..=most).map(|b| format!("syncopt({b}){rest}")).collect()
+        }
+        None => vec![e.to_string()],
+    }
+}
+
+/// One run of a tuning grid: the configuration's variant, the optimizer, rate and seed.
+struct Cell {
+    variant: String,
+    optimizer: String,
+    lr: f32,
+    seed: u64,
+}
+
+/// Runs every configuration of `s` in `mode` (on `data`): every variant, optimizer (momentum),
+/// learning rate and seed (and, in real mode, `repeat` times each), reported at its best
+/// variant, optimizer and rate. In the simulator the runs of a configuration go side by side,
+/// one per core.
 fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> {
     let mut rows = Vec::new();
-    for entry in &s.entries {
-        let e: Entry = entry.parse()?;
+    for (entry, variants) in &s.entries {
         let repeat = if mode == "sim" { 1 } else { s.repeat };
-        // Per learning rate: its runs.
-        let mut per_lr: Vec<(f32, Vec<Row>)> = Vec::new();
-        for &lr in &s.lrs {
-            let optimizer = falcon_engine::update::Optimizer::parse(&s.optimizer, lr)?;
-            let mut runs = Vec::new();
-            for &seed in &s.seeds {
-                for round in 0..repeat {
-                    let seed = seed + u64::from(round) * 1000;
-                    let mut row = run_one(s, mode, data, entry, &e, lr, optimizer, seed)?;
-                    row.lr = lr;
-                    row.grid = vec![GridRun {
-                        lr,
-                        seed,
-                        time_to_target: row.time_to_target,
-                        final_accuracy: row.final_accuracy,
-                        diverged: row.diverged,
-                    }];
-                    runs.push(row);
+        let mut cells = Vec::new();
+        for variant in variants {
+            for optimizer in &s.optimizers {
+                for &lr in &s.lrs {
+                    for &seed in &s.seeds {
+                        for round in 0..repeat {
+                            cells.push(Cell {
+                                variant: variant.clone(),
+                                optimizer: optimizer.clone(),
+                                lr,
+                                seed: seed + u64::from(round) * 1000,
+                            });
+                        }
+                    }
                 }
             }
-            per_lr.push((lr, runs));
         }
-        let grid: Vec<GridRun> = per_lr
-            .iter()
-            .flat_map(|(_, runs)| runs.iter().flat_map(|r| r.grid.clone()))
-            .collect();
-        // The best learning rate: earliest median time, then highest mean final accuracy.
+        let mut runs = run_cells(s, mode, data, &cells)?;
+        for (row, c) in runs.iter_mut().zip(&cells) {
+            row.lr = c.lr;
+            row.optimizer.clone_from(&c.optimizer);
+            row.low_after_target = low_after(&row.curve, s.target);
+            row.grid = vec![GridRun {
+                config: c.variant.clone(),
+                optimizer: c.optimizer.clone(),
+                lr: c.lr,
+                seed: c.seed,
+                time_to_target: row.time_to_target,
+                final_accuracy: row.final_accuracy,
+                diverged: row.diverged,
+            }];
+        }
+        let grid: Vec<GridRun> = runs.iter().flat_map(|r| r.grid.clone()).collect();
+        // Per (variant, optimizer, rate): its runs.
+        let mut groups: Vec<Vec<Row>> = Vec::new();
+        for (row, c) in runs.into_iter().zip(&cells) {
+            match groups.last_mut() {
+                Some(g)
+                    if g[0].config == c.variant
+                        && g[0].optimizer == c.optimizer
+                        && g[0].lr == c.lr =>
+                {
+                    g.push(row)
+                }
+                _ => groups.push(vec![row]),
+            }
+        }
+        // The best: earliest median time, then highest mean final accuracy.
         let score = |runs: &[Row]| {
             let times: Vec<Option<f64>> = runs.iter().map(|r| r.time_to_target).collect();
             let mean = runs.iter().map(|r| r.final_accuracy).sum::<f64>() / runs.len() as f64;
             (time_key(median_time(&times)), -mean)
         };
-        let Some((_, mut runs)) = per_lr.into_iter().min_by(|a, b| {
-            let (x, y) = (score(&a.1), score(&b.1));
+        let Some(mut runs) = groups.into_iter().min_by(|a, b| {
+            let (x, y) = (score(a), score(b));
             x.0.total_cmp(&y.0).then(x.1.total_cmp(&y.1))
         }) else {
             continue;
@@ -481,6 +592,9 @@ fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> 
         let mut median = runs.swap_remove(n / 2);
         median.times = times;
         median.grid = grid;
+        if variants.len() > 1 {
+            median.config = format!("{} of {entry}", median.config);
+        }
         if rows.is_empty() {
             outln!("{}", table_header(s.target));
         }
@@ -492,6 +606,87 @@ fn run_all(s: &Setup, mode: &'static str, data: &Arc<Dataset>) -> Res<Vec<Row>> 
         rows.push(median);
     }
     Ok(rows)
+}
+
+/// The lowest accuracy of `curve` from its first point at `target` on (`None`: never there).
+fn low_after(curve: &[(f64, f64)], target: f64) -> Option<f64> {
+    let first = curve.iter().position(|&(_, a)| a >= target)?;
+    curve[first..].iter().map(|&(_, a)| a).reduce(f64::min)
+}
+
+/// Runs `cells` of one configuration in `mode`: the simulator's side by side (one per core),
+/// real runs one after another. The rows come back in the order of `cells`.
+fn run_cells(s: &Setup, mode: &'static str, data: &Arc<Dataset>, cells: &[Cell]) -> Res<Vec<Row>> {
+    if mode != "sim" {
+        return cells
+            .iter()
+            .map(|c| {
+                let e: Entry = c.variant.parse()?;
+                let optimizer = falcon_engine::update::Optimizer::parse(&c.optimizer, c.lr)?;
+                run_one(s, mode, data, &c.variant, &e, c.lr, optimizer, c.seed)
+            })
+            .collect();
+    }
+    let mut specs = Vec::new();
+    for c in cells {
+        let e: Entry = c.variant.parse()?;
+        let optimizer = falcon_engine::update::Optimizer::parse(&c.optimizer, c.lr)?;
+        specs.push(sim_spec(s, &e, c.lr, optimizer, c.seed));
+    }
+    let pb = bar(
+        s.quiet,
+        cells.len() as u64,
+        format!("{} (sim)", cells.first().map_or("", |c| c.variant.as_str())),
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut rows = Vec::new();
+    let mut failed = None;
+    falcon_trainer::sim::simulate_all(&specs, data, cores, |i, r| match r {
+        Ok(r) => {
+            rows.push(Row::from_sim(&cells[i].variant, &r));
+            pb.inc(1);
+        }
+        Err(e) => {
+            failed.get_or_insert(e);
+        }
+    });
+    pb.finish_and_clear();
+    match failed {
+        Some(e) => Err(e.into()),
+        None => Ok(rows),
+    }
+}
+
+/// The simulator's spec of one run.
+fn sim_spec(
+    s: &Setup,
+    e: &Entry,
+    lr: f32,
+    optimizer: falcon_engine::update::Optimizer,
+    seed: u64,
+) -> SimSpec {
+    SimSpec {
+        workers: s.workers,
+        iters: s.iters,
+        policy: e.policy,
+        scale: e.scale,
+        model: s.model.clone(),
+        batch: s.batch,
+        lr,
+        optimizer: Some(optimizer),
+        aggregate: s.aggregate,
+        seed,
+        base_ns: (s.base_ms * 1e6) as u64,
+        latency_ns: (s.latency_us * 1e3) as u64,
+        hetero: s.hetero.clone(),
+        eval_every: s.eval_every,
+        eval_examples: 2000,
+        compute: true,
+        target: s.target,
+        tasks: s.tasks,
+        partition: s.partition,
+        ..SimSpec::default()
+    }
 }
 
 /// One run of configuration `entry` (parsed: `e`) in `mode` at learning rate `lr` and `seed`.
@@ -507,27 +702,7 @@ fn run_one(
     seed: u64,
 ) -> Res<Row> {
     if mode == "sim" {
-        let spec = SimSpec {
-            workers: s.workers,
-            iters: s.iters,
-            policy: e.policy,
-            scale: e.scale,
-            model: s.model.clone(),
-            batch: s.batch,
-            lr,
-            optimizer: Some(optimizer),
-            aggregate: s.aggregate,
-            seed,
-            base_ns: (s.base_ms * 1e6) as u64,
-            latency_ns: (s.latency_us * 1e3) as u64,
-            hetero: s.hetero.clone(),
-            eval_every: s.eval_every,
-            eval_examples: 2000,
-            compute: true,
-            target: s.target,
-            tasks: s.tasks,
-            ..SimSpec::default()
-        };
+        let spec = sim_spec(s, e, lr, optimizer, seed);
         return Ok(Row::from_sim(entry, &simulate(&spec, data)?));
     }
     let spec = JobSpec {
@@ -573,7 +748,7 @@ fn secs(t: Option<f64>) -> String {
 /// The Markdown table's header for `target`.
 fn table_header(target: f64) -> String {
     format!(
-        "| configuration | mode | lr | time to {:.0}% (s) | runs' spread (s) | × first | final acc | it/s | blocked s | parked pulls | dropped | MB moved | tasks moved |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| configuration | mode | optimizer | lr | time to {:.0}% (s) | runs' spread (s) | × first | final acc | lowest after target | it/s | blocked s | parked pulls | dropped | MB moved | tasks moved |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         100.0 * target
     )
 }
@@ -599,13 +774,20 @@ fn table_row(r: &Row, base: Option<f64>) -> String {
         _ => "none reached".to_string(),
     };
     format!(
-        "| {} | {} | {} | {} | {spread} | {ratio} | {:.2}%{} | {:.1} | {:.2} | {} | {} | {:.1} | {} |",
+        "| {} | {} | {} | {} | {} | {spread} | {ratio} | {:.2}%{} | {} | {:.1} | {:.2} | {} | {} | {:.1} | {} |",
         r.config,
         r.mode,
+        if r.optimizer.is_empty() {
+            "–"
+        } else {
+            &r.optimizer
+        },
         r.lr,
         secs(r.time_to_target),
         100.0 * r.final_accuracy,
         if r.diverged { " (diverged)" } else { "" },
+        r.low_after_target
+            .map_or("–".into(), |a| format!("{:.2}%", 100.0 * a)),
         r.iterations_per_sec,
         r.blocked_secs,
         r.parked_pulls,
@@ -632,12 +814,12 @@ fn table(rows: &[Row], target: f64) -> String {
 fn write_outputs(dir: &Path, prefix: &str, title: &str, rows: &[Row], target: f64) -> Res<String> {
     std::fs::create_dir_all(dir)?;
     let mut csv = String::from(
-        "configuration,mode,time_to_target_s,final_accuracy,iterations_per_s,blocked_s,parked_pulls,dropped_gradients,bytes_moved,tasks_transferred,secs,lr,diverged\n",
+        "configuration,mode,time_to_target_s,final_accuracy,iterations_per_s,blocked_s,parked_pulls,dropped_gradients,bytes_moved,tasks_transferred,secs,lr,diverged,optimizer,lowest_after_target\n",
     );
     for r in rows {
         let _ = writeln!(
             csv,
-            "\"{}\",{},{},{:.5},{:.3},{:.4},{},{},{},{},{:.4},{},{}",
+            "\"{}\",{},{},{:.5},{:.3},{:.4},{},{},{},{},{:.4},{},{},\"{}\",{}",
             r.config.replace('"', "\"\""),
             r.mode,
             r.time_to_target
@@ -651,7 +833,10 @@ fn write_outputs(dir: &Path, prefix: &str, title: &str, rows: &[Row], target: f6
             r.tasks_transferred,
             r.secs,
             r.lr,
-            r.diverged
+            r.diverged,
+            r.optimizer,
+            r.low_after_target
+                .map_or(String::new(), |a| format!("{a:.5}"))
         );
     }
     std::fs::write(dir.join(format!("{prefix}results.csv")), csv)?;
@@ -711,7 +896,7 @@ fn run_setup(s: &Setup, title: &str, data: &Arc<Dataset>) -> Res<Vec<Row>> {
             s.iters,
             s.model,
             s.batch,
-            s.optimizer,
+            s.optimizers.join(" or "),
             s.lrs
                 .iter()
                 .map(|l| l.to_string())
@@ -787,7 +972,7 @@ fn fair(k: &Knobs) -> Res {
     let s = k.resolve(Defaults {
         name: "fair",
         mode: "sim",
-        entries: "bsp,ssp(3),dssp(3,15),epsp(0),epsp(4),flexrr(1),asp",
+        entries: "bsp,ssp(3),dssp(3,15),epsp(0),epsp(4),flexrr(1),asp,syncopt(*)",
         workers: 16,
         hetero: &["12-15:h=0.5"],
         iters: 300,
@@ -797,6 +982,7 @@ fn fair(k: &Knobs) -> Res {
         optimizer: "momentum(0.9)",
         aggregate: "mean",
         lr_grid: &[0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0],
+        momenta: &[0.5, 0.9],
         seeds: 2,
         eval_every: Some(2),
         ..Defaults::default()
@@ -899,7 +1085,7 @@ fn fluentps(k: &Knobs) -> Res {
         outln!(
             "\nparked pulls, raw SSP(3) against FluentPS (paper: up to 131× more under raw SSP):"
         );
-        for c in s.entries.iter().filter(|c| c.starts_with("fluentps")) {
+        for (c, _) in s.entries.iter().filter(|c| c.0.starts_with("fluentps")) {
             if let Some(p) = parked(c) {
                 outln!(
                     "  {c}: {p} parked; raw SSP parks {}",
