@@ -59,8 +59,9 @@ enum Which {
     /// Falcon: EPSP against FlexRR, Sync-opt, ConSGD and DynSGD under one and two slowed
     /// workers; then completion time and its variance against thread count.
     Falcon(Knobs),
-    /// Every policy at its best learning rate, with momentum, over two seeds: 16 simulated
-    /// workers of which 4 at half speed, communication charged, the global model measured.
+    /// Every policy at its best momentum and learning rate (Sync-opt at its best backup
+    /// count), over two seeds: 16 simulated workers of which 4 at half speed, communication
+    /// and task transfer charged, the global model measured.
     Fair(Knobs),
     /// ElasticBSP: ZipLine's decision cost against the paper's Table II.
     Zipline {
@@ -79,7 +80,8 @@ pub struct Knobs {
     /// real (an embedded cluster, wall clock), sim (the simulator, virtual time) or both.
     #[arg(long, value_parser = ["real", "sim", "both"])]
     mode: Option<String>,
-    /// Configurations, comma-separated at the top level: POLICY[+static][+dynsgd|+consgd(F)].
+    /// Configurations, comma-separated at the top level: POLICY[+static][+dynsgd|+consgd(F)];
+    /// syncopt(*) is Sync-opt tuned over 1 up to as many backups as slowed workers.
     #[arg(long)]
     policies: Option<String>,
     /// Workers.
@@ -119,9 +121,9 @@ pub struct Knobs {
     /// Tasks per iteration: the grain of task transfer (every policy gets the same).
     #[arg(long, value_parser = crate::checks::at_least_one_u32)]
     tasks: Option<u32>,
-    /// How the training data is divided among the workers: shuffled (one shuffled stream cut
-    /// in shares), iid (a fixed share each) or skewed (a share mostly of two labels); the
-    /// simulator only.
+    /// How the training data is divided among the workers in the simulator: iid (a fixed
+    /// share each, the default), skewed (a share of label-sorted data) or shuffled (one
+    /// shuffled stream cut in shares, as real runs read it).
     #[arg(long)]
     partition: Option<String>,
     /// Evaluate every this many full-speed iterations (default: the experiment's).
@@ -187,8 +189,8 @@ struct Setup {
     optimizer: String,
     optimizers: Vec<String>,
     aggregate: Aggregate,
-    /// How the data is divided (the simulator's).
-    partition: falcon_trainer::data::Partition,
+    /// How the data is divided, when asked (the simulator's default: a fixed IID share each).
+    partition: Option<falcon_trainer::data::Partition>,
 }
 
 /// An experiment's defaults.
@@ -307,11 +309,13 @@ impl Knobs {
                 falcon_engine::update::Optimizer::parse(o, lr)?;
             }
         }
-        let partition: falcon_trainer::data::Partition = match &self.partition {
-            Some(p) => crate::checks::setting(p.parse())?,
-            None => falcon_trainer::data::Partition::Shuffled,
+        let partition: Option<falcon_trainer::data::Partition> = match &self.partition {
+            Some(p) => Some(crate::checks::setting(p.parse())?),
+            None => None,
         };
-        if modes.contains(&"real") && partition != falcon_trainer::data::Partition::Shuffled {
+        if let Some(partition) = partition
+            .filter(|p| modes.contains(&"real") && *p != falcon_trainer::data::Partition::Shuffled)
+        {
             return Err(format!(
                 "--partition {partition}: real runs read one shuffled stream; other partitions \
                  are the simulator's (--mode sim)"
@@ -684,7 +688,7 @@ fn sim_spec(
         compute: true,
         target: s.target,
         tasks: s.tasks,
-        partition: s.partition,
+        partition: s.partition.unwrap_or(SimSpec::default().partition),
         ..SimSpec::default()
     }
 }

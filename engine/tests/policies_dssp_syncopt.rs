@@ -772,3 +772,69 @@ fn syncopt_resumes_from_a_checkpoints_steps() {
     assert!(push(&mut so, 2, 6, 4).is_empty());
     assert_eq!(so.version(), 7);
 }
+
+/// `syncopt(auto)`: the persistent stragglers the projection finds become the backups — their
+/// late gradients dropped, steps at the others' pace, as a hand-tuned `syncopt(2)`.
+#[test]
+fn syncopt_auto_takes_the_persistent_stragglers_as_backups() {
+    let base = [100, 100, 100, 100, 100, 100, 250, 250];
+    // When worker 0 pushes its last (60th) iteration: the pace of the steps.
+    let paced = |p: &mut dyn SyncPolicy, drops: &mut Vec<u64>| {
+        let mut done = 0;
+        common::timed_run_with(p, &base, 60, 3, &mut |_, ev, acts| {
+            if let Event::Push {
+                worker: 0,
+                clock: 59,
+                at,
+            } = *ev
+            {
+                done = at;
+            }
+            for a in acts {
+                if let Action::DropGradient { worker, .. } = *a {
+                    drops[worker as usize] += 1;
+                }
+            }
+        });
+        done
+    };
+    let mut drops = vec![0u64; base.len()];
+    let mut auto = SyncOpt::auto(8);
+    let auto_done = paced(&mut auto, &mut drops);
+    // The stragglers' late gradients are dropped; a pioneer's only at the run's end, where the
+    // harness's workers leave one by one after their last push (plain Sync-opt does the same).
+    assert!(drops[..6].iter().all(|&d| d <= 1), "{drops:?}");
+    assert!(drops[6] >= 30 && drops[7] >= 30, "{drops:?}");
+    assert_eq!(auto.name(), "syncopt(auto)");
+    let bsp_done = paced(&mut Bsp::new(8), &mut vec![0; 8]);
+    let tuned_done = paced(&mut SyncOpt::new(8, 2), &mut vec![0; 8]);
+    assert!(
+        (auto_done as f64) < 0.6 * bsp_done as f64,
+        "auto {auto_done}, bsp {bsp_done}"
+    );
+    assert!(
+        (auto_done as f64) < 1.15 * tuned_done as f64,
+        "auto {auto_done}, syncopt(2) {tuned_done}"
+    );
+}
+
+/// Without persistent stragglers (iterations within 20 % of each other) `syncopt(auto)` has
+/// no backups: Sync-opt without backups — BSP's steps — action for action.
+#[test]
+fn syncopt_auto_without_stragglers_is_bsp() {
+    let base = [100; 6];
+    let trace = |p: &mut SyncOpt| {
+        let mut all = Vec::new();
+        let end = common::timed_run_with(p, &base, 40, 9, &mut |_, ev, acts| {
+            all.push((*ev, acts.to_vec()));
+        });
+        (end, all)
+    };
+    let mut auto = SyncOpt::auto(6);
+    let (end_auto, auto_trace) = trace(&mut auto);
+    let (end_plain, plain_trace) = trace(&mut SyncOpt::new(6, 0));
+    assert_eq!(auto.backups(), 0);
+    assert_eq!(auto_trace, plain_trace);
+    assert_eq!(end_auto, end_plain);
+    assert_eq!(end_auto, common::timed_run(&mut Bsp::new(6), &base, 40, 9));
+}

@@ -230,6 +230,9 @@ pub enum PolicySpec {
         /// b.
         backups: u32,
     },
+    /// Sync-opt whose backups are the persistent stragglers of EPSP's straggler projection
+    /// (`syncopt(auto)`, ours; see [`SyncOpt::auto`]).
+    SyncOptAuto,
     /// Falcon's EPSP (our design, see [`Epsp`]).
     Epsp {
         /// The largest slack bound; with `adaptive` off, the fixed bound.
@@ -291,6 +294,7 @@ impl PolicySpec {
                 workers,
                 backups.min(workers.saturating_sub(1)),
             )),
+            PolicySpec::SyncOptAuto => Box::new(SyncOpt::auto(workers)),
             PolicySpec::FluentPs { s, pause } => {
                 let pause = match pause {
                     PauseSpec::RawSsp => Pause::RawSsp,
@@ -330,9 +334,10 @@ impl PolicySpec {
     /// the others.
     pub fn update_mode(&self) -> crate::update::UpdateMode {
         match self {
-            PolicySpec::Bsp | PolicySpec::SyncOpt { .. } | PolicySpec::Epsp { s_max: 0, .. } => {
-                crate::update::UpdateMode::Sync
-            }
+            PolicySpec::Bsp
+            | PolicySpec::SyncOpt { .. }
+            | PolicySpec::SyncOptAuto
+            | PolicySpec::Epsp { s_max: 0, .. } => crate::update::UpdateMode::Sync,
             _ => crate::update::UpdateMode::Async,
         }
     }
@@ -347,7 +352,7 @@ impl PolicySpec {
 }
 
 /// The policies and their arguments, for messages.
-const POLICIES: &str = "bsp, asp, ssp(N), dssp(L,U), syncopt(B), \
+const POLICIES: &str = "bsp, asp, ssp(N), dssp(L,U), syncopt(B|auto), \
                         fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])], \
                         flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)]";
 
@@ -398,6 +403,7 @@ impl std::fmt::Display for PolicySpec {
                 PauseSpec::FastestSigmoid => write!(f, "fluentps({s},fastest-sigmoid)"),
             },
             PolicySpec::SyncOpt { backups } => write!(f, "syncopt({backups})"),
+            PolicySpec::SyncOptAuto => write!(f, "syncopt(auto)"),
             PolicySpec::Epsp {
                 s_max,
                 adaptive,
@@ -463,12 +469,12 @@ fn parse_policy(l: &str) -> Result<PolicySpec, String> {
         }
         "dssp" => parse_dssp(&a),
         "syncopt" => {
-            arity(
-                name,
-                &a,
-                1,
-                "syncopt(B), B backup workers (fewer than the workers), e.g. syncopt(1)",
-            )?;
+            let form = "syncopt(B), B backup workers (fewer than the workers), e.g. syncopt(1); \
+                        or syncopt(auto), the backups the straggler projection finds";
+            if a == ["auto"] {
+                return Ok(PolicySpec::SyncOptAuto);
+            }
+            arity(name, &a, 1, form)?;
             Ok(PolicySpec::SyncOpt {
                 backups: whole_u32("the backups B", a[0])?,
             })
@@ -865,6 +871,7 @@ mod parse_tests {
             "fluentps(2,sigmoid)",
             "fluentps(2,fastest-sigmoid)",
             "syncopt(1)",
+            "syncopt(auto)",
             "epsp",
             "epsp(4,fixed)",
             "epsp(2,no-transfer)",

@@ -300,6 +300,16 @@ impl Projection {
         (any, spread)
     }
 
+    /// How many live workers are persistent stragglers now (one pass over the windows).
+    pub fn persistent_count(&self) -> usize {
+        let Some(reference) = self.reference() else {
+            return 0;
+        };
+        (0..self.samples.len())
+            .filter(|&w| self.class_against(w as Worker, reference) == Class::Persistent)
+            .count()
+    }
+
     fn spread(&self) -> f64 {
         match (self.by_median.first(), self.by_median.last()) {
             (Some(&(lo, _)), Some(&(hi, _))) if lo > 0 => hi as f64 / lo as f64,

@@ -52,10 +52,30 @@
 //!
 //! With `b = 0` this is BSP action for action (a property test checks it against
 //! [`super::Bsp`]).
+//!
+//! # Backups from the straggler projection
+//!
+//! `syncopt(auto)` (ours) needs no `b`: it times each worker's iterations as EPSP does (from
+//! the release of its pull to the arrival of its push, so waiting is not compute) with EPSP's
+//! straggler projection, and takes as backups the workers the projection classes as
+//! *persistent* stragglers (most of a window's iterations more than 30 % slower than the
+//! fastest worker's median), re-judged every `⌈live / 8⌉` pushes. Without persistent
+//! stragglers it is BSP; transient episodes do not make backups. Tuning `b` by hand needs a
+//! run per value; the projection finds it while training.
 
 use std::collections::{BTreeSet, VecDeque};
 
-use super::{Action, Event, FastPath, SyncPolicy, Worker};
+use super::projection::{Projection, ProjectionConfig};
+use super::{Action, Event, FastPath, Nanos, SyncPolicy, Worker};
+
+/// `syncopt(auto)` (ours): the backups are the workers EPSP's straggler projection classes as
+/// persistent stragglers, re-judged as iterations are timed.
+#[derive(Clone, Debug)]
+struct Auto {
+    projection: Projection,
+    /// Pushes timed since the last verdict.
+    since: u64,
+}
 
 /// Sync-opt: `N` counted gradients per step out of `N + b` workers.
 #[derive(Clone, Debug)]
@@ -80,6 +100,10 @@ pub struct SyncOpt {
     waiting: BTreeSet<(u64, u64, Worker)>,
     delayed: u64,
     dropped: u64,
+    /// Backups from the straggler projection (`None`: fixed).
+    auto: Option<Box<Auto>>,
+    /// The latest event's time.
+    now: Nanos,
 }
 
 impl SyncOpt {
@@ -106,6 +130,45 @@ impl SyncOpt {
             waiting: BTreeSet::new(),
             delayed: 0,
             dropped: 0,
+            auto: None,
+            now: 0,
+        }
+    }
+
+    /// `syncopt(auto)` for `workers_total` workers: no backups until the straggler projection
+    /// (EPSP's, default settings) classes workers as persistent stragglers; then as many
+    /// backups as it classes so, at most `workers_total − 1` (see the
+    /// [module docs](self#backups-from-the-straggler-projection)).
+    pub fn auto(workers_total: u32) -> SyncOpt {
+        SyncOpt {
+            auto: Some(Box::new(Auto {
+                projection: Projection::new(workers_total, ProjectionConfig::default()),
+                since: 0,
+            })),
+            ..SyncOpt::new(workers_total.max(1), 0)
+        }
+    }
+
+    /// Re-judges the backups from the projection (every `⌈live / 8⌉` timed pushes: a verdict
+    /// passes over every worker's window, so this keeps it `O(window)` per push).
+    fn rejudge(&mut self, out: &mut Vec<Action>) {
+        let Some(auto) = self.auto.as_mut() else {
+            return;
+        };
+        auto.since += 1;
+        if auto.since < u64::from(self.live_count.div_ceil(8).max(1)) {
+            return;
+        }
+        auto.since = 0;
+        let total = self.next.len() as u32;
+        let persistent = auto.projection.persistent_count() as u32;
+        let backups = persistent.min(total.saturating_sub(1));
+        if backups != self.backups {
+            self.backups = backups;
+            self.quorum = total - backups;
+            if self.advance() {
+                self.release_ready(out);
+            }
         }
     }
 
@@ -147,13 +210,16 @@ impl SyncOpt {
     }
 
     fn release_ready(&mut self, out: &mut Vec<Action>) {
-        let v = self.version;
+        let (v, now) = (self.version, self.now);
         while let Some(&(clock, req, worker)) = self.waiting.first() {
             if clock > v {
                 break;
             }
             self.waiting.pop_first();
             self.base[worker as usize] = v;
+            if let Some(a) = self.auto.as_mut() {
+                a.projection.start(worker, now);
+            }
             out.push(Action::Release { worker, req });
         }
     }
@@ -161,6 +227,10 @@ impl SyncOpt {
     fn on_push(&mut self, worker: Worker, clock: u64, out: &mut Vec<Action>) {
         let w = worker as usize;
         let repeat = clock < self.next[w];
+        if !repeat && let Some(a) = self.auto.as_mut() {
+            a.projection.finish(worker, self.now);
+            self.rejudge(out);
+        }
         self.next[w] = self.next[w].max(clock.saturating_add(1));
         // The step of the parameters it was computed on.
         let step = clock.max(self.base[w]);
@@ -234,11 +304,21 @@ impl SyncPolicy for SyncOpt {
     }
 
     fn name(&self) -> String {
+        if self.auto.is_some() {
+            return "syncopt(auto)".into();
+        }
         format!("syncopt({}+{})", self.quorum, self.backups)
     }
 
     fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
         let known = |w: Worker| (w as usize) < self.next.len();
+        self.now = self.now.max(match ev {
+            Event::Push { at, .. }
+            | Event::Pull { at, .. }
+            | Event::Leave { at, .. }
+            | Event::Join { at, .. }
+            | Event::Tick { at } => at,
+        });
         match ev {
             Event::Push { worker, clock, .. } if known(worker) => self.on_push(worker, clock, out),
             Event::Pull {
@@ -246,6 +326,9 @@ impl SyncPolicy for SyncOpt {
             } if known(worker) => {
                 if clock <= self.version {
                     self.base[worker as usize] = self.version;
+                    if let Some(a) = self.auto.as_mut() {
+                        a.projection.start(worker, self.now);
+                    }
                     out.push(Action::Release { worker, req });
                 } else {
                     self.waiting.insert((clock, req, worker));
@@ -257,6 +340,9 @@ impl SyncPolicy for SyncOpt {
                 if std::mem::replace(&mut self.live[worker as usize], false) {
                     self.live_count -= 1;
                 }
+                if let Some(a) = self.auto.as_mut() {
+                    a.projection.leave(worker);
+                }
                 if self.advance() {
                     self.release_ready(out);
                 }
@@ -266,6 +352,9 @@ impl SyncPolicy for SyncOpt {
                 if !std::mem::replace(&mut self.live[w], true) {
                     self.live_count += 1;
                 }
+                if let Some(a) = self.auto.as_mut() {
+                    a.projection.join(worker);
+                }
                 self.next[w] = self.next[w].max(clock);
             }
             _ => {}
@@ -273,7 +362,8 @@ impl SyncPolicy for SyncOpt {
     }
 
     fn fast_path(&self) -> FastPath {
-        if self.backups == 0 {
+        // With backups, or backups that may come (auto), the policy sees every pull.
+        if self.backups == 0 && self.auto.is_none() {
             FastPath::Within(0)
         } else {
             FastPath::Never
