@@ -152,7 +152,8 @@ fn fair_runs_the_grid_and_reports_each_policy_at_its_best_settings() {
                 g["lr"].as_f64().unwrap().to_bits(),
             )
         };
-        let mut groups: Vec<((String, String, u64), Vec<&serde_json::Value>)> = Vec::new();
+        type Settings = (String, String, u64);
+        let mut groups: Vec<(Settings, Vec<&serde_json::Value>)> = Vec::new();
         for g in grid {
             match groups.iter_mut().find(|(k, _)| *k == key(g)) {
                 Some((_, v)) => v.push(g),
