@@ -341,6 +341,7 @@ fn falcon_bench_policies_measures_every_policy_beside_its_references() {
         "ssp(3)",
         "dssp(2,8)",
         "syncopt(1)",
+        "syncopt(auto)",
         "epsp(4)",
         "flexrr",
         "elasticbsp(15)",
@@ -372,6 +373,6 @@ fn falcon_bench_policies_measures_every_policy_beside_its_references() {
         "the file holds the printed tables"
     );
     let json = std::fs::read_to_string(dir.join("target/falcon-bench/policies.json")).unwrap();
-    assert_eq!(json.matches("\"ns_per_push\"").count(), 13 * 4, "{json}");
+    assert_eq!(json.matches("\"ns_per_push\"").count(), 14 * 4, "{json}");
     let _ = std::fs::remove_dir_all(&dir);
 }

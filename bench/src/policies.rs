@@ -30,7 +30,7 @@ use falcon_engine::sync::{Action, ElasticBsp, Event, Nanos, PolicySpec, SyncPoli
 use serde::Serialize;
 
 /// The policies, as configured (`PolicySpec` strings).
-pub const SPECS: [&str; 12] = [
+pub const SPECS: [&str; 13] = [
     "bsp",
     "asp",
     "ssp(3)",
@@ -39,6 +39,7 @@ pub const SPECS: [&str; 12] = [
     "fluentps(3,p=0.5)",
     "fluentps(3,sigmoid)",
     "syncopt(1)",
+    "syncopt(auto)",
     "epsp(4)",
     "epsp(4,no-transfer)",
     "flexrr",

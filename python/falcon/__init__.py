@@ -2,7 +2,7 @@
 
 A job has a scheduler, servers that hold the parameters and apply the updates, and workers
 that push gradients and pull parameters under a synchronization policy (bsp, asp, ssp(s),
-dssp(…), epsp, fluentps(…), syncopt(n), flexrr, elasticbsp). From Python:
+dssp(…), epsp, fluentps(…), syncopt(n|auto), flexrr, elasticbsp). From Python:
 
     import falcon, numpy as np
 
