@@ -341,6 +341,18 @@ fn epsp_spreads_pioneers_over_every_straggler_and_keeps_them_helping() {
     }
 }
 
+/// The (helper, straggler) of each transfer offer in `out`.
+fn helper_straggler(out: &[Action]) -> Vec<(u32, u32)> {
+    out.iter()
+        .filter_map(|a| match *a {
+            Action::Transfer {
+                helper, straggler, ..
+            } => Some((helper, straggler)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// FlexRR's helpee among those equally far behind is the one with the most work left: the
 /// one whose current iteration started latest.
 #[test]
@@ -359,15 +371,7 @@ fn flexrr_helps_the_helpee_with_the_most_work_left() {
     f.on_event(push(2, 0, 20), &mut out);
     out.clear();
     f.on_event(push(0, 1, 30), &mut out);
-    let offers: Vec<_> = out
-        .iter()
-        .filter_map(|a| match *a {
-            Action::Transfer {
-                helper, straggler, ..
-            } => Some((helper, straggler)),
-            _ => None,
-        })
-        .collect();
+    let offers = helper_straggler(&out);
     assert_eq!(offers, vec![(0, 2)], "{out:?}");
 }
 
@@ -399,15 +403,7 @@ fn flexrr_counts_a_rejoin_as_the_start_of_an_iteration() {
     );
     out.clear();
     f.on_event(push(0, 1, 60), &mut out);
-    let offers: Vec<_> = out
-        .iter()
-        .filter_map(|a| match *a {
-            Action::Transfer {
-                helper, straggler, ..
-            } => Some((helper, straggler)),
-            _ => None,
-        })
-        .collect();
+    let offers = helper_straggler(&out);
     assert_eq!(offers, vec![(0, 1)], "{out:?}");
 }
 

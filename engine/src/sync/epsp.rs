@@ -422,13 +422,7 @@ impl SyncPolicy for Epsp {
     }
 
     fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
-        self.now = self.now.max(match ev {
-            Event::Push { at, .. }
-            | Event::Pull { at, .. }
-            | Event::Leave { at, .. }
-            | Event::Join { at, .. }
-            | Event::Tick { at } => at,
-        });
+        self.now = self.now.max(ev.at());
         let before = match ev {
             Event::Push { worker, .. } | Event::Join { worker, .. } => self.clocks.applied(worker),
             _ => None,

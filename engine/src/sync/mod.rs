@@ -91,6 +91,19 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// When it happened.
+    pub fn at(&self) -> Nanos {
+        match *self {
+            Event::Push { at, .. }
+            | Event::Pull { at, .. }
+            | Event::Leave { at, .. }
+            | Event::Join { at, .. }
+            | Event::Tick { at } => at,
+        }
+    }
+}
+
 /// What a policy decides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -312,13 +312,7 @@ impl SyncPolicy for SyncOpt {
 
     fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
         let known = |w: Worker| (w as usize) < self.next.len();
-        self.now = self.now.max(match ev {
-            Event::Push { at, .. }
-            | Event::Pull { at, .. }
-            | Event::Leave { at, .. }
-            | Event::Join { at, .. }
-            | Event::Tick { at } => at,
-        });
+        self.now = self.now.max(ev.at());
         match ev {
             Event::Push { worker, clock, .. } if known(worker) => self.on_push(worker, clock, out),
             Event::Pull {
