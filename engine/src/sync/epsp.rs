@@ -29,7 +29,8 @@
 //! **Task transfer** (mechanism 2, `transfer`). When a pull is parked, its worker is a pioneer
 //! that would block. The policy then offers it tasks of a straggler holding the pull back
 //! (live, applied `< c − s`): [`Action::Transfer`]`{ helper, straggler, clock }`, `clock` being
-//! the straggler's current iteration (its applied count). Pioneers are spread over the
+//! the straggler's current iteration (its applied count); a worker that left is offered
+//! nothing (its parked pull may outlive it). Pioneers are spread over the
 //! stragglers by their remaining work: a straggler's remaining work is what is left of its
 //! current iteration (its start plus its predicted iteration time, less now) plus one
 //! predicted iteration for every further iteration the pioneer waits for (`c − s − applied −
@@ -344,6 +345,10 @@ impl Epsp {
         now: Nanos,
         out: &mut Vec<Action>,
     ) {
+        // A worker that left takes no tasks: they would wait on it.
+        if !self.clocks.is_live(helper) {
+            return;
+        }
         let Some((straggler, sclock)) = self.straggler_for(helper, clock, now) else {
             return;
         };
@@ -376,8 +381,10 @@ impl Epsp {
                 .filter_map(|h| self.helping_pull[h as usize].map(|(c, r)| (c, r, h)))
                 .collect()
         };
+        // One offer per pioneer, for its first parked pull, as the parked pulls are ordered.
         again.sort_unstable();
-        again.dedup();
+        let mut seen = std::collections::HashSet::new();
+        again.retain(|&(_, _, h)| seen.insert(h));
         for (clock, req, helper) in again {
             self.offer(helper, (clock, req), now, out);
         }
@@ -608,9 +615,14 @@ mod tests {
                 };
                 out.clear();
                 e.on_event(ev, &mut out);
+                let mut offered = std::collections::HashSet::new();
                 for a in &out {
                     if let Action::Release { worker, .. } = *a {
                         waiting[worker as usize] = false;
+                    }
+                    if let Action::Transfer { helper, .. } = *a {
+                        prop_assert!(live[helper as usize], "an offer to a departed worker: {:?}", out);
+                        prop_assert!(offered.insert(helper), "two offers to one worker: {:?}", out);
                     }
                 }
                 let v = e.projection.verdict();
