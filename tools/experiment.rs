@@ -27,7 +27,7 @@ use falcon_trainer::data::Dataset;
 use falcon_trainer::hetero::Hetero;
 use falcon_trainer::job::{JobReport, JobSpec, run_local};
 use falcon_trainer::model::ModelSpec;
-use falcon_trainer::sim::{SimReport, SimSpec, simulate};
+use falcon_trainer::sim::{SimReport, SimSpec};
 use falcon_trainer::train::TrainConfig;
 use falcon_transport::Medium;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -627,7 +627,7 @@ fn run_cells(s: &Setup, mode: &'static str, data: &Arc<Dataset>, cells: &[Cell])
             .map(|c| {
                 let e: Entry = c.variant.parse()?;
                 let optimizer = falcon_engine::update::Optimizer::parse(&c.optimizer, c.lr)?;
-                run_one(s, mode, data, &c.variant, &e, c.lr, optimizer, c.seed)
+                run_real(s, mode, data, &c.variant, &e, c.lr, optimizer, c.seed)
             })
             .collect();
     }
@@ -693,9 +693,10 @@ fn sim_spec(
     }
 }
 
-/// One run of configuration `entry` (parsed: `e`) in `mode` at learning rate `lr` and `seed`.
+/// One real run (an embedded cluster) of configuration `entry` (parsed: `e`) at learning rate
+/// `lr` and `seed`; the simulator's runs go through [`run_cells`].
 #[allow(clippy::too_many_arguments)]
-fn run_one(
+fn run_real(
     s: &Setup,
     mode: &'static str,
     data: &Arc<Dataset>,
@@ -705,10 +706,6 @@ fn run_one(
     optimizer: falcon_engine::update::Optimizer,
     seed: u64,
 ) -> Res<Row> {
-    if mode == "sim" {
-        let spec = sim_spec(s, e, lr, optimizer, seed);
-        return Ok(Row::from_sim(entry, &simulate(&spec, data)?));
-    }
     let spec = JobSpec {
         workers: s.workers,
         servers: 2,

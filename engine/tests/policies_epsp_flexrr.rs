@@ -341,6 +341,11 @@ fn epsp_spreads_pioneers_over_every_straggler_and_keeps_them_helping() {
     }
 }
 
+/// `worker`'s push of `clock` at `at`.
+fn push(worker: u32, clock: u64, at: u64) -> Event {
+    Event::Push { worker, clock, at }
+}
+
 /// The (helper, straggler) of each transfer offer in `out`.
 fn helper_straggler(out: &[Action]) -> Vec<(u32, u32)> {
     out.iter()
@@ -359,11 +364,6 @@ fn helper_straggler(out: &[Action]) -> Vec<(u32, u32)> {
 fn flexrr_helps_the_helpee_with_the_most_work_left() {
     let mut f = FlexRr::new(3, 1, 1, 0);
     let mut out = Vec::new();
-    let push = |w, c, at| Event::Push {
-        worker: w,
-        clock: c,
-        at,
-    };
     // Worker 1 finishes iteration 0 at 10, worker 2 at 20: both have 1 applied, so worker 2
     // (its iteration 1 started later) has more left. Worker 0 pushes twice.
     f.on_event(push(0, 0, 5), &mut out);
@@ -381,11 +381,6 @@ fn flexrr_helps_the_helpee_with_the_most_work_left() {
 fn flexrr_counts_a_rejoin_as_the_start_of_an_iteration() {
     let mut f = FlexRr::new(3, 1, 1, 0);
     let mut out = Vec::new();
-    let push = |w, c, at| Event::Push {
-        worker: w,
-        clock: c,
-        at,
-    };
     // Worker 1 pushes iteration 0 at 10 and leaves; worker 2 pushes it at 20; worker 1
     // rejoins at 50 with its one gradient counted. Both have 1 applied; worker 1's iteration
     // started at 50, worker 2's at 20: worker 1 has the more work left.
