@@ -2,7 +2,12 @@
 kernel enforces: time for the global model to reach a target accuracy.
 
 The examples' CNN (examples/torch_fashion_mnist.py's `Net`) on Fashion-MNIST (Debian's full
-set where installed, else the bundled sample), 4 worker processes of this host, each held to a
+set where installed, else the bundled sample), or with `--model lm` the small causal
+transformer LM of python/bench/ddp.py (here 2 blocks, d = 32, 2 heads, sequences of 16 over
+64 tokens: Debian's torch multiplies matrices slowly) on a made-up language it must look back
+to learn (each token the successor of the token two places before it, or a random token 30 %
+of the time; scored by next-token accuracy on held-out sequences, at best about 0.7; 16
+sequences per worker per iteration, rate 0.2, target 0.6), 4 worker processes of this host, each held to a
 CPU quota in a control group of its own (`falcon.CpuQuota`; default `0-2:0.5,3:0.125`: worker 3
 at a quarter of the others' share, 1.625 CPUs in all). Every configuration trains the same
 model from the same values on the same examples — iteration c of worker w is the `--batch`
@@ -24,8 +29,8 @@ Worker 0 keeps a copy of its parameters (the global model it pulled; DDP's repli
 after the run, so scoring never slows a job. Time to target: the first copy at or above
 `--target`. Runs are interleaved (each seed runs every configuration, the order rotated).
 
-    python3 python/bench/stragglers.py [--quick] [--seeds 1,2] [--iterations 300]
-        [--target 0.75] [--cpu-quota 0-2:0.5,3:0.125] [--configs bsp,epsp,syncopt,asp,ddp]
+    python3 python/bench/stragglers.py [--quick] [--model cnn|lm] [--seeds 1,2]
+        [--iterations 300] [--target 0.75] [--lr 0.05] [--cpu-quota 0-2:0.5,3:0.125] [--configs bsp,epsp,syncopt,asp,ddp]
 
 `--cpu-quota 0-3:0.5` (no straggler) measures what task transfer costs where nobody needs
 it. Prints a Markdown table and, last, one JSON line: `RESULT {...}` with each
@@ -54,7 +59,11 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4
 POLICIES = {"bsp": "bsp", "epsp": "epsp(0)", "syncopt": "syncopt(1)", "asp": "asp",
             "epsp-no-transfer": "epsp(0)", "bsp-loader": "bsp"}
-LR, MOMENTUM = 0.05, 0.9
+MOMENTUM = 0.9
+LR = {"cnn": 0.05, "lm": 0.2}
+BATCH = {"cnn": 32, "lm": 16}
+TARGET = {"cnn": 0.75, "lm": 0.6}
+QUICK_TARGET = {"cnn": 0.5, "lm": 0.2}
 
 
 def free_port() -> int:
@@ -63,16 +72,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def net(seed: int) -> torch.nn.Module:
-    path = ROOT / "examples" / "torch_fashion_mnist.py"
-    spec = importlib.util.spec_from_file_location("torch_fashion_mnist", path)
+def _module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def net(kind: str, seed: int) -> torch.nn.Module:
+    """The model, from the seed's initial values: the examples' CNN, or ddp.py's LM."""
+    if kind == "lm":
+        lm = _module(ROOT / "python" / "bench" / "ddp.py", "falcon_bench_ddp").LM
+        torch.manual_seed(seed)
+        return lm(vocab=64, d=32, heads=2, blocks=2, seq=16)
+    net = _module(ROOT / "examples" / "torch_fashion_mnist.py", "torch_fashion_mnist").Net
     torch.manual_seed(seed)
-    return mod.Net()
+    return net()
 
 
-def data():
+def data(kind: str):
+    """(train inputs, targets), (test inputs, targets), where they come from."""
+    if kind == "lm":
+        return token_streams()
     import falcon
 
     (tx, ty), (vx, vy), source = falcon.fashion_mnist(None)
@@ -83,15 +104,40 @@ def data():
     )
 
 
+def token_streams(train=16384, test=1024, seq=16, vocab=64, noise=0.3, lag=2):
+    """Sequences of a made-up language the LM can learn and be scored on: each token is the
+    successor (a fixed permutation) of the token `lag` places before it or, with probability
+    `noise`, a random one; the best possible next-token accuracy is about 1 − noise. With
+    `lag` 2 the model must learn to look one token back (attention), not only at the token
+    in hand. The same on every worker (a fixed seed)."""
+    g = torch.Generator().manual_seed(7)
+    successor = torch.randperm(vocab, generator=g)
+    n = train + test
+    toks = torch.empty(n, seq + 1, dtype=torch.long)
+    toks[:, :lag] = torch.randint(0, vocab, (n, lag), generator=g)
+    flip = torch.rand(n, seq + 1, generator=g) < noise
+    rand = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    for t in range(lag, seq + 1):
+        toks[:, t] = torch.where(flip[:, t], rand[:, t], successor[toks[:, t - lag]])
+    x, y = toks[:, :-1], toks[:, 1:]
+    return (x[:train], y[:train]), (x[train:], y[train:]), f"a made-up language ({vocab} tokens)"
+
+
+def loss_of(kind: str):
+    if kind == "lm":
+        return lambda out, t: F.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1))
+    return F.cross_entropy
+
+
 def worker(cfg, rank, args, seed, env, port, out):
     """One worker process: the user's loop under configuration `cfg`."""
     torch.set_num_threads(1)
     import falcon.torch as ft
 
-    (x, y), _, _ = data()
-    model = net(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    loss_fn = F.cross_entropy
+    (x, y), _, _ = data(args.model)
+    model = net(args.model, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
+    loss_fn = loss_of(args.model)
     loader = None
     if cfg == "ddp":
         import torch.distributed as dist
@@ -100,7 +146,7 @@ def worker(cfg, rank, args, seed, env, port, out):
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS
         )
         model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
     else:
         import falcon
 
@@ -169,7 +215,7 @@ def run(cfg, args, seed, quotas):
         import falcon
 
         cluster = falcon.local_cluster(
-            workers=WORKERS, policy=POLICIES[cfg], optimizer=f"momentum({MOMENTUM})", lr=LR,
+            workers=WORKERS, policy=POLICIES[cfg], optimizer=f"momentum({MOMENTUM})", lr=args.lr,
             heartbeat_ms=200,
         )
         env = dict(cluster.env)
@@ -206,11 +252,12 @@ def run(cfg, args, seed, quotas):
 
 
 def accuracy(model, values, test) -> float:
+    """The share of test examples (of the LM: of next tokens) the values predict right."""
     x, y = test
     with torch.no_grad():
         torch.nn.utils.vector_to_parameters(torch.from_numpy(values), model.parameters())
         model.eval()
-        return float((model(x).argmax(1) == y).float().mean())
+        return float((model(x).argmax(-1) == y).float().mean())
 
 
 def parse_quotas(text: str) -> dict[int, float]:
@@ -240,17 +287,27 @@ def main(argv=None) -> None:
                     help="one seed, 40 iterations, target 0.5: a check that everything runs")
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--iterations", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=32, help="examples per worker per iteration")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="examples per worker per iteration (default: CNN 32, LM 16)")
     ap.add_argument("--tasks", type=int, default=4, help="tasks per iteration")
     ap.add_argument("--every", type=int, default=10, help="iterations between worker 0's copies")
-    ap.add_argument("--target", type=float, default=0.75, help="test accuracy to reach")
+    ap.add_argument("--model", choices=("cnn", "lm"), default="cnn",
+                    help="the examples' CNN on Fashion-MNIST, or a small transformer LM on a "
+                         "made-up language (next-token accuracy)")
+    ap.add_argument("--target", type=float, default=None,
+                    help="test accuracy to reach (default: CNN 0.75, LM 0.6)")
+    ap.add_argument("--lr", type=float, default=None, help="default: CNN 0.05, LM 0.2")
     ap.add_argument("--cpu-quota", default="0-2:0.5,3:0.125",
                     help="RANKS:CPUS[,...] (empty: no quotas)")
     ap.add_argument("--configs", default="bsp,epsp,syncopt,asp,ddp")
     ap.add_argument("--test-examples", type=int, default=2000)
     args = ap.parse_args(argv)
     if args.quick:
-        args.seeds, args.iterations, args.target, args.every = "1", 40, 0.5, 5
+        args.seeds, args.iterations, args.every = "1", 40, 5
+        args.target = QUICK_TARGET[args.model] if args.target is None else args.target
+    args.target = TARGET[args.model] if args.target is None else args.target
+    args.lr = LR[args.model] if args.lr is None else args.lr
+    args.batch = BATCH[args.model] if args.batch is None else args.batch
     configs = args.configs.split(",")
     unknown = set(configs) - set(POLICIES) - {"ddp"}
     if unknown:
@@ -261,9 +318,9 @@ def main(argv=None) -> None:
     if why is not None:
         print(f"SKIPPED: CPU quotas ({why}): every worker runs at full speed")
         quotas = {}
-    _, (vx, vy), source = data()
+    _, (vx, vy), source = data(args.model)
     test = (vx[: args.test_examples], vy[: args.test_examples])
-    scorer = net(0)
+    scorer = net(args.model, 0)
     rows = {c: {"to_target": [], "secs": [], "final": [], "moved": []} for c in configs}
     for i, seed in enumerate(seeds):
         k = i % len(configs)
@@ -287,10 +344,11 @@ def main(argv=None) -> None:
                   "training_seconds": med(rows[c]["secs"]),
                   "final_accuracy": round(statistics.mean(rows[c]["final"]), 4),
                   "tasks_moved": round(statistics.mean(rows[c]["moved"]), 1)} for c in configs}
-    print(f"\nfalcon in the user's loop, {WORKERS} worker processes, CPU quotas "
+    model = "the examples' CNN" if args.model == "cnn" else "the transformer LM"
+    print(f"\nfalcon in the user's loop, {model}, {WORKERS} worker processes, CPU quotas "
           f"{args.cpu_quota or 'none'}, {args.iterations} iterations × {args.batch} examples "
           f"({args.tasks} tasks) per worker, target accuracy {args.target} on {len(test[0])} "
-          f"test images ({source}), seeds {args.seeds}, "
+          f"test examples ({source}), lr {args.lr}, seeds {args.seeds}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}")
     print()
@@ -306,6 +364,7 @@ def main(argv=None) -> None:
         print(f"| {c} | {r['seconds_to_target']} | {ratio} | {r['reached']}/{len(seeds)} | "
               f"{r['training_seconds']} | {r['final_accuracy']} | {r['tasks_moved']} |")
     print("RESULT " + json.dumps({"configs": result, "quotas": args.cpu_quota,
+                                  "model": args.model, "lr": args.lr,
                                   "iterations": args.iterations, "target": args.target,
                                   "seeds": seeds}))
 

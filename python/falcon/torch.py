@@ -1023,31 +1023,36 @@ class _Distributed:
         later: list[tuple[int, int, range]] = []
         if pending and loader._transfer:
             w = self._falcon_worker
-            nap, asks = 0.0002, []
+            asks: list[tuple[int, int, bool]] = []
             t0 = time.perf_counter()
             helping = 0.0
-            # Taking a task pays only where the wait is longer than taking it costs (its own
-            # forward, backward and push): workers of one speed wait a moment for the last
-            # of them at each barrier, and a task taken then delays the helper more than it
-            # saves. So: one task per `cost` of waiting, from the start when the last wait
-            # was that long (a straggler that stays one), else once this one has been.
+            # Taking a task pays only where a straggler stays one: the tasks open to a helper
+            # are the straggler's next iteration's (its loader claimed the current one's), so
+            # a helper computes them after its own values land, delaying its own next batch
+            # by what it saves the straggler — a gain only where the straggler is slower
+            # again next time. Workers of one speed wait a moment for the last of them at
+            # each barrier, now and then long (a time slice lost), and trading tasks then
+            # costs both a push and gains nothing. So: tasks only while the barriers hold
+            # this worker (waiting and helping) two tasks' time or more on average (a running
+            # mean over the last few: one long wait by chance is not a straggler), then one
+            # task per `cost` of waiting.
             cost = loader._help_s or loader._task_s
-            eager = loader._parked_s >= 2 * cost
+            eager = loader._held_s is None or loader._held_s >= 2 * cost
             taken = 0
-            while not all(h.ready() for h in pending.values()):
+            while True:
+                # What arrives after this count (the values, an offer) ends the sleep below:
+                # the wait costs no CPU and ends as the values land.
+                seen = w.news()
+                if all(h.ready() for h in pending.values()):
+                    break
                 # The offer names the straggler's iteration not yet pushed: computing it, its
                 # loader has opened the next one to helpers; between its push and its next
                 # batch, the one it names is still open.
                 asks.extend(a for s, c in w.offers() for a in ((s, c + 1, True), (s, c, False)))
                 waited = time.perf_counter() - t0
-                allowed = waited / cost if cost > 0 else math.inf
-                if not eager:
-                    allowed -= 2
-                if not asks or taken >= allowed:
-                    # Short naps: each costs the iteration up to its length once the values
-                    # are in.
-                    time.sleep(nap)
-                    nap = min(nap * 2, 0.0005)
+                due = taken * cost  # the wait after which one more task pays
+                if not eager or not asks or waited < due:
+                    w.wait_news(seen, min(max(due - waited, 0.0), 0.05) if asks and eager else 0.05)
                     continue
                 straggler, clock, ahead = asks[0]
                 lo, hi = w.steal(straggler, clock, 1)
@@ -1055,18 +1060,21 @@ class _Distributed:
                     asks.pop(0)  # nothing (more) to take there
                     continue
                 taken += hi - lo
-                nap = 0.0002
                 if ahead:
                     later.append((straggler, clock, range(lo, hi)))
                     continue
                 helping += self._help_timed(straggler, clock, range(lo, hi))
             parked = time.perf_counter() - t0
-            loader._parked_s = parked
+            held = parked
             loader.stats["helping_s"] += helping
             loader.stats["blocked_s"] += parked - helping
         self.wait_pulls()
         for straggler, clock, tasks in later:
-            loader.stats["helping_s"] += self._help_timed(straggler, clock, tasks)
+            took = self._help_timed(straggler, clock, tasks)
+            loader.stats["helping_s"] += took
+            held += took
+        if pending and loader._transfer:
+            loader._held_s = held if loader._held_s is None else 0.75 * loader._held_s + 0.25 * held
 
     def _help_timed(self, owner: int, clock: int, tasks: range) -> float:
         """`_falcon_help`, counted, its time per task kept for the pacing above; returns its
@@ -1401,11 +1409,11 @@ class TaskLoader:
         self._source = _f.Tasks()
         self._open: int | None = None  # the iteration whose tasks the source holds
         self._last: int | None = None  # the last iteration yielded
-        # Seconds one own task takes (a running mean; none known yet: 0, helping at once) and
-        # the last wait for the values, helping included.
+        # Seconds one own task takes (a running mean; none known yet: 0, helping at once).
         self._task_s = 0.0
         self._help_s = 0.0  # seconds one helped task takes, pushed (a running mean)
-        self._parked_s = 0.0
+        # What a barrier held this worker (waiting and helping), a running mean: none yet.
+        self._held_s: float | None = None
         self.ledger: list | None = [] if ledger else None
         self.stats = {
             "iterations": 0, "tasks_own": 0, "tasks_given": 0, "tasks_helped": 0,
@@ -1441,11 +1449,9 @@ class TaskLoader:
 
     def _indices(self, owner: int, clock: int, task_ids) -> torch.Tensor:
         w = self._opt._falcon_worker
-        parts = [
-            _task_examples(self._orders, w.workers, self.batch_size, self.tasks, owner, clock, t)
-            for t in task_ids
-        ]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+        return _examples_of(
+            self._orders, w.workers, self.batch_size, self.tasks, owner, clock, task_ids
+        )
 
     def _batch(self, idx: torch.Tensor):
         if self._collate is not None and self._data.ds is not None:
@@ -1521,7 +1527,12 @@ class TaskLoader:
 def _usable_cpus() -> int:
     """The CPUs this process can use at once: those it may run on, fewer where its control
     group's CPU quota allows less (a worker held to half a CPU gains nothing from a second
-    thread, and its arithmetic changes with the thread count)."""
+    thread, and its arithmetic changes with the thread count). Read again at most once a
+    second (a loop asks at every iteration; reading the control group's files each time costs
+    a worker on a small quota more than a per cent of its share)."""
+    now = time.monotonic()
+    if _USABLE[0] is not None and now - _USABLE[1] < 1.0:
+        return _USABLE[0]
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -1529,7 +1540,12 @@ def _usable_cpus() -> int:
     quota = _f._falcon.own_cpus()
     if quota is not None:
         cpus = min(cpus, int(quota))
-    return max(1, cpus)
+    _USABLE[:] = [max(1, cpus), now]
+    return _USABLE[0]
+
+
+_USABLE: list = [None, 0.0]
+"""The last answer of `_usable_cpus` and when it was read."""
 
 
 def _take_advice(w) -> int:
@@ -1614,17 +1630,39 @@ task does not draw a permutation each time."""
 
 
 def _task_examples(orders: _Orders, workers, batch, tasks, worker, clock, task) -> torch.Tensor:
+    return _tasks_examples(orders, workers, batch, tasks, worker, clock, task, task + 1)
+
+
+def _examples_of(orders: _Orders, workers, batch, tasks, owner, clock, task_ids) -> torch.Tensor:
+    """The examples of tasks `task_ids` of `owner`'s iteration `clock`, in the tasks' order;
+    tasks next to each other are one range of the stream (one slice per run)."""
+    runs: list[list[int]] = []
+    for t in task_ids:
+        if runs and runs[-1][1] == t:
+            runs[-1][1] = t + 1
+        else:
+            runs.append([t, t + 1])
+    parts = [_tasks_examples(orders, workers, batch, tasks, owner, clock, a, b) for a, b in runs]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+def _tasks_examples(orders: _Orders, workers, batch, tasks, worker, clock, first, end) -> torch.Tensor:
+    """The examples of tasks `first` … `end - 1` of an iteration: one range of the stream."""
     micro = math.ceil(batch / tasks)
-    lo = min(task * micro, batch)
-    hi = min(lo + micro, batch)
+    lo = min(first * micro, batch)
+    hi = min(max(end, first) * micro, batch)
     start = (clock * workers + worker) * batch + lo
     parts = []
-    pos, end = start, start + (hi - lo)
-    while pos < end:
+    pos, stop = start, start + (hi - lo)
+    while pos < stop:
         epoch, off = divmod(pos, orders.n)
-        take = min(end - pos, orders.n - off)
+        take = min(stop - pos, orders.n - off)
         parts.append(orders.of(epoch)[off : off + take])
         pos += take
+    if len(parts) == 1:
+        return parts[0]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
@@ -1722,9 +1760,7 @@ def fit(
     def accumulate(owner: int, clock: int, task_ids: Sequence[int], into: torch.Tensor):
         """Adds the gradient of these tasks (as a share of the batch) to `into`; returns
         (summed loss, examples)."""
-        idx = torch.cat(
-            [_task_examples(orders, workers, batch, tasks, owner, clock, t) for t in task_ids]
-        )
+        idx = _examples_of(orders, workers, batch, tasks, owner, clock, task_ids)
         if ledger:
             summary["ledger"].extend((owner, clock, t) for t in task_ids)
         if len(idx) == 0:

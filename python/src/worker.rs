@@ -887,6 +887,34 @@ impl Worker {
             .collect()
     }
 
+    /// How many completions (answers, acknowledgements, offers) this worker has received so
+    /// far: read it, check what you wait for, then `wait_news(count, timeout)`.
+    fn news(&self) -> u64 {
+        self.w.news()
+    }
+
+    /// Sleeps until something arrives after `seen` (a count from `news()`) — an answer, an
+    /// acknowledgement, an offer — or `timeout` seconds pass; returns the count then. Waits
+    /// without the GIL; Ctrl-C interrupts it.
+    fn wait_news(&self, py: Python<'_>, seen: u64, timeout: f64) -> PyResult<u64> {
+        if !timeout.is_finite() || timeout < 0.0 {
+            return Err(ConfigError::new_err(format!(
+                "wait_news: timeout must be a finite number of seconds ≥ 0, not {timeout}"
+            )));
+        }
+        let deadline =
+            std::time::Instant::now() + std::time::Duration::from_secs_f64(timeout.min(1e6));
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let w = &self.w;
+            let n = py.detach(|| w.wait_news(seen, left.min(SLICE)));
+            if n != seen || left <= SLICE {
+                return Ok(n);
+            }
+            py.check_signals()?;
+        }
+    }
+
     /// Asks `straggler` for up to `want` unprocessed tasks of its iteration `clock`: returns
     /// (start, end), the task range now this worker's to compute and push with `push_for`
     /// (empty when none is left).

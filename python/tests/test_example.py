@@ -189,3 +189,23 @@ def test_the_straggler_benchmark_runs_every_side_in_quick_mode():
     if "SKIPPED" not in out.stdout:
         # Worker 3 at a quarter of the others' CPU: the others take its tasks.
         assert result["configs"]["epsp"]["tasks_moved"] > 0, out.stdout
+
+
+def test_the_straggler_benchmark_runs_the_transformer_lm_quickly():
+    """python/bench/stragglers.py --quick --model lm: the transformer LM on its made-up
+    language, task transfer in the user's loop; the RESULT names the model, and the other
+    workers take the slowed worker's tasks."""
+    out = subprocess.run(
+        [sys.executable, "python/bench/stragglers.py", "--quick", "--model", "lm",
+         "--configs", "epsp", "--test-examples", "256"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), out.stdout
+    result = json.loads(last[len("RESULT "):])
+    assert result["model"] == "lm" and set(result["configs"]) == {"epsp"}
+    r = result["configs"]["epsp"]
+    assert r["training_seconds"] > 0 and 0 <= r["final_accuracy"] <= 1, r
+    if "SKIPPED" not in out.stdout:
+        assert r["tasks_moved"] > 0, out.stdout

@@ -387,3 +387,46 @@ def test_rows_push_and_pull_with_duplicates_summed():
         w.push_rows("emb", [1], np.ones(2, np.float64), 2)
     falcon.finish()
     c.finish()
+
+
+def test_wait_news_sleeps_until_something_arrives():
+    """A caller waiting for a pull or an offer sleeps in `wait_news` (no polling): the pull's
+    answer wakes it long before its timeout; a wait with nothing coming ends at the timeout;
+    a bad timeout is a typed error."""
+    c = falcon.local_cluster(workers=2, policy="bsp", lr=1.0)
+    ws = [None, None]
+
+    def join(i):
+        ws[i] = falcon.Worker.join([("w", 4)], {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(i)})
+
+    ts = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    w0, w1 = ws
+    assert w0 is not None and w1 is not None
+    w0.push("w", np.ones(4, np.float32), 0)
+    out = np.zeros(4, np.float32)
+    h = w0.pull_async("w", out, 1)  # parked: worker 1 has not pushed clock 0
+    t0 = time.monotonic()
+    seen = w0.news()
+    ended = w0.wait_news(seen, 0.3)
+    assert time.monotonic() - t0 >= 0.25 or ended != seen
+    assert not h.ready()
+    threading.Timer(0.2, lambda: w1.push("w", 3 * np.ones(4, np.float32), 0)).start()
+    t0 = time.monotonic()
+    while True:
+        seen = w0.news()
+        if h.ready():
+            break
+        w0.wait_news(seen, 60.0)
+        assert time.monotonic() - t0 < 30, "wait_news slept through the pull's answer"
+    h.wait()
+    np.testing.assert_allclose(out, -2.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(falcon.ConfigError, match="timeout"):
+            w0.wait_news(0, bad)
+    w0.finish()
+    w1.finish()
+    c.finish()

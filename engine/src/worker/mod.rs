@@ -300,6 +300,45 @@ struct Inner {
     fast_path: FastPath,
     /// Per-server parts of large pushes and pulls go out at once (see `Worker::per_server`).
     fan_out: bool,
+    /// Bumped whenever the progress thread has handed something on ([`Worker::wait_news`]).
+    news: News,
+}
+
+/// A count of what the progress thread handed on (answers, acknowledgements, offers), which
+/// a caller waiting for any of several things sleeps on instead of polling.
+#[derive(Default)]
+struct News {
+    count: Mutex<u64>,
+    cv: std::sync::Condvar,
+}
+
+impl News {
+    fn bump(&self) {
+        *lock(&self.count) += 1;
+        self.cv.notify_all();
+    }
+
+    fn count(&self) -> u64 {
+        *lock(&self.count)
+    }
+
+    /// Waits until the count is no longer `seen`, or `timeout` passed; returns the count.
+    fn wait(&self, seen: u64, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        let mut n = lock(&self.count);
+        while *n == seen {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            n = self
+                .cv
+                .wait_timeout(n, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *n
+    }
 }
 
 /// Counters of one worker.
@@ -402,6 +441,7 @@ impl Worker {
             shm_in_place: cfg.shm_in_place,
             stop: AtomicBool::new(false),
             rates: AtomicU64::new(0),
+            news: News::default(),
         });
         Inner::start_threads(&inner, cfg.heartbeat)?;
         Ok(Worker { inner })

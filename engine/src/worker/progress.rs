@@ -39,6 +39,7 @@ pub(super) fn progress(inner: Weak<Inner>, heartbeat: Duration) {
         let wait = heartbeat.min(Duration::from_millis(200));
         if let Ok(c) = w.t.cq().wait(Some(wait)) {
             w.route(c);
+            w.news.bump();
         }
     }
 }

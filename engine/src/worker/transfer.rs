@@ -127,6 +127,20 @@ impl Worker {
     pub fn offers(&self) -> Vec<Offer> {
         lock(&self.inner.core).take_offers()
     }
+
+    /// How many completions (answers, acknowledgements, offers, scheduler news) this
+    /// worker's progress thread has handed on so far.
+    pub fn news(&self) -> u64 {
+        self.inner.news.count()
+    }
+
+    /// Waits until the progress thread hands on something after `seen` (a count from
+    /// [`Worker::news`]) or `timeout` passes; returns the count then. A caller that waits
+    /// for a pull *or* a task-transfer offer reads `news()`, checks both, and sleeps here
+    /// instead of polling: whatever arrives after its check wakes it.
+    pub fn wait_news(&self, seen: u64, timeout: Duration) -> u64 {
+        self.inner.news.wait(seen, timeout)
+    }
 }
 
 impl Inner {
