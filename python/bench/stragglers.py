@@ -284,7 +284,7 @@ def quotas_usable(quotas) -> str | None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="one seed, 40 iterations, target 0.5: a check that everything runs")
+                    help="one seed, 40 iterations, target 0.5 (LM 0.2): a check that everything runs")
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--batch", type=int, default=None,

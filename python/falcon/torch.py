@@ -1035,7 +1035,8 @@ class _Distributed:
             # costs both a push and gains nothing. So: tasks only while the barriers hold
             # this worker (waiting and helping) two tasks' time or more on average (a running
             # mean over the last few: one long wait by chance is not a straggler), then one
-            # task per `cost` of waiting.
+            # task per `cost` of waiting. The helping counts, so a worker that balances a
+            # straggler's share keeps helping while its waits alone are short.
             cost = loader._help_s or loader._task_s
             eager = loader._held_s is None or loader._held_s >= 2 * cost
             taken = 0
@@ -1621,7 +1622,8 @@ def task_examples(
         if len(_ORDERS) > 8:
             _ORDERS.clear()
         orders = _ORDERS[(n, seed)] = _Orders(n, seed)
-    return _task_examples(orders, workers, batch, tasks, worker, clock, task)
+    # A copy: the slice is the cached order's own memory, which later tasks read.
+    return _task_examples(orders, workers, batch, tasks, worker, clock, task).clone()
 
 
 _ORDERS: dict = {}

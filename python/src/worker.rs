@@ -896,7 +896,10 @@ impl Worker {
     /// Sleeps until something arrives after `seen` (a count from `news()`) — an answer, an
     /// acknowledgement, an offer — or `timeout` seconds pass; returns the count then. Waits
     /// without the GIL; Ctrl-C interrupts it.
-    fn wait_news(&self, py: Python<'_>, seen: u64, timeout: f64) -> PyResult<u64> {
+    fn wait_news(&self, py: Python<'_>, seen: &Bound<'_, PyAny>, timeout: f64) -> PyResult<u64> {
+        let seen: u64 = seen.extract().map_err(|_| {
+            ConfigError::new_err("wait_news: seen must be a count from news() (an int ≥ 0)")
+        })?;
         if !timeout.is_finite() || timeout < 0.0 {
             return Err(ConfigError::new_err(format!(
                 "wait_news: timeout must be a finite number of seconds ≥ 0, not {timeout}"

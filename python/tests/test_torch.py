@@ -1126,3 +1126,26 @@ def test_two_workers_average_before_clipping_even_when_no_bucket_fills():
         torch.testing.assert_close(m.lin.weight, ref.lin.weight, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(m.unused, ref.unused)
     c.finish()
+
+
+def test_a_run_of_tasks_is_the_concatenation_of_its_tasks():
+    """The loader and `fit` take a run of adjacent tasks as one range of the stream: the same
+    examples in the same order as task by task, across epochs, with a short last task, for
+    any task list; `task_examples` hands back a copy (the cached order stays as it was)."""
+    for n, workers, batch, tasks in ((10, 3, 7, 3), (64, 4, 16, 4), (5, 2, 9, 4), (37, 1, 8, 8)):
+        orders = ft._Orders(n, 3)
+        for worker in range(workers):
+            for clock in range(6):
+                for ids in ([0, 1, 2], [0, 2], [2, 1], [1, 1], [], list(range(tasks)), [tasks - 1]):
+                    ids = [t for t in ids if t < tasks]
+                    one = ft._examples_of(orders, workers, batch, tasks, worker, clock, ids)
+                    each = [
+                        ft._task_examples(orders, workers, batch, tasks, worker, clock, t)
+                        for t in ids
+                    ]
+                    want = torch.cat(each) if each else torch.empty(0, dtype=torch.long)
+                    assert torch.equal(one, want), (n, workers, batch, tasks, worker, clock, ids)
+    got = ft.task_examples(10, 3, 7, 3, 3, 0, 0, 0)
+    before = got.clone()
+    got.fill_(-1)
+    assert torch.equal(ft.task_examples(10, 3, 7, 3, 3, 0, 0, 0), before)

@@ -427,6 +427,9 @@ def test_wait_news_sleeps_until_something_arrives():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(falcon.ConfigError, match="timeout"):
             w0.wait_news(0, bad)
+    for bad in (-1, "x", 1.5):
+        with pytest.raises(falcon.ConfigError, match="seen"):
+            w0.wait_news(bad, 0.01)
     w0.finish()
     w1.finish()
     c.finish()

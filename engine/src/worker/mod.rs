@@ -324,10 +324,15 @@ impl News {
 
     /// Waits until the count is no longer `seen`, or `timeout` passed; returns the count.
     fn wait(&self, seen: u64, timeout: Duration) -> u64 {
-        let deadline = Instant::now() + timeout;
+        // No deadline where `timeout` is beyond what a clock can say (then: an hour at a
+        // time until something arrives).
+        let deadline = Instant::now().checked_add(timeout);
         let mut n = lock(&self.count);
         while *n == seen {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()),
+                None => Duration::from_secs(3600),
+            };
             if left.is_zero() {
                 break;
             }
@@ -772,6 +777,9 @@ impl Worker {
                     w.handle(answers, None).wait()
                 })();
                 sig.set(pulled.map(|()| Default::default()));
+                // Set here, not by the progress thread: a caller sleeping in `wait_news`
+                // wakes for it too.
+                w.inner.news.bump();
             });
         if let Err(e) = spawned {
             done.set(Err(Error::os("cannot start a push-pull's thread", e)));
@@ -1371,9 +1379,13 @@ impl Inner {
 
     /// Carries out the core's actions.
     fn perform(&self, actions: Vec<Action>) {
+        let mut woke = false;
         for a in actions {
             match a {
-                Action::Wake(sig, outcome) => sig.set(outcome),
+                Action::Wake(sig, outcome) => {
+                    sig.set(outcome);
+                    woke = true;
+                }
                 Action::Widen { shard, out, sig } => {
                     let widened = self.widen(&out, &self.shards[shard]);
                     sig.set(
@@ -1381,6 +1393,7 @@ impl Inner {
                             .map(|()| Default::default())
                             .map_err(Error::Transport),
                     );
+                    woke = true;
                 }
                 Action::Report(msg) => {
                     if let Err(e) = self.sched.send(&msg.encode()) {
@@ -1393,6 +1406,11 @@ impl Inner {
                     }
                 }
             }
+        }
+        // Whatever thread set them (the progress thread, a caller, a failure): a caller
+        // sleeping in `wait_news` wakes for them.
+        if woke {
+            self.news.bump();
         }
     }
 
@@ -1473,4 +1491,30 @@ pub fn f32_bytes(v: &[f32]) -> &[u8] {
 /// The bytes of an f32 slice, mutably (every byte pattern is a valid f32).
 pub fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
     zerocopy::IntoBytes::as_mut_bytes(v)
+}
+
+#[cfg(test)]
+mod news_tests {
+    use super::News;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[test]
+    fn a_bump_wakes_the_sleeper_and_a_quiet_wait_ends_at_its_timeout() {
+        let news = Arc::new(News::default());
+        assert_eq!(news.count(), 0);
+        // Nothing arrives: the wait ends at its timeout with the count unchanged.
+        assert_eq!(news.wait(0, Duration::from_millis(20)), 0);
+        // A bump before the wait: it returns at once with the new count.
+        news.bump();
+        assert_eq!(news.wait(0, Duration::from_secs(3600)), 1);
+        // A bump from another thread wakes a sleeper with no deadline to speak of.
+        let other = news.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            other.bump();
+        });
+        assert_eq!(news.wait(1, Duration::MAX), 2);
+        t.join().unwrap();
+    }
 }
