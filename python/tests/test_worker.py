@@ -165,9 +165,8 @@ def test_an_unreachable_scheduler_is_an_error_not_a_hang():
     falcon.finish()
 
 
-def test_the_gil_is_released_while_a_pull_waits():
-    """Two workers in one process under BSP: worker 0's pull for clock 1 waits for worker 1's
-    push; meanwhile another Python thread counts (it could not if the GIL were held)."""
+def _two_workers_of_one_process():
+    """A BSP job of two workers (rate 1), both joined from this process: (cluster, w0, w1)."""
     c = falcon.local_cluster(workers=2, policy="bsp", lr=1.0)
     ws = [None, None]
 
@@ -181,6 +180,13 @@ def test_the_gil_is_released_while_a_pull_waits():
         t.join(60)
     w0, w1 = ws
     assert w0 is not None and w1 is not None
+    return c, w0, w1
+
+
+def test_the_gil_is_released_while_a_pull_waits():
+    """Two workers in one process under BSP: worker 0's pull for clock 1 waits for worker 1's
+    push; meanwhile another Python thread counts (it could not if the GIL were held)."""
+    c, w0, w1 = _two_workers_of_one_process()
     w0.push("w", np.ones(4, np.float32), 0)
     out = np.zeros(4, np.float32)
     done = threading.Event()
@@ -393,19 +399,7 @@ def test_wait_news_sleeps_until_something_arrives():
     """A caller waiting for a pull or an offer sleeps in `wait_news` (no polling): the pull's
     answer wakes it long before its timeout; a wait with nothing coming ends at the timeout;
     a bad timeout is a typed error."""
-    c = falcon.local_cluster(workers=2, policy="bsp", lr=1.0)
-    ws = [None, None]
-
-    def join(i):
-        ws[i] = falcon.Worker.join([("w", 4)], {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(i)})
-
-    ts = [threading.Thread(target=join, args=(i,)) for i in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    w0, w1 = ws
-    assert w0 is not None and w1 is not None
+    c, w0, w1 = _two_workers_of_one_process()
     w0.push("w", np.ones(4, np.float32), 0)
     out = np.zeros(4, np.float32)
     h = w0.pull_async("w", out, 1)  # parked: worker 1 has not pushed clock 0
