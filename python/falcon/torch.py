@@ -1021,7 +1021,9 @@ class _Distributed:
         loader = self._falcon_tasks
         pending = self._falcon_pending
         later: list[tuple[int, int, range]] = []
-        if pending and loader._transfer:
+        helps = bool(pending) and loader._transfer
+        held = 0.0  # what this barrier holds the worker: waiting, then helping
+        if helps:
             w = self._falcon_worker
             asks: list[tuple[int, int, bool]] = []
             t0 = time.perf_counter()
@@ -1066,7 +1068,7 @@ class _Distributed:
                     continue
                 helping += self._help_timed(straggler, clock, range(lo, hi))
             parked = time.perf_counter() - t0
-            held = parked
+            held += parked
             loader.stats["helping_s"] += helping
             loader.stats["blocked_s"] += parked - helping
         self.wait_pulls()
@@ -1074,7 +1076,7 @@ class _Distributed:
             took = self._help_timed(straggler, clock, tasks)
             loader.stats["helping_s"] += took
             held += took
-        if pending and loader._transfer:
+        if helps:
             loader._held_s = held if loader._held_s is None else 0.75 * loader._held_s + 0.25 * held
 
     def _help_timed(self, owner: int, clock: int, tasks: range) -> float:
