@@ -69,6 +69,39 @@ fn ssp_over_shm() {
 fn ssp_over_tcp() {
     check("ssp(2)", "tcp");
 }
+/// `syncopt(1,fold)` over real processes: no gradient is dropped; the late ones (the last of
+/// each step's four, as the workers run alike) are folded, counted per worker in the servers'
+/// reports, and every worker still makes its iterations.
+#[test]
+fn syncopt_with_folding_drops_nothing_and_folds_the_late_gradients() {
+    let out = Command::new(FALCON)
+        .args(["local", "--servers", "2", "--workers", "4", "--iters", "40"])
+        .args(["--floats", "100000", "--shard-bytes", "65536"])
+        .args(["--policy", "syncopt(1,fold)", "--medium", "shm"])
+        .output()
+        .expect("run falcon local");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("job finished"), "{stdout}");
+    let (mut folded, mut reports) = (0u64, 0);
+    for line in stdout.lines().filter(|l| l.contains(" transfer offers, ")) {
+        reports += 1;
+        let tail = line.rsplit(", ").next().unwrap();
+        let dropped = line.split(", ").find(|p| p.ends_with(" dropped")).unwrap();
+        assert_eq!(dropped, "0 dropped", "{line}");
+        folded += tail.trim_end_matches(" folded").parse::<u64>().expect(line);
+    }
+    assert_eq!(reports, 8, "4 workers on each of 2 servers:\n{stdout}");
+    assert!(
+        folded > 0,
+        "the slowed worker's late gradients are folded:\n{stdout}"
+    );
+}
+
 #[test]
 fn syncopt_with_one_backup_counts_three_gradients_per_step() {
     let out = local("syncopt(1)", "shm");

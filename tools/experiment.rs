@@ -506,10 +506,20 @@ fn bar(quiet: bool, len: u64, prefix: String) -> ProgressBar {
 /// The variants configuration `e` is tuned over: `syncopt(*)` is Sync-opt with 1 to `slowed`
 /// backups (at least one, fewer than the workers); any other is itself.
 fn tuned_variants(e: &str, slowed: u32, workers: u32) -> Vec<String> {
-    match e.strip_prefix("syncopt(*)") {
-        Some(rest) => {
+    // `syncopt(*)` and `syncopt(*,fold)`, with what follows (`+consgd`…).
+    let starred = e
+        .strip_prefix("syncopt(*)")
+        .map(|rest| ("", rest))
+        .or_else(|| {
+            e.strip_prefix("syncopt(*,fold)")
+                .map(|rest| (",fold", rest))
+        });
+    match starred {
+        Some((fold, rest)) => {
             let most = slowed.clamp(1, workers.saturating_sub(1).max(1));
-            (1..=most).map(|b| format!("syncopt({b}){rest}")).collect()
+            (1..=most)
+                .map(|b| format!("syncopt({b}{fold}){rest}"))
+                .collect()
         }
         None => vec![e.to_string()],
     }

@@ -623,13 +623,14 @@ fn server_role(cfg: JobConfig, rank: Option<u32>) -> Res {
         let sum: u64 = c.staleness.iter().map(|(d, k)| d * k).sum();
         let max = c.staleness.keys().next_back().copied().unwrap_or(0);
         outln!(
-            "server {}:   worker {w}: {} parked pulls, staleness mean {:.2} max {max}, {} grants, {} transfer offers, {} dropped",
+            "server {}:   worker {w}: {} parked pulls, staleness mean {:.2} max {max}, {} grants, {} transfer offers, {} dropped, {} folded",
             report.rank,
             c.parked_pulls,
             if n == 0 { 0.0 } else { sum as f64 / n as f64 },
             c.grants,
             c.transfers_offered,
-            c.dropped_gradients
+            c.dropped_gradients,
+            c.folded_gradients
         );
     }
     let (bytes_in, bytes_out) = report

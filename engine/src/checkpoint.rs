@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"FALCONCK";
 /// Bumped whenever [`Checkpoint`] changes shape.
-const FORMAT: u32 = 2;
+const FORMAT: u32 = 3;
 const HEADER: usize = 8 + 4 + 8 + 32;
 
 /// Everything a server needs to resume its shards.
@@ -66,6 +66,9 @@ pub struct ShardState {
     pub pending: Vec<(u64, Vec<Option<Vec<f32>>>)>,
     /// Sync mode: transferred tasks' gradients waiting for their step, summed, by clock.
     pub help_pending: Vec<(u64, Vec<f32>)>,
+    /// Sync mode: late gradients for the next step applied (policies that fold): worker,
+    /// their sum, how many.
+    pub folded: Vec<(u32, Vec<f32>, u32)>,
     /// Whether the shard was initialized by a worker.
     pub initialized: bool,
     /// The optimizer's state: first and second moments and steps taken.
@@ -343,6 +346,7 @@ mod tests {
                 next_apply: 4,
                 pending: vec![(4, vec![Some(vec![0.5, 0.5, 0.5]), None])],
                 help_pending: vec![(4, vec![0.25, 0.0, -1.0])],
+                folded: vec![(1, vec![1.0, 2.0, 3.0], 2)],
                 initialized: true,
                 opt_m: vec![0.1, 0.2, 0.3],
                 opt_v: vec![],

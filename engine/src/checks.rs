@@ -260,7 +260,7 @@ pub fn roles_fit(servers: u32, workers: u32) -> Result<(), Conflict> {
 /// Sync-opt's backups must be fewer than the workers (the engine would otherwise quietly
 /// use workers − 1). `text` is the policy as given, for the message.
 pub fn policy_fits(policy: &PolicySpec, text: &str, workers: u32) -> Result<(), Conflict> {
-    if let PolicySpec::SyncOpt { backups } = *policy
+    if let PolicySpec::SyncOpt { backups, .. } = *policy
         && backups >= workers
     {
         return Err(Conflict::Backups {

@@ -1339,6 +1339,7 @@ impl Serving {
                 let mine = &st.per_worker[w];
                 c.parked_pulls += mine.parked_pulls;
                 c.dropped_gradients += mine.dropped_gradients;
+                c.folded_gradients += mine.folded_gradients;
                 c.help_pushes += mine.help_pushes;
                 c.grants += policy.grants(w as u32);
                 for (d, n) in &mine.staleness {

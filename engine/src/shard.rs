@@ -476,6 +476,8 @@ pub struct WorkerCounters {
     pub parked_pulls: u64,
     /// Its gradients dropped (Sync-opt: late).
     pub dropped_gradients: u64,
+    /// Its late gradients added to a later step (`syncopt(…,fold)`).
+    pub folded_gradients: u64,
     /// Extra iterations granted to it (DSSP).
     pub grants: u64,
     /// Task transfers offered to it as the helper (EPSP, FlexRR).
@@ -568,6 +570,12 @@ pub struct ShardCore {
     held_places: BTreeMap<u64, usize>,
     /// Synchronous mode: transferred tasks' gradients waiting for their step, summed.
     help_pending: BTreeMap<u64, Vec<f32>>,
+    /// Synchronous mode: gradients that arrived after their step was applied, for the next
+    /// step applied (policies that fold: `syncopt(…,fold)`), per worker: their sum and how
+    /// many. A worker's folded gradients are one contributor of that step (their mean), so
+    /// a backup that runs on while no step is made (the others finished) holds one buffer,
+    /// not one per gradient, and its work does not outweigh a step's.
+    folded: BTreeMap<u32, (Vec<f32>, u32)>,
     /// Bytes of the gradients in `pending`.
     pending_bytes: u64,
     /// The push clock of a gradient the policy counted for a later step (Sync-opt), by
@@ -626,6 +634,7 @@ impl ShardCore {
             pending: BTreeMap::new(),
             held_places: BTreeMap::new(),
             help_pending: BTreeMap::new(),
+            folded: BTreeMap::new(),
             pending_bytes: 0,
             counted_for: HashMap::new(),
             next_apply: 0,
@@ -932,8 +941,9 @@ impl ShardCore {
                 self.policy.on_event(ev, &mut self.actions);
             }
             UpdateMode::Sync => {
+                let base = a.computed_on.unwrap_or(self.sent_version[wi]);
                 let grad = a.dense(self.cfg.len);
-                self.push_sync(now, conn, w, clock, grad, params)
+                self.push_sync(now, conn, w, clock, (grad, base), params)
             }
         }
     }
@@ -946,11 +956,11 @@ impl ShardCore {
         conn: u64,
         w: u32,
         clock: u64,
-        grad: Vec<f32>,
+        (grad, base): (Vec<f32>, u64),
         params: &mut P,
     ) {
         let wi = w as usize;
-        let (mut counts, step) = self.judge(now, w, clock);
+        let (mut counts, step, fold) = self.judge(now, w, clock);
         if counts && step < self.next_apply {
             // A step already applied (the policy and the shard disagree after a
             // placeholder): never applied, so never held.
@@ -966,10 +976,15 @@ impl ShardCore {
                 self.counted_for.insert((step, w), clock);
             }
             self.hold_gradient(step, wi, grad);
+        } else if fold {
+            // Late: part of the next step applied (not toward its quorum).
+            let stale = params.version().saturating_sub(base);
+            self.fold(w, grad, stale);
         }
         self.held.push_back((conn, w, AckOf::Push { clock }, false));
         if !counts {
-            // Dropped: the shard is done with this worker's gradient, and so is the policy
+            // Dropped or folded: the shard is done with this worker's gradient as a part of
+            // its own step, and so is the policy
             // (one that judged the arrival saw it already): the worker's clock moves past it
             // in both, or a worker whose step fell without it (a rejoin racing the others'
             // pushes) would wait for a step that never comes.
@@ -987,12 +1002,13 @@ impl ShardCore {
     }
 
     /// A policy that judges arrivals (Sync-opt) says whether worker `w`'s gradient of `clock`
-    /// counts, and for which step.
-    fn judge(&mut self, now: u64, w: u32, clock: u64) -> (bool, u64) {
+    /// counts, for which step, and, when it does not, whether it is folded into the next step
+    /// applied.
+    fn judge(&mut self, now: u64, w: u32, clock: u64) -> (bool, u64, bool) {
         if !self.policy.judges_arrivals() {
-            return (true, clock);
+            return (true, clock, false);
         }
-        let (mut counts, mut step) = (true, clock);
+        let (mut counts, mut step, mut fold) = (true, clock, false);
         let mut judged = Vec::new();
         let ev = Event::Push {
             worker: w,
@@ -1006,6 +1022,10 @@ impl ShardCore {
                     counts = false;
                     self.stats.per_worker[w as usize].dropped_gradients += 1;
                 }
+                Action::Fold { worker, clock: c } if worker == w && c == clock => {
+                    counts = false;
+                    fold = true;
+                }
                 Action::CountFor {
                     worker,
                     clock: c,
@@ -1014,7 +1034,54 @@ impl ShardCore {
                 other => self.actions.push(other),
             }
         }
-        (counts, step)
+        (counts, step, fold)
+    }
+
+    /// Adds worker `w`'s late gradient to what it folded for the next step applied.
+    ///
+    /// It is weighed `1 / (1 + stale)`, `stale` being the steps applied since the values it was
+    /// computed on, as DynSGD weighs a stale gradient. In the simulator's fair comparison
+    /// (16 workers, 4 at half speed, lr grid 0.03–0.3, 2 seeds, slowest seed) weighed folding
+    /// reached 80 % on IID data in 1.18 s against 1.24 s at full weight, and 75 % on
+    /// label-skewed data in 0.52 s against 0.64 s.
+    fn fold(&mut self, w: u32, grad: Vec<f32>, stale: u64) {
+        let mut grad = grad;
+        if stale > 0 {
+            crate::update::scale_in_place(&mut grad, 1.0 / (1 + stale) as f32);
+        }
+        if grad.len() != self.cfg.len {
+            // A lost place's empty gradient has nothing to add.
+            grad.resize(self.cfg.len, 0.0);
+        }
+        match self.folded.get_mut(&w) {
+            Some((sum, n)) => {
+                for (s, g) in sum.iter_mut().zip(&grad) {
+                    *s += g;
+                }
+                *n += 1;
+            }
+            None => {
+                self.pending_bytes += self.cfg.len as u64 * 4;
+                self.folded.insert(w, (grad, 1));
+            }
+        }
+        self.stats.per_worker[w as usize].folded_gradients += 1;
+        self.stats.peak_pending_bytes = self.stats.peak_pending_bytes.max(self.pending_bytes);
+    }
+
+    /// What was folded for this step, taken: each worker's mean, in rank order.
+    fn take_folded(&mut self) -> Vec<Vec<f32>> {
+        let folded = std::mem::take(&mut self.folded);
+        self.pending_bytes -= folded.len() as u64 * self.cfg.len as u64 * 4;
+        folded
+            .into_values()
+            .map(|(mut sum, n)| {
+                if n > 1 {
+                    crate::update::scale_in_place(&mut sum, 1.0 / n as f32);
+                }
+                sum
+            })
+            .collect()
     }
 
     fn hold_gradient(&mut self, step: u64, w: usize, grad: Vec<f32>) {
@@ -1161,13 +1228,26 @@ impl ShardCore {
     /// The job ended: what waits in `help_pending` is applied as one step (a mean over the
     /// live workers, as a step's own gradients would be).
     fn end<P: ShardParams + ?Sized>(&mut self, params: &mut P) {
-        if self.help_pending.is_empty() {
+        if self.help_pending.is_empty() && self.folded.is_empty() {
             return;
         }
         let live = (self.live as usize).max(1);
         let mut sum = vec![0f32; self.cfg.len];
         for (_, help) in std::mem::take(&mut self.help_pending) {
             self.add_help(&mut sum, &help, live);
+        }
+        // Folded gradients (each worker's mean): a step of their own, their mean.
+        let folded = self.take_folded();
+        if !folded.is_empty() {
+            let mut mean = vec![0f32; self.cfg.len];
+            aggregate(
+                &mut mean,
+                folded.iter().map(Vec::as_slice),
+                self.cfg.aggregate,
+            );
+            for (s, m) in sum.iter_mut().zip(mean) {
+                *s += m;
+            }
         }
         let opt = &mut self.opt;
         params.write(&mut |s| {
@@ -1192,7 +1272,14 @@ impl ShardCore {
             let bytes: u64 = grads.iter().flatten().map(|g| g.len() as u64 * 4).sum();
             self.pending_bytes -= bytes;
             let mut sum = vec![0f32; self.cfg.len];
-            let own = grads.iter().flatten().filter(|g| !g.is_empty());
+            // Late gradients folded in are gradients of this step like the others (after
+            // them, one per worker that folded), though they did not count toward its quorum.
+            let folded = self.take_folded();
+            let own = grads
+                .iter()
+                .flatten()
+                .chain(&folded)
+                .filter(|g| !g.is_empty());
             let contributors = own.clone().count().max(1);
             aggregate(&mut sum, own.map(Vec::as_slice), self.cfg.aggregate);
             // Transferred tasks are part of their straggler's gradient: summed into it (a mean
@@ -1372,6 +1459,11 @@ impl ShardCore {
                 .iter()
                 .map(|(c, g)| (*c, g.clone()))
                 .collect(),
+            folded: self
+                .folded
+                .iter()
+                .map(|(&w, (g, n))| (w, g.clone(), *n))
+                .collect(),
             initialized: self.initialized,
             opt_m: m.to_vec(),
             opt_v: v.to_vec(),
@@ -1412,6 +1504,10 @@ impl ShardCore {
                 .flat_map(|(_, g)| g.iter().flatten())
                 .any(|g| !g.is_empty() && g.len() != self.cfg.len)
             || st.help_pending.iter().any(|(_, g)| g.len() != self.cfg.len)
+            || st
+                .folded
+                .iter()
+                .any(|(w, g, _)| *w as usize >= n || g.len() != self.cfg.len)
         {
             return Err(format!(
                 "shard {}: the saved state is not of {n} workers and {} floats",
@@ -1438,6 +1534,11 @@ impl ShardCore {
             .map(|(&step, g)| (step, g.iter().filter(|x| x.is_some()).count()))
             .collect();
         self.help_pending = st.help_pending.iter().cloned().collect();
+        self.folded = st
+            .folded
+            .iter()
+            .map(|(w, g, k)| (*w, (g.clone(), (*k).max(1))))
+            .collect();
         self.pending_bytes = self
             .pending
             .values()
@@ -1445,7 +1546,7 @@ impl ShardCore {
             .flatten()
             .map(|g| g.len() as u64 * 4)
             .sum::<u64>()
-            + self.help_pending.len() as u64 * self.cfg.len as u64 * 4;
+            + (self.help_pending.len() + self.folded.len()) as u64 * self.cfg.len as u64 * 4;
         self.initialized = st.initialized;
         let mut ignored = Vec::new();
         for (w, &clock) in st.clocks.iter().enumerate() {

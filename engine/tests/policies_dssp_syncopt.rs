@@ -109,6 +109,51 @@ proptest! {
         prop_assert_eq!(so.fast_path(), bsp.fast_path());
     }
 
+    /// Folding changes what becomes of a late gradient, nothing else: on the same random run,
+    /// `syncopt(B,fold)` answers exactly as `syncopt(B)` except that a gradient Sync-opt drops
+    /// for coming too late (or for a step its worker already counted in) is folded instead;
+    /// none is dropped but repeats.
+    #[test]
+    fn syncopt_with_folding_is_syncopt_with_late_gradients_folded(quorum in 1u32..5, backups in 1u32..3, fast: bool, picks in prop::collection::vec(0u32..1000, 1..200)) {
+        let total = quorum + backups;
+        let mut plain = SyncOpt::new(total, backups);
+        let mut folding = SyncOpt::new(total, backups).folding(true);
+        let trace = run(&mut plain, total, None, 10, &picks, fast);
+        let mut folds = 0u64;
+        for (ev, expected) in trace {
+            let mut out = Vec::new();
+            folding.on_event(ev, &mut out);
+            let want: Vec<Action> = expected
+                .iter()
+                .map(|a| match *a {
+                    Action::DropGradient { worker, clock } => {
+                        folds += 1;
+                        Action::Fold { worker, clock }
+                    }
+                    other => other,
+                })
+                .collect();
+            prop_assert_eq!(out, want, "event {:?}", ev);
+        }
+        prop_assert_eq!(folding.dropped_total(), 0);
+        prop_assert_eq!(folding.folded_total(), folds);
+        prop_assert_eq!(folds, plain.dropped_total());
+        prop_assert_eq!(folding.version(), plain.version());
+        prop_assert!(folding.name().ends_with(",fold)"), "{}", folding.name());
+    }
+
+    /// A repeat (a clock the worker pushed already) is still dropped, not folded: it is the
+    /// same gradient again.
+    #[test]
+    fn syncopt_with_folding_drops_repeats(clock in 0u64..5) {
+        let mut so = SyncOpt::new(3, 1).folding(true);
+        for c in 0..=clock {
+            push(&mut so, 0, c, 1);
+        }
+        prop_assert_eq!(push(&mut so, 0, clock, 2), vec![Action::DropGradient { worker: 0, clock }]);
+        prop_assert_eq!(so.dropped_total(), 1);
+    }
+
     #[test]
     fn syncopt_counts_each_gradient_for_the_version_it_was_computed_on(quorum in 1u32..5, backups in 0u32..3, fast: bool, picks in prop::collection::vec(0u32..1000, 1..200)) {
         let total = quorum + backups;

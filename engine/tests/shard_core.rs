@@ -221,13 +221,14 @@ fn bits(p: &dyn ShardParams, workers: usize) -> (Vec<u32>, u64, Vec<u64>) {
     )
 }
 
-const POLICIES: [&str; 9] = [
+const POLICIES: [&str; 10] = [
     "bsp",
     "epsp(0)",
     "asp",
     "ssp(2)",
     "dssp(1,3)",
     "syncopt(1)",
+    "syncopt(1,fold)",
     "epsp(2)",
     "fluentps(2,sigmoid)",
     "flexrr(1)",
@@ -635,6 +636,98 @@ fn under_enforced_epsp_transferred_tasks_join_their_straggler_s_step() {
     // Nothing waiting: the end changes nothing.
     c.handle(0, Input::End, &mut p, &mut |_| {}).unwrap();
     assert_eq!(p.version(), 3);
+}
+
+/// `syncopt(1,fold)`, 2 of 3 per step: a gradient whose step was made without it is not
+/// dropped but added to the next step applied, weighed 1 / (1 + its staleness), as one more
+/// gradient of that step's mean; a worker's several late gradients are one contributor (their
+/// mean); a checkpoint keeps them; the job's end applies what is left. Plain Sync-opt drops
+/// the same gradient.
+#[test]
+fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
+    let (g0, g1, g2, g3, g4) = (floats(1), floats(2), floats(3), floats(4), floats(5));
+    let close = |got: &[f32], want: &[f32]| {
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                "[{i}] {a} against {b}"
+            );
+        }
+    };
+    for fold in [false, true] {
+        let policy = if fold {
+            "syncopt(1,fold)"
+        } else {
+            "syncopt(1)"
+        };
+        let mut c = core(policy, 3, optimizer(0), Aggregate::Mean, u64::MAX);
+        let mut p = VecParams::new(LEN, 3);
+        push(&mut c, &mut p, 0, 1, g0.clone());
+        push(&mut c, &mut p, 1, 1, g1.clone());
+        assert_eq!(p.version(), 1, "{policy}: step 0 is workers 0 and 1");
+        let v1 = p.values().to_vec();
+        // Worker 2's gradient of clock 0 (computed on version 0) comes after step 0.
+        let out = push(&mut c, &mut p, 2, 1, g2.clone());
+        assert!(
+            out.iter()
+                .any(|o| matches!(o, Output::Ack { worker: 2, .. })),
+            "{out:?}"
+        );
+        assert_eq!(p.version(), 1, "{policy}: no step of its own");
+        assert_eq!(p.clocks()[2], 1, "{policy}: its clock moves past it");
+        let st = c.stats().per_worker[2].clone();
+        let half: Vec<f32> = g2.iter().map(|x| x * 0.5).collect();
+        if fold {
+            assert_eq!((st.dropped_gradients, st.folded_gradients), (0, 1));
+            assert_eq!(c.state(&p).folded, vec![(2, half.clone(), 1)]);
+            // A checkpoint restores it.
+            let saved = c.state(&p);
+            let mut d = core(policy, 3, optimizer(0), Aggregate::Mean, u64::MAX);
+            let mut q = VecParams::new(LEN, 3);
+            d.restore(&saved, &mut q).unwrap();
+            assert_eq!(d.state(&q), saved);
+        } else {
+            assert_eq!((st.dropped_gradients, st.folded_gradients), (1, 0));
+            assert!(c.state(&p).folded.is_empty());
+        }
+        push(&mut c, &mut p, 0, 2, g3.clone());
+        push(&mut c, &mut p, 1, 2, g4.clone());
+        assert_eq!(p.version(), 2, "{policy}: step 1");
+        let want: Vec<f32> = (0..LEN)
+            .map(|i| {
+                let mean = if fold {
+                    (g3[i] + g4[i] + half[i]) / 3.0
+                } else {
+                    (g3[i] + g4[i]) / 2.0
+                };
+                v1[i] - 0.1 * mean
+            })
+            .collect();
+        close(p.values(), &want);
+        assert!(c.state(&p).folded.is_empty(), "{policy}: applied once");
+        if !fold {
+            continue;
+        }
+        // Step 2 is made by workers 0 and 1; worker 2 (never given newer values) then pushes
+        // two more late gradients, 3 steps stale each: one buffer, their mean (each weighed
+        // 1/4), and the job's end applies it as a step.
+        push(&mut c, &mut p, 0, 3, g3.clone());
+        push(&mut c, &mut p, 1, 3, g4.clone());
+        push(&mut c, &mut p, 2, 2, g0.clone());
+        push(&mut c, &mut p, 2, 3, g1.clone());
+        assert_eq!(p.version(), 3);
+        let st = c.state(&p);
+        assert_eq!(st.folded.len(), 1);
+        assert_eq!(st.folded[0].2, 2);
+        let before = p.values().to_vec();
+        c.handle(0, Input::End, &mut p, &mut |_| {}).unwrap();
+        assert_eq!(p.version(), 4);
+        let want: Vec<f32> = (0..LEN)
+            .map(|i| before[i] - 0.1 * ((g0[i] + g1[i]) / 4.0 / 2.0))
+            .collect();
+        close(p.values(), &want);
+        assert_eq!(c.stats().per_worker[2].folded_gradients, 3);
+    }
 }
 
 /// Under enforced EPSP the policy sees gradients as they arrive: a pioneer whose pull is

@@ -68,6 +68,7 @@ fn server_dict<'py>(py: Python<'py>, r: &ServerReport) -> PyResult<Bound<'py, Py
         w.set_item("grants", c.grants)?;
         w.set_item("transfers_offered", c.transfers_offered)?;
         w.set_item("dropped_gradients", c.dropped_gradients)?;
+        w.set_item("folded_gradients", c.folded_gradients)?;
         workers.append(w)?;
     }
     d.set_item("per_worker", workers)?;

@@ -129,6 +129,16 @@ pub enum Action {
         /// The gradient's iteration.
         clock: u64,
     },
+    /// `worker`'s gradient for `clock` arrived after its step was made without it: the server
+    /// adds it to the next step it applies, as one more gradient of that step's mean but not
+    /// toward its quorum (Sync-opt with folding, ours: late work is kept, one or more steps
+    /// stale, instead of dropped).
+    Fold {
+        /// The worker.
+        worker: Worker,
+        /// The gradient's iteration.
+        clock: u64,
+    },
     /// `worker`'s gradient pushed for its iteration `clock` counts for step `step`, not for
     /// `clock` (Sync-opt: it was computed on the parameters of version `step`, which the worker
     /// was given at a pull past its own clock). The server aggregates it into that step.
@@ -177,8 +187,9 @@ pub trait SyncPolicy: Send + std::fmt::Debug {
     /// Pulls ever parked ("delayed" in FluentPS's terms).
     fn delayed_total(&self) -> u64;
     /// True if the policy decides which gradients count (Sync-opt): the server feeds `Push` on
-    /// arrival, before applying, discards gradients answered with `DropGradient` and
-    /// aggregates one answered with `CountFor` into that step instead of its clock's.
+    /// arrival, before applying, discards gradients answered with `DropGradient`, adds one
+    /// answered with `Fold` to the next step it applies, and aggregates one answered with
+    /// `CountFor` into that step instead of its clock's.
     fn judges_arrivals(&self) -> bool {
         false
     }
@@ -242,10 +253,16 @@ pub enum PolicySpec {
     SyncOpt {
         /// b.
         backups: u32,
+        /// Late gradients join the next step instead of being dropped (`syncopt(B,fold)`,
+        /// ours; see [`SyncOpt::folding`]).
+        fold: bool,
     },
     /// Sync-opt whose backups are the persistent stragglers of EPSP's straggler projection
     /// (`syncopt(auto)`, ours; see [`SyncOpt::auto`]).
-    SyncOptAuto,
+    SyncOptAuto {
+        /// Late gradients join the next step instead of being dropped (`syncopt(auto,fold)`).
+        fold: bool,
+    },
     /// Falcon's EPSP (our design, see [`Epsp`]).
     Epsp {
         /// The largest slack bound; with `adaptive` off, the fixed bound.
@@ -303,11 +320,10 @@ impl PolicySpec {
             PolicySpec::Asp => Box::new(Asp),
             PolicySpec::Ssp { s } => Box::new(Ssp::new(workers, s)),
             PolicySpec::Dssp { s_lower, s_upper } => Box::new(Dssp::new(workers, s_lower, s_upper)),
-            PolicySpec::SyncOpt { backups } => Box::new(SyncOpt::new(
-                workers,
-                backups.min(workers.saturating_sub(1)),
-            )),
-            PolicySpec::SyncOptAuto => Box::new(SyncOpt::auto(workers)),
+            PolicySpec::SyncOpt { backups, fold } => Box::new(
+                SyncOpt::new(workers, backups.min(workers.saturating_sub(1))).folding(fold),
+            ),
+            PolicySpec::SyncOptAuto { fold } => Box::new(SyncOpt::auto(workers).folding(fold)),
             PolicySpec::FluentPs { s, pause } => {
                 let pause = match pause {
                     PauseSpec::RawSsp => Pause::RawSsp,
@@ -349,7 +365,7 @@ impl PolicySpec {
         match self {
             PolicySpec::Bsp
             | PolicySpec::SyncOpt { .. }
-            | PolicySpec::SyncOptAuto
+            | PolicySpec::SyncOptAuto { .. }
             | PolicySpec::Epsp { s_max: 0, .. } => crate::update::UpdateMode::Sync,
             _ => crate::update::UpdateMode::Async,
         }
@@ -365,7 +381,7 @@ impl PolicySpec {
 }
 
 /// The policies and their arguments, for messages.
-const POLICIES: &str = "bsp, asp, ssp(N), dssp(L,U), syncopt(B|auto), \
+const POLICIES: &str = "bsp, asp, ssp(N), dssp(L,U), syncopt(B|auto[,fold]), \
                         fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])], \
                         flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)]";
 
@@ -415,8 +431,12 @@ impl std::fmt::Display for PolicySpec {
                 PauseSpec::Sigmoid => write!(f, "fluentps({s},sigmoid)"),
                 PauseSpec::FastestSigmoid => write!(f, "fluentps({s},fastest-sigmoid)"),
             },
-            PolicySpec::SyncOpt { backups } => write!(f, "syncopt({backups})"),
-            PolicySpec::SyncOptAuto => write!(f, "syncopt(auto)"),
+            PolicySpec::SyncOpt { backups, fold } => {
+                write!(f, "syncopt({backups}{})", if fold { ",fold" } else { "" })
+            }
+            PolicySpec::SyncOptAuto { fold } => {
+                write!(f, "syncopt(auto{})", if fold { ",fold" } else { "" })
+            }
             PolicySpec::Epsp {
                 s_max,
                 adaptive,
@@ -483,13 +503,27 @@ fn parse_policy(l: &str) -> Result<PolicySpec, String> {
         "dssp" => parse_dssp(&a),
         "syncopt" => {
             let form = "syncopt(B), B backup workers (fewer than the workers), e.g. syncopt(1); \
-                        or syncopt(auto), the backups the straggler projection finds";
-            if a == ["auto"] {
-                return Ok(PolicySpec::SyncOptAuto);
+                        or syncopt(auto), the backups the straggler projection finds; add \
+                        fold to keep late gradients for the next step, e.g. syncopt(auto,fold)";
+            let fold = match a.as_slice() {
+                [_] => false,
+                [_, "fold"] => true,
+                [_, other] => {
+                    return Err(format!("unknown option `{other}` at position 2: {form}"));
+                }
+                _ => {
+                    return Err(format!(
+                        "syncopt takes one or two arguments, got {}: {form}",
+                        a.len()
+                    ));
+                }
+            };
+            if a[0] == "auto" {
+                return Ok(PolicySpec::SyncOptAuto { fold });
             }
-            arity(name, &a, 1, form)?;
             Ok(PolicySpec::SyncOpt {
                 backups: whole_u32("the backups B", a[0])?,
+                fold,
             })
         }
         "elasticbsp" => parse_elasticbsp(&a),
@@ -885,6 +919,8 @@ mod parse_tests {
             "fluentps(2,fastest-sigmoid)",
             "syncopt(1)",
             "syncopt(auto)",
+            "syncopt(2,fold)",
+            "syncopt(auto,fold)",
             "epsp",
             "epsp(4,fixed)",
             "epsp(2,no-transfer)",
@@ -923,7 +959,12 @@ mod parse_tests {
                 "the staleness bound N must be a whole number ≥ 0, not -1",
             ),
             ("ssp(3", "unbalanced parentheses"),
-            ("syncopt(1,2)", "syncopt takes 1 argument, got 2"),
+            ("syncopt(1,2)", "unknown option `2` at position 2"),
+            (
+                "syncopt(1,fold,3)",
+                "syncopt takes one or two arguments, got 3",
+            ),
+            ("syncopt", "syncopt takes one or two arguments, got 0"),
             ("syncopt(99999999999)", "too large"),
             ("elasticbsp(0)", "R = 0 is outside 1 to 100000"),
             ("elasticbsp(1,2)", "at most one argument"),

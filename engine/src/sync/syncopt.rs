@@ -62,6 +62,18 @@
 //! fastest worker's median), re-judged every `⌈live / 8⌉` pushes. Without persistent
 //! stragglers it is BSP; transient episodes do not make backups. Tuning `b` by hand needs a
 //! run per value; the projection finds it while training.
+//!
+//! # Folding late gradients
+//!
+//! `syncopt(B,fold)` and `syncopt(auto,fold)` (ours) keep the backups' work. A gradient
+//! Sync-opt would drop because its step was made without it (or because the worker already
+//! counted in that step) is answered with [`Action::Fold`]: the server adds it to the next
+//! step it applies, as one more gradient in that step's mean, not toward its quorum. Steps
+//! still close at the pace of the `N`-th fastest worker, and every example a worker computed
+//! reaches the model, one or more steps stale (a backup at half speed: about two). Sync-opt
+//! instead loses the backups' data, which costs accuracy when the slow workers hold data the
+//! others do not (a skewed partition). Repeats are dropped as before. Everything else
+//! (quorum, version, releases, `CountFor`) is Sync-opt's.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -102,6 +114,9 @@ pub struct SyncOpt {
     dropped: u64,
     /// Backups from the straggler projection (`None`: fixed).
     auto: Option<Box<Auto>>,
+    /// Late gradients are folded into the next step instead of dropped.
+    fold: bool,
+    folded: u64,
     /// The latest event's time.
     now: Nanos,
 }
@@ -131,8 +146,24 @@ impl SyncOpt {
             delayed: 0,
             dropped: 0,
             auto: None,
+            fold: false,
+            folded: 0,
             now: 0,
         }
+    }
+
+    /// With `fold`, a gradient that does not count for its step (late, or a second one for a
+    /// step the worker already counted in) is answered with [`Action::Fold`] instead of
+    /// [`Action::DropGradient`]: the server adds it to the next step it applies (see the
+    /// [module docs](self#folding-late-gradients)). Repeats are still dropped.
+    pub fn folding(mut self, fold: bool) -> SyncOpt {
+        self.fold = fold;
+        self
+    }
+
+    /// Gradients folded into a later step so far (answered with [`Action::Fold`]).
+    pub fn folded_total(&self) -> u64 {
+        self.folded
     }
 
     /// `syncopt(auto)` for `workers_total` workers: no backups until the straggler projection
@@ -241,8 +272,13 @@ impl SyncOpt {
             && step >= self.counted_in[w]
             && slot.is_some_and(|i| self.counted.get(i).is_none_or(|&n| n < self.quorum));
         if !counts {
-            self.dropped += 1;
-            out.push(Action::DropGradient { worker, clock });
+            if self.fold && !repeat {
+                self.folded += 1;
+                out.push(Action::Fold { worker, clock });
+            } else {
+                self.dropped += 1;
+                out.push(Action::DropGradient { worker, clock });
+            }
             return;
         }
         let i = slot.expect("counted gradients have a slot");
@@ -304,10 +340,11 @@ impl SyncPolicy for SyncOpt {
     }
 
     fn name(&self) -> String {
+        let fold = if self.fold { ",fold" } else { "" };
         if self.auto.is_some() {
-            return "syncopt(auto)".into();
+            return format!("syncopt(auto{fold})");
         }
-        format!("syncopt({}+{})", self.quorum, self.backups)
+        format!("syncopt({}+{}{fold})", self.quorum, self.backups)
     }
 
     fn on_event(&mut self, ev: Event, out: &mut Vec<Action>) {
