@@ -81,7 +81,8 @@ pub struct Knobs {
     #[arg(long, value_parser = ["real", "sim", "both"])]
     mode: Option<String>,
     /// Configurations, comma-separated at the top level: POLICY[+static][+dynsgd|+consgd(F)];
-    /// syncopt(*) is Sync-opt tuned over 1 up to as many backups as slowed workers.
+    /// syncopt(*) (or syncopt(*,fold)) is Sync-opt tuned over 1 up to as many backups as slowed
+    /// workers.
     #[arg(long)]
     policies: Option<String>,
     /// Workers.
@@ -1214,4 +1215,25 @@ fn zipline(out: &Path, quick: bool) -> Res {
     }
     outln!("results: {}", out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tuned_variants;
+
+    #[test]
+    fn a_starred_syncopt_expands_to_one_variant_per_backup_count_folding_or_not() {
+        assert_eq!(
+            tuned_variants("syncopt(*)", 3, 16),
+            ["syncopt(1)", "syncopt(2)", "syncopt(3)"]
+        );
+        assert_eq!(
+            tuned_variants("syncopt(*,fold)+dynsgd", 2, 16),
+            ["syncopt(1,fold)+dynsgd", "syncopt(2,fold)+dynsgd"]
+        );
+        // At least one backup, fewer than the workers.
+        assert_eq!(tuned_variants("syncopt(*)", 0, 4), ["syncopt(1)"]);
+        assert_eq!(tuned_variants("syncopt(*)", 9, 3).len(), 2);
+        assert_eq!(tuned_variants("epsp(0)", 3, 16), ["epsp(0)"]);
+    }
 }

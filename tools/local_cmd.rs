@@ -33,7 +33,7 @@ pub struct LocalArgs {
     #[arg(long, default_value_t = 2, env = "FALCON_NUM_WORKER",
           value_parser = checks::at_least_one_u32)]
     workers: u32,
-    /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B|auto),
+    /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B|auto[,fold]),
     /// fluentps(N[,p=P|sigmoid|fastest-sigmoid]), epsp[(S[,fixed][,no-transfer])],
     /// flexrr[(S[,theta=T][,group=G])], elasticbsp[(R)].
     #[arg(long, default_value = "bsp", env = "FALCON_POLICY")]

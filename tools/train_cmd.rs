@@ -35,7 +35,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 2, env = "FALCON_NUM_SERVER",
           value_parser = checks::at_least_one_u32)]
     servers: u32,
-    /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B|auto),
+    /// Synchronization policy: bsp, asp, ssp(N), dssp(L,U), syncopt(B|auto[,fold]),
     /// fluentps(N[,…]), epsp[(S[,fixed][,no-transfer])], flexrr[(S,…)], elasticbsp[(R)].
     #[arg(long, default_value = "epsp", env = "FALCON_POLICY")]
     policy: String,

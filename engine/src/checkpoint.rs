@@ -67,8 +67,8 @@ pub struct ShardState {
     /// Sync mode: transferred tasks' gradients waiting for their step, summed, by clock.
     pub help_pending: Vec<(u64, Vec<f32>)>,
     /// Sync mode: late gradients for the next step applied (policies that fold): worker,
-    /// their sum, how many.
-    pub folded: Vec<(u32, Vec<f32>, u32)>,
+    /// their weighed sum, how many, the sum of their weights.
+    pub folded: Vec<(u32, Vec<f32>, u32, f32)>,
     /// Whether the shard was initialized by a worker.
     pub initialized: bool,
     /// The optimizer's state: first and second moments and steps taken.
@@ -346,7 +346,7 @@ mod tests {
                 next_apply: 4,
                 pending: vec![(4, vec![Some(vec![0.5, 0.5, 0.5]), None])],
                 help_pending: vec![(4, vec![0.25, 0.0, -1.0])],
-                folded: vec![(1, vec![1.0, 2.0, 3.0], 2)],
+                folded: vec![(1, vec![1.0, 2.0, 3.0], 2, 0.75)],
                 initialized: true,
                 opt_m: vec![0.1, 0.2, 0.3],
                 opt_v: vec![],

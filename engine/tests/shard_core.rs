@@ -639,10 +639,10 @@ fn under_enforced_epsp_transferred_tasks_join_their_straggler_s_step() {
 }
 
 /// `syncopt(1,fold)`, 2 of 3 per step: a gradient whose step was made without it is not
-/// dropped but added to the next step applied, weighed 1 / (1 + its staleness), as one more
-/// gradient of that step's mean; a worker's several late gradients are one contributor (their
-/// mean); a checkpoint keeps them; the job's end applies what is left. Plain Sync-opt drops
-/// the same gradient.
+/// dropped but added to the next step applied, weighed 1 / (1 + its staleness) in that step's
+/// weighted mean; a worker's several late gradients are one contributor (their mean); a
+/// checkpoint keeps them; the job's end applies what is left. Plain Sync-opt drops the same
+/// gradient.
 #[test]
 fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
     let (g0, g1, g2, g3, g4) = (floats(1), floats(2), floats(3), floats(4), floats(5));
@@ -679,7 +679,7 @@ fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
         let half: Vec<f32> = g2.iter().map(|x| x * 0.5).collect();
         if fold {
             assert_eq!((st.dropped_gradients, st.folded_gradients), (0, 1));
-            assert_eq!(c.state(&p).folded, vec![(2, half.clone(), 1)]);
+            assert_eq!(c.state(&p).folded, vec![(2, half.clone(), 1, 0.5)]);
             // A checkpoint restores it.
             let saved = c.state(&p);
             let mut d = core(policy, 3, optimizer(0), Aggregate::Mean, u64::MAX);
@@ -696,7 +696,7 @@ fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
         let want: Vec<f32> = (0..LEN)
             .map(|i| {
                 let mean = if fold {
-                    (g3[i] + g4[i] + half[i]) / 3.0
+                    (g3[i] + g4[i] + half[i]) / 2.5
                 } else {
                     (g3[i] + g4[i]) / 2.0
                 };
@@ -709,8 +709,8 @@ fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
             continue;
         }
         // Step 2 is made by workers 0 and 1; worker 2 (never given newer values) then pushes
-        // two more late gradients, 3 steps stale each: one buffer, their mean (each weighed
-        // 1/4), and the job's end applies it as a step.
+        // two more late gradients, 3 steps stale each: one buffer (each weighed 1/4), and the
+        // job's end applies their weighted mean as a step.
         push(&mut c, &mut p, 0, 3, g3.clone());
         push(&mut c, &mut p, 1, 3, g4.clone());
         push(&mut c, &mut p, 2, 2, g0.clone());
@@ -718,12 +718,12 @@ fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
         assert_eq!(p.version(), 3);
         let st = c.state(&p);
         assert_eq!(st.folded.len(), 1);
-        assert_eq!(st.folded[0].2, 2);
+        assert_eq!((st.folded[0].2, st.folded[0].3), (2, 0.5));
         let before = p.values().to_vec();
         c.handle(0, Input::End, &mut p, &mut |_| {}).unwrap();
         assert_eq!(p.version(), 4);
         let want: Vec<f32> = (0..LEN)
-            .map(|i| before[i] - 0.1 * ((g0[i] + g1[i]) / 4.0 / 2.0))
+            .map(|i| before[i] - 0.1 * ((g0[i] + g1[i]) / 2.0))
             .collect();
         close(p.values(), &want);
         assert_eq!(c.stats().per_worker[2].folded_gradients, 3);
