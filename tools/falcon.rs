@@ -580,14 +580,15 @@ fn server_role(cfg: JobConfig, rank: Option<u32>) -> Res {
     logs::label(format!("server {}", server.rank()));
     let report = server.run()?;
     outln!(
-        "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes",
+        "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes, {} folded gradients",
         report.rank,
         report.gradients,
         report.updates,
         report.delayed_pulls,
         report.answered_pulls,
         report.dropped_gradients,
-        report.duplicate_pushes
+        report.duplicate_pushes,
+        report.folded_gradients
     );
     outln!("{}", report.ending());
     for a in &report.accounts {

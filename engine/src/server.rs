@@ -58,6 +58,8 @@ pub struct ServerReport {
     pub answered_pulls: u64,
     /// Gradients the policy dropped (Sync-opt: late ones).
     pub dropped_gradients: u64,
+    /// Late gradients added to a later step (`syncopt(…,fold)`).
+    pub folded_gradients: u64,
     /// Pushes received again (retries) and not applied again.
     pub duplicate_pushes: u64,
     /// Per shard: what an outside check of exactly-once needs (see [`ShardAccount`]).
@@ -1340,6 +1342,7 @@ impl Serving {
                 c.parked_pulls += mine.parked_pulls;
                 c.dropped_gradients += mine.dropped_gradients;
                 c.folded_gradients += mine.folded_gradients;
+                report.folded_gradients += mine.folded_gradients;
                 c.help_pushes += mine.help_pushes;
                 c.grants += policy.grants(w as u32);
                 for (d, n) in &mine.staleness {

@@ -588,6 +588,10 @@ pub struct ShardCore {
     /// (the others finished) holds one buffer, not one per gradient, and its work does not
     /// outweigh a step's.
     folded: BTreeMap<u32, Folded>,
+    /// Bytes of the buffers in `folded`: at most one shard per worker, so they are left out
+    /// of the cap on `pending_bytes` (a backup folding while no step is made, the others
+    /// finished, must not have its acknowledgements held for ever).
+    folded_bytes: u64,
     /// Bytes of the gradients in `pending`.
     pending_bytes: u64,
     /// The push clock of a gradient the policy counted for a later step (Sync-opt), by
@@ -647,6 +651,7 @@ impl ShardCore {
             held_places: BTreeMap::new(),
             help_pending: BTreeMap::new(),
             folded: BTreeMap::new(),
+            folded_bytes: 0,
             pending_bytes: 0,
             counted_for: HashMap::new(),
             next_apply: 0,
@@ -1069,7 +1074,7 @@ impl ShardCore {
                 f.weight += weight;
             }
             None => {
-                self.pending_bytes += self.cfg.len as u64 * 4;
+                self.folded_bytes += self.cfg.len as u64 * 4;
                 let f = Folded {
                     sum: grad,
                     count: 1,
@@ -1079,14 +1084,17 @@ impl ShardCore {
             }
         }
         self.stats.per_worker[w as usize].folded_gradients += 1;
-        self.stats.peak_pending_bytes = self.stats.peak_pending_bytes.max(self.pending_bytes);
+        self.stats.peak_pending_bytes = self
+            .stats
+            .peak_pending_bytes
+            .max(self.pending_bytes + self.folded_bytes);
     }
 
     /// What was folded for this step, taken: each worker's weighed mean, in rank order, and
     /// the sum of their weights (each worker's mean weight: at most 1).
     fn take_folded(&mut self) -> (Vec<Vec<f32>>, f32) {
         let folded = std::mem::take(&mut self.folded);
-        self.pending_bytes -= folded.len() as u64 * self.cfg.len as u64 * 4;
+        self.folded_bytes = 0;
         let mut weight = 0.0;
         let means = folded
             .into_values()
@@ -1254,12 +1262,13 @@ impl ShardCore {
         for (_, help) in std::mem::take(&mut self.help_pending) {
             self.add_help(&mut sum, &help, live);
         }
-        // Folded gradients: a step of their own, their weighted mean.
+        // Folded gradients: a step of their own, their weighted mean, keeping their weights
+        // (divided by at least one contributor).
         let (folded, weight) = self.take_folded();
         if !folded.is_empty() {
             let mut mean = vec![0f32; self.cfg.len];
             aggregate(&mut mean, folded.iter().map(Vec::as_slice), Aggregate::Sum);
-            if self.cfg.aggregate == Aggregate::Mean && weight > 0.0 && weight != 1.0 {
+            if self.cfg.aggregate == Aggregate::Mean && weight > 1.0 {
                 crate::update::scale_in_place(&mut mean, 1.0 / weight);
             }
             for (s, m) in sum.iter_mut().zip(mean) {
@@ -1301,8 +1310,9 @@ impl ShardCore {
                 let n = own.clone().count() as f32;
                 let all = own.chain(&folded).map(Vec::as_slice);
                 aggregate(&mut sum, all, Aggregate::Sum);
-                // Positive: the weights are.
-                contributors = n + weight;
+                // At least one contributor: folded gradients alone (a step of lost places
+                // only) keep their weights.
+                contributors = (n + weight).max(1.0);
                 if self.cfg.aggregate == Aggregate::Mean && contributors != 1.0 {
                     crate::update::scale_in_place(&mut sum, 1.0 / contributors);
                 }
@@ -1529,9 +1539,13 @@ impl ShardCore {
                 .flat_map(|(_, g)| g.iter().flatten())
                 .any(|g| !g.is_empty() && g.len() != self.cfg.len)
             || st.help_pending.iter().any(|(_, g)| g.len() != self.cfg.len)
-            || st.folded.iter().any(|(w, g, _, k)| {
-                *w as usize >= n || g.len() != self.cfg.len || !(k.is_finite() && *k >= 0.0)
+            || st.folded.iter().any(|(w, g, count, k)| {
+                *w as usize >= n
+                    || g.len() != self.cfg.len
+                    || *count == 0
+                    || !(k.is_finite() && *k > 0.0 && *k <= *count as f32)
             })
+            || st.folded.windows(2).any(|p| p[0].0 >= p[1].0)
         {
             return Err(format!(
                 "shard {}: the saved state is not of {n} workers and {} floats",
@@ -1564,7 +1578,7 @@ impl ShardCore {
             .map(|(w, g, n, k)| {
                 let f = Folded {
                     sum: g.clone(),
-                    count: (*n).max(1),
+                    count: *n,
                     weight: *k,
                 };
                 (*w, f)
@@ -1577,7 +1591,8 @@ impl ShardCore {
             .flatten()
             .map(|g| g.len() as u64 * 4)
             .sum::<u64>()
-            + (self.help_pending.len() + self.folded.len()) as u64 * self.cfg.len as u64 * 4;
+            + self.help_pending.len() as u64 * self.cfg.len as u64 * 4;
+        self.folded_bytes = self.folded.len() as u64 * self.cfg.len as u64 * 4;
         self.initialized = st.initialized;
         let mut ignored = Vec::new();
         for (w, &clock) in st.clocks.iter().enumerate() {

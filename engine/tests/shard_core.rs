@@ -686,6 +686,23 @@ fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
             let mut q = VecParams::new(LEN, 3);
             d.restore(&saved, &mut q).unwrap();
             assert_eq!(d.state(&q), saved);
+            // A saved buffer that cannot be is refused, nothing changed: no weight, no
+            // count, a weight above its count, a worker twice, a worker not of the job.
+            for bad in [
+                vec![(2, half.clone(), 1, 0.0)],
+                vec![(2, half.clone(), 0, 0.5)],
+                vec![(2, half.clone(), 1, 1.5)],
+                vec![(2, half.clone(), 1, f32::NAN)],
+                vec![(2, half.clone(), 1, 0.5), (2, half.clone(), 1, 0.5)],
+                vec![(3, half.clone(), 1, 0.5)],
+            ] {
+                let mut broken = saved.clone();
+                broken.folded = bad;
+                let mut e = core(policy, 3, optimizer(0), Aggregate::Mean, u64::MAX);
+                let mut r = VecParams::new(LEN, 3);
+                let err = e.restore(&broken, &mut r).unwrap_err();
+                assert!(err.contains("not of 3 workers"), "{err}");
+            }
         } else {
             assert_eq!((st.dropped_gradients, st.folded_gradients), (1, 0));
             assert!(c.state(&p).folded.is_empty());
@@ -710,7 +727,8 @@ fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
         }
         // Step 2 is made by workers 0 and 1; worker 2 (never given newer values) then pushes
         // two more late gradients, 3 steps stale each: one buffer (each weighed 1/4), and the
-        // job's end applies their weighted mean as a step.
+        // job's end applies them as a step of their own, keeping their weights (a step of
+        // stale gradients alone is not made fresh by its divisor).
         push(&mut c, &mut p, 0, 3, g3.clone());
         push(&mut c, &mut p, 1, 3, g4.clone());
         push(&mut c, &mut p, 2, 2, g0.clone());
@@ -723,11 +741,36 @@ fn a_folded_gradient_joins_the_next_step_weighed_by_its_staleness() {
         c.handle(0, Input::End, &mut p, &mut |_| {}).unwrap();
         assert_eq!(p.version(), 4);
         let want: Vec<f32> = (0..LEN)
-            .map(|i| before[i] - 0.1 * ((g0[i] + g1[i]) / 2.0))
+            .map(|i| before[i] - 0.1 * ((g0[i] + g1[i]) / 4.0 / 2.0))
             .collect();
         close(p.values(), &want);
         assert_eq!(c.stats().per_worker[2].folded_gradients, 3);
     }
+}
+
+/// A folded gradient is acknowledged at once, whatever the cap on waiting gradients: the
+/// buffers are one per worker at most, and a backup that folds while no step is made (the
+/// others finished) must not wait for an acknowledgement that no step would release.
+#[test]
+fn a_folded_gradient_is_acknowledged_at_once_under_the_cap() {
+    let mut c = core("syncopt(1,fold)", 3, optimizer(0), Aggregate::Mean, 0);
+    let mut p = VecParams::new(LEN, 3);
+    for seq in 1..=3 {
+        let held = push(&mut c, &mut p, 0, seq, floats(seq));
+        assert!(held.is_empty(), "over the cap: held, {held:?}");
+        let both = push(&mut c, &mut p, 1, seq, floats(seq + 10));
+        assert_eq!(both.len(), 2, "the step frees both: {both:?}");
+    }
+    // Workers 0 and 1 are done; worker 2's gradients of clocks 0 and 1 come late.
+    for seq in 1..=2 {
+        let out = push(&mut c, &mut p, 2, seq, floats(seq + 20));
+        assert!(
+            matches!(out.as_slice(), [Output::Ack { worker: 2, .. }]),
+            "late gradient {seq}: {out:?}"
+        );
+    }
+    assert_eq!(c.stats().per_worker[2].folded_gradients, 2);
+    assert_eq!(c.stats().peak_pending_bytes, 2 * LEN as u64 * 4);
 }
 
 /// Under enforced EPSP the policy sees gradients as they arrive: a pioneer whose pull is
