@@ -383,6 +383,8 @@ struct Row {
     blocked_secs: f64,
     parked_pulls: u64,
     dropped_gradients: u64,
+    /// Late gradients folded into a later step (`syncopt(…,fold)`), in results.json.
+    folded_gradients: u64,
     bytes_moved: u64,
     tasks_transferred: u64,
     /// Seconds until the last worker finished.
@@ -440,6 +442,7 @@ impl Row {
             blocked_secs: r.per_worker.iter().map(|w| w.blocked_secs).sum(),
             parked_pulls: r.parked_pulls,
             dropped_gradients: r.dropped_gradients,
+            folded_gradients: r.folded_gradients,
             bytes_moved: r.bytes_moved,
             tasks_transferred: r.tasks_transferred,
             secs: r.secs,
@@ -463,6 +466,7 @@ impl Row {
             blocked_secs: r.blocked_secs.iter().sum(),
             parked_pulls: r.parked_pulls,
             dropped_gradients: r.dropped,
+            folded_gradients: r.folded,
             bytes_moved: r.bytes_moved,
             tasks_transferred: r.tasks_transferred,
             secs: r.virtual_secs,

@@ -211,6 +211,8 @@ pub struct JobReport {
     pub parked_pulls: u64,
     /// Gradients the policy dropped (Sync-opt's late ones; all servers).
     pub dropped_gradients: u64,
+    /// Late gradients folded into a later step (`syncopt(…,fold)`; all servers).
+    pub folded_gradients: u64,
     /// Bytes moved between workers and servers: gradients pushed, parameters the servers
     /// sent and parameters the workers read one-sided.
     pub bytes_moved: u64,
@@ -673,6 +675,7 @@ fn job_report(
         per_worker,
         parked_pulls: sum(&|c| c.parked_pulls),
         dropped_gradients: report.servers.iter().map(|s| s.dropped_gradients).sum(),
+        folded_gradients: report.servers.iter().map(|s| s.folded_gradients).sum(),
         bytes_moved: fast_pull_bytes
             + report
                 .servers

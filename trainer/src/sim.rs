@@ -271,6 +271,8 @@ pub struct SimReport {
     pub parked_pulls: u64,
     /// Gradients the policy dropped (Sync-opt).
     pub dropped: u64,
+    /// Late gradients folded into a later step (`syncopt(…,fold)`).
+    pub folded: u64,
     /// Task transfers the policy offered (moving tasks only when [`SimSpec::transfer`] is on
     /// and the offer finds an idle helper and unstarted tasks).
     pub transfers_offered: u64,
@@ -1082,6 +1084,7 @@ impl<'a> Sim<'a> {
                 .collect(),
             parked_pulls: stats.per_worker.iter().map(|c| c.parked_pulls).sum(),
             dropped: stats.per_worker.iter().map(|c| c.dropped_gradients).sum(),
+            folded: stats.per_worker.iter().map(|c| c.folded_gradients).sum(),
             transfers_offered: self.offers,
             transfers_taken: self.taken,
             tasks_transferred: self.moved,

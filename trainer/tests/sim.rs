@@ -34,6 +34,7 @@ fn the_same_spec_gives_the_same_bits() {
         "epsp",
         "fluentps(2,sigmoid)",
         "syncopt(1)",
+        "syncopt(auto,fold)",
         "elasticbsp(4)",
     ] {
         let a = simulate(&spec(policy, 6, 30), &d).unwrap();
@@ -83,6 +84,27 @@ fn policies_behave_in_virtual_time() {
     assert_eq!(bsp.updates, 40);
     // The model learns.
     assert!(asp.final_accuracy > 0.5, "{}", asp.final_accuracy);
+}
+
+/// Folding keeps what Sync-opt drops: on the same run, `syncopt(1,fold)` drops nothing and
+/// folds as many gradients as `syncopt(1)` drops, at the same pace (the same steps, released
+/// at the same times), and the straggler's work changes the model.
+#[test]
+fn folding_keeps_the_gradients_sync_opt_drops_at_its_pace() {
+    let d = data();
+    let plain = simulate(&spec("syncopt(1)", 4, 40), &d).unwrap();
+    let fold = simulate(&spec("syncopt(1,fold)", 4, 40), &d).unwrap();
+    assert!(plain.dropped >= 30, "{plain:?}");
+    assert_eq!((fold.dropped, fold.folded), (0, plain.dropped));
+    assert_eq!(plain.folded, 0);
+    assert_eq!(fold.parked_pulls, plain.parked_pulls);
+    assert_eq!(fold.virtual_secs.to_bits(), plain.virtual_secs.to_bits());
+    // The folded gradients make the step after them: one more at the job's end.
+    assert_eq!(fold.updates, plain.updates + 1);
+    assert_ne!(
+        fold.digest, plain.digest,
+        "the folded work reaches the model"
+    );
 }
 
 #[test]
