@@ -226,6 +226,11 @@ impl Board {
             "falcon_server_dropped_gradients",
             "Gradients a server's policy dropped",
         );
+        let s_folded = counter(
+            &mut r,
+            "falcon_server_folded_gradients",
+            "Late gradients a server folded into a later step",
+        );
         for (&rank, w) in &self.workers {
             let l = label("worker", rank);
             let m = &w.sent;
@@ -259,6 +264,7 @@ impl Board {
             s_parked.get_or_create(&l).set(m.parked_pulls as i64);
             s_delayed.get_or_create(&l).inc_by(m.delayed_pulls);
             s_dropped.get_or_create(&l).inc_by(m.dropped_gradients);
+            s_folded.get_or_create(&l).inc_by(m.folded_gradients);
         }
         for (&(role, rank), &live) in &self.live {
             up.get_or_create(&vec![
@@ -577,6 +583,7 @@ mod tests {
             pushes: 9,
             parked_pulls: 2,
             dropped_gradients: 1,
+            folded_gradients: 4,
             ..Default::default()
         };
         b.on_message(Role::Server, 0, &Msg::Metrics(s));
@@ -597,6 +604,7 @@ mod tests {
             "falcon_server_gradients_total{server=\"0\"} 9",
             "falcon_server_parked_pulls{server=\"0\"} 2",
             "falcon_server_dropped_gradients_total{server=\"0\"} 1",
+            "falcon_server_folded_gradients_total{server=\"0\"} 4",
             "falcon_up{role=\"worker\",rank=\"0\"} 0",
             "falcon_up{role=\"server\",rank=\"0\"} 1",
             "# EOF",

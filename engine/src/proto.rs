@@ -44,13 +44,16 @@ pub struct NodeMetrics {
     pub delayed_pulls: u64,
     /// Server: gradients the policy dropped.
     pub dropped_gradients: u64,
+    /// Server: late gradients folded into a later step (`syncopt(…,fold)`).
+    pub folded_gradients: u64,
 }
 
 /// Bumped whenever `Msg` or the slot trailer changes shape (2: ElasticBSP's `Superstep` and
 /// `Plan`; 6: server recovery and worker rejoin; 7: typed acknowledgements and refused pulls;
 /// 10: metrics; 12: the trailer names a gradient left in the worker's memory, so nodes of
-/// older builds, whose slots are shorter, are refused by name, not by a failed write).
-const VERSION: u8 = 12;
+/// older builds, whose slots are shorter, are refused by name, not by a failed write; 13:
+/// folded gradients in the metrics).
+const VERSION: u8 = 13;
 
 /// A process's role in a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

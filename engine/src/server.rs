@@ -1299,6 +1299,11 @@ impl Serving {
             m.staleness_max = m.staleness_max.max(st.staleness_max);
             m.delayed_pulls += policy.delayed_total();
             m.dropped_gradients += policy.dropped();
+            m.folded_gradients += st
+                .per_worker
+                .iter()
+                .map(|c| c.folded_gradients)
+                .sum::<u64>();
         }
         m
     }

@@ -22,7 +22,10 @@ the loop PyTorch's examples write:
   barrier holds back computes the straggler's unstarted tasks;
 - ddp: `torch.nn.parallel.DistributedDataParallel` over gloo, the same loop;
 - bsp-loader and epsp-no-transfer (not run by default): the `TaskLoader` loop under BSP, and
-  under `epsp(0)` with `transfer=False`, which separate the loader's cost from the transfer's.
+  under `epsp(0)` with `transfer=False`, which separate the loader's cost from the transfer's;
+- syncopt-fold and syncopt-auto-fold (not run by default): `syncopt(1,fold)` and
+  `syncopt(auto,fold)`, Sync-opt whose late gradients join the next step instead of being
+  dropped, in the plain loop.
 
 Worker 0 keeps a copy of its parameters (the global model it pulled; DDP's replica) every
 `--every` iterations, with the time since its loop started; they are scored on the test set
@@ -58,7 +61,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4
 POLICIES = {"bsp": "bsp", "epsp": "epsp(0)", "syncopt": "syncopt(1)", "asp": "asp",
-            "epsp-no-transfer": "epsp(0)", "bsp-loader": "bsp"}
+            "epsp-no-transfer": "epsp(0)", "bsp-loader": "bsp",
+            "syncopt-fold": "syncopt(1,fold)", "syncopt-auto-fold": "syncopt(auto,fold)"}
 MOMENTUM = 0.9
 LR = {"cnn": 0.05, "lm": 0.2}
 BATCH = {"cnn": 32, "lm": 16}
