@@ -302,7 +302,18 @@ impl Projection {
 
     /// How many live workers are persistent stragglers now (one pass over the windows).
     pub fn persistent_count(&self) -> usize {
-        let Some(reference) = self.reference() else {
+        self.persistent_count_from(0.0)
+    }
+
+    /// How many live workers are persistent stragglers against the median at `quantile` of the
+    /// live workers' medians instead of the smallest (`0.0`: [`Projection::persistent_count`];
+    /// `0.25`: the fast group's typical time, which one unusually fast worker does not move,
+    /// as long as fewer than three quarters of the workers are slow). One pass over the
+    /// windows.
+    pub fn persistent_count_from(&self, quantile: f64) -> usize {
+        let known = self.by_median.len();
+        let k = (quantile.clamp(0.0, 1.0) * known.saturating_sub(1) as f64) as usize;
+        let Some(&(reference, _)) = self.by_median.iter().nth(k) else {
             return 0;
         };
         (0..self.samples.len())
@@ -362,6 +373,31 @@ mod tests {
         assert_eq!(p.outlook(), (true, v.spread));
         assert_eq!(p.predicted(1), Some(100));
         assert_eq!(v.of(Class::Pioneer), vec![0]);
+    }
+
+    /// One unusually fast worker makes the whole fast group look slow against the fastest
+    /// median; against the lower quartile only the slow machines are persistent stragglers.
+    #[test]
+    fn the_lower_quartile_is_not_moved_by_one_fast_outlier() {
+        let mut p = Projection::new(8, ProjectionConfig::default());
+        feed(&mut p, 0, &[70; 8]);
+        for w in 1..6 {
+            feed(&mut p, w, &[100; 8]);
+        }
+        feed(&mut p, 6, &[250; 8]);
+        feed(&mut p, 7, &[250; 8]);
+        assert_eq!(p.persistent_count(), 7, "against 70: everyone but worker 0");
+        assert_eq!(p.persistent_count_from(0.0), 7);
+        assert_eq!(
+            p.persistent_count_from(0.25),
+            2,
+            "against 100: workers 6 and 7"
+        );
+        // Nothing known yet: none.
+        assert_eq!(
+            Projection::new(4, ProjectionConfig::default()).persistent_count_from(0.25),
+            0
+        );
     }
 
     #[test]
