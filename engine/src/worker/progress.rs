@@ -167,11 +167,23 @@ impl Inner {
             }
             Some(r) => match self.job_over() {
                 Some(over) => self.fail_with(over),
-                None => self.fail_all(
-                    Role::Server,
-                    r as u32,
-                    &format!("link closed: {}", closed_why(error)),
-                ),
+                // A server whose scheduler died ends at once, and its link may close here
+                // before the scheduler's does: if nothing listens where the scheduler was,
+                // that is why.
+                None => match scheduler_gone(self.sched.peer()) {
+                    Some(gone) => self.fail_all(
+                        Role::Scheduler,
+                        0,
+                        &format!(
+                            "server {r}'s link closed and {gone}: the scheduler is gone, and the job with it"
+                        ),
+                    ),
+                    None => self.fail_all(
+                        Role::Server,
+                        r as u32,
+                        &format!("link closed: {}", closed_why(error)),
+                    ),
+                },
             },
             // A link already replaced: nothing to do.
             None if link != self.sched.id() => {}
