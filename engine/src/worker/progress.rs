@@ -167,10 +167,15 @@ impl Inner {
             }
             Some(r) => match self.job_over() {
                 Some(over) => self.fail_with(over),
-                // A server whose scheduler died ends at once, and its link may close here
-                // before the scheduler's does: if nothing listens where the scheduler was,
-                // that is why.
-                None => match scheduler_gone(self.sched.peer()) {
+                // A server whose scheduler died ends at once, closing its links in order, and
+                // its link may close here before the scheduler's does: if nothing listens
+                // where the scheduler was, that is why. A server that died (no goodbye) is
+                // named itself, though its death may end the scheduler too.
+                None => match error
+                    .is_none()
+                    .then(|| scheduler_gone(self.sched.peer()))
+                    .flatten()
+                {
                     Some(gone) => self.fail_all(
                         Role::Scheduler,
                         0,
