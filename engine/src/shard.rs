@@ -1090,6 +1090,36 @@ impl ShardCore {
             .max(self.pending_bytes + self.folded_bytes);
     }
 
+    /// Aggregates a step's own gradients `own` into `out` with what was folded for it (taken):
+    /// the own ones in rank order, then each folding worker's, in a weighted mean under a mean
+    /// (divided by at least one contributor, so folded gradients alone keep their weights).
+    /// Returns the step's contributors, by weight. Without folded gradients it is exactly
+    /// [`aggregate`].
+    fn aggregate_with_folded<'a>(
+        &mut self,
+        out: &mut [f32],
+        own: impl Iterator<Item = &'a [f32]> + Clone,
+    ) -> f32 {
+        let n = own.clone().count();
+        if self.folded.is_empty() {
+            aggregate(out, own, self.cfg.aggregate);
+            return n.max(1) as f32;
+        }
+        let (folded, weight) = self.take_folded();
+        // The own gradients' borrow shortened to the folded ones'.
+        let own = own.map(|g| -> &[f32] { g });
+        aggregate(
+            out,
+            own.chain(folded.iter().map(Vec::as_slice)),
+            Aggregate::Sum,
+        );
+        let contributors = (n as f32 + weight).max(1.0);
+        if self.cfg.aggregate == Aggregate::Mean && contributors != 1.0 {
+            crate::update::scale_in_place(out, 1.0 / contributors);
+        }
+        contributors
+    }
+
     /// What was folded for this step, taken: each worker's weighed mean, in rank order, and
     /// the sum of their weights (each worker's mean weight: at most 1).
     fn take_folded(&mut self) -> (Vec<Vec<f32>>, f32) {
@@ -1262,15 +1292,10 @@ impl ShardCore {
         for (_, help) in std::mem::take(&mut self.help_pending) {
             self.add_help(&mut sum, &help, live);
         }
-        // Folded gradients: a step of their own, their weighted mean, keeping their weights
-        // (divided by at least one contributor).
-        let (folded, weight) = self.take_folded();
-        if !folded.is_empty() {
+        // Folded gradients: a step of their own, keeping their weights.
+        if !self.folded.is_empty() {
             let mut mean = vec![0f32; self.cfg.len];
-            aggregate(&mut mean, folded.iter().map(Vec::as_slice), Aggregate::Sum);
-            if self.cfg.aggregate == Aggregate::Mean && weight > 1.0 {
-                crate::update::scale_in_place(&mut mean, 1.0 / weight);
-            }
+            self.aggregate_with_folded(&mut mean, std::iter::empty());
             for (s, m) in sum.iter_mut().zip(mean) {
                 *s += m;
             }
@@ -1299,24 +1324,7 @@ impl ShardCore {
             self.pending_bytes -= bytes;
             let mut sum = vec![0f32; self.cfg.len];
             let own = grads.iter().flatten().filter(|g| !g.is_empty());
-            let mut contributors = own.clone().count().max(1) as f32;
-            if self.folded.is_empty() {
-                aggregate(&mut sum, own.map(Vec::as_slice), self.cfg.aggregate);
-            } else {
-                // Late gradients folded in are gradients of this step like the others (after
-                // them, one per worker that folded), though they did not count toward its
-                // quorum: a weighted mean under a mean.
-                let (folded, weight) = self.take_folded();
-                let n = own.clone().count() as f32;
-                let all = own.chain(&folded).map(Vec::as_slice);
-                aggregate(&mut sum, all, Aggregate::Sum);
-                // At least one contributor: folded gradients alone (a step of lost places
-                // only) keep their weights.
-                contributors = (n + weight).max(1.0);
-                if self.cfg.aggregate == Aggregate::Mean && contributors != 1.0 {
-                    crate::update::scale_in_place(&mut sum, 1.0 / contributors);
-                }
-            }
+            let contributors = self.aggregate_with_folded(&mut sum, own.map(Vec::as_slice));
             // Transferred tasks are part of their straggler's gradient: summed into it (a mean
             // divides them by the contributors, as the straggler's own).
             if let Some(help) = self.help_pending.remove(&step) {
