@@ -140,6 +140,14 @@ def _settings(
         if not name.startswith("FALCON_"):
             name = "FALCON_" + name
         out[name] = str(s)
+    # DDP's semantics by default: with neither an optimizer nor a rate named (here, in `env`
+    # or in the process's environment), the servers only average and each worker applies its
+    # own optimizer (`falcon.torch` then trains exactly what the user's code says). Naming
+    # the servers' optimizer, or a rate for them (ps-lite's servers apply SGD), is the
+    # explicit choice of the servers applying the update.
+    if not any(v in out or v in os.environ for v in ("FALCON_OPTIMIZER", "FALCON_LR")):
+        out["FALCON_OPTIMIZER"] = "local"
+        out["FALCON_LR"] = "1"
     return out
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 import time
 import weakref
 from typing import Callable, Iterable, Mapping, Sequence
@@ -171,6 +172,32 @@ def _rule_of(optimizer) -> tuple[str, float, dict]:
         f"is none of them: start the job with FALCON_OPTIMIZER=local (each worker applies its "
         f"own optimizer), or wrap torch.optim.SGD, Adam, AdamW or Adagrad"
     )
+
+
+def _holds_state(st) -> bool:
+    """Whether a parameter's optimizer state is more than a fresh optimizer's (Adagrad makes
+    zero accumulators and a zero step at construction): any nonzero value."""
+    for v in st.values():
+        if isinstance(v, torch.Tensor):
+            if v.numel() and bool(torch.any(v != 0)):
+                return True
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0:
+            return True
+    return False
+
+
+def _refuse_state(optimizer, job: Mapping) -> None:
+    """The servers hold the job's optimizer state: state in the worker's optimizer (loaded
+    before or after wrapping) would be silently dropped, so it is refused."""
+    held = [p for p, st in optimizer.state.items() if _holds_state(st)]
+    if held:
+        raise _f.ConfigError(
+            f"the optimizer holds state for {len(held)} parameters (loaded from a checkpoint?), "
+            f"but the job's servers apply the optimizer ({job['optimizer']}, FALCON_OPTIMIZER) "
+            f"and keep its state themselves: the loaded state would be dropped. Leave "
+            f"FALCON_OPTIMIZER unset (each worker applies its own optimizer, state included, "
+            f"as DDP), or resume the servers from their own checkpoint"
+        )
 
 
 def _check_rule(optimizer, job: Mapping) -> float:
@@ -583,6 +610,18 @@ class _Distributed:
                 f"where its scheduler starts (FALCON_POLICY)"
             )
         self._falcon_job_lr = _check_rule(self, job)
+        if job["optimizer"] != "local":
+            _refuse_state(self, job)
+            if w.rank == 0:
+                # The servers applying the optimizer changes what trains (their state, no
+                # change to `.grad` after backward): said in the job's output, once.
+                print(
+                    f"falcon.torch: the servers apply the optimizer ({job['optimizer']}, "
+                    f"FALCON_OPTIMIZER); its state lives on the servers and any change to .grad "
+                    f"after backward is refused; leave FALCON_OPTIMIZER and FALCON_LR unset for "
+                    f"DDP's semantics (each worker applies its own optimizer)",
+                    file=sys.stderr, flush=True,
+                )
         self._falcon_kind = job["optimizer"]
         self._falcon_job = job
         self._falcon_worker = w
@@ -619,13 +658,21 @@ class _Distributed:
         self._falcon_hooks = []
         _broadcast_buckets(self._falcon_buckets, w)
         self._falcon_clock = min(w.clock_of(b.name) for b in self._falcon_buckets)
+        # Whether a backward is under way; what `.grad` held at its end (the servers apply
+        # the optimizer: checked at step()).
+        self._falcon_in_backward = False
+        self._falcon_snap = None
+        # Tasks of stragglers taken while waiting for the step's mean (each worker's own
+        # optimizer), computed once the step is made: (owner, clock, tasks).
+        self._falcon_later: list = []
+        self._falcon_held = 0.0
+        self._falcon_waited = False
         if self._falcon_local:
             for b in self._falcon_buckets:
                 b.mean = torch.empty_like(b.values)
-            # Backward passes since the last exchange; whether one is under way; whether the
-            # step's mean is in `.grad` (until step()).
+            # Backward passes since the last exchange; whether the step's mean is in `.grad`
+            # (until step()).
             self._falcon_backwards = 0
-            self._falcon_in_backward = False
             self._falcon_averaged = False
         # Pulls go out in the order of first use in the forward pass (learnt from the first
         # forward with a model; the buckets' order until then) and, with a model, each
@@ -734,15 +781,12 @@ class _Distributed:
             if b.count >= b.expect:
                 self._falcon_full(b)
 
-        if not self._falcon_local:
-            return hook
-
-        def local_hook(*_):
+        def first_hook(*_):
             if not self._falcon_in_backward:
                 self._falcon_begin()
             hook()
 
-        return local_hook
+        return first_hook
 
     def _falcon_gradient(self, b: _Bucket) -> torch.Tensor:
         """The bucket's gradient to push, weight decay added as PyTorch adds it (AdamW's
@@ -807,6 +851,9 @@ class _Distributed:
         if b.rows:
             return self._falcon_push_rows(b, p)
         if b.sent:
+            # Refused, typed: what this backward accumulated is the user's to handle.
+            self._falcon_snap = None
+            self._falcon_in_backward = False
             raise _f.ClockError(
                 f"the gradient of {b.names[i]!r} is ready again before step(): call step() "
                 f"after each backward, or pass backward_passes_per_step=N to accumulate N"
@@ -829,10 +876,13 @@ class _Distributed:
         step's passes (`backward_passes_per_step`) ends waiting for the mean of every
         gradient, as DDP's does, whether or not a bucket filled during it."""
         self._falcon_in_backward = True
+        engine = torch.autograd.Variable._execution_engine
+        if not self._falcon_local:
+            engine.queue_callback(self._falcon_backward_done)
+            return
         if self._falcon_averaged:
             self._falcon_averaged = False
         self._falcon_backwards += 1
-        engine = torch.autograd.Variable._execution_engine
         if self._falcon_backwards >= self._falcon_per_step:
             engine.queue_callback(self._falcon_average)
         else:
@@ -840,6 +890,41 @@ class _Distributed:
 
     def _falcon_end_pass(self):
         self._falcon_in_backward = False
+
+    def _falcon_backward_done(self):
+        """The servers apply the optimizer: backward's gradients are what they receive, so
+        what `.grad` holds now is kept to check at `step()` that nothing changed it."""
+        self._falcon_in_backward = False
+        with torch.no_grad():
+            self._falcon_snap = [None if b.rows else b.grads.clone() for b in self._falcon_buckets]
+
+    def _falcon_check_grads(self) -> None:
+        """The servers apply the optimizer: a change to `.grad` after backward (clipping, a
+        gradient scaler's unscaling, a gradient set by hand) cannot reach them, so it is an
+        error, never a quiet difference."""
+        _refuse_state(self, self._falcon_job)
+        self._falcon_in_backward = False
+        snap, self._falcon_snap = self._falcon_snap, None
+        if snap is None:
+            return
+        for b, before in zip(self._falcon_buckets, snap):
+            if before is None:
+                continue
+            changed = not torch.equal(b.grads, before)
+            if not changed:
+                changed = any(
+                    p.grad is not None and p.grad is not b.gviews[i] for i, p in enumerate(b.params)
+                )
+            if changed:
+                raise _f.ConfigError(
+                    f"the gradient of {b.names[0]!r} changed after backward (clipping, a "
+                    f"gradient scaler, a gradient set by hand?), but the job's servers apply the "
+                    f"optimizer ({self._falcon_job['optimizer']}, FALCON_OPTIMIZER) to the "
+                    f"gradients backward made: the change would be silently lost. Leave "
+                    f"FALCON_OPTIMIZER unset (each worker applies its own optimizer to the mean "
+                    f"gradient, as DDP), or change nothing between backward() and step(). This step "
+                    f"was made without the change"
+                )
 
     def _falcon_send(self, b: _Bucket):
         """Pushes the bucket's gradient and asks, in the same exchange, for the values of the
@@ -942,7 +1027,17 @@ class _Distributed:
                 self._falcon_send(b)
         handles, self._falcon_handles = self._falcon_handles, {}
         means, self._falcon_next = self._falcon_next, {}
-        _wait_all(list(handles.values()) + list(means.values()))
+        waiting = list(handles.values()) + list(means.values())
+        loader = self._falcon_tasks
+        if loader is not None and loader._transfer:
+            # Task transfer with each worker's own optimizer: while the policy holds the
+            # step's mean back, take the tasks of a straggler's next iteration; they are
+            # computed once the user's step() has made this step (the loader's next batch).
+            more, held = self._falcon_steal_wait(waiting, now=True)
+            self._falcon_later += more
+            self._falcon_held += held
+            self._falcon_waited = True
+        _wait_all(waiting)
         with torch.no_grad():
             for b in self._falcon_buckets:
                 b.grads.copy_(b.mean)
@@ -1011,73 +1106,87 @@ class _Distributed:
     # --- task transfer in the user's loop (a TaskLoader) -----------------------------------
 
     def _falcon_help_wait(self) -> None:
-        """Waits for the pulls step() left in flight; while the policy holds them back, takes
-        the straggler's unstarted tasks the servers offer and pushes their gradient credited
-        to the straggler, each computed on the values its step would see: tasks of the
-        iteration the straggler is about to start (its loader opened them to helpers when
-        it started the one it is computing) once this worker's values have landed — they are
-        that iteration's values — and tasks of the iteration whose step it holds back at
-        once, on the values this worker holds."""
+        """Before the loader's next batch: waits for the pulls step() left in flight (the
+        servers apply the optimizer), taking a straggler's tasks while the policy holds them
+        back, then computes the tasks of the straggler's next iteration taken while waiting
+        (here, or at the end of backward while waiting for the step's mean with each worker's
+        own optimizer) on the values this step made — that iteration's values."""
         loader = self._falcon_tasks
         pending = self._falcon_pending
-        later: list[tuple[int, int, range]] = []
-        helps = bool(pending) and loader._transfer
-        held = 0.0  # what this barrier holds the worker: waiting, then helping
-        if helps:
-            w = self._falcon_worker
-            asks: list[tuple[int, int, bool]] = []
-            t0 = time.perf_counter()
-            helping = 0.0
-            # Taking a task pays only where a straggler stays one: the tasks open to a helper
-            # are the straggler's next iteration's (its loader claimed the current one's), so
-            # a helper computes them after its own values land, delaying its own next batch
-            # by what it saves the straggler — a gain only where the straggler is slower
-            # again next time. Workers of one speed wait a moment for the last of them at
-            # each barrier, now and then long (a time slice lost), and trading tasks then
-            # costs both a push and gains nothing. So: tasks only while the barriers hold
-            # this worker (waiting and helping) two tasks' time or more on average (a running
-            # mean over the last few: one long wait by chance is not a straggler), then one
-            # task per `cost` of waiting. The helping counts, so a worker that balances a
-            # straggler's share keeps helping while its waits alone are short.
-            cost = loader._help_s or loader._task_s
-            eager = loader._held_s is None or loader._held_s >= 2 * cost
-            taken = 0
-            while True:
-                # What arrives after this count (the values, an offer) ends the sleep below:
-                # the wait costs no CPU and ends as the values land.
-                seen = w.news()
-                if all(h.ready() for h in pending.values()):
-                    break
-                # The offer names the straggler's iteration not yet pushed: computing it, its
-                # loader has opened the next one to helpers; between its push and its next
-                # batch, the one it names is still open.
-                asks.extend(a for s, c in w.offers() for a in ((s, c + 1, True), (s, c, False)))
-                waited = time.perf_counter() - t0
-                due = taken * cost  # the wait after which one more task pays
-                if not eager or not asks or waited < due:
-                    w.wait_news(seen, min(max(due - waited, 0.0), 0.05) if asks and eager else 0.05)
-                    continue
-                straggler, clock, ahead = asks[0]
-                lo, hi = w.steal(straggler, clock, 1)
-                if hi <= lo:
-                    asks.pop(0)  # nothing (more) to take there
-                    continue
-                taken += hi - lo
-                if ahead:
-                    later.append((straggler, clock, range(lo, hi)))
-                    continue
-                helping += self._help_timed(straggler, clock, range(lo, hi))
-            parked = time.perf_counter() - t0
-            held += parked
-            loader.stats["helping_s"] += helping
-            loader.stats["blocked_s"] += parked - helping
+        later, self._falcon_later = self._falcon_later, []
+        held, self._falcon_held = self._falcon_held, 0.0
+        waited, self._falcon_waited = self._falcon_waited, False
+        if pending and loader._transfer:
+            more, h = self._falcon_steal_wait(list(pending.values()), now=True)
+            later += more
+            held += h
+            waited = True
         self.wait_pulls()
         for straggler, clock, tasks in later:
             took = self._help_timed(straggler, clock, tasks)
             loader.stats["helping_s"] += took
             held += took
-        if helps:
+        if waited:
             loader._held_s = held if loader._held_s is None else 0.75 * loader._held_s + 0.25 * held
+
+    def _falcon_steal_wait(self, handles, now: bool) -> tuple[list, float]:
+        """Waits for `handles`; while the policy holds them back, takes a straggler's
+        unstarted tasks the servers offer (task transfer). Tasks of the iteration the
+        straggler is about to start (its loader opened them to helpers when it started the one
+        it is computing) are returned, to compute once this worker's step is made: their
+        values are that step's. With `now`, tasks of the iteration whose step it holds back
+        are computed at once on the values this worker holds (they are that step's values;
+        at the end of backward, waiting for the step's mean, a reentrant autograd pass that
+        leaves `.grad` alone). Returns (tasks to compute later, seconds held: waiting and helping).
+
+        The one rule of how many: taking a task pays only where a straggler stays one (the
+        tasks open to a helper are mostly the straggler's next iteration's, computed after
+        this worker's own values land, delaying its own next batch by what it saves the
+        straggler). Workers of one speed wait a moment for the last of them at each barrier,
+        now and then long (a time slice lost), and trading tasks then costs a push and gains
+        nothing. So: tasks only while the barriers hold this worker (waiting and helping)
+        two tasks' time or more on average (a running mean: one long wait by chance is not a
+        straggler), then one task per task-time of waiting."""
+        loader = self._falcon_tasks
+        w = self._falcon_worker
+        later: list[tuple[int, int, range]] = []
+        asks: list[tuple[int, int, bool]] = []
+        t0 = time.perf_counter()
+        helping = 0.0
+        cost = loader._help_s or loader._task_s
+        eager = loader._held_s is None or loader._held_s >= 2 * cost
+        taken = 0
+        while True:
+            # What arrives after this count (the values, an offer) ends the sleep below: the
+            # wait costs no CPU and ends as the values land.
+            seen = w.news()
+            if all(h.ready() for h in handles):
+                break
+            # The offer names the straggler's iteration not yet pushed: computing it, its
+            # loader has opened the next one to helpers; between its push and its next
+            # batch, the one it names is still open.
+            asks.extend(
+                a for s, c in w.offers() for a in ((s, c + 1, True), (s, c, False)) if a[2] or now
+            )
+            waited = time.perf_counter() - t0
+            due = taken * cost  # the wait after which one more task pays
+            if not eager or not asks or waited < due:
+                w.wait_news(seen, min(max(due - waited, 0.0), 0.05) if asks and eager else 0.05)
+                continue
+            straggler, clock, ahead = asks[0]
+            lo, hi = w.steal(straggler, clock, 1)
+            if hi <= lo:
+                asks.pop(0)  # nothing (more) to take there
+                continue
+            taken += hi - lo
+            if ahead:
+                later.append((straggler, clock, range(lo, hi)))
+                continue
+            helping += self._help_timed(straggler, clock, range(lo, hi))
+        parked = time.perf_counter() - t0
+        loader.stats["helping_s"] += helping
+        loader.stats["blocked_s"] += parked - helping
+        return later, parked
 
     def _help_timed(self, owner: int, clock: int, tasks: range) -> float:
         """`_falcon_help`, counted, its time per task kept for the pacing above; returns its
@@ -1105,6 +1214,10 @@ class _Distributed:
         if len(idx) > 0:
             batch = loader._batch(idx)
             self._falcon_helping = True
+            # A straggler's examples must not move this replica's buffers (BatchNorm's
+            # running statistics are this worker's own batches', as under DDP).
+            model = self._falcon_model
+            kept = [(t, t.detach().clone()) for t in model.buffers()] if model is not None else []
             try:
                 with torch.enable_grad():
                     if self._falcon_compute is not None:
@@ -1118,6 +1231,9 @@ class _Distributed:
                     )
             finally:
                 self._falcon_helping = False
+                with torch.no_grad():
+                    for t, v in kept:
+                        t.copy_(v)
         flat = {b.name: torch.zeros_like(b.values) for b in self._falcon_buckets}
         with torch.no_grad():
             for (b, i, _), g in zip(trainable, grads):
@@ -1191,8 +1307,13 @@ class _Distributed:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
-        self._falcon_next_clock()
+        try:
+            self._falcon_check_grads()
+        finally:
+            # Refused or not, the step the servers make goes through, so the job stays in
+            # step (the error says the change was not applied).
+            self.synchronize()
+            self._falcon_next_clock()
         return loss
 
     def _falcon_check_views(self) -> None:
@@ -1348,6 +1469,11 @@ def DistributedOptimizer(
     except TypeError:  # a class whose defaults are not all constructor arguments
         base.__init__(new, optimizer.param_groups)
     new._falcon_base = optimizer
+    # State loaded before wrapping (a resumed checkpoint: `opt.load_state_dict(...)`, then
+    # wrap) is kept: the parameters are the same tensors, so the state's keys still hold.
+    for p, st in optimizer.state.items():
+        if st:
+            new.state[p] = st
     new._falcon_setup(
         named, policy, worker, backward_passes_per_step, model, bucket_bytes, tasks, loss_fn,
         compute,
@@ -1430,11 +1556,11 @@ class TaskLoader:
                 f"a batch of {self.batch_size} on {w.workers} workers is beyond "
                 f"{self._data.n} examples"
             )
-        # Each worker applying its own optimizer waits for the step's mean at the end of
-        # backward (synchronous policies), where nothing else can run, or pushes the change
-        # its optimizer made (asynchronous ones), to which a helper's gradient cannot add:
-        # the loader then only deals the batches.
-        if opt._falcon_local:
+        # Each worker applying its own optimizer under an asynchronous policy pushes the
+        # change its optimizer made, to which a helper's gradient cannot add: the loader then
+        # only deals the batches. Under a synchronous one a worker waiting for the step's
+        # mean takes a straggler's next tasks and computes them after its step.
+        if opt._falcon_local and not opt._falcon_sync:
             self._transfer = False
         self._opt = opt
         if self._transfer:

@@ -289,10 +289,16 @@ def test_epsp_moves_a_stragglers_tasks_and_processes_each_once(procs):
         assert s["iterations"] == iterations and s["accuracy"] > 0.5
 
 
-def run_loop(procs, policy, iterations, kind, slow_ms):
+def run_loop(procs, policy, iterations, kind, slow_ms, mode="servers"):
     """Four worker processes training in their own loop over a TaskLoader (loop_worker.py),
-    worker 3 slowed by `slow_ms` per task; their LOOP lines and the job's report."""
-    c = falcon.local_cluster(workers=4, policy=policy, lr=0.1, heartbeat_ms=200)
+    worker 3 slowed by `slow_ms` per task; their LOOP lines and the job's report. `mode`:
+    "servers" (the servers apply SGD at 0.1) or "exact" (the default: each worker applies
+    its own SGD to the step's mean gradient)."""
+    if mode == "exact":
+        c = falcon.local_cluster(workers=4, policy=policy, heartbeat_ms=200)
+        assert c.env["FALCON_OPTIMIZER"] == "local"
+    else:
+        c = falcon.local_cluster(workers=4, policy=policy, lr=0.1, heartbeat_ms=200)
     for r in range(4):
         procs.start(
             f"worker {r}", ["python/tests/loop_worker.py", str(iterations), kind, str(slow_ms)],
@@ -308,9 +314,10 @@ def run_loop(procs, policy, iterations, kind, slow_ms):
     return lines, report
 
 
-def test_epsp_in_the_users_own_loop_moves_a_stragglers_tasks_and_processes_each_once(procs):
+@pytest.mark.parametrize("mode", ["servers", "exact"])
+def test_epsp_in_the_users_own_loop_moves_a_stragglers_tasks_and_processes_each_once(procs, mode):
     iterations, tasks = 40, 4
-    sums, report = run_loop(procs, "epsp(0)", iterations, "mlp", 40)
+    sums, report = run_loop(procs, "epsp(0)", iterations, "mlp", 40, mode)
     helped = assert_each_task_once(sums, iterations, tasks)
     assert sums[3]["tasks_own"] >= iterations, "a straggler keeps a task of each iteration"
     assert report["scheduler"]["tasks_transferred"] == helped
@@ -321,12 +328,14 @@ def test_epsp_in_the_users_own_loop_moves_a_stragglers_tasks_and_processes_each_
         assert s["values"] == sums[0]["values"]
 
 
-def test_transferred_tasks_keep_bsps_arithmetic(procs):
+@pytest.mark.parametrize("mode", ["servers", "exact"])
+def test_transferred_tasks_keep_bsps_arithmetic(procs, mode):
     """With a loss whose gradient does not depend on the values, staleness changes nothing:
     the values after the loop are exactly BSP's, however the tasks moved — the straggler's
-    share and its helpers' add up to each iteration's batch."""
+    share and its helpers' add up to each iteration's batch. In exact mode each worker's own
+    SGD applies the step's mean, which must be the same."""
     iterations, batch, tasks = 30, 32, 4
-    sums, _ = run_loop(procs, "epsp(0)", iterations, "linear", 40)
+    sums, _ = run_loop(procs, "epsp(0)", iterations, "linear", 40, mode)
     assert sum(s["tasks_helped"] for s in sums) > 0, "no task moved"
     (tx, ty), _, _ = falcon.fashion_mnist()
     x = torch.from_numpy(tx).reshape(len(tx), -1).double()
@@ -1149,3 +1158,102 @@ def test_a_run_of_tasks_is_the_concatenation_of_its_tasks():
     before = got.clone()
     got.fill_(-1)
     assert torch.equal(ft.task_examples(10, 3, 7, 3, 3, 0, 0, 0), before)
+
+
+def test_the_default_job_is_exact_and_the_servers_optimizer_is_a_named_choice():
+    """With no optimizer and no rate named, the job's servers only average: each worker
+    applies its own optimizer (DDP's semantics); naming one is the servers' mode."""
+    c = falcon.local_cluster(workers=1)
+    assert c.env["FALCON_OPTIMIZER"] == "local"
+    falcon.init(env=c.env)
+    model = small_model()
+    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters())
+    assert dopt.worker.job["optimizer"] == "local"
+    falcon.finish()
+    c.finish()
+    c = falcon.local_cluster(workers=1, optimizer="momentum(0.9)", lr=0.1)
+    assert c.env["FALCON_OPTIMIZER"] == "momentum(0.9)"
+    c2 = falcon.local_cluster(workers=1, lr=0.1)  # a rate for the servers: ps-lite's SGD
+    assert "FALCON_OPTIMIZER" not in c2.env
+    falcon.init(env=c2.env)
+    falcon.finish()
+    for k in (c, c2):
+        falcon.init(env=k.env)
+        m = small_model()
+        ft.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9 if k is c else 0), m.named_parameters())
+        falcon.finish()
+        k.finish()
+
+
+def test_servers_mode_refuses_a_changed_gradient_and_loaded_state(capfd):
+    """The servers apply the optimizer: clipping after backward, a gradient set by hand or
+    state loaded into the optimizer would be silently lost, so each is a ConfigError at the
+    first step() (or at wrapping) that names the fix; the mode is said in the output."""
+    model = small_model()
+    x, y = data()
+    c = falcon.local_cluster(workers=1, optimizer="momentum(0.9)", lr=0.1)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters())
+    assert "the servers apply the optimizer (momentum" in capfd.readouterr().err
+    F.cross_entropy(model(x), y).backward()
+    dopt.step()  # nothing changed: accepted
+    dopt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(falcon.ConfigError, match="changed after backward.*FALCON_OPTIMIZER unset"):
+        dopt.step()
+    dopt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    model[0].weight.grad = torch.zeros_like(model[0].weight)
+    with pytest.raises(falcon.ConfigError, match="changed after backward"):
+        dopt.step()
+    # State loaded after wrapping.
+    dopt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    dopt.state[model[0].weight]["momentum_buffer"] = torch.ones_like(model[0].weight)
+    with pytest.raises(falcon.ConfigError, match="holds state for 1 parameters"):
+        dopt.step()
+    falcon.finish()
+    c.finish()
+    # State loaded before wrapping.
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    c = falcon.local_cluster(workers=1, optimizer="momentum(0.9)", lr=0.1)
+    falcon.init(env=c.env)
+    with pytest.raises(falcon.ConfigError, match="loaded state would be dropped"):
+        ft.DistributedOptimizer(opt, model.named_parameters())
+    falcon.finish()
+    c.finish()
+
+
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_state_loaded_before_wrapping_is_kept(kind):
+    """The tutorial's order for a resumed checkpoint: load the optimizer's state, then wrap.
+    The wrapped optimizer continues from it, step for step as plain PyTorch does."""
+    make = (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)) if kind == "momentum" else (
+        lambda p: torch.optim.Adam(p, lr=0.01))
+    x, y = data()
+    ref = small_model()
+    ref_opt = make(ref.parameters())
+    for _ in range(3):
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    saved_model, saved_opt = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    model = small_model(seed=5)
+    model.load_state_dict(saved_model)
+    opt = make(model.parameters())
+    opt.load_state_dict(saved_opt)
+    c = falcon.local_cluster(workers=1)
+    falcon.init(env=c.env)
+    dopt = ft.DistributedOptimizer(opt, model.named_parameters())
+    for _ in range(4):
+        for o, m in ((ref_opt, ref), (dopt, model)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    assert_same_parameters(model, ref, rtol=1e-6, atol=1e-7)
+    falcon.finish()
+    c.finish()
