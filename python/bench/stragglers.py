@@ -218,9 +218,11 @@ def run(cfg, args, seed, quotas):
     else:
         import falcon
 
+        # Exact mode (falcon's default): the servers only average, each worker's own SGD
+        # applies the step's mean, as DDP's; servers' mode: the servers apply momentum SGD.
+        servers = {} if args.mode == "exact" else {"optimizer": f"momentum({MOMENTUM})", "lr": args.lr}
         cluster = falcon.local_cluster(
-            workers=WORKERS, policy=POLICIES[cfg], optimizer=f"momentum({MOMENTUM})", lr=args.lr,
-            heartbeat_ms=200,
+            workers=WORKERS, policy=POLICIES[cfg], heartbeat_ms=200, **servers
         )
         env = dict(cluster.env)
     procs = [
@@ -305,6 +307,9 @@ def main(argv=None) -> None:
                     help="RANKS:CPUS[,...] (empty: no quotas)")
     ap.add_argument("--configs", default="bsp,epsp,syncopt,asp,ddp")
     ap.add_argument("--test-examples", type=int, default=2000)
+    ap.add_argument("--mode", choices=("exact", "servers"), default="exact",
+                    help="exact (falcon's default): each worker applies its own optimizer to the "
+                         "step's mean gradient, as DDP; servers: the servers apply momentum SGD")
     args = ap.parse_args(argv)
     if args.quick:
         args.seeds, args.iterations, args.every = "1", 40, 5
@@ -351,7 +356,7 @@ def main(argv=None) -> None:
     model = "the examples' CNN" if args.model == "cnn" else "the transformer LM"
     print(f"\nfalcon in the user's loop, {model}, {WORKERS} worker processes, CPU quotas "
           f"{args.cpu_quota or 'none'}, {args.iterations} iterations × {args.batch} examples "
-          f"({args.tasks} tasks) per worker, target accuracy {args.target} on {len(test[0])} "
+          f"({args.tasks} tasks) per worker, {args.mode} mode, target accuracy {args.target} on {len(test[0])} "
           f"test examples ({source}), lr {args.lr}, seeds {args.seeds}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}")
@@ -367,7 +372,7 @@ def main(argv=None) -> None:
         r["over_bsp"] = ratio
         print(f"| {c} | {r['seconds_to_target']} | {ratio} | {r['reached']}/{len(seeds)} | "
               f"{r['training_seconds']} | {r['final_accuracy']} | {r['tasks_moved']} |")
-    print("RESULT " + json.dumps({"configs": result, "quotas": args.cpu_quota,
+    print("RESULT " + json.dumps({"configs": result, "quotas": args.cpu_quota, "mode": args.mode,
                                   "model": args.model, "lr": args.lr,
                                   "iterations": args.iterations, "target": args.target,
                                   "seeds": seeds}))

@@ -352,6 +352,9 @@ def finish() -> None:
         q, _quota = _quota, None
     try:
         if w is not None:
+            ft = sys.modules.get("falcon.torch")
+            if ft is not None:
+                ft._forget(w)
             w.finish()
     finally:
         if q is not None:

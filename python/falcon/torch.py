@@ -327,19 +327,44 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     """Makes every worker's parameters rank `root_rank`'s: the root sets the servers'
     initial values (the first initialization of a tensor wins), every worker waits at a
     barrier and pulls them. `params`: model.named_parameters(), model.state_dict() or (name,
-    tensor) pairs; every name must be a float32 tensor of the job (a state_dict with integer
-    buffers, BatchNorm's step counter say, is refused with a TensorError naming it). Joins a deferred `init()` with
-    these tensors."""
+    tensor) pairs: float32 tensors the job holds move through the servers; every other one (integer
+    and 16/64-bit tensors, BatchNorm's step counter, a state_dict's buffers once the job has
+    joined) through the workers' own group, as Horovod's. Joins a deferred `init()` with the
+    float32 tensors."""
     named = _named(params)
     # A DistributedOptimizer's parameters are its buckets' views: it broadcast them when it
     # was made, and its pulls keep them the servers' (Horovod's order of calls is fine).
     live = set().union(*(o._falcon_ptrs for o in list(_LIVE)))
     named = [(n, p) for n, p in named if not (isinstance(p, torch.Tensor) and p.data_ptr() in live)]
+    for n, p in named:
+        if not isinstance(p, torch.Tensor):
+            raise _f.TensorError(f"{n!r} is a {type(p).__name__}, not a tensor")
+    # Tensors the job does not hold (integer and 16/64-bit ones, BatchNorm's step counter,
+    # buffers of a state_dict once the job has joined) travel in the workers' own group.
+    known = worker if worker is not None else _f._worker
+    joined = dict(known.tensors) if known is not None else {}
+
+    def own(n, p):
+        return p.dtype == torch.float32 and (not joined or n in joined)
+
+    other = [(n, p) for n, p in named if not own(n, p)]
+    named = [(n, p) for n, p in named if own(n, p)]
+    if not named:
+        if not other:
+            return
+        w = known if known is not None else _f.worker()
+    else:
+        for n, p in named:
+            _check_param(n, p)
+        w = _worker_for(named, worker)
+    if not 0 <= root_rank < w.workers:
+        raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
+    if other:
+        pg = _group(w)
+        if pg is not None:
+            _bcast(pg, [p.data if isinstance(p, torch.nn.Parameter) else p for _, p in other], root_rank)
     if not named:
         return
-    for n, p in named:
-        _check_param(n, p)
-    w = _worker_for(named, worker)
     if not 0 <= root_rank < w.workers:
         raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
     if w.rejoined:
@@ -362,17 +387,152 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, worker=None) -> None:
     """Makes every worker's optimizer agree with rank `root_rank`'s.
 
-    The optimizer's state (momentum, Adam's moments) lives on the servers, one copy for the
-    whole job, so there are no per-worker copies to align; what each worker holds is the
-    rule, which is checked here against the job's servers (ConfigError when it differs),
-    then every worker waits at a barrier. State loaded into a local optimizer is not sent to
-    the servers: a job resumes its optimizer state from the servers' checkpoints."""
+    Each worker applying its own optimizer (the default): rank `root_rank`'s state_dict
+    (momentum, Adam's moments, the parameter groups' hyperparameters) is loaded into every
+    worker's, through the workers' own group. The servers applying it: its state lives on
+    the servers, one copy for the whole job; the rule is checked against the job's servers
+    (ConfigError when it differs) and state held by the worker's optimizer is refused (it
+    would be dropped: a job resumes the servers' state from their checkpoints)."""
     w = worker if worker is not None else _f.worker()
     if not 0 <= root_rank < w.workers:
         raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
     inner = getattr(optimizer, "_falcon_base", optimizer)
     _check_rule(inner, w.job)
+    if w.job["optimizer"] != "local":
+        _refuse_state(optimizer, w.job)
+        w.barrier()
+        return
+    # Each worker applies its own optimizer: rank `root_rank`'s state and hyperparameters
+    # (loaded before or after wrapping) become every worker's, as Horovod's.
+    pg = _group(w)
+    if pg is not None:
+        state = _bcast_object(pg, optimizer.state_dict(), root_rank, w.rank)
+        if w.rank != root_rank:
+            optimizer.load_state_dict(state)
     w.barrier()
+
+
+# --- the workers' own group: buffers, optimizer state, tensors of any dtype -----------------
+
+_GROUPS: dict = {}
+"""The gloo group of each worker of this process (by id of the falcon Worker)."""
+
+_STORE_TIMEOUT_S = 120
+
+
+def _store_address() -> tuple[str, int, bool]:
+    """Where the workers' group meets: (host, port, whether worker 0 hosts the store).
+    Under torchrun its agent's store (MASTER_ADDR:MASTER_PORT); else the scheduler's host,
+    the port after the scheduler's, hosted by worker 0 (which then runs on the scheduler's
+    host, as a launcher's rank 0 does)."""
+    env = {**os.environ, **(_f._overrides or {})}
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return env["MASTER_ADDR"], int(env["MASTER_PORT"]), False
+    # FALCON_SCHEDULER: HOST:PORT, or a local cluster's `host=…;tcp=IP:PORT;shm=…`.
+    parts = [p.strip() for p in (env.get("FALCON_SCHEDULER") or "").split(";")]
+    sched = next((p[4:] for p in parts if p.startswith("tcp=")), None)
+    if sched is None:
+        sched = next((p for p in parts if ":" in p and "=" not in p), None)
+    if sched:
+        host, port = sched.rsplit(":", 1)
+    elif env.get("DMLC_PS_ROOT_URI") and env.get("DMLC_PS_ROOT_PORT"):
+        host, port = env["DMLC_PS_ROOT_URI"], env["DMLC_PS_ROOT_PORT"]
+    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        host, port = env["MASTER_ADDR"], env["MASTER_PORT"]
+    else:
+        raise _f.ConfigError(
+            "the workers need a group of their own (to broadcast buffers, optimizer state or "
+            "tensors that are not float32) and no address says where it meets: set "
+            "FALCON_SCHEDULER=HOST:PORT or run under torchrun"
+        )
+    try:
+        return host.strip("[]"), int(port) + 1, True
+    except ValueError:
+        raise _f.ConfigError(f"the scheduler's port {port!r} is not a number") from None
+
+
+def _group(w):
+    """This worker's gloo group of the job's workers (rank = falcon rank), made on first
+    use; None for a job of one worker. Used where the parameter server has no say: buffers
+    (BatchNorm's statistics), the optimizer's state, integer and 16/64-bit tensors."""
+    if w.workers == 1:
+        return None
+    held = _GROUPS.get(id(w))
+    if held is not None and held[0] is w:
+        return held[1]
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise _f.ConfigError("this PyTorch has no torch.distributed: buffers and state cannot be broadcast")
+    host, port, hosts = _store_address()
+    timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
+    try:
+        store = dist.TCPStore(host, port, None if not hosts else w.workers, hosts and w.rank == 0, timeout)
+        job = w.job.get("policy", "")
+        prefix = dist.PrefixStore(f"falcon/{(_f._overrides or {}).get('FALCON_JOB', 'falcon')}/{job}/", store)
+        pg = dist.ProcessGroupGloo(prefix, w.rank, w.workers, timeout)
+    except (RuntimeError, OSError) as e:
+        raise _f.PeerError(
+            f"the workers' group (gloo) at {host}:{port} could not be formed by worker {w.rank}: "
+            f"{e}"
+        ) from None
+    _GROUPS[id(w)] = (w, pg)
+    return pg
+
+
+def _forget(w) -> None:
+    """The worker finished: its group goes with it."""
+    _GROUPS.pop(id(w), None)
+
+
+def _bcast(pg, tensors, root: int) -> None:
+    """Broadcasts `tensors` (of any dtype; CPU or CUDA: moved through the CPU) from `root`,
+    coalesced into one message per dtype."""
+    import torch.distributed as dist
+
+    by: dict = {}
+    for t in tensors:
+        by.setdefault(t.dtype, []).append(t)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    for ts in by.values():
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
+        try:
+            pg.broadcast([flat], opts).wait()
+        except RuntimeError as e:
+            raise _f.PeerError(f"a broadcast among the workers failed: {e}") from None
+        off = 0
+        with torch.no_grad():
+            for t in ts:
+                n = t.numel()
+                t.copy_(flat[off : off + n].view_as(t))
+                off += n
+
+
+def _bcast_object(pg, obj, root: int, rank: int):
+    """`obj` of `root` on every worker (pickled through a byte tensor)."""
+    import io
+    import pickle
+
+    if rank == root:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        n = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        n = torch.zeros(1, dtype=torch.int64)
+    _bcast(pg, [n], root)
+    if rank != root:
+        data = torch.empty(int(n), dtype=torch.uint8)
+    _bcast(pg, [data], root)
+    if rank == root:
+        return obj
+    try:
+        return torch.load(io.BytesIO(data.numpy().tobytes()))
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise _f.PeerError(f"worker {root}'s broadcast could not be read: {e}") from None
 
 
 # --- fusion: the job's tensors are buckets of parameters -----------------------------------
@@ -566,7 +726,7 @@ class _Distributed:
 
     def _falcon_setup(
         self, named, policy, worker, backward_passes_per_step, model, bucket_bytes, tasks=None,
-        loss_fn=None, compute=None,
+        loss_fn=None, compute=None, broadcast_buffers=True,
     ):
         if backward_passes_per_step < 1:
             raise _f.ConfigError("backward_passes_per_step must be at least 1")
@@ -585,6 +745,19 @@ class _Distributed:
                     "loss_fn(model(inputs), targets)), or compute= (a callable taking a batch "
                     "and returning its mean loss), not both"
                 )
+            if tasks._transfer and model is not None:
+                bn = next(
+                    (n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)),
+                    None,
+                )
+                if bn is not None:
+                    raise _f.ConfigError(
+                        f"task transfer splits an iteration's batch between workers, and "
+                        f"BatchNorm ({bn or 'the model'}) normalises by the whole batch's "
+                        f"statistics: the step would not be the one your code describes. Use "
+                        f"TaskLoader(..., transfer=False), or a norm of each example "
+                        f"(LayerNorm, GroupNorm)"
+                    )
         elif loss_fn is not None or compute is not None:
             raise _f.ConfigError("loss_fn= and compute= go with tasks= (a TaskLoader)")
         mine = {id(p) for g in self.param_groups for p in g["params"]}
@@ -723,7 +896,45 @@ class _Distributed:
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 self._falcon_hooks.append(acc.register_hook(hook))
                 self._falcon_hooks.append(acc)  # keep the accumulator alive
+        # Buffers (BatchNorm's running statistics, any registered buffer) are rank 0's on
+        # every worker after each step, as DDP's broadcast_buffers: the model's, or without
+        # a model those of the modules that own these parameters, found in the first forward.
+        self._falcon_buffers: list = []
+        self._falcon_finding = None
+        if broadcast_buffers and w.workers > 1:
+            if model is not None:
+                self._falcon_buffers = list(model.buffers())
+                if self._falcon_buffers:
+                    _bcast(_group(w), self._falcon_buffers, 0)
+            else:
+                self._falcon_finding = torch.nn.modules.module.register_module_forward_pre_hook(
+                    self._falcon_find_buffers
+                )
         _LIVE.add(self)
+
+    def _falcon_find_buffers(self, module, _inputs):
+        own = self._falcon_slot
+        if any(id(p) in own for p in module.parameters(recurse=False)):
+            seen = {id(b) for b in self._falcon_buffers}
+            self._falcon_buffers += [b for b in module.buffers(recurse=False) if id(b) not in seen]
+
+    def _falcon_sync_buffers(self) -> None:
+        """After a step: every worker's buffers are rank 0's."""
+        if self._falcon_finding is not None:
+            self._falcon_finding.remove()
+            self._falcon_finding = None
+            # Every worker found the same (the same model): one count checks it.
+            pg = _group(self._falcon_worker)
+            n = torch.tensor([len(self._falcon_buffers)], dtype=torch.int64)
+            mine = int(n)
+            _bcast(pg, [n], 0)
+            if int(n) != mine:
+                raise _f.ConfigError(
+                    f"worker 0's model has {int(n)} buffers, worker {self._falcon_worker.rank}'s "
+                    f"{mine}: the workers train different models"
+                )
+        if self._falcon_buffers:
+            _bcast(_group(self._falcon_worker), self._falcon_buffers, 0)
 
     def _falcon_pre_forward(self, names):
         def hook(*_):
@@ -1033,7 +1244,7 @@ class _Distributed:
             # Task transfer with each worker's own optimizer: while the policy holds the
             # step's mean back, take the tasks of a straggler's next iteration; they are
             # computed once the user's step() has made this step (the loader's next batch).
-            more, held = self._falcon_steal_wait(waiting, now=True)
+            more, held = self._falcon_steal_wait(waiting, self._falcon_clock)
             self._falcon_later += more
             self._falcon_held += held
             self._falcon_waited = True
@@ -1117,7 +1328,8 @@ class _Distributed:
         held, self._falcon_held = self._falcon_held, 0.0
         waited, self._falcon_waited = self._falcon_waited, False
         if pending and loader._transfer:
-            more, h = self._falcon_steal_wait(list(pending.values()), now=True)
+            # The parameters hold the last clock's values; the pulls bring this clock's.
+            more, h = self._falcon_steal_wait(list(pending.values()), self._falcon_clock - 1)
             later += more
             held += h
             waited = True
@@ -1129,13 +1341,15 @@ class _Distributed:
         if waited:
             loader._held_s = held if loader._held_s is None else 0.75 * loader._held_s + 0.25 * held
 
-    def _falcon_steal_wait(self, handles, now: bool) -> tuple[list, float]:
+    def _falcon_steal_wait(self, handles, values_at: int) -> tuple[list, float]:
         """Waits for `handles`; while the policy holds them back, takes a straggler's
         unstarted tasks the servers offer (task transfer). Tasks of the iteration the
         straggler is about to start (its loader opened them to helpers when it started the one
         it is computing) are returned, to compute once this worker's step is made: their
-        values are that step's. With `now`, tasks of the iteration whose step it holds back
-        are computed at once on the values this worker holds (they are that step's values;
+        values are that step's. Tasks of the iteration whose step it holds back are computed
+        at once on the values this worker holds, those of clock `values_at` (only tasks of
+        that clock, and of the next: a straggler a clock ahead of what this worker holds is
+        no straggler of this step;
         at the end of backward, waiting for the step's mean, a reentrant autograd pass that
         leaves `.grad` alone). Returns (tasks to compute later, seconds held: waiting and helping).
 
@@ -1166,7 +1380,10 @@ class _Distributed:
             # loader has opened the next one to helpers; between its push and its next
             # batch, the one it names is still open.
             asks.extend(
-                a for s, c in w.offers() for a in ((s, c + 1, True), (s, c, False)) if a[2] or now
+                a
+                for s, c in w.offers()
+                for a in ((s, c + 1, True), (s, c, False))
+                if a[1] == values_at + (1 if a[2] else 0)
             )
             waited = time.perf_counter() - t0
             due = taken * cost  # the wait after which one more task pays
@@ -1302,7 +1519,9 @@ class _Distributed:
         if base is not self and hasattr(base, "_step_count"):
             base._step_count += 1
         if self._falcon_local:
-            return self._falcon_local_step(closure)
+            loss = self._falcon_local_step(closure)
+            self._falcon_sync_buffers()
+            return loss
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1314,6 +1533,7 @@ class _Distributed:
             # step (the error says the change was not applied).
             self.synchronize()
             self._falcon_next_clock()
+        self._falcon_sync_buffers()
         return loss
 
     def _falcon_check_views(self) -> None:
@@ -1401,6 +1621,7 @@ def DistributedOptimizer(
     tasks: "TaskLoader | None" = None,
     loss_fn: Callable | None = None,
     compute: Callable | None = None,
+    broadcast_buffers: bool = True,
 ):
     """Wraps `optimizer` for training on a falcon job, in the manner of Horovod's and
     BytePS's `DistributedOptimizer`.
@@ -1442,6 +1663,13 @@ def DistributedOptimizer(
     over its examples) or `compute` (a callable taking a batch, returning its mean loss) — and
     pushes their gradient credited to the straggler.
 
+    Buffers (BatchNorm's running statistics and any registered buffer) are rank 0's on every
+    worker from the wrapping on (with `model`) and after every step, as DDP's
+    `broadcast_buffers=True`; without `model`, those of the modules owning these parameters,
+    found in the first forward pass. `broadcast_buffers=False` leaves each worker its own.
+    They travel in the workers' own gloo group (under torchrun at its store, else at the
+    scheduler's host, the port after its own, hosted by worker 0).
+
     The result is an instance of `optimizer`'s class (schedulers accept it) that trains the
     same parameter groups. `model.named_parameters()` is the input, not a state_dict (whose
     tensors are copies)."""
@@ -1476,7 +1704,7 @@ def DistributedOptimizer(
             new.state[p] = st
     new._falcon_setup(
         named, policy, worker, backward_passes_per_step, model, bucket_bytes, tasks, loss_fn,
-        compute,
+        compute, broadcast_buffers,
     )
     if tasks is not None:
         tasks._attach(new)

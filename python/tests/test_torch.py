@@ -1257,3 +1257,73 @@ def test_state_loaded_before_wrapping_is_kept(kind):
     assert_same_parameters(model, ref, rtol=1e-6, atol=1e-7)
     falcon.finish()
     c.finish()
+
+
+PARITY = ["sgd", "momentum", "nesterov", "adam", "adamw-clip-cosine", "rmsprop", "adagrad",
+          "custom", "onecycle-epsp", "resume"]
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_falcon_trains_what_ddp_trains(procs, workers):
+    """The parity suite: the same BatchNorm model on the same examples for 30 steps, each
+    worker's own optimizer (the default, no setting) against DistributedDataParallel over gloo:
+    SGD (plain, momentum with decay, Nesterov), Adam, AdamW with warm-up/cosine and clipping,
+    RMSprop, Adagrad, an optimizer written here, OneCycleLR under epsp with a straggler whose
+    tasks move, and a checkpoint loaded before wrapping. Parameters and buffers (BatchNorm's
+    running statistics, rank 0's as DDP broadcasts them) follow DDP's."""
+    import conftest
+
+    envs = {}
+    clusters = []
+    for name in PARITY:
+        c = falcon.local_cluster(workers=workers, policy="epsp(0)" if "epsp" in name else "bsp",
+                                 heartbeat_ms=200)
+        clusters.append(c)
+        envs[name] = c.env
+    ddp = {name: f"tcp://127.0.0.1:{conftest.free_port()}" for name in PARITY}
+    for r in range(workers):
+        procs.start(f"falcon {r}", ["python/tests/parity_worker.py", "falcon", str(r), str(workers), json.dumps(envs)], {})
+        procs.start(f"ddp {r}", ["python/tests/parity_worker.py", "ddp", str(r), str(workers), json.dumps(ddp)], {})
+    outs = procs.wait_all(timeout=600)
+    for c in clusters:
+        c.finish()
+
+    def parsed(name):
+        line = next(l for l in outs[name].splitlines() if l.startswith("PARITY "))
+        return json.loads(line[7:])
+
+    fal = [parsed(f"falcon {r}") for r in range(workers)]
+    ref = parsed("ddp 0")
+    for name in PARITY:
+        want, _ = ref[name]
+        for r in range(workers):
+            got, _ = fal[r][name]
+            for k in want:
+                torch.testing.assert_close(
+                    torch.tensor(got[k]), torch.tensor(want[k]), rtol=2e-4, atol=2e-5,
+                    msg=f"{name}: worker {r}'s {k}",
+                )
+    assert sum(f["onecycle-epsp"][1] for f in fal) > 0, "no task moved under epsp"
+
+
+def test_task_transfer_with_batchnorm_is_refused():
+    """BatchNorm's statistics are the whole batch's; task transfer splits the batch, so the
+    two together would quietly train another model: a ConfigError naming the fix."""
+    c = falcon.local_cluster(workers=1, policy="epsp(0)")
+    falcon.init(env=c.env)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    x, y = data()
+    loader = ft.TaskLoader((x, y), 8, tasks=2, iterations=2)
+    with pytest.raises(falcon.ConfigError, match=r"BatchNorm \(1\).*transfer=False"):
+        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                model=model, tasks=loader, loss_fn=F.cross_entropy)
+    loader = ft.TaskLoader((x, y), 8, tasks=2, iterations=2, transfer=False)
+    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   model=model, tasks=loader, loss_fn=F.cross_entropy)
+    for xb, yb in loader:
+        dopt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        dopt.step()
+    assert dopt.clock == 2
+    falcon.finish()
+    c.finish()
