@@ -443,7 +443,8 @@ def _store_address() -> tuple[str, int, bool]:
         raise _f.ConfigError(
             "the workers need a group of their own (to broadcast buffers, optimizer state or "
             "tensors that are not float32) and no address says where it meets: set "
-            "FALCON_SCHEDULER=HOST:PORT or run under torchrun"
+            "FALCON_SCHEDULER=HOST:PORT, run under torchrun, or pass broadcast_buffers=False "
+            "where each worker's buffers may stay its own"
         )
     try:
         return host.strip("[]"), int(port) + 1, True
@@ -923,6 +924,8 @@ class _Distributed:
         if self._falcon_finding is not None:
             self._falcon_finding.remove()
             self._falcon_finding = None
+            if not self._falcon_buffers:
+                return
             # Every worker found the same (the same model): one count checks it.
             pg = _group(self._falcon_worker)
             n = torch.tensor([len(self._falcon_buffers)], dtype=torch.int64)

@@ -650,7 +650,10 @@ def test_two_workers_with_their_own_adamw_train_as_one_process_on_the_whole_batc
         try:
             w = falcon.Worker.join(names, {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
             opt, sched = adamw_recipe(models[rank].parameters())
-            dopt = ft.DistributedOptimizer(opt, models[rank].named_parameters(), worker=w, bucket_bytes=1024)
+            # Workers joined by hand (no launch environment to find the workers' group in):
+            # the model's one buffer is a constant mask, left to each.
+            dopt = ft.DistributedOptimizer(opt, models[rank].named_parameters(), worker=w, bucket_bytes=1024,
+                                           broadcast_buffers=False)
             train_recipe(models[rank], dopt, sched, 30, part=slice(8 * rank, 8 * rank + 8))
             w.finish()
         except BaseException as e:
