@@ -48,6 +48,7 @@ def make_opt(name, params):
         "custom": lambda: Custom(params, lr=0.01),
         "onecycle-epsp": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9),
         "resume": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        "horovod-resume": lambda: torch.optim.Adam(params, lr=0.01),
     }[name]()
 
 
@@ -100,11 +101,18 @@ def train(side, name, rank, workers, where):
     torch.set_num_threads(1)
     x, y = examples()
     model = model_of(name)
-    if name == "resume":
+    # Horovod's order: only rank 0 loads the checkpoint, then broadcast_parameters(state_dict)
+    # and broadcast_optimizer_state make it everyone's (DDP's side: every rank loads it).
+    loads = name == "resume" or (name == "horovod-resume" and (side == "ddp" or rank == 0))
+    if name == "horovod-resume" and not loads:
+        torch.manual_seed(100 + rank)  # another model's values: rank 0's must win
+        for t in model.state_dict().values():
+            t.copy_(torch.randn_like(t.double()).to(t.dtype) if t.is_floating_point() else t + rank + 1)
+    if loads:
         m_state, o_state = checkpoint(name)
         model.load_state_dict(m_state)
     opt = make_opt(name, model.parameters())
-    if name == "resume":
+    if loads:
         opt.load_state_dict(o_state)
     loader = None
     if side == "ddp":
@@ -114,7 +122,11 @@ def train(side, name, rank, workers, where):
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         falcon.init(env={**where, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
-        if name == "onecycle-epsp":
+        if name == "horovod-resume":
+            ft.broadcast_parameters(model.state_dict(), root_rank=0)
+            opt = ft.DistributedOptimizer(opt, model.named_parameters())
+            ft.broadcast_optimizer_state(opt, root_rank=0)
+        elif name == "onecycle-epsp":
             loader = ft.TaskLoader((x, y), BATCH, tasks=TASKS, seed=5, iterations=STEPS)
             opt = ft.DistributedOptimizer(
                 opt, model.named_parameters(), model=model, tasks=loader, loss_fn=F.cross_entropy

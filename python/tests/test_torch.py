@@ -1263,7 +1263,7 @@ def test_state_loaded_before_wrapping_is_kept(kind):
 
 
 PARITY = ["sgd", "momentum", "nesterov", "adam", "adamw-clip-cosine", "rmsprop", "adagrad",
-          "custom", "onecycle-epsp", "resume"]
+          "custom", "onecycle-epsp", "resume", "horovod-resume"]
 
 
 @pytest.mark.parametrize("workers", [2, 4])
@@ -1272,7 +1272,9 @@ def test_falcon_trains_what_ddp_trains(procs, workers):
     worker's own optimizer (the default, no setting) against DistributedDataParallel over gloo:
     SGD (plain, momentum with decay, Nesterov), Adam, AdamW with warm-up/cosine and clipping,
     RMSprop, Adagrad, an optimizer written here, OneCycleLR under epsp with a straggler whose
-    tasks move, and a checkpoint loaded before wrapping. Parameters and buffers (BatchNorm's
+    tasks move, a checkpoint loaded before wrapping, and Horovod's resume (rank 0 alone
+    loads; broadcast_parameters(state_dict) with BatchNorm's integer counter;
+    broadcast_optimizer_state). Parameters and buffers (BatchNorm's
     running statistics, rank 0's as DDP broadcasts them) follow DDP's."""
     import conftest
 
