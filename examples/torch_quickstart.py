@@ -1,7 +1,7 @@
 """The PyTorch quick start: a plain training loop — AdamW, warm-up then cosine, gradient
 clipping — through a falcon job. The same script runs on every rank; on one host:
 
-    FALCON_OPTIMIZER=local FALCON_LR=1 FALCON_POLICY=bsp \\
+    FALCON_POLICY=bsp \\
         torchrun --nproc_per_node 4 --redirects 1 --tee 1 examples/torch_quickstart.py
 
 (`--redirects 1 --tee 1`: Debian's torchrun 1.13 under Python 3.11 fails on its defaults;
@@ -10,8 +10,8 @@ elsewhere they only prefix each line with its rank.)
 torchrun's rank 0 becomes falcon's scheduler, rank 1 its server (FALCON_NUM_SERVER, 1 by
 default): `falcon.init()` serves the job for them and returns only when it is over. Ranks
 2 and 3 are the workers: each trains on its own half of every batch, and backward ends with
-the mean of both halves' gradients in `.grad` (FALCON_OPTIMIZER=local: each worker applies
-its own optimizer, the servers average), so both train what one process would on the whole
+the mean of both halves' gradients in `.grad` (the default, no FALCON_OPTIMIZER: each worker
+applies its own optimizer, the servers average), so both train what one process would on the whole
 batch. Prints each worker's loss every 10 steps and `DONE <final loss>`.
 """
 

@@ -6,12 +6,14 @@ Two ways in:
   BytePS: the parameters travel in buckets (DDP's fusion), each a tensor of the job; a
   bucket's gradients leave in one exchange as soon as backward has made them all. Two ways to
   apply the optimizer:
-  - the servers apply it (`FALCON_OPTIMIZER` sgd, momentum, adam, adamw or adagrad,
-    `FALCON_LR`; each push carries its parameter group's current rate and decay):
+  - the servers apply it, where the job names it (`FALCON_OPTIMIZER` sgd, momentum, adam,
+    adamw or adagrad, `FALCON_LR`; a `.grad` changed after backward or state in the
+    optimizer is then a ConfigError at `step()`; each push carries its parameter group's current rate and decay):
     the wrapped optimizer must describe the same one, its state lives on the servers (one
     copy for the whole job), and `step()` pulls the values the job's policy lets this clock
     see into the parameters;
-  - each worker applies its own (`FALCON_OPTIMIZER=local`): any optimizer, any schedule,
+  - each worker applies its own (the default, `FALCON_OPTIMIZER=local`: DDP's semantics,
+    task transfer included): any optimizer, any schedule,
     clipping, a gradient scaler. Under a synchronous policy the servers only average: backward
     ends with `.grad` holding the mean of every worker's gradient (as DDP's does), and
     `step()` is the optimizer's own, the same on every replica; under an asynchronous policy
@@ -1643,8 +1645,9 @@ def DistributedOptimizer(
     momentum, Adam, AdamW, Adagrad), each gradient is pushed with weight decay added (AdamW's
     is the servers'), asking for its parameter group's current learning rate (any schedule)
     and decay as multiples of the job's; `step()` waits for the pushes and pulls the values
-    the job's policy allows; a change made to `.grad` after backward does not reach them. With FALCON_OPTIMIZER=local each worker applies its own
-    optimizer, whatever it is: under a synchronous policy backward ends with `.grad` holding
+    the job's policy allows; a change made to `.grad` after backward, or state in the
+    optimizer, cannot reach them and is a ConfigError at `step()`. By default (no
+    FALCON_OPTIMIZER: `local`) each worker applies its own optimizer, whatever it is: under a synchronous policy backward ends with `.grad` holding
     the mean of every worker's gradient, so clipping, a gradient scaler and any optimizer
     and schedule run as in one process; under an asynchronous one `step()` pushes the change
     this worker's optimizer made. `policy`, when given, must be the job's (it is checked).

@@ -156,8 +156,8 @@ def test_the_pytorch_quick_start_runs_as_written(tmp_path):
     # each worker's own optimizer; both workers end with the same model.
     if not _torchrun_works():
         pytest.skip("this torch has no torch.distributed: torchrun is not available")
-    env = {**_env(tmp_path), "FALCON_OPTIMIZER": "local", "FALCON_LR": "1", "FALCON_POLICY": "bsp"}
-    for k in ("FALCON_HETERO", "FALCON_NUM_SERVER"):
+    env = {**_env(tmp_path), "FALCON_POLICY": "bsp"}  # no optimizer named: the default, exact
+    for k in ("FALCON_HETERO", "FALCON_NUM_SERVER", "FALCON_LR"):
         env.pop(k, None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
