@@ -201,16 +201,31 @@ impl CpuQuota {
         };
         sweep_stale(&m.parent);
         let dir = m.parent.join(name);
-        std::fs::create_dir(&dir).map_err(|e| {
-            Error::os(
-                format!(
-                    "making the CPU-quota group {} (cgroups are writable by root, or where a \
-                     delegated hierarchy allows)",
-                    dir.display()
-                ),
-                e,
-            )
-        })?;
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            // A group of this name left by a run killed before it could remove it: reused
+            // when no process is in it (its limits are written anew below).
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+                if let Some(pid) = procs.split_whitespace().next() {
+                    return Err(Error::Config(format!(
+                        "the CPU-quota group {} is in use (process {pid} is in it): give this \
+                         quota another name",
+                        dir.display()
+                    )));
+                }
+            }
+            Err(e) => {
+                return Err(Error::os(
+                    format!(
+                        "making the CPU-quota group {} (cgroups are writable by root, or where \
+                         a delegated hierarchy allows)",
+                        dir.display()
+                    ),
+                    e,
+                ));
+            }
+        }
         let q = CpuQuota { dir, cpus };
         let quota = ((cpus * PERIOD_US as f64).round() as u64).max(1000);
         let written = if m.v2 {
@@ -265,11 +280,17 @@ impl CpuQuota {
 
 impl Drop for CpuQuota {
     fn drop(&mut self) {
-        // A group can be removed once it holds no process; processes still in it (a caller
-        // that did not wait for them) keep it, and the kernel keeps their limit.
+        // A group can be removed once it holds no process: the quota ends with it, so the
+        // processes still in it (a caller that put itself in, or did not wait for them) go
+        // back to the group new ones are made in, and the group is removed.
         for _ in 0..50 {
             if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
                 return;
+            }
+            if let Ok(procs) = std::fs::read_to_string(self.dir.join("cgroup.procs")) {
+                for pid in procs.split_whitespace().filter_map(|p| p.parse::<u32>().ok()) {
+                    let _ = self.release(pid);
+                }
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }

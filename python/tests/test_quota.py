@@ -83,3 +83,33 @@ def test_falcon_cpu_quota_holds_a_worker_process_from_init_to_finish():
     assert not os.path.exists(group), "the group is removed"
     with pytest.raises(falcon.ConfigError, match="RANKS:CPUS"):
         falcon._falcon.cpu_quota_of("3=0.5", 4, 3)
+
+
+def test_a_stale_group_is_reused_and_close_removes_a_group_still_holding_a_process():
+    """A run killed before removing its group leaves it behind: the next quota of that name
+    reuses it (no "File exists"); close() ends the quota even for a process still in it."""
+    name = f"falcon-{os.getpid()}-stale"
+    try:
+        q = falcon.CpuQuota(name, 0.5)
+    except falcon.Error as e:
+        pytest.skip(f"no CPU quota can be made here: {e}")
+    path = q.path
+    busy = subprocess.Popen(["sh", "-c", "sleep 30"])
+    try:
+        q.add(busy.pid)
+        with pytest.raises(falcon.ConfigError, match="in use"):
+            falcon.CpuQuota(name, 0.25)
+        q.close()  # the process is still in it
+        assert not os.path.exists(path)
+    finally:
+        busy.kill()
+        busy.wait()
+    os.mkdir(path)  # what a killed run leaves
+    try:
+        again = falcon.CpuQuota(name, 0.25)
+        assert again.path == path and again.cpus == pytest.approx(0.25)
+        again.close()
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.rmdir(path)
