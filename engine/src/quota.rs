@@ -288,7 +288,10 @@ impl Drop for CpuQuota {
                 return;
             }
             if let Ok(procs) = std::fs::read_to_string(self.dir.join("cgroup.procs")) {
-                for pid in procs.split_whitespace().filter_map(|p| p.parse::<u32>().ok()) {
+                for pid in procs
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<u32>().ok())
+                {
                     let _ = self.release(pid);
                 }
             }
