@@ -203,6 +203,11 @@ def init(
     (which `falcon.torch.DistributedOptimizer` calls). Returns the Worker, or None when the
     join is deferred.
 
+    With neither FALCON_OPTIMIZER nor FALCON_LR named (here, in `env` or in the process's
+    environment) the job is FALCON_OPTIMIZER=local: the servers only average and each worker
+    applies its own optimizer (DDP's semantics, what `falcon.torch` needs to train exactly
+    what the user's code says); `local_cluster()` defaults the same way.
+
     A process the launch makes the scheduler or a server serves the job here until it ends
     and then exits (SystemExit(0)): one script can run on every rank of torchrun or srun.
     """
