@@ -473,8 +473,7 @@ def _group(w):
     timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
     try:
         store = dist.TCPStore(host, port, None if not hosts else w.workers, hosts and w.rank == 0, timeout)
-        job = w.job.get("policy", "")
-        prefix = dist.PrefixStore(f"falcon/{(_f._overrides or {}).get('FALCON_JOB', 'falcon')}/{job}/", store)
+        prefix = dist.PrefixStore(f"falcon/{(_f._overrides or {}).get('FALCON_JOB', 'falcon')}/", store)
         pg = dist.ProcessGroupGloo(prefix, w.rank, w.workers, timeout)
     except (RuntimeError, OSError) as e:
         raise _f.PeerError(
