@@ -3,6 +3,9 @@
 //! with the launch contract, `Launch::from_env()` (FALCON_*, ps-lite's DMLC_*, torchrun's
 //! RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, Slurm's, Open MPI's), joins with `Worker::join`,
 //! and pushes and pulls one tensor for a few iterations, checking every value it pulls.
+//! Under a launcher (torchrun, srun, mpirun) each rank is a worker and the roles its launch
+//! says it hosts (rank 0 the scheduler, each node's first rank a server) run beside it on
+//! threads, `HostedRoles`, which it waits for once its worker has finished.
 //!
 //! Worker r pushes the same gradient at every clock: g[i] = −(r + 1)·(i mod 4 + 1). Under
 //! BSP the servers apply the mean of the W workers' gradients with SGD at rate lr, so after t
@@ -41,6 +44,8 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
+    // The scheduler and servers this rank hosts (under a launcher), on threads.
+    let hosted = falcon_engine::local::HostedRoles::start(&launch)?;
     let tensors = vec![TensorSpec {
         name: TENSOR.into(),
         len: LEN as u64,
@@ -82,5 +87,17 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
         values[3]
     );
     w.finish()?;
+    // They serve the whole job: wait for its end.
+    let report = hosted.finish()?;
+    if let Some(s) = report.scheduler {
+        println!("hosted scheduler: {}", s.ending());
+    }
+    for (r, s) in report.servers {
+        println!(
+            "hosted server {r}: {} gradients, first parameter {:.6}",
+            s.gradients,
+            s.accounts.first().map_or(f32::NAN, |a| a.first)
+        );
+    }
     Ok(())
 }

@@ -1,12 +1,11 @@
 """A PyTorch CNN on Fashion-MNIST, trained through falcon. The same script runs on every rank.
 
-Launched by torchrun (or Slurm, mpirun, or with FALCON_*/DMLC_* variables), rank 0 becomes
-falcon's scheduler, the next FALCON_NUM_SERVER ranks its servers (`falcon.init()` serves
-the job for them and exits), and the others are the workers. On one host, 4 workers with
-worker 3 at a quarter of the speed, under EPSP:
+Launched by torchrun (or Slurm, mpirun, or with FALCON_*/DMLC_* variables), every rank is
+the worker of its rank; rank 0 also hosts falcon's scheduler and server on threads. On one
+host, 4 workers with worker 3 at a quarter of the speed, under EPSP:
 
-    FALCON_NUM_SERVER=1 FALCON_POLICY=epsp FALCON_HETERO=3:h=0.25 FALCON_LR=0.2 \\
-        python3 -m torch.distributed.run --nproc_per_node 6 examples/torch_fashion_mnist.py
+    FALCON_POLICY=epsp FALCON_HETERO=3:h=0.25 FALCON_LR=0.2 \\
+        python3 -m torch.distributed.run --nproc_per_node 4 examples/torch_fashion_mnist.py
 
 Two ways to train:
 
@@ -150,7 +149,7 @@ def main(argv=None) -> None:
     model = Net()  # the same initial values everywhere; the servers start from rank 0's
 
     if args.mode == "fit":
-        falcon.init()  # the scheduler and the servers serve here and exit
+        falcon.init()  # rank 0 also hosts the scheduler and the server
         summary = train_fit(args, model, x, y)
     else:
         summary = train_optimizer(args, model, x, y)

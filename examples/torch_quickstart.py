@@ -7,12 +7,12 @@ clipping — through a falcon job. The same script runs on every rank; on one ho
 (`--redirects 1 --tee 1`: Debian's torchrun 1.13 under Python 3.11 fails on its defaults;
 elsewhere they only prefix each line with its rank.)
 
-torchrun's rank 0 becomes falcon's scheduler, rank 1 its server (FALCON_NUM_SERVER, 1 by
-default): `falcon.init()` serves the job for them and returns only when it is over. Ranks
-2 and 3 are the workers: each trains on its own half of every batch, and backward ends with
-the mean of both halves' gradients in `.grad` (the default, no FALCON_OPTIMIZER: each worker
-applies its own optimizer, the servers average), so both train what one process would on the whole
-batch. Prints each worker's loss every 10 steps and `DONE <final loss>`.
+Each of torchrun's 4 ranks is the falcon worker of its rank (rank 0 also hosts the job's
+scheduler and server on threads): each trains on its own quarter of every batch, and
+backward ends with the mean of the quarters' gradients in `.grad` (the default, no
+FALCON_OPTIMIZER: each worker applies its own optimizer, the servers average), so all train
+what one process would on the whole batch. Prints each worker's loss every 10 steps and
+`DONE <final loss>`.
 """
 
 import math
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import falcon
 import falcon.torch as ft
 
-falcon.init()  # the scheduler's and the servers' ranks serve the job here, then exit
+falcon.init()  # every rank a worker; rank 0 also hosts the scheduler and the server
 rank, workers = falcon.rank(), falcon.size()
 
 torch.manual_seed(0)  # the same start everywhere (rank 0's values are broadcast anyway)

@@ -415,8 +415,8 @@ fn a_dead_server_is_a_prompt_typed_error_for_the_workers() {
     eprintln!("workers noticed the dead server within {noticed:?}");
 }
 
-/// Starts `world` processes with one launcher's variables only (no FALCON_ROLE): rank 0 is
-/// the scheduler, rank 1 the server, the rest workers.
+/// Starts `world` processes with one launcher's variables only (no FALCON_ROLE): each is the
+/// worker of its rank, rank 0 hosting the scheduler and the server; each says so.
 fn launch(world: u32, vars: impl Fn(u32) -> Vec<(String, String)>) {
     let mut procs = Vec::new();
     for rank in 0..world {
@@ -433,10 +433,21 @@ fn launch(world: u32, vars: impl Fn(u32) -> Vec<(String, String)>) {
         }
         procs.push(c.spawn().expect("spawn"));
     }
-    for mut c in procs {
+    for (rank, mut c) in procs.into_iter().enumerate() {
         let status = wait_for(&mut c, Duration::from_secs(60)).expect("finishes");
         let out = c.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
         assert!(status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            text.contains(&format!("worker {rank}: 15 iterations")),
+            "rank {rank} is worker {rank}: {text}"
+        );
+        // Rank 0 hosts the scheduler and the server, which report at the job's end.
+        assert_eq!(
+            text.contains("scheduler: ") && text.contains("server 0: "),
+            rank == 0,
+            "rank {rank}: {text}"
+        );
     }
 }
 

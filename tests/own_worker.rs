@@ -113,6 +113,22 @@ fn vars(list: &[(&str, String)]) -> Vec<(String, String)> {
 /// The job ended with the values BSP gives: after 8 clocks of the mean of the gradients
 /// −1·k and −2·k at rate 0.5, w[i] = 8 · 0.5 · 1.5 · k = 6k (k = i mod 4 + 1).
 fn check(outs: &[(String, String)]) {
+    check_workers(outs);
+    let out = |name: &str| &outs.iter().find(|(w, _)| w == name).unwrap().1;
+    let server = out("server");
+    assert!(
+        server.contains("server 0: 16 gradients"),
+        "8 clocks of 2 workers:\n{server}"
+    );
+    assert!(
+        server.contains("first parameter 6.000000"),
+        "the server holds the final values:\n{server}"
+    );
+    assert!(out("scheduler").contains("scheduler: job done"));
+}
+
+/// Both workers (ranks 0 and 1) pulled what BSP gives at every clock.
+fn check_workers(outs: &[(String, String)]) {
     let out = |name: &str| &outs.iter().find(|(w, _)| w == name).unwrap().1;
     let mut ranks = Vec::new();
     for w in ["worker a", "worker b"] {
@@ -137,16 +153,6 @@ fn check(outs: &[(String, String)]) {
     }
     ranks.sort();
     assert_eq!(ranks, ["0", "1"], "two workers, ranks 0 and 1");
-    let server = out("server");
-    assert!(
-        server.contains("server 0: 16 gradients"),
-        "8 clocks of 2 workers:\n{server}"
-    );
-    assert!(
-        server.contains("first parameter 6.000000"),
-        "the server holds the final values:\n{server}"
-    );
-    assert!(out("scheduler").contains("scheduler: job done"));
 }
 
 fn common(p: u16, name: &str) -> Vec<(&'static str, String)> {
@@ -180,8 +186,8 @@ fn own_workers_join_a_job_from_ps_lite_variables() {
     check(&job.finish());
 }
 
-/// torchrun's arrangement: global ranks 0 and 1 are `falcon role` (the scheduler, the
-/// server), 2 and 3 one's own workers; MASTER_ADDR a host name.
+/// torchrun's arrangement: global ranks 0 and 1 are one's own workers, rank 0 hosting the
+/// scheduler and the server on threads; MASTER_ADDR a host name.
 #[test]
 fn own_workers_join_a_job_from_torchrun_variables() {
     let p = port();
@@ -189,18 +195,25 @@ fn own_workers_join_a_job_from_torchrun_variables() {
         let mut v = common(p, "torchrun");
         v.extend([
             ("RANK", r.to_string()),
-            ("WORLD_SIZE", "4".into()),
+            ("WORLD_SIZE", "2".into()),
             ("MASTER_ADDR", "localhost".into()),
             ("MASTER_PORT", p.to_string()),
         ]);
         vars(&v)
     };
     let mut job = Job(Vec::new());
-    job.falcon_role("scheduler", &rank(0));
-    job.falcon_role("server", &rank(1));
-    job.own_worker("worker a", &rank(2));
-    job.own_worker("worker b", &rank(3));
-    check(&job.finish());
+    job.own_worker("worker a", &rank(0));
+    job.own_worker("worker b", &rank(1));
+    let outs = job.finish();
+    check_workers(&outs);
+    let a = &outs[0].1;
+    assert!(a.contains("own worker 0 of 2"), "{a}");
+    assert!(a.contains("hosted scheduler: job done"), "{a}");
+    assert!(
+        a.contains("hosted server 0: 16 gradients, first parameter 6.000000"),
+        "{a}"
+    );
+    assert!(!outs[1].1.contains("hosted"), "rank 1 hosts nothing");
 }
 
 /// FALCON_SCHEDULER as plain HOST:PORT on every process, the scheduler's included (it

@@ -452,7 +452,7 @@ fn role_refuses_a_launch_it_cannot_use_naming_the_variable() {
     );
     let e = role(&[("RANK", "5"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "9")]);
     assert!(
-        e.contains("RANK=5 with WORLD_SIZE=4: a launch of 4 processes must hold"),
+        e.contains("RANK=5 with WORLD_SIZE=4: the rank must be below the world size"),
         "{e}"
     );
     let e = role(&[

@@ -161,15 +161,18 @@ pub(crate) type Res = Result<(), Box<dyn std::error::Error>>;
 const ROLE_HELP: &str = "\
 Environment: the launch contract, the same for a worker process of one's own
 (falcon_engine::launch::Launch::from_env()); ps-lite's DMLC_* names work too:
-  FALCON_ROLE (DMLC_ROLE)       scheduler, server or worker. Unset: a launcher's global rank
-                                decides (0 the scheduler, the next FALCON_NUM_SERVER the
-                                servers, the rest the workers): torchrun's RANK and
-                                WORLD_SIZE, Slurm's SLURM_PROCID and SLURM_NTASKS, Open MPI's
-                                OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE
+  FALCON_ROLE (DMLC_ROLE)       scheduler, server or worker. Unset: a launcher's ranks are
+                                the workers (torchrun's RANK and WORLD_SIZE, Slurm's
+                                SLURM_PROCID and SLURM_NTASKS, Open MPI's OMPI_COMM_WORLD_RANK
+                                and OMPI_COMM_WORLD_SIZE), rank 0 hosting the scheduler and
+                                each node's first rank a server, on threads; the ranks on a
+                                node from LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or
+                                SLURM_NNODES (none named: one node)
+  FALCON_HOST_ROLES             0: a launcher's ranks host no scheduler or servers (they
+                                run apart, as falcon role processes); default 1
   FALCON_RANK                   rank within the role (default: the scheduler assigns one)
-  FALCON_NUM_SERVER (DMLC_NUM_SERVER)  servers (default 1)
-  FALCON_NUM_WORKER (DMLC_NUM_WORKER)  workers (default 1; under a launcher, the world size
-                                less the scheduler and the servers)
+  FALCON_NUM_SERVER (DMLC_NUM_SERVER)  servers (default 1; under a launcher, one per node)
+  FALCON_NUM_WORKER (DMLC_NUM_WORKER)  workers (default 1; under a launcher, the world size)
   FALCON_SCHEDULER              the scheduler's address: HOST:PORT, IP:PORT, or
                                 host=ID;tcp=IP:PORT; a scheduler given HOST:PORT listens there
   FALCON_SCHEDULER_URI          or the scheduler's host (DMLC_PS_ROOT_URI; torchrun's
@@ -469,35 +472,31 @@ pub(crate) fn env(names: &[&str]) -> Option<String> {
 /// The job configuration from the environment: the engine's launch contract
 /// ([`Launch::from_env`], the same for a worker process of one's own), then what the
 /// workloads of `falcon role` add to it.
-fn job_from_env() -> Result<(JobConfig, Role, Option<u32>), Box<dyn std::error::Error>> {
-    let Launch {
-        config: mut cfg,
-        role,
-        rank,
-        ..
-    } = {
-        let launch = Launch::from_vars(checks::var)?;
-        // Every variable set is checked now, before anything starts (`settings::SETTINGS`).
-        settings::check(&checks::var, &launch)?;
-        launch
-    };
-    match env(&["FALCON_WORKLOAD"]).as_deref() {
-        // Every gradient is −1: each one applied adds exactly 1/8 to every parameter, so the
-        // values count the gradients applied (exactly-once checks).
-        Some("count") => cfg.optimizer = Optimizer::Sgd { lr: 0.125 },
-        // The trainer's convention: the gradients of a clock are summed (each is already a
-        // mean over its batch), each asynchronous one applied with the same step.
-        Some("train") => {
-            cfg.aggregate = falcon_engine::update::Aggregate::Sum;
-            cfg.optimizer = Optimizer::Sgd {
-                lr: env_value(&["FALCON_LR"], 0.05, checks::learning_rate)?,
-            };
+fn job_from_env() -> Result<Launch, Box<dyn std::error::Error>> {
+    let mut launch = Launch::from_vars(checks::var)?;
+    // Every variable set is checked now, before anything starts (`settings::SETTINGS`).
+    settings::check(&checks::var, &launch)?;
+    let workload = env(&["FALCON_WORKLOAD"]);
+    // The scheduler and the servers a launched rank hosts run the same job.
+    for cfg in std::iter::once(&mut launch.config).chain(launch.hosted_scheduler.as_mut()) {
+        match workload.as_deref() {
+            // Every gradient is −1: each one applied adds exactly 1/8 to every parameter, so
+            // the values count the gradients applied (exactly-once checks).
+            Some("count") => cfg.optimizer = Optimizer::Sgd { lr: 0.125 },
+            // The trainer's convention: the gradients of a clock are summed (each is already
+            // a mean over its batch), each asynchronous one applied with the same step.
+            Some("train") => {
+                cfg.aggregate = falcon_engine::update::Aggregate::Sum;
+                cfg.optimizer = Optimizer::Sgd {
+                    lr: env_value(&["FALCON_LR"], 0.05, checks::learning_rate)?,
+                };
+            }
+            // The synthetic workload (and rows): the launch contract's learning rate (lr /
+            // workers under asynchronous policies). Other names were refused by the checks.
+            _ => {}
         }
-        // The synthetic workload (and rows): the launch contract's learning rate (lr /
-        // workers under asynchronous policies). Other names were refused by the checks.
-        _ => {}
     }
-    Ok((cfg, role, rank))
+    Ok(launch)
 }
 
 /// The workloads of `falcon role` (`FALCON_WORKLOAD`).
@@ -533,15 +532,42 @@ fn lr_decay_from_env()
 fn role() -> Res {
     // Started by `falcon local`: die with it.
     hygiene::die_with_parent()?;
-    let (cfg, role, rank) = job_from_env()?;
+    let launch = job_from_env()?;
+    let (role, rank) = (launch.role, launch.rank);
     logs::label(match rank {
         Some(r) => format!("{} {r}", role.name()),
         None => role.name().to_string(),
     });
+    let mode = launch.config.update_mode();
     match role {
-        Role::Scheduler => scheduler_role(cfg),
-        Role::Server => server_role(cfg, rank),
-        Role::Worker => worker_role(cfg, rank),
+        Role::Scheduler => scheduler_role(launch.config),
+        Role::Server => server_role(launch.config, rank),
+        Role::Worker => {
+            // A launched rank: the scheduler and servers it hosts run on threads beside its
+            // worker, and serve the job to its end.
+            let hooks = falcon_engine::ServerHooks {
+                schedule: lr_decay_from_env()?,
+                ..Default::default()
+            };
+            let hosted = falcon_engine::local::HostedRoles::start_with(&launch, hooks)?;
+            let worked = worker_role(launch.config, rank);
+            if hosted.is_empty() {
+                return worked;
+            }
+            if worked.is_err() && hosted.failure().is_none() {
+                // The job goes on without this worker only where its policy allows; the
+                // hosted roles still serve the others.
+                tracing::warn!("this rank's worker failed; its scheduler and servers serve on");
+            }
+            let report = hosted.finish()?;
+            if let Some(r) = &report.scheduler {
+                scheduler_report(r, mode)?;
+            }
+            for (_, r) in &report.servers {
+                server_report(r);
+            }
+            worked
+        }
     }
 }
 
@@ -556,6 +582,14 @@ fn scheduler_role(cfg: JobConfig) -> Res {
         std::io::stdout().flush()?;
     }
     let report = sched.run()?;
+    scheduler_report(&report, mode)
+}
+
+/// What the scheduler says at the job's end (an error where a lost worker fails the job).
+fn scheduler_report(
+    report: &falcon_engine::SchedulerReport,
+    mode: falcon_engine::update::UpdateMode,
+) -> Res {
     outln!(
         "scheduler: {}; bytes per server [{}]",
         report.ending(),
@@ -579,6 +613,12 @@ fn server_role(cfg: JobConfig, rank: Option<u32>) -> Res {
     let server = Server::join(cfg, rank, hooks)?;
     logs::label(format!("server {}", server.rank()));
     let report = server.run()?;
+    server_report(&report);
+    Ok(())
+}
+
+/// What a server says at the job's end.
+fn server_report(report: &falcon_engine::ServerReport) {
     outln!(
         "server {}: {} gradients, {} updates, {} delayed pulls, {} answered pulls, {} dropped gradients, {} duplicate pushes, {} folded gradients",
         report.rank,
@@ -643,7 +683,6 @@ fn server_role(cfg: JobConfig, rank: Option<u32>) -> Res {
         report.rank,
         report.per_shard.len()
     );
-    Ok(())
 }
 
 /// A worker's part: its workload. An evicted worker (silent past the suspicion timeout:

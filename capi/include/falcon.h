@@ -505,7 +505,10 @@ int falcon_learning_rate(falcon_worker *w, float *out);
 /**
  * Tells the scheduler this worker is done (the job ends when every worker is) and closes
  * its links in order. Operations still waiting fail; later pushes and pulls are
- * `FALCON_ERR_CONFIG`. A second call does nothing. The worker is still to be freed.
+ * `FALCON_ERR_CONFIG`. A second call does nothing. The worker is still to be freed. On a
+ * launched rank that hosts the scheduler or servers (`falcon_join` under torchrun, srun or
+ * mpirun: rank 0, each node's first rank) it then waits for the job's end, since they
+ * serve every worker until then.
  *
  * Thread safety: safe from any thread.
  *

@@ -328,6 +328,9 @@ struct Shared {
     w: falcon_engine::Worker,
     /// Registered regions waiting for reuse, by tensor index.
     regions: Mutex<HashMap<usize, Vec<Region>>>,
+    /// The scheduler and servers a launched rank hosts beside this worker (rank 0, each
+    /// node's first rank), until `falcon_finish` waits for the job's end with them.
+    hosted: Mutex<Option<falcon_engine::local::HostedRoles>>,
 }
 
 /// Regions kept per tensor for reuse (more in flight at once are made and dropped).
@@ -484,11 +487,14 @@ unsafe fn join_as_worker(
             ),
         ));
     }
+    // Under a launcher, the roles this rank hosts run beside its worker, on threads.
+    let hosted = falcon_engine::local::HostedRoles::start(&launch)?;
     let w = falcon_engine::Worker::join(&launch.config, tensors, launch.rank)?;
     let boxed = Box::new(FalconWorker {
         shared: Arc::new(Shared {
             w,
             regions: Mutex::new(HashMap::new()),
+            hosted: Mutex::new((!hosted.is_empty()).then_some(hosted)),
         }),
     });
     // SAFETY: forwarded contract. (Checked before joining, so a null `out` joins nothing.)
@@ -1352,7 +1358,10 @@ pub unsafe extern "C" fn falcon_learning_rate(w: *mut FalconWorker, out: *mut f3
 
 /// Tells the scheduler this worker is done (the job ends when every worker is) and closes
 /// its links in order. Operations still waiting fail; later pushes and pulls are
-/// `FALCON_ERR_CONFIG`. A second call does nothing. The worker is still to be freed.
+/// `FALCON_ERR_CONFIG`. A second call does nothing. The worker is still to be freed. On a
+/// launched rank that hosts the scheduler or servers (`falcon_join` under torchrun, srun or
+/// mpirun: rank 0, each node's first rank) it then waits for the job's end, since they
+/// serve every worker until then.
 ///
 /// Thread safety: safe from any thread.
 ///
@@ -1365,6 +1374,11 @@ pub unsafe extern "C" fn falcon_finish(w: *mut FalconWorker) -> c_int {
         // SAFETY: forwarded contract.
         let s = unsafe { worker(w) }?;
         s.w.finish()?;
+        // A rank hosting the scheduler or servers serves the job to its end.
+        let hosted = s.hosted.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = hosted {
+            h.finish()?;
+        }
         Ok(FALCON_OK)
     })
 }

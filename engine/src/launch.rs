@@ -21,12 +21,15 @@
 //!
 //! - the role: `FALCON_ROLE` (`DMLC_ROLE`), `scheduler`, `server` or `worker`, and
 //!   `FALCON_RANK`, the rank within the role (default: the scheduler assigns one). Without
-//!   a role, a launcher's global rank decides: torchrun's `RANK`/`WORLD_SIZE`, Slurm's
-//!   `SLURM_PROCID`/`SLURM_NTASKS` or Open MPI's `OMPI_COMM_WORLD_RANK`/`_SIZE`; rank 0 is
-//!   the scheduler, the next `FALCON_NUM_SERVER` ranks the servers, the rest the workers;
-//! - the job's size: `FALCON_NUM_SERVER` (`DMLC_NUM_SERVER`, default 1) and
-//!   `FALCON_NUM_WORKER` (`DMLC_NUM_WORKER`, default 1; under a launcher, the world less the
-//!   scheduler and the servers);
+//!   a role, a launcher's ranks are the workers: torchrun's `RANK`/`WORLD_SIZE`, Slurm's
+//!   `SLURM_PROCID`/`SLURM_NTASKS` or Open MPI's `OMPI_COMM_WORLD_RANK`/`_SIZE` make the
+//!   process worker `RANK` of `WORLD_SIZE`, and the scheduler and the servers run beside
+//!   them on threads ([`Launch::hosted`]): rank 0 hosts the scheduler, the first rank of
+//!   each node a server (nodes from `LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE` or
+//!   `SLURM_NNODES`); `FALCON_HOST_ROLES=0` hosts none (they are started apart);
+//! - the job's size: `FALCON_NUM_SERVER` (`DMLC_NUM_SERVER`; default 1, under a launcher
+//!   one per node) and `FALCON_NUM_WORKER` (`DMLC_NUM_WORKER`, default 1; under a launcher,
+//!   the world);
 //! - the scheduler: `FALCON_SCHEDULER`, an address (`HOST:PORT`, `IP:PORT`, or the
 //!   transport's `host=ID;tcp=IP:PORT` text), or a host and a port:
 //!   `FALCON_SCHEDULER_URI` (`DMLC_PS_ROOT_URI`; torchrun's `MASTER_ADDR`; the first node of
@@ -105,6 +108,10 @@ pub const VARIABLES: &[&str] = &[
     "SLURM_JOB_NODELIST",
     "OMPI_COMM_WORLD_RANK",
     "OMPI_COMM_WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_NNODES",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "FALCON_HOST_ROLES",
     "FALCON_NODE_HOST",
     "DMLC_NODE_HOST",
     "FALCON_BIND",
@@ -156,6 +163,31 @@ pub struct Launch {
     /// Its rank within the role, if the environment names one (`FALCON_RANK`, or the
     /// launcher's global rank); `None`: the scheduler assigns one.
     pub rank: Option<u32>,
+    /// The roles this process runs beside its own, on threads: under a launcher, rank 0
+    /// hosts the scheduler and each node's first rank servers (none with
+    /// `FALCON_HOST_ROLES=0`, nor with a role named).
+    pub hosted: Hosted,
+    /// The configuration of the scheduler it hosts (it listens on the job's scheduler
+    /// address), where [`Hosted::scheduler`].
+    pub hosted_scheduler: Option<JobConfig>,
+}
+
+/// The roles a launched rank hosts beside its worker ([`Launch::hosted`]); started with
+/// [`crate::local::HostedRoles::start`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Hosted {
+    /// The job's scheduler.
+    pub scheduler: bool,
+    /// These servers' ranks.
+    pub servers: Vec<u32>,
+}
+
+impl Hosted {
+    /// Whether it hosts anything.
+    pub fn is_empty(&self) -> bool {
+        !self.scheduler && self.servers.is_empty()
+    }
 }
 
 /// A launch refused: which variable, its value, and what is allowed.
@@ -185,11 +217,10 @@ pub enum LaunchError {
          MASTER_PORT)"
     )]
     NoScheduler,
-    /// A launch too small for a scheduler, the servers and a worker, or a rank outside it.
+    /// A rank outside its launch.
     #[error(
-        "{rank_var}={rank} with {world_var}={world}: a launch of {world} processes must hold \
-         a scheduler, {servers} server(s) (FALCON_NUM_SERVER) and at least one worker, and \
-         the rank must be below the world size"
+        "{rank_var}={rank} with {world_var}={world}: the rank must be below the world size \
+         (each rank is a worker)"
     )]
     Launcher {
         /// The launcher's rank variable.
@@ -200,8 +231,6 @@ pub enum LaunchError {
         world_var: &'static str,
         /// The world size.
         world: u32,
-        /// The job's servers.
-        servers: u32,
     },
     /// Values wrong together (a policy and the workers, a suspicion timeout and the
     /// heartbeat).
@@ -388,33 +417,41 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
     }
 }
 
-/// Where a launcher put this process.
+/// Where a launcher put this process: a worker of its global rank.
 struct Placed {
-    role: Role,
-    /// Rank within the role.
+    /// The global rank, the worker's rank.
     rank: u32,
-    /// Processes in the launch.
+    /// Processes in the launch: the job's workers.
     world: u32,
+    /// The job's servers.
+    servers: u32,
     /// The scheduler's host, if the launcher names it.
     host: Option<SchedulerHost>,
+    /// What this rank hosts beside its worker.
+    hosted: Hosted,
 }
 
-/// One launcher line for every process (Slurm's `srun`, torchrun, mpirun): the role comes
-/// from the global rank — 0 is the scheduler, the next `servers` ranks the servers, the rest
-/// the workers — and the scheduler's host from MASTER_ADDR or the first node of
-/// SLURM_NODELIST.
+/// One launcher line for every process (Slurm's `srun`, torchrun, mpirun): every rank is a
+/// worker of that rank (N processes, N trainers, as under DDP and Horovod). The scheduler
+/// and the servers run beside them on threads ([`Hosted`]): rank 0 hosts the scheduler, and
+/// server `s` is hosted by the first rank of node `s mod nodes` (ranks are placed node by
+/// node, `per_node` of them on each: torchrun's `LOCAL_WORLD_SIZE`, Open MPI's
+/// `OMPI_COMM_WORLD_LOCAL_SIZE`, Slurm's tasks over `SLURM_NNODES`). With
+/// `FALCON_HOST_ROLES=0` the ranks host nothing: the scheduler and the servers are started
+/// apart (`falcon role`) and the ranks are the workers alone. The scheduler's host comes
+/// from MASTER_ADDR or the first node of SLURM_NODELIST.
 fn launcher_layout<F: Fn(&str) -> Option<String>>(
     env: &Env<F>,
-    servers: u32,
+    servers: Option<u32>,
 ) -> Result<Option<Placed>, LaunchError> {
-    let (rank, world, host) = if let (Some(r), Some(w)) =
+    let (rank, world, host, per_node) = if let (Some(r), Some(w)) =
         (env.get(&["RANK"]), env.get(&["WORLD_SIZE"]))
     {
         let host = env.get(&["MASTER_ADDR"]).map(|from| SchedulerHost {
             host: from.value.trim().to_string(),
             from,
         });
-        (r, w, host)
+        (r, w, host, env.get(&["LOCAL_WORLD_SIZE"]))
     } else if let (Some(r), Some(w)) = (env.get(&["SLURM_PROCID"]), env.get(&["SLURM_NTASKS"])) {
         let host = env
             .get(&["SLURM_NODELIST", "SLURM_JOB_NODELIST"])
@@ -422,12 +459,12 @@ fn launcher_layout<F: Fn(&str) -> Option<String>>(
                 host: first_host(&from.value),
                 from,
             });
-        (r, w, host)
+        (r, w, host, None)
     } else if let (Some(r), Some(w)) = (
         env.get(&["OMPI_COMM_WORLD_RANK"]),
         env.get(&["OMPI_COMM_WORLD_SIZE"]),
     ) {
-        (r, w, None)
+        (r, w, None, env.get(&["OMPI_COMM_WORLD_LOCAL_SIZE"]))
     } else {
         return Ok(None);
     };
@@ -435,25 +472,62 @@ fn launcher_layout<F: Fn(&str) -> Option<String>>(
         .map_err(|_| rank.refused("not a whole number (the launcher's global rank)"))?;
     let size: u32 = checks::number(&world.value, "")
         .map_err(|_| world.refused("not a whole number (the launcher's world size)"))?;
-    if u64::from(size) < u64::from(servers) + 2 || n >= size {
+    if size == 0 || n >= size {
         return Err(LaunchError::Launcher {
             rank_var: rank.var,
             rank: n,
             world_var: world.var,
             world: size,
-            servers,
         });
     }
-    let (role, r) = match n {
-        0 => (Role::Scheduler, 0),
-        r if r <= servers => (Role::Server, r - 1),
-        r => (Role::Worker, r - 1 - servers),
+    // Ranks on each node: named by torchrun and Open MPI; Slurm's tasks over its nodes.
+    let per_node = match per_node {
+        Some(set) => {
+            let k: u32 = checks::number(&set.value, "")
+                .map_err(|_| set.refused("not a whole number (the ranks on each node)"))?;
+            if k == 0 || k > size {
+                return Err(set.refused(format!(
+                    "the ranks on each node are 1 to the world size ({size})"
+                )));
+            }
+            k
+        }
+        None => match env.get(&["SLURM_NNODES"]) {
+            Some(set) => {
+                let nodes: u32 = checks::number(&set.value, "")
+                    .map_err(|_| set.refused("not a whole number (the job's nodes)"))?;
+                if nodes == 0 {
+                    return Err(set.refused("a job runs on at least one node"));
+                }
+                size.div_ceil(nodes.min(size))
+            }
+            None => size,
+        },
+    };
+    let nodes = size.div_ceil(per_node);
+    let servers = servers.unwrap_or(nodes);
+    let host_roles = env.yes_no(
+        "FALCON_HOST_ROLES",
+        true,
+        "1 (rank 0 hosts the scheduler and each node's first rank servers, on threads) or 0 \
+         (the scheduler and the servers run apart, as `falcon role` processes)",
+    )?;
+    let hosted = if host_roles {
+        Hosted {
+            scheduler: n == 0,
+            servers: (0..servers)
+                .filter(|s| (s % nodes) * per_node == n)
+                .collect(),
+        }
+    } else {
+        Hosted::default()
     };
     Ok(Some(Placed {
-        role,
-        rank: r,
+        rank: n,
         world: size,
+        servers,
         host,
+        hosted,
     }))
 }
 
@@ -467,12 +541,14 @@ impl Launch {
     /// value of the variable NAME, `None` when unset.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Launch, LaunchError> {
         let env = Env(var);
-        let servers: u32 = env.value(
-            &["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"],
-            1,
-            checks::at_least_one_u32,
-        )?;
-        let (role, placed) = role_of(&env, servers)?;
+        let named_servers = match env.get(&["FALCON_NUM_SERVER", "DMLC_NUM_SERVER"]) {
+            Some(set) => Some(checks::at_least_one_u32(&set.value).map_err(|e| set.refused(e))?),
+            None => None,
+        };
+        let (role, placed) = role_of(&env, named_servers)?;
+        let servers = placed
+            .as_ref()
+            .map_or(named_servers.unwrap_or(1), |p| p.servers);
         let uri = env
             .get(&["FALCON_SCHEDULER_URI", "DMLC_PS_ROOT_URI"])
             .map(|from| SchedulerHost {
@@ -496,7 +572,7 @@ impl Launch {
             _ => return Err(LaunchError::NoScheduler),
         };
         let workers = match &placed {
-            Some(p) => p.world - 1 - servers,
+            Some(p) => p.world,
             None => env.value(
                 &["FALCON_NUM_WORKER", "DMLC_NUM_WORKER"],
                 1,
@@ -517,11 +593,28 @@ impl Launch {
             "1 (over shm a large gradient is read where the worker holds it) or 0 (copied into the slot)",
         )?;
         cfg.transport.bind = Some(bind_address(&env, role, (&uri, port), scheduler_tcp)?);
+        // The scheduler this rank hosts listens where the job's address says.
+        let hosted_scheduler = match &placed {
+            Some(p) if p.hosted.scheduler => {
+                let mut c = cfg.clone();
+                c.transport.bind = Some(bind_address(
+                    &env,
+                    Role::Scheduler,
+                    (&uri, port),
+                    scheduler_tcp,
+                )?);
+                Some(c)
+            }
+            _ => None,
+        };
         if let Some(set) = env.get(&["FALCON_ADVERTISE"]) {
             cfg.transport.advertise = Some(set.value.trim().parse().map_err(|_| {
                 set.refused("not a socket address: expected IP:PORT, e.g. 10.0.0.5:9000")
             })?);
         }
+        let hosted = placed
+            .as_ref()
+            .map_or_else(Hosted::default, |p| p.hosted.clone());
         let rank =
             match placed {
                 Some(p) => Some(p.rank),
@@ -536,6 +629,8 @@ impl Launch {
             config: cfg,
             role,
             rank,
+            hosted,
+            hosted_scheduler,
         })
     }
 }
@@ -544,7 +639,7 @@ impl Launch {
 /// process's global rank.
 fn role_of<F: Fn(&str) -> Option<String>>(
     env: &Env<F>,
-    servers: u32,
+    servers: Option<u32>,
 ) -> Result<(Role, Option<Placed>), LaunchError> {
     match env.get(&["FALCON_ROLE", "DMLC_ROLE"]) {
         Some(set) => Ok((
@@ -555,7 +650,7 @@ fn role_of<F: Fn(&str) -> Option<String>>(
             None,
         )),
         None => match launcher_layout(env, servers)? {
-            Some(p) => Ok((p.role, Some(p))),
+            Some(p) => Ok((Role::Worker, Some(p))),
             None => Err(LaunchError::NoRole),
         },
     }
@@ -1017,42 +1112,69 @@ mod tests {
     }
 
     #[test]
-    fn launchers_place_processes_by_global_rank() {
-        // torchrun: 0 the scheduler, 1..=S the servers, the rest the workers.
-        let torchrun = |rank: &str| {
-            launch(&[
+    fn launchers_ranks_are_workers_and_host_the_other_roles() {
+        // torchrun, 2 nodes of 3: every rank the worker of its rank; rank 0 hosts the
+        // scheduler, each node's first rank a server.
+        let torchrun = |rank: &str, extra: &[(&'static str, &'static str)]| {
+            let mut v = vec![
                 ("RANK", rank),
-                ("WORLD_SIZE", "5"),
+                ("WORLD_SIZE", "6"),
+                ("LOCAL_WORLD_SIZE", "3"),
                 ("MASTER_ADDR", "127.0.0.1"),
                 ("MASTER_PORT", "29500"),
-                ("FALCON_NUM_SERVER", "2"),
-            ])
-            .unwrap()
+            ];
+            v.extend_from_slice(extra);
+            launch(&v).unwrap()
         };
-        let placed: Vec<(Role, Option<u32>)> = ["0", "1", "2", "3", "4"]
+        let placed: Vec<(Role, Option<u32>, bool, Vec<u32>)> = ["0", "1", "2", "3", "4", "5"]
             .iter()
             .map(|r| {
-                let l = torchrun(r);
-                (l.role, l.rank)
+                let l = torchrun(r, &[]);
+                (l.role, l.rank, l.hosted.scheduler, l.hosted.servers)
             })
             .collect();
         assert_eq!(
             placed,
             [
-                (Role::Scheduler, Some(0)),
-                (Role::Server, Some(0)),
-                (Role::Server, Some(1)),
-                (Role::Worker, Some(0)),
-                (Role::Worker, Some(1)),
+                (Role::Worker, Some(0), true, vec![0]),
+                (Role::Worker, Some(1), false, vec![]),
+                (Role::Worker, Some(2), false, vec![]),
+                (Role::Worker, Some(3), false, vec![1]),
+                (Role::Worker, Some(4), false, vec![]),
+                (Role::Worker, Some(5), false, vec![]),
             ]
         );
-        let w = torchrun("4");
-        assert_eq!((w.config.servers, w.config.workers), (2, 2));
+        let w = torchrun("4", &[]);
+        assert_eq!((w.config.servers, w.config.workers), (2, 6));
         assert_eq!(w.config.scheduler, "host=remote;tcp=127.0.0.1:29500");
+        assert!(w.hosted_scheduler.is_none());
+        // The hosted scheduler listens on the job's address; the worker beside it does not.
+        let r0 = torchrun("0", &[]);
         assert_eq!(
-            torchrun("0").config.transport.bind,
+            r0.hosted_scheduler.unwrap().transport.bind,
             Some("127.0.0.1:29500".parse().unwrap())
         );
+        assert_eq!(r0.config.transport.bind, Some(LOCAL));
+        // More servers than nodes go round the nodes.
+        let four = |r| torchrun(r, &[("FALCON_NUM_SERVER", "4")]).hosted.servers;
+        assert_eq!(
+            (four("0"), four("3"), four("1")),
+            (vec![0, 2], vec![1, 3], vec![])
+        );
+        // Hosting nothing: the scheduler and the servers were started apart.
+        let apart = torchrun("0", &[("FALCON_HOST_ROLES", "0")]);
+        assert!(apart.hosted.is_empty() && apart.hosted_scheduler.is_none());
+        assert_eq!((apart.role, apart.rank), (Role::Worker, Some(0)));
+        // No node size named: one node, everything on rank 0.
+        let l = launch(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!((l.config.servers, l.config.workers), (1, 4));
+        assert!(l.hosted.scheduler && l.hosted.servers == [0]);
         // Slurm names hosts and no port: the first node, falcon's default port.
         let l = launch(&[
             ("SLURM_PROCID", "2"),
@@ -1060,8 +1182,8 @@ mod tests {
             ("SLURM_JOB_NODELIST", "localhost,node[2-3]"),
         ])
         .unwrap();
-        assert_eq!((l.role, l.rank), (Role::Worker, Some(0)));
-        assert_eq!(l.config.workers, 2);
+        assert_eq!((l.role, l.rank), (Role::Worker, Some(2)));
+        assert_eq!(l.config.workers, 4);
         let tcp = scheduler_address(&l.config.scheduler).unwrap().tcp.unwrap();
         assert!(tcp.ip().is_loopback(), "{tcp}");
         assert_eq!(tcp.port(), DEFAULT_SCHEDULER_PORT);
@@ -1072,8 +1194,24 @@ mod tests {
             ("FALCON_SCHEDULER_URI", "127.0.0.1"),
         ])
         .unwrap();
-        assert_eq!((l.role, l.rank), (Role::Server, Some(0)));
+        assert_eq!(
+            (l.role, l.rank, l.hosted.is_empty()),
+            (Role::Worker, Some(1), true)
+        );
         assert_eq!(l.config.scheduler, "host=remote;tcp=127.0.0.1:9091");
+        // Slurm's nodes: 8 tasks on 2 nodes, 4 on each; task 4 hosts the second server.
+        let slurm = |rank: &'static str| {
+            launch(&[
+                ("SLURM_PROCID", rank),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_NNODES", "2"),
+                ("SLURM_JOB_NODELIST", "localhost"),
+            ])
+            .unwrap()
+        };
+        assert_eq!(slurm("4").hosted.servers, [1]);
+        assert_eq!(slurm("4").config.servers, 2);
+        assert!(slurm("3").hosted.is_empty());
         // An explicit role wins over the launcher's rank.
         let l = launch(&[
             ("DMLC_ROLE", "worker"),
@@ -1274,18 +1412,27 @@ mod tests {
                 ("WORLD_SIZE", "4"),
                 ("MASTER_ADDR", "127.0.0.1")
             ]),
-            "RANK=4 with WORLD_SIZE=4: a launch of 4 processes must hold a scheduler, 1 server(s) \
-             (FALCON_NUM_SERVER) and at least one worker, and the rank must be below the world size"
+            "RANK=4 with WORLD_SIZE=4: the rank must be below the world size (each rank is a worker)"
         );
-        assert!(
+        assert_eq!(
             refused(&[
-                ("OMPI_COMM_WORLD_RANK", "0"),
-                ("OMPI_COMM_WORLD_SIZE", "3"),
-                ("FALCON_NUM_SERVER", "2")
-            ])
-            .starts_with(
-                "OMPI_COMM_WORLD_RANK=0 with OMPI_COMM_WORLD_SIZE=3: a launch of 3 processes"
-            )
+                ("RANK", "0"),
+                ("WORLD_SIZE", "4"),
+                ("LOCAL_WORLD_SIZE", "8"),
+                ("MASTER_ADDR", "127.0.0.1")
+            ]),
+            "LOCAL_WORLD_SIZE=8: the ranks on each node are 1 to the world size (4)"
+        );
+        assert_eq!(
+            refused(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "4"),
+                ("FALCON_HOST_ROLES", "maybe"),
+                ("MASTER_ADDR", "127.0.0.1")
+            ]),
+            "FALCON_HOST_ROLES=maybe: not a yes or no: 1 (rank 0 hosts the scheduler and each \
+             node's first rank servers, on threads) or 0 (the scheduler and the servers run apart, \
+             as `falcon role` processes)"
         );
         // A launcher that names no scheduler host (mpirun) needs FALCON_SCHEDULER_URI.
         assert!(
@@ -1389,6 +1536,7 @@ mod tests {
         ]);
         run(&[("RANK", "1"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "9000")]);
         run(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "3")]);
+        run(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "3")]);
         let listed: BTreeSet<String> = VARIABLES.iter().map(|v| v.to_string()).collect();
         assert_eq!(listed.len(), VARIABLES.len(), "no duplicates");
         assert_eq!(asked.into_inner(), listed);

@@ -295,3 +295,115 @@ impl LocalCluster {
         Ok(LocalReport { scheduler, servers })
     }
 }
+
+/// The roles a launched rank runs beside its worker ([`crate::launch::Launch::hosted`]): the
+/// scheduler on rank 0, servers on each node's first rank, on threads of its process. They
+/// serve the whole job, so the hosting process waits for them ([`HostedRoles::finish_within`])
+/// after its own worker finished.
+pub struct HostedRoles {
+    scheduler: Option<JoinHandle<Result<SchedulerReport>>>,
+    servers: Vec<(u32, JoinHandle<Result<ServerReport>>)>,
+    failures: FirstFailure,
+}
+
+/// What the roles a rank hosted report.
+#[derive(Debug, Default)]
+pub struct HostedReport {
+    /// The scheduler's, where it was hosted here.
+    pub scheduler: Option<SchedulerReport>,
+    /// Each hosted server's, with its rank.
+    pub servers: Vec<(u32, ServerReport)>,
+}
+
+impl HostedRoles {
+    /// Starts what `launch` says this process hosts (nothing: an empty set). The scheduler
+    /// is bound before this returns, so a bind error (a port in use) is this call's error.
+    pub fn start(launch: &crate::launch::Launch) -> Result<HostedRoles> {
+        Self::start_with(launch, ServerHooks::default())
+    }
+
+    /// As `start`, with the servers' hooks (a learning-rate schedule).
+    pub fn start_with(launch: &crate::launch::Launch, hooks: ServerHooks) -> Result<HostedRoles> {
+        let failures = FirstFailure::default();
+        let scheduler = match (&launch.hosted_scheduler, launch.hosted.scheduler) {
+            (Some(cfg), true) => {
+                let sched = Scheduler::bind(cfg.clone())?;
+                let failures = failures.clone();
+                Some(
+                    std::thread::Builder::new()
+                        .name("falcon-scheduler".into())
+                        .spawn(move || run_role(&failures, "scheduler", 0, || sched.run()))
+                        .map_err(|e| Error::os("cannot start the scheduler's thread", e))?,
+                )
+            }
+            _ => None,
+        };
+        let servers = launch
+            .hosted
+            .servers
+            .iter()
+            .map(|&r| {
+                let (cfg, failures, hooks) =
+                    (launch.config.clone(), failures.clone(), hooks.clone());
+                std::thread::Builder::new()
+                    .name(format!("falcon-server-{r}"))
+                    .spawn(move || {
+                        run_role(&failures, "server", r, || {
+                            Server::join(cfg, Some(r), hooks)?.run()
+                        })
+                    })
+                    .map(|h| (r, h))
+                    .map_err(|e| Error::os(format!("cannot start the thread of server {r}"), e))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(HostedRoles {
+            scheduler,
+            servers,
+            failures,
+        })
+    }
+
+    /// Whether it hosts nothing.
+    pub fn is_empty(&self) -> bool {
+        self.scheduler.is_none() && self.servers.is_empty()
+    }
+
+    /// The first failure of a hosted role so far.
+    pub fn failure(&self) -> Option<RoleFailure> {
+        self.failures.get()
+    }
+
+    /// Whether every hosted role has ended.
+    pub fn is_finished(&self) -> bool {
+        self.scheduler.as_ref().is_none_or(JoinHandle::is_finished)
+            && self.servers.iter().all(|(_, h)| h.is_finished())
+    }
+
+    /// Waits for the hosted roles to end: the job's end, when every worker has finished.
+    pub fn finish(self) -> Result<HostedReport> {
+        self.finish_within(Duration::MAX)
+    }
+
+    /// Waits at most `limit` for the hosted roles to end (the job ends when every worker has
+    /// finished) and returns their reports; a role's error is the error, and a role still
+    /// running at the deadline a timeout (its thread is left to end with the process).
+    pub fn finish_within(self, limit: Duration) -> Result<HostedReport> {
+        let start = Instant::now();
+        while !self.is_finished() {
+            if start.elapsed() >= limit {
+                return Err(Error::Timeout("the hosted scheduler and servers", limit));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let scheduler = match self.scheduler {
+            Some(h) => Some(join(h, "scheduler", 0)?),
+            None => None,
+        };
+        let servers = self
+            .servers
+            .into_iter()
+            .map(|(r, h)| join(h, "server", r).map(|rep| (r, rep)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(HostedReport { scheduler, servers })
+    }
+}

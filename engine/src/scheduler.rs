@@ -86,20 +86,62 @@ struct Gathering {
 fn agreed_tensors(
     declared: &BTreeMap<(Role, u32), Vec<TensorSpec>>,
 ) -> std::result::Result<Vec<TensorSpec>, String> {
-    let declared: Vec<&Vec<TensorSpec>> = declared
+    let declared: Vec<(u32, &Vec<TensorSpec>)> = declared
         .iter()
-        .filter(|((r, _), _)| *r == Role::Worker)
-        .map(|(_, t)| t)
-        .filter(|t| !t.is_empty())
+        .filter(|((r, _), t)| *r == Role::Worker && !t.is_empty())
+        .map(|((_, rank), t)| (*rank, t))
         .collect();
-    let tensors = declared.first().map(|t| (*t).clone()).unwrap_or_default();
-    if tensors.is_empty() {
+    let Some(&(first, tensors)) = declared.first() else {
         return Err("no worker declared any tensor".into());
+    };
+    for &(other, theirs) in &declared[1..] {
+        if theirs != tensors {
+            return Err(difference(first, tensors, other, theirs));
+        }
     }
-    if declared.iter().any(|t| **t != tensors) {
-        return Err("workers declared different tensors".into());
+    Ok(tensors.clone())
+}
+
+/// How worker `b`'s tensors differ from worker `a`'s, naming the first tensor that differs,
+/// its lengths and both ranks.
+fn difference(a: u32, ours: &[TensorSpec], b: u32, theirs: &[TensorSpec]) -> String {
+    let models = "the workers' models differ (each worker must declare the same tensors, in \
+                  the same order)";
+    let mine: HashMap<&str, u64> = ours.iter().map(|t| (t.name.as_str(), t.len)).collect();
+    let other: HashMap<&str, u64> = theirs.iter().map(|t| (t.name.as_str(), t.len)).collect();
+    for t in ours {
+        match other.get(t.name.as_str()) {
+            None => {
+                return format!(
+                    "tensor '{}' ({} floats) is declared by worker {a} but not by worker {b}: \
+                     {models}",
+                    t.name, t.len
+                );
+            }
+            Some(&len) if len != t.len => {
+                return format!(
+                    "tensor '{}' is {} floats on worker {a} and {len} on worker {b}: {models}",
+                    t.name, t.len
+                );
+            }
+            Some(_) => {}
+        }
     }
-    Ok(tensors)
+    if let Some(t) = theirs.iter().find(|t| !mine.contains_key(t.name.as_str())) {
+        return format!(
+            "tensor '{}' ({} floats) is declared by worker {b} but not by worker {a}: {models}",
+            t.name, t.len
+        );
+    }
+    let at = ours
+        .iter()
+        .zip(theirs)
+        .position(|(x, y)| x.name != y.name)
+        .unwrap_or(0);
+    format!(
+        "worker {a} declares '{}' as tensor {at} and worker {b} declares '{}' there: {models}",
+        ours[at].name, theirs[at].name
+    )
 }
 
 /// A straggler class, as the report names it.
@@ -616,6 +658,50 @@ mod tests {
 
     fn untils(plan: &[SuperstepPlan]) -> Vec<u64> {
         plan.iter().map(|p| p.until).collect()
+    }
+
+    #[test]
+    fn workers_whose_models_differ_are_told_which_tensor_and_which_ranks() {
+        let t = |n: &str, len| TensorSpec {
+            name: n.into(),
+            len,
+        };
+        let of = |w: &[(u32, Vec<TensorSpec>)]| {
+            let m: BTreeMap<(Role, u32), Vec<TensorSpec>> = w
+                .iter()
+                .map(|(r, t)| ((Role::Worker, *r), t.clone()))
+                .collect();
+            agreed_tensors(&m)
+        };
+        let base = vec![t("fc.weight", 100), t("fc.bias", 10)];
+        assert_eq!(of(&[(0, base.clone()), (1, base.clone())]).unwrap(), base);
+        let e = of(&[
+            (0, base.clone()),
+            (1, base.clone()),
+            (2, vec![t("fc.weight", 200), t("fc.bias", 10)]),
+        ])
+        .unwrap_err();
+        assert!(e.starts_with("tensor 'fc.weight' is 100 floats on worker 0 and 200 on worker 2: the workers' models differ"), "{e}");
+        let e = of(&[(0, base.clone()), (3, vec![t("fc.weight", 100)])]).unwrap_err();
+        assert!(
+            e.starts_with(
+                "tensor 'fc.bias' (10 floats) is declared by worker 0 but not by worker 3"
+            ),
+            "{e}"
+        );
+        let e = of(&[
+            (0, base.clone()),
+            (1, vec![t("fc.bias", 10), t("fc.weight", 100)]),
+        ])
+        .unwrap_err();
+        assert!(
+            e.starts_with(
+                "worker 0 declares 'fc.weight' as tensor 0 and worker 1 declares 'fc.bias' there"
+            ),
+            "{e}"
+        );
+        // An empty declaration defers to the others.
+        assert_eq!(of(&[(0, vec![]), (1, base.clone())]).unwrap(), base);
     }
 
     #[test]

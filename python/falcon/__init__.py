@@ -18,8 +18,9 @@ dssp(…), epsp, fluentps(…), syncopt(n|auto), flexrr, elasticbsp). From Pytho
 `falcon.init()` reads the launch contract from the environment: FALCON_* variables,
 ps-lite's DMLC_*, torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, Slurm's and Open
 MPI's (`falcon.launch_variables()` lists them). Under a launcher that starts the same script
-on every rank, rank 0 becomes the scheduler and the next FALCON_NUM_SERVER ranks the
-servers: for them `init()` serves the job until it ends, then exits the process.
+on every rank, every rank is the worker of its rank (N processes, N trainers, as under DDP),
+and the scheduler and the servers run beside them on threads: rank 0 hosts the scheduler,
+each node's first rank a server (FALCON_HOST_ROLES=0: they were started apart).
 
 PyTorch: `falcon.torch.DistributedOptimizer` (in the manner of Horovod and BytePS) and
 `falcon.torch.fit`, the task-driven trainer that moves work from stragglers to fast workers.
@@ -29,6 +30,7 @@ Every error is a `falcon.Error`; the subclasses say what kind.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -44,6 +46,7 @@ from ._falcon import (
     Error,
     Handle,
     Hetero,
+    HostedRoles,
     LengthError,
     NotInitializedError,
     PeerError,
@@ -97,6 +100,8 @@ _overrides: dict[str, str] | None = None
 # What the launch said at init(): this worker's rank (None: the scheduler assigns it) and the
 # job's workers.
 _launched: dict[str, int | None] = {}
+# The scheduler and servers this launched rank hosts (a HostedRoles), until finish().
+_hosted = None
 # The report of the role this process served (scheduler or server), for tests and tools.
 _last_report: dict = {}
 
@@ -211,7 +216,7 @@ def init(
     A process the launch makes the scheduler or a server serves the job here until it ends
     and then exits (SystemExit(0)): one script can run on every rank of torchrun or srun.
     """
-    global _overrides
+    global _overrides, _hosted
     overrides = _settings(
         env, scheduler, workers, servers, rank, policy, lr, optimizer, aggregate, job, token,
         settings,
@@ -238,10 +243,21 @@ def init(
             raise SystemExit(1)
         raise SystemExit(0)
     with _lock:
-        if _worker is not None:
+        if _worker is not None or _overrides is not None:
             raise ConfigError("falcon.init() was already called in this process")
+        # A launched rank hosts the job's scheduler (rank 0) and servers (each node's first
+        # rank) on threads; they serve until every worker has finished.
+        if _hosted is None:
+            _hosted = HostedRoles.start(overrides)
+            if _hosted is not None:
+                atexit.register(_finish_at_exit)
         _overrides = overrides
         _launched["rank"], _launched["workers"] = launched_rank, launched_workers
+    # torch.distributed's default group of the job's workers, as under DDP (for
+    # `DistributedSampler()` and the user's own collectives), where falcon.torch is in use.
+    ft = sys.modules.get("falcon.torch")
+    if ft is not None:
+        ft._on_init(launched_rank, launched_workers)
     if tensors is None:
         return None
     return declare(tensors)
@@ -349,9 +365,14 @@ def barrier() -> None:
     worker().barrier()
 
 
-def finish() -> None:
-    """Tells the job this worker is done. The job ends when every worker is."""
-    global _worker, _overrides, _quota
+def finish(timeout: float | None = None) -> None:
+    """Tells the job this worker is done. The job ends when every worker is.
+
+    On a rank that hosts the scheduler or servers (under a launcher, rank 0 and each node's
+    first rank) it then waits for the job's end, at most `timeout` seconds (None: as long as
+    the other workers train), since they serve the whole job; the scheduler's line says how
+    the job ended, and a failed job raises."""
+    global _worker, _overrides, _quota, _hosted
     with _lock:
         w, _worker, _overrides = _worker, None, None
         q, _quota = _quota, None
@@ -368,6 +389,30 @@ def finish() -> None:
             except Error:
                 pass  # left to be removed by the next group made on this host
             q.close()
+    h = _hosted
+    if h is None:
+        return
+    result = h.finish(timeout)
+    _hosted = None
+    _last_report.update(result)
+    if result["ending"]:
+        print(f"falcon {result['ending']}", file=sys.stderr, flush=True)
+    if result["failure"]:
+        raise PeerError(f"the job failed: {result['failure']}")
+
+
+def _finish_at_exit() -> None:
+    """A hosting rank whose script ends without finish(): its scheduler and servers still
+    serve the others, so the process waits for the job's end (a worker still joined is
+    finished first)."""
+    if _hosted is None:
+        return
+    try:
+        finish()
+    except Error as e:
+        print(f"falcon: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        pass
 
 
 def local_cluster(

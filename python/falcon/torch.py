@@ -276,7 +276,36 @@ def _worker_for(named: Sequence[tuple[str, torch.Tensor]], worker) -> "_f.Worker
             raise _f.LengthError(
                 f"parameter {n!r} has {p.numel()} values; the job's tensor has {declared[n]}"
             )
+    _check_shapes(w, named)
     return w
+
+
+def _check_shapes(w, named) -> None:
+    """Under a launcher (where falcon made torch.distributed's group) every worker's
+    parameters have the same shapes: the servers see only lengths, so a model whose layers
+    differ in shape alone would mix silently. A difference is a ConfigError on every rank
+    naming the tensor, both shapes and both ranks."""
+    pg = _DEFAULT.get("pg")
+    if pg is None or w.workers == 1:
+        return
+    import torch.distributed as dist
+
+    mine = [(n, tuple(p.shape)) for n, p in named]
+    every: list = [None] * w.workers
+    dist.all_gather_object(every, mine, group=pg)
+    for r, theirs in enumerate(every):
+        if theirs == every[0]:
+            continue
+        for (n0, s0), (n1, s1) in zip(every[0], theirs):
+            if (n0, s0) != (n1, s1):
+                raise _f.ConfigError(
+                    f"parameter {n0!r} is {list(s0)} on worker 0 and {n1!r} {list(s1)} on "
+                    f"worker {r}: the workers' models differ"
+                )
+        raise _f.ConfigError(
+            f"worker 0 has {len(every[0])} parameters and worker {r} {len(theirs)}: the "
+            "workers' models differ"
+        )
 
 
 def _check_param(name: str, p: torch.Tensor) -> None:
@@ -457,36 +486,105 @@ def _store_address() -> tuple[str, int, bool]:
 def _group(w):
     """This worker's gloo group of the job's workers (rank = falcon rank), made on first
     use; None for a job of one worker. Used where the parameter server has no say: buffers
-    (BatchNorm's statistics), the optimizer's state, integer and 16/64-bit tensors."""
+    (BatchNorm's statistics), the optimizer's state, integer and 16/64-bit tensors. Where
+    torch.distributed has no default group yet, this group becomes it (as under DDP, so that
+    `DistributedSampler()` and the user's own collectives see the job's workers)."""
     if w.workers == 1:
         return None
     held = _GROUPS.get(id(w))
     if held is not None and held[0] is w:
         return held[1]
+    pg = _default_group(w.rank, w.workers)
+    if pg is None:
+        pg = _own_group(w.rank, w.workers)
+    _GROUPS[id(w)] = (w, pg)
+    return pg
+
+
+def _stores(rank: int, workers: int):
+    """The workers' meeting store (a PrefixStore of the job) and where it is, in words."""
     import datetime
 
     import torch.distributed as dist
 
     if not dist.is_available():
         raise _f.ConfigError("this PyTorch has no torch.distributed: buffers and state cannot be broadcast")
-    host, port, hosts = _store_address()
     timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
+    if workers == 1:
+        return dist.HashStore(), "this process", timeout
+    host, port, hosts = _store_address()
     try:
-        store = dist.TCPStore(host, port, None if not hosts else w.workers, hosts and w.rank == 0, timeout)
-        prefix = dist.PrefixStore(f"falcon/{(_f._overrides or {}).get('FALCON_JOB', 'falcon')}/", store)
-        pg = dist.ProcessGroupGloo(prefix, w.rank, w.workers, timeout)
+        store = dist.TCPStore(host, port, None if not hosts else workers, hosts and rank == 0, timeout)
     except (RuntimeError, OSError) as e:
         raise _f.PeerError(
-            f"the workers' group (gloo) at {host}:{port} could not be formed by worker {w.rank}: "
-            f"{e}"
+            f"the workers' group (gloo) at {host}:{port} could not be formed by worker {rank}: {e}"
         ) from None
-    _GROUPS[id(w)] = (w, pg)
+    job = (_f._overrides or {}).get("FALCON_JOB") or os.environ.get("FALCON_JOB") or "falcon"
+    return dist.PrefixStore(f"falcon/{job}/", store), f"{host}:{port}", timeout
+
+
+def _own_group(rank: int, workers: int):
+    """A gloo group of the job's workers apart from torch.distributed's default one (which
+    the user made)."""
+    import torch.distributed as dist
+
+    store, where, timeout = _stores(rank, workers)
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore("own/", store), rank, workers, timeout)
+    except (RuntimeError, OSError) as e:
+        raise _f.PeerError(
+            f"the workers' group (gloo) at {where} could not be formed by worker {rank}: {e}"
+        ) from None
+
+
+def _default_group(rank: int, workers: int):
+    """torch.distributed's default group as the job's workers (gloo, rank = falcon rank),
+    made here where none exists; None where the user made one (falcon then keeps a group of
+    its own, `_own_group`)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    if dist.is_initialized():
+        return _DEFAULT.get("pg")
+    store, where, timeout = _stores(rank, workers)
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("default/", store), rank=rank,
+                                world_size=workers, timeout=timeout)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise _f.PeerError(
+            f"torch.distributed's group (gloo) at {where} could not be formed by worker {rank}: {e}"
+        ) from None
+    pg = dist.distributed_c10d._get_default_group()
+    _DEFAULT["pg"] = pg
     return pg
 
 
+_DEFAULT: dict = {}
+"""torch.distributed's default group where falcon made it."""
+
+
+def _on_init(rank, workers) -> None:
+    """falcon.init() under a launcher (the rank known before joining): torch.distributed's
+    default group of the job's workers, for `DistributedSampler()` and the user's own
+    collectives, unless the user made one."""
+    if rank is None or workers is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        _default_group(rank, workers)
+
+
 def _forget(w) -> None:
-    """The worker finished: its group goes with it."""
+    """The worker finished: its group goes with it (and torch.distributed's default group
+    where falcon made it)."""
     _GROUPS.pop(id(w), None)
+    if _DEFAULT.pop("pg", None) is not None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _bcast(pg, tensors, root: int) -> None:
@@ -1573,10 +1671,13 @@ def _join(named, plan, worker):
     parameter trains them one by one."""
     want = [(name, sum(named[i][1].numel() for i in idx)) for name, idx in plan]
     if worker is None and _f._worker is None:
-        return _f.declare(want), plan
+        w = _f.declare(want)
+        _check_shapes(w, named)
+        return w, plan
     w = worker if worker is not None else _f._worker
     declared = dict(w.tensors)
     if all(declared.get(n) == k for n, k in want):
+        _check_shapes(w, named)
         return w, plan
     if all(n in declared for n, _ in named):
         for n, p in named:
@@ -1584,6 +1685,7 @@ def _join(named, plan, worker):
                 raise _f.LengthError(
                     f"parameter {n!r} has {p.numel()} values; the job's tensor has {declared[n]}"
                 )
+        _check_shapes(w, named)
         return w, [(n, [i]) for i, (n, _) in enumerate(named)]
     missing = next((n for n, _ in want if n not in declared), None)
     if missing is None:

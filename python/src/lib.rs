@@ -177,6 +177,7 @@ fn _falcon(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::Worker>()?;
     m.add_class::<worker::Handle>()?;
     m.add_class::<roles::Cluster>()?;
+    m.add_class::<roles::HostedRoles>()?;
     m.add_function(wrap_pyfunction!(roles::serve, m)?)?;
     m.add_class::<tasks::Tasks>()?;
     m.add_class::<quota::CpuQuota>()?;

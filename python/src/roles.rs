@@ -1,7 +1,9 @@
 //! The serving roles from Python: a local cluster (a scheduler and servers on threads of
-//! this process, for workers on this host to join), and `serve`, which runs the role the
-//! environment gives this process (the same script on every rank of a torchrun or Slurm
-//! launch: rank 0 schedules, the next ranks serve, the rest train).
+//! this process, for workers on this host to join), `serve`, which runs the role the
+//! environment names for this process (`FALCON_ROLE=scheduler` or `server`), and the roles a
+//! launched rank hosts beside its worker (the same script on every rank of a torchrun or
+//! Slurm launch: every rank trains, rank 0 hosting the scheduler, each node's first rank a
+//! server).
 
 use std::collections::HashMap;
 use std::thread::JoinHandle;
@@ -259,5 +261,112 @@ pub fn serve<'py>(
         Role::Worker => Err(ConfigError::new_err(
             "this process is a worker by its environment; it has no role to serve",
         )),
+    }
+}
+
+/// The scheduler and servers a launched rank hosts beside its worker, on threads of this
+/// process (`falcon.init()` under torchrun, srun or mpirun starts them; `falcon.finish()`
+/// waits for the job's end with them).
+#[pyclass(module = "falcon")]
+pub struct HostedRoles {
+    roles: Option<falcon_engine::local::HostedRoles>,
+    what: String,
+    mode: falcon_engine::update::UpdateMode,
+}
+
+#[pymethods]
+impl HostedRoles {
+    /// Starts what the launch (the environment, `overrides` first) says this rank hosts;
+    /// None where it hosts nothing.
+    #[staticmethod]
+    fn start(overrides: HashMap<String, String>) -> PyResult<Option<HostedRoles>> {
+        let launch = crate::launch(&overrides)?;
+        if launch.hosted.is_empty() {
+            return Ok(None);
+        }
+        let mut what = Vec::new();
+        if launch.hosted.scheduler {
+            what.push("the scheduler".to_string());
+        }
+        for s in &launch.hosted.servers {
+            what.push(format!("server {s}"));
+        }
+        let roles = falcon_engine::local::HostedRoles::start(&launch).map_err(engine_err)?;
+        Ok(Some(HostedRoles {
+            roles: Some(roles),
+            what: what.join(", "),
+            mode: launch.config.update_mode(),
+        }))
+    }
+
+    /// What it hosts, in words ("the scheduler, server 0").
+    #[getter]
+    fn hosts(&self) -> String {
+        self.what.clone()
+    }
+
+    /// The first failure of a hosted role so far, in words; None while all is well.
+    fn failure(&self) -> Option<String> {
+        self.roles
+            .as_ref()
+            .and_then(|r| r.failure())
+            .map(|f| f.to_string())
+    }
+
+    /// Waits (at most `timeout` seconds; None: as long as it takes) for the hosted roles to
+    /// end with the job, and returns {"scheduler": {...} or None, "servers": [{...}, ...],
+    /// "ending": the scheduler's line or None, "failure": why the job failed, or None}.
+    #[pyo3(signature = (timeout=None))]
+    fn finish<'py>(
+        &mut self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let start = std::time::Instant::now();
+        let roles = self
+            .roles
+            .take()
+            .ok_or_else(|| Error::new_err("these hosted roles have already finished"))?;
+        while !roles.is_finished() {
+            if timeout.is_some_and(|t| start.elapsed().as_secs_f64() >= t) {
+                let left = timeout.unwrap_or_default();
+                self.roles = Some(roles);
+                return Err(crate::TimeoutError::new_err(format!(
+                    "{} hosted here still serve after {left:.1} s: some worker has not finished",
+                    self.what
+                )));
+            }
+            py.detach(|| std::thread::sleep(SLICE / 5));
+            if let Err(e) = py.check_signals() {
+                self.roles = Some(roles);
+                return Err(e);
+            }
+        }
+        let report = roles
+            .finish_within(std::time::Duration::ZERO)
+            .map_err(engine_err)?;
+        let out = PyDict::new(py);
+        match &report.scheduler {
+            Some(r) => {
+                out.set_item("scheduler", scheduler_dict(py, r)?)?;
+                out.set_item("ending", format!("scheduler: {}", r.ending()))?;
+                out.set_item("failure", r.loss_fails_job(self.mode))?;
+            }
+            None => {
+                out.set_item("scheduler", py.None())?;
+                out.set_item("ending", py.None())?;
+                out.set_item("failure", py.None())?;
+            }
+        }
+        let servers = PyList::empty(py);
+        for (_, r) in &report.servers {
+            servers.append(server_dict(py, r)?)?;
+        }
+        out.set_item("servers", servers)?;
+        Ok(out)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<falcon.HostedRoles: {}>", self.what)
     }
 }

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "torch_fashion_mnist.py"
 SAMPLE = ROOT / "data" / "fashion-mnist-sample"
 
-# The documented launch: 1 scheduler + 1 server + 4 workers, worker 3 at h = 0.25, EPSP.
+# The documented launch: 4 ranks, 4 workers (rank 0 hosting the scheduler and the server),
+# worker 3 at h = 0.25, EPSP.
 JOB = {
-    "FALCON_NUM_SERVER": "1",
     "FALCON_POLICY": "epsp",
     "FALCON_HETERO": "3:h=0.25",
     "FALCON_LR": "0.2",
@@ -101,13 +101,13 @@ def _torchrun_works() -> bool:
 
 def test_fit_epsp_with_a_straggler_reaches_the_stated_accuracy(tmp_path):
     # As documented: torchrun with its default (static) rendezvous, whose agent holds
-    # MASTER_PORT (falcon's scheduler takes the next port), 6 ranks, the same script on
+    # MASTER_PORT (falcon's scheduler takes the next port), 4 ranks, the same script on
     # each; --redirects 1 --tee 1: Debian's torch 1.13 under Python 3.11 fails on the
     # defaults. A free --master_port, so that concurrent runs do not meet.
     if _torchrun_works():
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
-            "--redirects", "1", "--tee", "1", "--nproc_per_node", "6", str(EXAMPLE),
+            "--redirects", "1", "--tee", "1", "--nproc_per_node", "4", str(EXAMPLE),
             "--data", str(SAMPLE),
         ]
         out = _run(cmd, _env(tmp_path), TIMEOUT_S)
@@ -125,14 +125,14 @@ def test_fit_epsp_with_a_straggler_reaches_the_stated_accuracy(tmp_path):
 
 
 def _launcher_loop(tmp_path: Path, args: list[str]) -> str:
-    """The launcher loop of examples/README.md: six processes with RANK/WORLD_SIZE/MASTER_*,
+    """The launcher loop of examples/README.md: four processes with RANK/WORLD_SIZE/MASTER_*,
     in one process group (a shell), so that a timeout kills them all."""
     port = _free_port()
-    env = _env(tmp_path, WORLD_SIZE="6", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    env = _env(tmp_path, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS="1")
     quoted = " ".join(f"'{a}'" for a in [sys.executable, str(EXAMPLE), *args])
     script = (
-        f"pids=; for r in 0 1 2 3 4 5; do RANK=$r {quoted} & pids=\"$pids $!\"; done; "
+        f"pids=; for r in 0 1 2 3; do RANK=$r {quoted} & pids=\"$pids $!\"; done; "
         "rc=0; for p in $pids; do wait $p || rc=$?; done; exit $rc"
     )
     return _run(["bash", "-c", script], env, TIMEOUT_S)
@@ -157,7 +157,7 @@ def test_the_pytorch_quick_start_runs_as_written(tmp_path):
     if not _torchrun_works():
         pytest.skip("this torch has no torch.distributed: torchrun is not available")
     env = {**_env(tmp_path), "FALCON_POLICY": "bsp"}  # no optimizer named: the default, exact
-    for k in ("FALCON_HETERO", "FALCON_NUM_SERVER", "FALCON_LR"):
+    for k in ("FALCON_HETERO", "FALCON_LR"):
         env.pop(k, None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
@@ -166,7 +166,9 @@ def test_the_pytorch_quick_start_runs_as_written(tmp_path):
     ]
     out = _run(cmd, env, TIMEOUT_S)
     done = re.findall(r"DONE ([0-9.]+)", out)
-    assert len(done) == 2 and done[0] == done[1], out[-3000:]
+    # 4 ranks, 4 workers, each with its rank; every replica the same.
+    assert len(done) == 4 and len(set(done)) == 1, out[-3000:]
+    assert sorted(set(re.findall(r"worker (\d) step", out))) == ["0", "1", "2", "3"], out[-3000:]
     assert float(done[0]) < 1.2, out[-3000:]
     assert "job done" in out, out[-3000:]
 
@@ -209,3 +211,54 @@ def test_the_straggler_benchmark_runs_the_transformer_lm_quickly():
     assert r["training_seconds"] > 0 and 0 <= r["final_accuracy"] <= 1, r
     if "SKIPPED" not in out.stdout:
         assert r["tasks_moved"] > 0, out.stdout
+
+
+def test_the_ddp_tutorials_checkpoint_demo_runs_with_ranks_as_trainers(tmp_path):
+    # PyTorch's DDP tutorial (rank 0 saves, a barrier, the others load; DistributedSampler()
+    # with no arguments; the script's own all_reduce) under torchrun: 3 ranks, 3 workers of
+    # ranks 0..2, torch.distributed's group the same ranks.
+    if not _torchrun_works():
+        pytest.skip("this torch has no torch.distributed: torchrun is not available")
+    env = {**_env(tmp_path), "FALCON_POLICY": "bsp"}
+    for k in ("FALCON_HETERO", "FALCON_LR"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
+        "--nproc_per_node", "3", "--redirects", "1", "--tee", "1",
+        str(ROOT / "python" / "tests" / "ddp_tutorial.py"), str(tmp_path / "model.pt"),
+    ]
+    out = _run(cmd, env, TIMEOUT_S)
+    rows = [json.loads(m) for m in re.findall(r"TUTORIAL (\{.*\})\s*$", out, re.M)]
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2], out[-3000:]
+    for r in rows:
+        assert r["falcon_rank"] == r["dist_rank"] == r["rank"], r
+        assert r["falcon_size"] == r["dist_size"] == 3, r
+        assert r["all_reduce"] == 6.0, r
+    # Each rank its own third of the data, all of it covered once.
+    shares = [r["indices"] for r in rows]
+    assert all(len(s) == 20 for s in shares), shares
+    assert sorted(i for s in shares for i in s) == list(range(60)), shares
+    # Every replica the same model after training.
+    assert len({json.dumps(r["params"]) for r in rows}) == 1, rows
+    assert "job done" in out, out[-3000:]
+
+
+def test_ranks_whose_models_differ_in_a_shape_are_refused_naming_it(tmp_path):
+    if not _torchrun_works():
+        pytest.skip("this torch has no torch.distributed: torchrun is not available")
+    env = {**_env(tmp_path), "FALCON_POLICY": "bsp"}
+    for k in ("FALCON_HETERO", "FALCON_LR"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
+        "--nproc_per_node", "2", "--redirects", "1", "--tee", "1",
+        str(ROOT / "python" / "tests" / "ddp_tutorial.py"), str(tmp_path / "model.pt"), "mismatch",
+    ]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    refused = re.findall(r"REFUSED (\d): (.*)$", out, re.M)
+    assert sorted(r for r, _ in refused) == ["0", "1"], out[-3000:]
+    for _, why in refused:
+        assert why == ("parameter 'w' is [4, 6] on worker 0 and 'w' [6, 4] on worker 1: the "
+                       "workers' models differ"), why
