@@ -278,6 +278,13 @@ pub enum Ending {
         /// Its rank.
         rank: u32,
     },
+    /// Worker `rank` stopped the job (interrupted, terminated, or its script failed).
+    Aborted {
+        /// Its rank.
+        rank: u32,
+        /// Why, in its words.
+        why: String,
+    },
     /// Server `rank` could not write its checkpoint and the job stops on that.
     CheckpointFailed {
         /// Its rank.
@@ -308,6 +315,9 @@ impl Ending {
                 *rank,
                 "it died and did not restart from its checkpoint in time",
             )),
+            Ending::Aborted { rank, why } => {
+                Some(gone("worker", *rank, &format!("it stopped the job: {why}")))
+            }
             Ending::CheckpointFailed {
                 rank,
                 failures,
@@ -560,6 +570,18 @@ impl Membership {
             }
             Msg::Superstep { clock, interval_ns } if worker && self.s.elastic.is_some() => {
                 self.arrivals.insert(rank, (clock, interval_ns));
+            }
+            // A worker stops the job: everyone is told who and why, then the job ends.
+            Msg::Abort { why } if worker && !self.ended => {
+                tracing::warn!(target: LOG, "scheduler: worker {rank} stopped the job: {why}");
+                self.broadcast(
+                    Msg::Aborted {
+                        rank,
+                        why: why.clone(),
+                    },
+                    out,
+                );
+                self.end(Ending::Aborted { rank, why }, out);
             }
             Msg::Done if worker => {
                 self.done.insert(rank);

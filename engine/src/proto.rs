@@ -212,6 +212,20 @@ pub enum Msg {
     },
     /// worker → scheduler: finished.
     Done,
+    /// worker → scheduler: this worker stops the whole job (its process was interrupted,
+    /// terminated, or its script failed), saying why.
+    Abort {
+        /// Why, in words ("SIGINT", "its script raised ValueError: …").
+        why: String,
+    },
+    /// scheduler → everyone: worker `rank` stopped the job; every operation fails with
+    /// this cause.
+    Aborted {
+        /// The worker that stopped it.
+        rank: u32,
+        /// Why, in its words.
+        why: String,
+    },
     /// scheduler → servers: the job is over.
     Shutdown,
     /// worker → server: this link belongs to worker `rank`.
@@ -408,6 +422,8 @@ impl Msg {
             Msg::BarrierDone { .. } => "barrier done",
             Msg::Dead { .. } => "dead",
             Msg::Done => "done",
+            Msg::Abort { .. } => "abort",
+            Msg::Aborted { .. } => "aborted",
             Msg::Shutdown => "shutdown",
             Msg::Attach { .. } => "attach",
             Msg::Keys { .. } => "keys",

@@ -1324,6 +1324,24 @@ impl Worker {
     /// finishes nor reaches the barrier holds everyone else back; `LocalCluster::finish`
     /// then finishes the rest).
     pub fn finish(&self) -> Result<()> {
+        self.leave(Msg::Done, "this worker has finished")
+    }
+
+    /// Stops the whole job, saying `why` (this process was interrupted or terminated, or
+    /// its script failed): the scheduler tells every worker and server, whose operations
+    /// then fail with `PeerGone` naming this worker and `why`, and the job ends failed.
+    /// Every operation of this worker fails from now on. A finished worker stops nothing.
+    pub fn abort(&self, why: &str) -> Result<()> {
+        self.leave(
+            Msg::Abort {
+                why: why.to_string(),
+            },
+            "this worker stopped the job",
+        )
+    }
+
+    /// Leaves the job with `last` (done, or abort).
+    fn leave(&self, last: Msg, why: &str) -> Result<()> {
         if self.inner.stop.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -1336,11 +1354,10 @@ impl Worker {
         // worker is done, and a finished worker's progress thread must not take that for a
         // failure to recover from.
         self.inner.stop.store(true, Ordering::Release);
-        let said = self.inner.sched.send(&Msg::Done.encode());
+        let said = self.inner.sched.send(&last.encode());
         // Nobody will route completions any more: fail whatever still waits, whether or not
         // the scheduler heard.
-        self.inner
-            .fail_all(Role::Worker, self.rank(), "this worker has finished");
+        self.inner.fail_all(Role::Worker, self.rank(), why);
         self.inner.close_servers();
         self.inner.sched.close();
         said?;

@@ -129,6 +129,9 @@ impl Inner {
                 self.on_server_back(rank as usize, addr)
             }
             Msg::Dead { role, rank } => self.fail_all(role, rank, "declared dead by the scheduler"),
+            Msg::Aborted { rank, why } => {
+                self.fail_all(Role::Worker, rank, &format!("it stopped the job: {why}"))
+            }
             Msg::Shutdown => self.fail_all(Role::Scheduler, 0, "the job was shut down"),
             _ => {}
         }
