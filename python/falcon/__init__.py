@@ -273,7 +273,70 @@ def declare(tensors) -> Worker:
             raise NotInitializedError("call falcon.init() before declaring tensors")
         _worker = Worker.join(_tensor_list(tensors), _overrides)
         _hold_to_quota(_worker, _overrides)
+        _stop_the_job_with_this_process()
         return _worker
+
+
+# Whether this process stopped the job, or was stopped by another worker's stop: its exit
+# then says one line, not the hosted roles' report of the same failure.
+_stopped: dict[str, str] = {}
+
+
+def _abort(why: str) -> None:
+    """This worker stops the whole job (every other worker's next operation fails naming
+    it), once."""
+    w = _worker
+    if w is None or "why" in _stopped:
+        return
+    _stopped["why"] = why
+    try:
+        w.abort(why)
+    except Error:
+        pass  # the job is already over
+
+
+def _stop_the_job_with_this_process() -> None:
+    """A worker interrupted (Ctrl-C, SIGTERM) or whose script raised stops the whole job
+    at once, as DDP's ranks do when torchrun tears them down: the others fail with a
+    PeerError naming this worker and why, and say so in one line, not a traceback."""
+    if _installed.get("hooks"):
+        return
+    _installed["hooks"] = True
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            _abort("interrupted (SIGINT)")
+            print(f"falcon worker {_rank_or('?')}: interrupted; the job stops",
+                  file=sys.stderr, flush=True)
+            return
+        if issubclass(kind, PeerError) and "stopped the job" in str(value):
+            _stopped.setdefault("by", str(value))
+            print(f"falcon worker {_rank_or('?')}: {value}", file=sys.stderr, flush=True)
+            return
+        _abort(f"its script raised {kind.__name__}: {value}")
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            def on_term(signum, frame):
+                _abort("terminated (SIGTERM)")
+                print(f"falcon worker {_rank_or('?')}: terminated; the job stops",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(128 + signum)
+
+            signal.signal(signal.SIGTERM, on_term)
+
+
+_installed: dict[str, bool] = {}
+
+
+def _rank_or(default: str) -> str:
+    w = _worker
+    return str(w.rank) if w is not None else default
 
 
 _quota = None
@@ -395,7 +458,7 @@ def finish(timeout: float | None = None) -> None:
     result = h.finish(timeout)
     _hosted = None
     _last_report.update(result)
-    if result["ending"]:
+    if result["ending"] and not _stopped:
         print(f"falcon {result['ending']}", file=sys.stderr, flush=True)
     if result["failure"]:
         raise PeerError(f"the job failed: {result['failure']}")
@@ -410,7 +473,8 @@ def _finish_at_exit() -> None:
     try:
         finish()
     except Error as e:
-        print(f"falcon: {e}", file=sys.stderr, flush=True)
+        if not _stopped:  # a stopped job was said already, in one line
+            print(f"falcon: {e}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
 

@@ -838,6 +838,13 @@ impl Worker {
         self.w.finish().map_err(engine_err)
     }
 
+    /// Stops the whole job, saying `why` (this process was interrupted, or its script
+    /// failed): every other worker's next operation fails with a PeerError naming this
+    /// worker and `why`, and the job ends failed. A finished worker stops nothing.
+    fn abort(&self, why: &str) -> PyResult<()> {
+        self.w.abort(why).map_err(engine_err)
+    }
+
     /// Workers the scheduler has declared dead.
     fn dead_workers(&self) -> Vec<u32> {
         self.w.dead_workers()
