@@ -89,6 +89,27 @@ pub struct Cluster {
     servers: Vec<Joined<ServerReport>>,
 }
 
+/// Waits (at most `timeout` seconds; None: as long as it takes) until `ended()`, the GIL
+/// released, Ctrl-C checked; past the deadline a TimeoutError saying `still` (the roles go on).
+fn wait_for_end(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    ended: impl Fn() -> bool,
+    still: &str,
+) -> PyResult<()> {
+    let start = std::time::Instant::now();
+    while !ended() {
+        if let Some(t) = timeout.filter(|t| start.elapsed().as_secs_f64() >= *t) {
+            return Err(crate::TimeoutError::new_err(format!(
+                "{still} after {t:.1} s: some worker has not finished"
+            )));
+        }
+        py.detach(|| std::thread::sleep(SLICE / 5));
+        py.check_signals()?;
+    }
+    Ok(())
+}
+
 /// A role's thread, joined: its report, or its error (a panic as an error).
 fn joined<T>(h: JoinHandle<falcon_engine::Result<T>>, what: &str) -> PyResult<T> {
     match h.join() {
@@ -175,23 +196,15 @@ impl Cluster {
         py: Python<'py>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let start = std::time::Instant::now();
-        loop {
-            let all = self.scheduler.iter().all(|h| h.is_finished())
-                && self.servers.iter().flatten().all(|h| h.is_finished());
-            if all {
-                break;
-            }
-            if timeout.is_some_and(|t| start.elapsed().as_secs_f64() >= t) {
-                return Err(crate::TimeoutError::new_err(format!(
-                    "the local cluster's job is still running after {:.1} s: some worker has \
-                     not finished",
-                    timeout.unwrap_or_default()
-                )));
-            }
-            py.detach(|| std::thread::sleep(SLICE / 5));
-            py.check_signals()?;
-        }
+        wait_for_end(
+            py,
+            timeout,
+            || {
+                self.scheduler.iter().all(|h| h.is_finished())
+                    && self.servers.iter().flatten().all(|h| h.is_finished())
+            },
+            "the local cluster's job is still running",
+        )?;
         let sched = self
             .scheduler
             .take()
@@ -322,26 +335,16 @@ impl HostedRoles {
         py: Python<'py>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let start = std::time::Instant::now();
+        let roles = self
+            .roles
+            .as_ref()
+            .ok_or_else(|| Error::new_err("these hosted roles have already finished"))?;
+        let still = format!("{} hosted here still serve", self.what);
+        wait_for_end(py, timeout, || roles.is_finished(), &still)?;
         let roles = self
             .roles
             .take()
-            .ok_or_else(|| Error::new_err("these hosted roles have already finished"))?;
-        while !roles.is_finished() {
-            if timeout.is_some_and(|t| start.elapsed().as_secs_f64() >= t) {
-                let left = timeout.unwrap_or_default();
-                self.roles = Some(roles);
-                return Err(crate::TimeoutError::new_err(format!(
-                    "{} hosted here still serve after {left:.1} s: some worker has not finished",
-                    self.what
-                )));
-            }
-            py.detach(|| std::thread::sleep(SLICE / 5));
-            if let Err(e) = py.check_signals() {
-                self.roles = Some(roles);
-                return Err(e);
-            }
-        }
+            .ok_or_else(|| Error::new_err("no hosted roles"))?;
         let report = roles
             .finish_within(std::time::Duration::ZERO)
             .map_err(engine_err)?;

@@ -213,10 +213,9 @@ def test_the_straggler_benchmark_runs_the_transformer_lm_quickly():
         assert r["tasks_moved"] > 0, out.stdout
 
 
-def test_the_ddp_tutorials_checkpoint_demo_runs_with_ranks_as_trainers(tmp_path):
-    # PyTorch's DDP tutorial (rank 0 saves, a barrier, the others load; DistributedSampler()
-    # with no arguments; the script's own all_reduce) under torchrun: 3 ranks, 3 workers of
-    # ranks 0..2, torch.distributed's group the same ranks.
+def _tutorial(tmp_path: Path, ranks: int, *extra: str) -> tuple[dict[str, str], list[str]]:
+    """The environment and the torchrun line of python/tests/ddp_tutorial.py on `ranks`
+    ranks under BSP (skips where torch has no torch.distributed)."""
     if not _torchrun_works():
         pytest.skip("this torch has no torch.distributed: torchrun is not available")
     env = {**_env(tmp_path), "FALCON_POLICY": "bsp"}
@@ -224,9 +223,17 @@ def test_the_ddp_tutorials_checkpoint_demo_runs_with_ranks_as_trainers(tmp_path)
         env.pop(k, None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
-        "--nproc_per_node", "3", "--redirects", "1", "--tee", "1",
-        str(ROOT / "python" / "tests" / "ddp_tutorial.py"), str(tmp_path / "model.pt"),
+        "--nproc_per_node", str(ranks), "--redirects", "1", "--tee", "1",
+        str(ROOT / "python" / "tests" / "ddp_tutorial.py"), str(tmp_path / "model.pt"), *extra,
     ]
+    return env, cmd
+
+
+def test_the_ddp_tutorials_checkpoint_demo_runs_with_ranks_as_trainers(tmp_path):
+    # PyTorch's DDP tutorial (rank 0 saves, a barrier, the others load; DistributedSampler()
+    # with no arguments; the script's own all_reduce) under torchrun: 3 ranks, 3 workers of
+    # ranks 0..2, torch.distributed's group the same ranks.
+    env, cmd = _tutorial(tmp_path, 3)
     out = _run(cmd, env, TIMEOUT_S)
     rows = [json.loads(m) for m in re.findall(r"TUTORIAL (\{.*\})\s*$", out, re.M)]
     assert sorted(r["rank"] for r in rows) == [0, 1, 2], out[-3000:]
@@ -244,16 +251,7 @@ def test_the_ddp_tutorials_checkpoint_demo_runs_with_ranks_as_trainers(tmp_path)
 
 
 def test_ranks_whose_models_differ_in_a_shape_are_refused_naming_it(tmp_path):
-    if not _torchrun_works():
-        pytest.skip("this torch has no torch.distributed: torchrun is not available")
-    env = {**_env(tmp_path), "FALCON_POLICY": "bsp"}
-    for k in ("FALCON_HETERO", "FALCON_LR"):
-        env.pop(k, None)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--master_port", str(_free_port()),
-        "--nproc_per_node", "2", "--redirects", "1", "--tee", "1",
-        str(ROOT / "python" / "tests" / "ddp_tutorial.py"), str(tmp_path / "model.pt"), "mismatch",
-    ]
+    env, cmd = _tutorial(tmp_path, 2, "mismatch")
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
