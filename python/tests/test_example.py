@@ -272,8 +272,9 @@ def test_one_rank_stopped_stops_every_rank_naming_it(tmp_path, how):
                OMP_NUM_THREADS="1", FALCON_POLICY="bsp")
     for k in ("FALCON_HETERO", "FALCON_LR"):
         env.pop(k, None)
-    script = str(ROOT / "python" / "tests" / "stop_worker.py")
-    procs = [subprocess.Popen([sys.executable, script, how], cwd=ROOT, env={**env, "RANK": str(r)},
+    # The rank of python/bench/stop.py (the benchmark times this against DDP).
+    script = str(ROOT / "python" / "bench" / "stop.py")
+    procs = [subprocess.Popen([sys.executable, script, "--worker", "falcon", how, "30"], cwd=ROOT, env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for r in range(3)]
     ended = [None] * 3
