@@ -44,6 +44,9 @@ enum Op {
     Steal(u8, u32),
     /// A straggler gives tasks `start..end` to a helper (by rank).
     Tasks(u8, u32, u32, u32),
+    /// A node stops the job (a worker interrupted, terminated or failed); `true` one time in
+    /// ten, else the op is a heartbeat, so that most runs go on long enough to test the rest.
+    Abort(u8, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -59,6 +62,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u64..120).prop_map(Op::Wait),
         1 => (any::<u8>(), 0u32..5).prop_map(|(n, s)| Op::Steal(n, s)),
         1 => (any::<u8>(), 0u32..5, 0u32..4, 0u32..9).prop_map(|(n, h, a, b)| Op::Tasks(n, h, a, b)),
+        1 => (any::<u8>(), prop::bool::weighted(0.1)).prop_map(|(n, a)| Op::Abort(n, a)),
     ]
 }
 
@@ -76,6 +80,8 @@ struct Sim {
     arrived: BTreeMap<u64, BTreeSet<u32>>,
     arrivals: BTreeMap<u32, (u64, u64)>,
     ended: Option<Ending>,
+    /// The worker whose abort was broadcast, for the end that must follow.
+    aborted: Option<u32>,
     closes: usize,
     evictions: usize,
     joins: usize,
@@ -104,6 +110,7 @@ impl Sim {
             arrived: BTreeMap::new(),
             arrivals: BTreeMap::new(),
             ended: None,
+            aborted: None,
             closes: 0,
             evictions: 0,
             joins: 0,
@@ -204,6 +211,11 @@ impl Sim {
                 self.ms += ms;
                 self.feed(Event::Tick, None);
             }
+            Op::Abort(i, true) => {
+                let why = "interrupted (SIGINT)".to_string();
+                self.message(self.node(i), Some(Msg::Abort { why }))
+            }
+            Op::Abort(i, false) => self.message(self.node(i), Some(Msg::Heartbeat)),
         }
     }
 
@@ -408,6 +420,16 @@ impl Sim {
                 assert_eq!(to, &everyone[..]);
             }
             Msg::Shutdown => assert_eq!(to, &everyone[..]),
+            // A worker stopped the job: everyone alive is told who and why, and the end follows.
+            Msg::Aborted { rank, why } => {
+                assert!(
+                    matches!(ev, Event::Message { node, msg: Some(Msg::Abort { why: w }) }
+                        if *node == (W, *rank) && w == why),
+                    "an abort nobody asked for: {msg:?} on {ev:?}"
+                );
+                assert_eq!(to, &everyone[..]);
+                self.aborted = Some(*rank);
+            }
             other => panic!("unexpected broadcast {other:?}"),
         }
     }
@@ -469,7 +491,20 @@ impl Sim {
                     "server {rank} given up before its deadline"
                 );
             }
+            Ending::Aborted { rank, .. } => {
+                assert_eq!(
+                    self.aborted,
+                    Some(*rank),
+                    "the job aborted without telling anyone"
+                );
+            }
             Ending::CheckpointFailed { .. } => panic!("no checkpoint failed"),
+        }
+        if self.aborted.is_some() {
+            assert!(
+                matches!(how, Ending::Aborted { .. }),
+                "an abort ended as {how:?}"
+            );
         }
         self.ended = Some(how.clone());
     }
