@@ -46,10 +46,7 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // The scheduler and servers this rank hosts (under a launcher), on threads.
     let hosted = falcon_engine::local::HostedRoles::start(&launch)?;
-    let tensors = vec![TensorSpec {
-        name: TENSOR.into(),
-        len: LEN as u64,
-    }];
+    let tensors = vec![TensorSpec::new(TENSOR, LEN as u64)];
     let w = Worker::join(&launch.config, tensors, launch.rank)?;
     // The learning rate the servers apply: theirs is read from the same variables.
     let lr = launch.config.optimizer.lr();

@@ -478,7 +478,7 @@ fn job_from_env() -> Result<Launch, Box<dyn std::error::Error>> {
     settings::check(&checks::var, &launch)?;
     let workload = env(&["FALCON_WORKLOAD"]);
     // The scheduler and the servers a launched rank hosts run the same job.
-    for cfg in std::iter::once(&mut launch.config).chain(launch.hosted_scheduler.as_mut()) {
+    for cfg in std::iter::once(&mut launch.config).chain(launch.hosted.scheduler.as_mut()) {
         match workload.as_deref() {
             // Every gradient is −1: each one applied adds exactly 1/8 to every parameter, so
             // the values count the gradients applied (exactly-once checks).
@@ -758,10 +758,7 @@ fn rows_workload(cfg: &JobConfig, rank: Option<u32>, iters: u64, rows: u64) -> R
         )
         .into());
     }
-    let tensors = vec![TensorSpec {
-        name: "table".into(),
-        len: rows,
-    }];
+    let tensors = vec![TensorSpec::new("table", rows)];
     let w = Worker::join(cfg, tensors, rank)?;
     falcon_trainer::train::refuse_local(w.optimizer())?;
     crate::logs::label(format!("worker {}", w.rank()));
@@ -855,10 +852,7 @@ fn worker_workload(cfg: &JobConfig, rank: Option<u32>) -> Res {
     }
     // FALCON_WORKLOAD=count: constant gradients (see `job_from_env`).
     let count = env(&["FALCON_WORKLOAD"]).as_deref() == Some("count");
-    let tensors = vec![TensorSpec {
-        name: "model".into(),
-        len: floats,
-    }];
+    let tensors = vec![TensorSpec::new("model", floats)];
     let w = Worker::join(cfg, tensors, rank)?;
     falcon_trainer::train::refuse_local(w.optimizer())?;
     crate::logs::label(format!("worker {}", w.rank()));

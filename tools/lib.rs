@@ -7,7 +7,7 @@
 //!
 //! ```no_run
 //! use falcon::engine::{JobConfig, local::LocalCluster, keys::TensorSpec};
-//! let cluster = LocalCluster::start(JobConfig::default(), vec![TensorSpec { name: "w".into(), len: 10 }])?;
+//! let cluster = LocalCluster::start(JobConfig::default(), vec![TensorSpec::new("w", 10)])?;
 //! let w = &cluster.workers[0];
 //! let mut values = vec![0f32; 10];
 //! w.pull_slice("w", &mut values, 0)?;

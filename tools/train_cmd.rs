@@ -755,10 +755,7 @@ pub fn role_worker(cfg: &falcon_engine::JobConfig, rank: Option<u32>) -> Res {
     let data = Arc::new(Dataset::find(
         env(&["FALCON_DATA"]).as_deref().map(std::path::Path::new),
     )?);
-    let tensors = vec![TensorSpec {
-        name: TENSOR.into(),
-        len: model.num_params() as u64,
-    }];
+    let tensors = vec![TensorSpec::new(TENSOR, model.num_params() as u64)];
     let w = falcon_engine::Worker::join(cfg, tensors, rank)?;
     crate::logs::label(format!("worker {}", w.rank()));
     crate::spawn_link_dropper(&w)?;

@@ -55,13 +55,7 @@ pub fn summary(quick: bool) -> falcon_engine::Result<Vec<Row>> {
                 ..JobConfig::default()
             };
             cfg.transport.medium = medium;
-            let cluster = LocalCluster::start(
-                cfg,
-                vec![TensorSpec {
-                    name: "model".into(),
-                    len: FLOATS,
-                }],
-            )?;
+            let cluster = LocalCluster::start(cfg, vec![TensorSpec::new("model", FLOATS)])?;
             let threads: Vec<_> = cluster
                 .workers
                 .iter()

@@ -455,10 +455,7 @@ unsafe fn tensor_specs(
                 format!("tensor \"{name}\" is declared twice"),
             ));
         }
-        specs.push(TensorSpec {
-            name: name.to_string(),
-            len,
-        });
+        specs.push(TensorSpec::new(name.to_string(), len));
     }
     Ok(specs)
 }

@@ -67,10 +67,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         });
         let tensors = SIZES
             .iter()
-            .map(|b| TensorSpec {
-                name: format!("t{b}"),
-                len: (*b / 4) as u64,
-            })
+            .map(|b| TensorSpec::new(format!("t{b}"), (*b / 4) as u64))
             .collect();
         let cluster = LocalCluster::start(cfg, tensors)?;
         let worker: Worker = cluster.workers[0].clone();

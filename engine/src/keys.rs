@@ -11,6 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::precision::Wire;
 
 /// Default largest shard: 4 MiB.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 4 << 20;
@@ -27,6 +28,26 @@ pub struct TensorSpec {
     pub name: String,
     /// Length in f32 elements.
     pub len: u64,
+    /// Its own precision on the wire, where its values are 16-bit numbers held as f32 (a
+    /// bfloat16 or float16 parameter: [`Wire::Bf16`], [`Wire::F16Native`]): its gradients
+    /// and values then travel as 16 bits, exactly. `None`: the job's (`FALCON_WIRE`).
+    pub wire: Option<Wire>,
+}
+
+impl TensorSpec {
+    /// A tensor of `len` f32 values travelling in the job's precision.
+    pub fn new(name: impl Into<String>, len: u64) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            len,
+            wire: None,
+        }
+    }
+
+    /// The precision its gradients and values travel in, in a job whose wire is `job`.
+    pub fn wire_in(&self, job: Wire) -> Wire {
+        self.wire.unwrap_or(job)
+    }
 }
 
 /// One shard: a contiguous range of one tensor, owned by one server.
@@ -224,16 +245,7 @@ mod tests {
 
     #[test]
     fn a_received_key_map_is_validated() {
-        let tensors = vec![
-            TensorSpec {
-                name: "w".into(),
-                len: 1000,
-            },
-            TensorSpec {
-                name: "b".into(),
-                len: 10,
-            },
-        ];
+        let tensors = vec![TensorSpec::new("w", 1000), TensorSpec::new("b", 10)];
         let good = KeyMap::plan(tensors, 2, 1024).unwrap();
         good.validate(2).unwrap();
         assert!(
@@ -259,10 +271,7 @@ mod tests {
     }
 
     fn t(name: &str, len: u64) -> TensorSpec {
-        TensorSpec {
-            name: name.into(),
-            len,
-        }
+        TensorSpec::new(name, len)
     }
 
     #[test]

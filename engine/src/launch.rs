@@ -7,7 +7,7 @@
 //! ```no_run
 //! use falcon_engine::{Worker, keys::TensorSpec, launch::Launch};
 //! let launch = Launch::from_env()?; // FALCON_*, DMLC_*, torchrun's, Slurm's or mpirun's
-//! let w = Worker::join(&launch.config, vec![TensorSpec { name: "w".into(), len: 4 }], launch.rank)?;
+//! let w = Worker::join(&launch.config, vec![TensorSpec::new("w", 4)], launch.rank)?;
 //! let mut values = vec![0f32; 4];
 //! for clock in 0..10 {
 //!     w.pull_slice("w", &mut values, clock)?;
@@ -167,26 +167,24 @@ pub struct Launch {
     /// hosts the scheduler and each node's first rank servers (none with
     /// `FALCON_HOST_ROLES=0`, nor with a role named).
     pub hosted: Hosted,
-    /// The configuration of the scheduler it hosts (it listens on the job's scheduler
-    /// address), where [`Hosted::scheduler`].
-    pub hosted_scheduler: Option<JobConfig>,
 }
 
 /// The roles a launched rank hosts beside its worker ([`Launch::hosted`]); started with
 /// [`crate::local::HostedRoles::start`].
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 #[non_exhaustive]
 pub struct Hosted {
-    /// The job's scheduler.
-    pub scheduler: bool,
-    /// These servers' ranks.
+    /// The job's scheduler, as it runs: its configuration (it listens on the job's
+    /// scheduler address).
+    pub scheduler: Option<JobConfig>,
+    /// These servers' ranks (they run with [`Launch::config`]).
     pub servers: Vec<u32>,
 }
 
 impl Hosted {
     /// Whether it hosts anything.
     pub fn is_empty(&self) -> bool {
-        !self.scheduler && self.servers.is_empty()
+        self.scheduler.is_none() && self.servers.is_empty()
     }
 }
 
@@ -427,8 +425,9 @@ struct Placed {
     servers: u32,
     /// The scheduler's host, if the launcher names it.
     host: Option<SchedulerHost>,
-    /// What this rank hosts beside its worker.
-    hosted: Hosted,
+    /// Whether this rank hosts the scheduler (rank 0), and the servers it hosts.
+    hosts_scheduler: bool,
+    hosted_servers: Vec<u32>,
 }
 
 /// One launcher line for every process (Slurm's `srun`, torchrun, mpirun): every rank is a
@@ -512,22 +511,15 @@ fn launcher_layout<F: Fn(&str) -> Option<String>>(
         "1 (rank 0 hosts the scheduler and each node's first rank servers, on threads) or 0 \
          (the scheduler and the servers run apart, as `falcon role` processes)",
     )?;
-    let hosted = if host_roles {
-        Hosted {
-            scheduler: n == 0,
-            servers: (0..servers)
-                .filter(|s| (s % nodes) * per_node == n)
-                .collect(),
-        }
-    } else {
-        Hosted::default()
-    };
     Ok(Some(Placed {
         rank: n,
         world: size,
         servers,
         host,
-        hosted,
+        hosts_scheduler: host_roles && n == 0,
+        hosted_servers: (0..servers)
+            .filter(|s| host_roles && (s % nodes) * per_node == n)
+            .collect(),
     }))
 }
 
@@ -595,7 +587,7 @@ impl Launch {
         cfg.transport.bind = Some(bind_address(&env, role, (&uri, port), scheduler_tcp)?);
         // The scheduler this rank hosts listens where the job's address says.
         let hosted_scheduler = match &placed {
-            Some(p) if p.hosted.scheduler => {
+            Some(p) if p.hosts_scheduler => {
                 let mut c = cfg.clone();
                 c.transport.bind = Some(bind_address(
                     &env,
@@ -612,9 +604,12 @@ impl Launch {
                 set.refused("not a socket address: expected IP:PORT, e.g. 10.0.0.5:9000")
             })?);
         }
-        let hosted = placed
-            .as_ref()
-            .map_or_else(Hosted::default, |p| p.hosted.clone());
+        let hosted = Hosted {
+            scheduler: hosted_scheduler,
+            servers: placed
+                .as_ref()
+                .map_or_else(Vec::new, |p| p.hosted_servers.clone()),
+        };
         let rank =
             match placed {
                 Some(p) => Some(p.rank),
@@ -630,7 +625,6 @@ impl Launch {
             role,
             rank,
             hosted,
-            hosted_scheduler,
         })
     }
 }
@@ -1130,7 +1124,12 @@ mod tests {
             .iter()
             .map(|r| {
                 let l = torchrun(r, &[]);
-                (l.role, l.rank, l.hosted.scheduler, l.hosted.servers)
+                (
+                    l.role,
+                    l.rank,
+                    l.hosted.scheduler.is_some(),
+                    l.hosted.servers,
+                )
             })
             .collect();
         assert_eq!(
@@ -1147,11 +1146,11 @@ mod tests {
         let w = torchrun("4", &[]);
         assert_eq!((w.config.servers, w.config.workers), (2, 6));
         assert_eq!(w.config.scheduler, "host=remote;tcp=127.0.0.1:29500");
-        assert!(w.hosted_scheduler.is_none());
+        assert!(w.hosted.scheduler.is_none());
         // The hosted scheduler listens on the job's address; the worker beside it does not.
         let r0 = torchrun("0", &[]);
         assert_eq!(
-            r0.hosted_scheduler.unwrap().transport.bind,
+            r0.hosted.scheduler.unwrap().transport.bind,
             Some("127.0.0.1:29500".parse().unwrap())
         );
         assert_eq!(r0.config.transport.bind, Some(LOCAL));
@@ -1163,7 +1162,7 @@ mod tests {
         );
         // Hosting nothing: the scheduler and the servers were started apart.
         let apart = torchrun("0", &[("FALCON_HOST_ROLES", "0")]);
-        assert!(apart.hosted.is_empty() && apart.hosted_scheduler.is_none());
+        assert!(apart.hosted.is_empty());
         assert_eq!((apart.role, apart.rank), (Role::Worker, Some(0)));
         // No node size named: one node, everything on rank 0.
         let l = launch(&[
@@ -1174,7 +1173,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((l.config.servers, l.config.workers), (1, 4));
-        assert!(l.hosted.scheduler && l.hosted.servers == [0]);
+        assert!(l.hosted.scheduler.is_some() && l.hosted.servers == [0]);
         // Slurm names hosts and no port: the first node, falcon's default port.
         let l = launch(&[
             ("SLURM_PROCID", "2"),

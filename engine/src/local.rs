@@ -129,6 +129,36 @@ fn run_role<T>(
     }
 }
 
+/// The scheduler's thread, its error or panic recorded in `failures`.
+fn spawn_scheduler(
+    sched: Scheduler,
+    failures: &FirstFailure,
+) -> Result<JoinHandle<Result<SchedulerReport>>> {
+    let failures = failures.clone();
+    std::thread::Builder::new()
+        .name("falcon-scheduler".into())
+        .spawn(move || run_role(&failures, "scheduler", 0, || sched.run()))
+        .map_err(|e| Error::os("cannot start the scheduler's thread", e))
+}
+
+/// Server `r`'s thread (joining the job of `cfg`), its error or panic recorded in `failures`.
+fn spawn_server(
+    cfg: &JobConfig,
+    r: u32,
+    hooks: &ServerHooks,
+    failures: &FirstFailure,
+) -> Result<JoinHandle<Result<ServerReport>>> {
+    let (cfg, hooks, failures) = (cfg.clone(), hooks.clone(), failures.clone());
+    std::thread::Builder::new()
+        .name(format!("falcon-server-{r}"))
+        .spawn(move || {
+            run_role(&failures, "server", r, || {
+                Server::join(cfg, Some(r), hooks)?.run()
+            })
+        })
+        .map_err(|e| Error::os(format!("cannot start the thread of server {r}"), e))
+}
+
 /// What a finished cluster reports.
 #[derive(Debug)]
 pub struct LocalReport {
@@ -198,25 +228,9 @@ impl LocalCluster {
         let failures = FirstFailure::default();
         let sched = Scheduler::bind(cfg.clone())?;
         cfg.scheduler = sched.address();
-        let scheduler = {
-            let failures = failures.clone();
-            std::thread::Builder::new()
-                .name("falcon-scheduler".into())
-                .spawn(move || run_role(&failures, "scheduler", 0, || sched.run()))
-                .map_err(|e| Error::os("cannot start the scheduler's thread", e))?
-        };
+        let scheduler = spawn_scheduler(sched, &failures)?;
         let servers = (0..cfg.servers)
-            .map(|r| {
-                let (cfg, hooks, failures) = (cfg.clone(), hooks.clone(), failures.clone());
-                std::thread::Builder::new()
-                    .name(format!("falcon-server-{r}"))
-                    .spawn(move || {
-                        run_role(&failures, "server", r, || {
-                            Server::join(cfg, Some(r), hooks)?.run()
-                        })
-                    })
-                    .map_err(|e| Error::os(format!("cannot start the thread of server {r}"), e))
-            })
+            .map(|r| spawn_server(&cfg, r, &hooks, &failures))
             .collect::<Result<Vec<_>>>()?;
         let joining = (0..cfg.workers)
             .map(|r| {
@@ -325,36 +339,15 @@ impl HostedRoles {
     /// As `start`, with the servers' hooks (a learning-rate schedule).
     pub fn start_with(launch: &crate::launch::Launch, hooks: ServerHooks) -> Result<HostedRoles> {
         let failures = FirstFailure::default();
-        let scheduler = match (&launch.hosted_scheduler, launch.hosted.scheduler) {
-            (Some(cfg), true) => {
-                let sched = Scheduler::bind(cfg.clone())?;
-                let failures = failures.clone();
-                Some(
-                    std::thread::Builder::new()
-                        .name("falcon-scheduler".into())
-                        .spawn(move || run_role(&failures, "scheduler", 0, || sched.run()))
-                        .map_err(|e| Error::os("cannot start the scheduler's thread", e))?,
-                )
-            }
-            _ => None,
+        let scheduler = match &launch.hosted.scheduler {
+            Some(cfg) => Some(spawn_scheduler(Scheduler::bind(cfg.clone())?, &failures)?),
+            None => None,
         };
         let servers = launch
             .hosted
             .servers
             .iter()
-            .map(|&r| {
-                let (cfg, failures, hooks) =
-                    (launch.config.clone(), failures.clone(), hooks.clone());
-                std::thread::Builder::new()
-                    .name(format!("falcon-server-{r}"))
-                    .spawn(move || {
-                        run_role(&failures, "server", r, || {
-                            Server::join(cfg, Some(r), hooks)?.run()
-                        })
-                    })
-                    .map(|h| (r, h))
-                    .map_err(|e| Error::os(format!("cannot start the thread of server {r}"), e))
-            })
+            .map(|&r| Ok((r, spawn_server(&launch.config, r, &hooks, &failures)?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(HostedRoles {
             scheduler,

@@ -9,6 +9,13 @@
 //!   infinities, and magnitudes under 6.1e-5 lose precision (under 6e-8 they become zero).
 //!
 //! NaN stays NaN in both. Initial values (`Worker::init`) always travel as `f32`.
+//!
+//! A tensor may carry its own precision ([`crate::TensorSpec::wire`]): the values of a
+//! bfloat16 or float16 parameter are exact in 16 bits, so its gradients and values travel as
+//! 16 bits without rounding anything the worker had; the step's mean is rounded once, to the
+//! tensor's own type. A float16 tensor's own precision is [`Wire::F16Native`], IEEE half
+//! precision with its infinities kept (an overflowed gradient stays infinite, as in PyTorch),
+//! where the job-wide `f16` saturates.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -24,6 +31,9 @@ pub enum Wire {
     Bf16,
     /// IEEE half precision: 11 significant bits, saturated at ±65504.
     F16,
+    /// IEEE half precision with infinities kept: a float16 tensor's own precision (never a
+    /// job's setting).
+    F16Native,
 }
 
 impl Wire {
@@ -31,7 +41,7 @@ impl Wire {
     pub fn bytes_per_value(self) -> u64 {
         match self {
             Wire::F32 => 4,
-            Wire::Bf16 | Wire::F16 => 2,
+            Wire::Bf16 | Wire::F16 | Wire::F16Native => 2,
         }
     }
 
@@ -46,6 +56,7 @@ impl Wire {
             Wire::F32 => "f32",
             Wire::Bf16 => "bf16",
             Wire::F16 => "f16",
+            Wire::F16Native => "float16",
         }
     }
 
@@ -63,12 +74,17 @@ impl Wire {
                     o.copy_from_slice(&bf16_bits(*v).to_le_bytes());
                 }
             }
-            Wire::F16 => {
+            Wire::F16 | Wire::F16Native => {
+                let saturate = self == Wire::F16;
                 let (mut clamped, mut half) = ([0f32; CHUNK], [f16::ZERO; CHUNK]);
                 for (o, v) in out.chunks_mut(2 * CHUNK).zip(values.chunks(CHUNK)) {
                     let n = v.len();
                     for (c, x) in clamped.iter_mut().zip(v) {
-                        *c = x.clamp(-F16_MAX, F16_MAX);
+                        *c = if saturate {
+                            x.clamp(-F16_MAX, F16_MAX)
+                        } else {
+                            *x
+                        };
                     }
                     half[..n].convert_from_f32_slice(&clamped[..n]);
                     for (o, h) in o.chunks_exact_mut(2).zip(&half[..n]) {
@@ -93,7 +109,7 @@ impl Wire {
                     *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
                 }
             }
-            Wire::F16 => {
+            Wire::F16 | Wire::F16Native => {
                 let mut half = [f16::ZERO; CHUNK];
                 for (o, b) in out.chunks_mut(CHUNK).zip(bytes.chunks(2 * CHUNK)) {
                     let n = o.len();
@@ -226,6 +242,32 @@ mod tests {
         assert_eq!(Wire::F32.encoded(&v).len(), 4000);
         assert_eq!(Wire::Bf16.encoded(&v).len(), 2000);
         assert_eq!(Wire::F16.encoded(&v).len(), 2000);
+    }
+
+    #[test]
+    fn a_16_bit_tensors_own_values_travel_exactly_infinities_and_all() {
+        // Every bfloat16 and every float16 bit pattern, widened to f32 as the worker holds
+        // them, comes back bit for bit (NaNs as NaNs).
+        for bits in 0..=u16::MAX {
+            let b = f32::from_bits(u32::from(bits) << 16);
+            let h = f16::from_bits(bits).to_f32();
+            for (w, x) in [(Wire::Bf16, b), (Wire::F16Native, h)] {
+                let y = round_trip(w, &[x])[0];
+                assert!(
+                    y.to_bits() == x.to_bits() || (x.is_nan() && y.is_nan()),
+                    "{} {x:e} → {y:e}",
+                    w.name()
+                );
+            }
+        }
+        // The job-wide f16 saturates; a float16 tensor's own keeps the infinity.
+        assert_eq!(round_trip(Wire::F16, &[f32::INFINITY])[0], 65504.0);
+        assert_eq!(
+            round_trip(Wire::F16Native, &[f32::INFINITY])[0],
+            f32::INFINITY
+        );
+        assert_eq!(round_trip(Wire::F16Native, &[-1e6])[0], f32::NEG_INFINITY);
+        assert!("float16".parse::<Wire>().is_ok_and(|w| w == Wire::F16));
     }
 
     #[test]

@@ -131,6 +131,17 @@ pub struct Book {
     pub host_peers: u32,
 }
 
+impl Book {
+    /// The precision tensor `tensor`'s gradients and values travel in: its own where it has
+    /// one (a 16-bit parameter's), else the job's.
+    pub fn wire_of(&self, tensor: u32) -> crate::precision::Wire {
+        self.keymap
+            .tensors
+            .get(tensor as usize)
+            .map_or(self.wire, |t| t.wire_in(self.wire))
+    }
+}
+
 /// What a worker reattaching to a server says of one shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResumeShard {
@@ -777,10 +788,7 @@ mod tests {
             rank: Some(3),
             proof: vec![7; 32],
             addr: String::new(),
-            tensors: vec![TensorSpec {
-                name: "w".into(),
-                len: 10,
-            }],
+            tensors: vec![TensorSpec::new("w", 10)],
         };
         assert_eq!(Msg::decode(&m.encode()).unwrap(), m);
         let mut rng = fastrand::Rng::with_seed(1);

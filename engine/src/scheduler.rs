@@ -133,6 +133,23 @@ fn difference(a: u32, ours: &[TensorSpec], b: u32, theirs: &[TensorSpec]) -> Str
             t.name, t.len
         );
     }
+    let precision = |t: &TensorSpec| match t.wire {
+        None => "float32",
+        Some(crate::precision::Wire::Bf16) => "bfloat16",
+        Some(w) => w.name(),
+    };
+    if let Some((x, y)) = ours
+        .iter()
+        .zip(theirs)
+        .find(|(x, y)| x.name == y.name && x.wire != y.wire)
+    {
+        return format!(
+            "tensor '{}' is {} on worker {a} and {} on worker {b}: {models}",
+            x.name,
+            precision(x),
+            precision(y)
+        );
+    }
     let at = ours
         .iter()
         .zip(theirs)
@@ -662,10 +679,7 @@ mod tests {
 
     #[test]
     fn workers_whose_models_differ_are_told_which_tensor_and_which_ranks() {
-        let t = |n: &str, len| TensorSpec {
-            name: n.into(),
-            len,
-        };
+        let t = |n: &str, len| TensorSpec::new(n, len);
         let of = |w: &[(u32, Vec<TensorSpec>)]| {
             let m: BTreeMap<(Role, u32), Vec<TensorSpec>> = w
                 .iter()
@@ -698,6 +712,16 @@ mod tests {
             e.starts_with(
                 "worker 0 declares 'fc.weight' as tensor 0 and worker 1 declares 'fc.bias' there"
             ),
+            "{e}"
+        );
+        // A tensor that is bfloat16 on one worker and float32 on another.
+        let half = TensorSpec {
+            wire: Some(crate::precision::Wire::Bf16),
+            ..t("fc.weight", 100)
+        };
+        let e = of(&[(0, base.clone()), (1, vec![half, t("fc.bias", 10)])]).unwrap_err();
+        assert!(
+            e.starts_with("tensor 'fc.weight' is float32 on worker 0 and bfloat16 on worker 1"),
             "{e}"
         );
         // An empty declaration defers to the others.

@@ -490,7 +490,7 @@ impl Serving {
             shards.push(Shard {
                 spec: *spec,
                 core: ShardCore::new(shard_cfg, policy, opt, scale.clone()),
-                params: RegionParams::with_wire(len, book.workers, book.wire)?,
+                params: RegionParams::with_wire(len, book.workers, book.wire_of(spec.tensor))?,
                 // Each slot holds the gradient and its trailer (`SlotTrailer`).
                 slots: (0..workers)
                     .map(|_| Region::new(spec.bytes() + SlotTrailer::BYTES))
@@ -1077,10 +1077,10 @@ impl Serving {
         };
         let slot = s.slots[w as usize].clone();
         let floats = s.spec.len as usize;
-        // Initial values travel as f32; gradients in the job's wire precision.
+        // Initial values travel as f32; gradients in the tensor's wire precision.
         let wire = match imm.kind {
             PushKind::Init => crate::precision::Wire::F32,
-            _ => self.book.wire,
+            _ => self.book.wire_of(s.spec.tensor),
         };
         // A gradient in f32 is applied where it lies (`Grad::Slot`, acknowledged after the
         // apply): one pass over the slot instead of a copy and a pass over the copy.
@@ -1226,7 +1226,7 @@ impl Serving {
             return;
         };
         let s = &self.shards[i];
-        let len = self.book.wire.bytes(s.spec.len);
+        let len = self.book.wire_of(s.spec.tensor).bytes(s.spec.len);
         let r = match (p.to, self.outbox.as_mut()) {
             (PullTo::Write { dst, dst_off }, Some(ob)) => {
                 ob.push(Queued {

@@ -31,16 +31,7 @@ fn cfg(servers: u32, workers: u32, policy: PolicySpec) -> JobConfig {
 }
 
 fn tensors() -> Vec<TensorSpec> {
-    vec![
-        TensorSpec {
-            name: "w".into(),
-            len: 1000,
-        },
-        TensorSpec {
-            name: "b".into(),
-            len: 10,
-        },
-    ]
+    vec![TensorSpec::new("w", 1000), TensorSpec::new("b", 10)]
 }
 
 /// The gradient worker `w` computes at iteration `t` from parameters `p`: depends on all
@@ -168,14 +159,8 @@ fn push_pull_answers_each_shard_after_its_own_push_is_applied() {
         c.optimizer = Optimizer::Sgd { lr };
         c.wire = wire;
         c.max_shard_bytes = 4096; // four shards, two on each server
-        let spec = TensorSpec {
-            name: "w".into(),
-            len: N as u64,
-        };
-        let small = TensorSpec {
-            name: "b".into(),
-            len: 10,
-        };
+        let spec = TensorSpec::new("w", N as u64);
+        let small = TensorSpec::new("b", 10);
         let cluster = LocalCluster::start(c, vec![spec, small]).unwrap();
         let worker = cluster.workers[0].clone();
         let (out, gb) = (worker.buffer("w").unwrap(), worker.buffer("w").unwrap());
@@ -340,10 +325,7 @@ fn no_pull_ever_sees_a_shard_beyond_the_ssp_bound() {
     let mut c = cfg(1, W, PolicySpec::Ssp { s: S });
     c.optimizer = Optimizer::Sgd { lr: 1.0 };
     c.mode = Some(UpdateMode::Async);
-    let counts = vec![TensorSpec {
-        name: "count".into(),
-        len: W as u64,
-    }];
+    let counts = vec![TensorSpec::new("count", W as u64)];
     let cluster = LocalCluster::start(c, counts).unwrap();
     let threads: Vec<_> = cluster
         .workers
@@ -518,10 +500,7 @@ fn dynsgd_scales_a_stale_gradient_by_one_over_staleness_plus_one() {
     let mut c = cfg(1, 2, PolicySpec::Asp);
     c.optimizer = Optimizer::Sgd { lr: 1.0 };
     c.scale = falcon_engine::update::ScaleSpec::DynSgd;
-    let counts = vec![TensorSpec {
-        name: "x".into(),
-        len: 1,
-    }];
+    let counts = vec![TensorSpec::new("x", 1)];
     let cluster = LocalCluster::start(c, counts).unwrap();
     let (w0, w1) = (&cluster.workers[0], &cluster.workers[1]);
     let mut v = [0f32];
@@ -666,15 +645,7 @@ fn the_scheduler_may_be_given_as_host_and_port() {
         falcon_engine::Server::join(server_cfg, None, Default::default())?.run()
     });
     c.scheduler = format!("localhost:{}", tcp.port());
-    let w = Worker::join(
-        &c,
-        vec![TensorSpec {
-            name: "w".into(),
-            len: 4,
-        }],
-        None,
-    )
-    .unwrap();
+    let w = Worker::join(&c, vec![TensorSpec::new("w", 4)], None).unwrap();
     let mut v = vec![0f32; 4];
     w.pull_slice("w", &mut v, 0).unwrap();
     assert_eq!(v, [0.0; 4]);
@@ -748,6 +719,101 @@ fn bf16_and_f16_on_the_wire_are_exactly_the_rounded_arithmetic() {
     }
 }
 
+/// A tensor with its own 16-bit precision (a bfloat16 or float16 parameter's) travels as 16
+/// bits in a job whose wire is f32, and exactly: two workers' gradients that are 16-bit
+/// numbers arrive whole, the servers average them in f32 and the mean comes back rounded once
+/// to the tensor's type (a float16 tensor's infinity stays infinite); the job's other tensors
+/// stay f32, bit for bit.
+#[test]
+fn a_tensors_own_16_bit_precision_travels_exactly_beside_f32_tensors() {
+    use falcon_engine::precision::Wire;
+    use falcon_transport::Medium;
+    let round = |w: Wire, v: &[f32]| w.decoded(&w.encoded(v));
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for medium in [Medium::Tcp, Medium::Shm] {
+        for own in [Wire::Bf16, Wire::F16Native] {
+            let mut c = cfg(2, 2, PolicySpec::Bsp);
+            c.optimizer = Optimizer::Sgd { lr: 1.0 };
+            c.transport.medium = medium;
+            let specs = vec![
+                TensorSpec {
+                    wire: Some(own),
+                    ..TensorSpec::new("h", 3000)
+                },
+                TensorSpec::new("f", 3000),
+            ];
+            let cluster = LocalCluster::start(c, specs).unwrap();
+            let zeros = vec![0f32; 3000];
+            // Gradients of 16-bit numbers; worker 1 sends an infinity in the last value.
+            let grads: Vec<Vec<f32>> = (0..2u32)
+                .map(|w| {
+                    let g: Vec<f32> = (0..3000)
+                        .map(|i| ((i as f32 + 1.0) * 0.173 + w as f32).sin() * 3.0)
+                        .collect();
+                    round(own, &g)
+                })
+                .map(|mut g| {
+                    if own == Wire::F16Native {
+                        g[2999] = 7e4; // over float16's range: its infinity
+                    }
+                    g
+                })
+                .collect();
+            let f32_grads: Vec<Vec<f32>> = (0..2u32)
+                .map(|w| {
+                    (0..3000)
+                        .map(|i| (i as f32 * 0.01 + w as f32).cos() / 3.0)
+                        .collect()
+                })
+                .collect();
+            std::thread::scope(|sc| {
+                for (w, worker) in cluster.workers.iter().enumerate() {
+                    let (g, f) = (&grads[w], &f32_grads[w]);
+                    let zeros = &zeros;
+                    sc.spawn(move || {
+                        if w == 0 {
+                            for t in ["h", "f"] {
+                                let buf = worker.buffer(t).unwrap();
+                                buf.write_at(0, falcon_engine::worker::f32_bytes(zeros))
+                                    .unwrap();
+                                worker.init(t, &buf).unwrap();
+                            }
+                        }
+                        worker.barrier().unwrap();
+                        worker.push_slice("h", g, 0).unwrap();
+                        worker.push_slice("f", f, 0).unwrap();
+                    });
+                }
+            });
+            let worker = &cluster.workers[0];
+            let (mut h, mut f) = (vec![0f32; 3000], vec![0f32; 3000]);
+            worker.pull_slice("h", &mut h, 1).unwrap();
+            worker.pull_slice("f", &mut f, 1).unwrap();
+            // SGD at rate 1 from zeros: minus the mean of the two gradients (in f32), which a
+            // 16-bit tensor's pull rounds once to its type.
+            let mean = |a: &[f32], b: &[f32]| -> Vec<f32> {
+                a.iter().zip(b).map(|(x, y)| 0.0 - (x + y) / 2.0).collect()
+            };
+            let widened: Vec<Vec<f32>> = grads.iter().map(|g| round(own, g)).collect();
+            let want_h = round(own, &mean(&widened[0], &widened[1]));
+            assert_eq!(
+                bits(&h[..2999]),
+                bits(&want_h[..2999]),
+                "{own:?} over {medium:?}"
+            );
+            if own == Wire::F16Native {
+                assert_eq!(h[2999], f32::NEG_INFINITY, "an overflow stays infinite");
+            }
+            assert_eq!(
+                bits(&f),
+                bits(&mean(&f32_grads[0], &f32_grads[1])),
+                "f32 beside it"
+            );
+            cluster.finish().unwrap();
+        }
+    }
+}
+
 /// Over shm a large f32 gradient is not copied into the slot: the server reads it where the
 /// worker holds it, under a synchronous step (copied out) and an asynchronous one (applied
 /// where it lies), in a push-pull too; every push counts exactly once. Small shards, 16-bit
@@ -781,16 +847,7 @@ fn large_gradients_over_shm_are_read_in_the_workers_memory() {
         c.transport.medium = medium;
         c.max_shard_bytes = 512 << 10;
         c.helper_threads = Some(2);
-        let specs = vec![
-            TensorSpec {
-                name: "w".into(),
-                len: LEN,
-            },
-            TensorSpec {
-                name: "b".into(),
-                len: 10,
-            },
-        ];
+        let specs = vec![TensorSpec::new("w", LEN), TensorSpec::new("b", 10)];
         let cluster = LocalCluster::start(c, specs).unwrap();
         let threads: Vec<_> = cluster
             .workers
@@ -853,10 +910,7 @@ fn pushes_from_fresh_regions_stop_being_read_in_place_past_the_bound() {
     c.optimizer = Optimizer::Sgd { lr: 1.0 };
     c.transport.medium = Medium::Shm;
     c.max_shard_bytes = 1 << 20;
-    let specs = vec![TensorSpec {
-        name: "w".into(),
-        len: 1 << 15, // 128 KiB: one shard
-    }];
+    let specs = vec![TensorSpec::new("w", 1 << 15)]; // 128 KiB: one shard
     let cluster = LocalCluster::start(c, specs).unwrap();
     let worker = cluster.workers[0].clone();
     for t in 0..N {
@@ -903,10 +957,7 @@ fn a_push_naming_memory_the_worker_does_not_hold_is_refused() {
         c.transport.medium = Medium::Shm;
         c.transport.op_timeout = Duration::from_secs(2);
         c.max_shard_bytes = 1 << 20;
-        let specs = vec![TensorSpec {
-            name: "w".into(),
-            len: LEN,
-        }];
+        let specs = vec![TensorSpec::new("w", LEN)];
         let cluster = LocalCluster::start(c, specs).unwrap();
         let liar = cluster.workers[0].clone();
         let honest = cluster.workers[1].clone();
@@ -987,10 +1038,7 @@ fn row_sparse_logistic_regression_is_exactly_the_dense_reference() {
     c.optimizer = Optimizer::Sgd { lr };
     c.aggregate = Aggregate::Mean;
     c.max_shard_bytes = 1000; // 250 floats: shards cut rows
-    let table = vec![TensorSpec {
-        name: "emb".into(),
-        len: ROWS * DIM,
-    }];
+    let table = vec![TensorSpec::new("emb", ROWS * DIM)];
     let truth: std::sync::Arc<Vec<f32>> = {
         let mut r = fastrand::Rng::with_seed(11);
         std::sync::Arc::new((0..ROWS * DIM).map(|_| r.f32() * 2.0 - 1.0).collect())

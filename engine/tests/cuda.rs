@@ -101,14 +101,8 @@ fn grad(w: u32, t: u64, p: &[f32]) -> Vec<f32> {
 /// reference's, bit for bit.
 fn device_against_host(gpu: &Gpu, medium: Medium) {
     const ITERS: u64 = 5;
-    let cluster = LocalCluster::start(
-        cfg(medium, 2),
-        vec![TensorSpec {
-            name: "w".into(),
-            len: N as u64,
-        }],
-    )
-    .unwrap();
+    let cluster =
+        LocalCluster::start(cfg(medium, 2), vec![TensorSpec::new("w", N as u64)]).unwrap();
     let init: Vec<f32> = (0..N).map(|i| (i as f32 * 0.37).sin()).collect();
     let (tx, rx) = mpsc::channel::<(u32, u64, Vec<f32>)>();
     let threads: Vec<_> = cluster
@@ -221,14 +215,8 @@ fn device_push_orders_after_other_streams_and_checks_lengths() {
     else {
         return;
     };
-    let cluster = LocalCluster::start(
-        cfg(Medium::Shm, 1),
-        vec![TensorSpec {
-            name: "w".into(),
-            len: N as u64,
-        }],
-    )
-    .unwrap();
+    let cluster =
+        LocalCluster::start(cfg(Medium::Shm, 1), vec![TensorSpec::new("w", N as u64)]).unwrap();
     let worker = cluster.workers[0].clone();
     let mut dev = gpu.device_region(N).unwrap();
     let other = gpu.context().new_stream().unwrap();

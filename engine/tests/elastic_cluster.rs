@@ -35,16 +35,7 @@ fn cfg(workers: u32) -> JobConfig {
 }
 
 fn tensors() -> Vec<TensorSpec> {
-    vec![
-        TensorSpec {
-            name: "w".into(),
-            len: 1000,
-        },
-        TensorSpec {
-            name: "b".into(),
-            len: 10,
-        },
-    ]
+    vec![TensorSpec::new("w", 1000), TensorSpec::new("b", 10)]
 }
 
 /// Runs `body` on a thread and fails the test if it takes longer than `limit` (a deadlock

@@ -26,10 +26,7 @@ fn a_worker_pushing_ahead_of_the_step_is_held_back_by_the_servers_memory_cap() {
         rendezvous_timeout: Duration::from_secs(30),
         ..JobConfig::default()
     };
-    let tensors = vec![TensorSpec {
-        name: "w".into(),
-        len: LEN,
-    }];
+    let tensors = vec![TensorSpec::new("w", LEN)];
     let cluster = LocalCluster::start(cfg, tensors).unwrap();
     let (w0, w1): (Worker, Worker) = (cluster.workers[0].clone(), cluster.workers[1].clone());
     let g = vec![1.0f32; LEN as usize];

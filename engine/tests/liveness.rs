@@ -24,10 +24,7 @@ fn cfg(suspicion: Option<Duration>) -> JobConfig {
 }
 
 fn tensors() -> Vec<TensorSpec> {
-    vec![TensorSpec {
-        name: "w".into(),
-        len: 256,
-    }]
+    vec![TensorSpec::new("w", 256)]
 }
 
 /// Every worker idles `idle`, then runs `iters` iterations; the first error, if any.

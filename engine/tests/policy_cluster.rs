@@ -34,10 +34,7 @@ fn mode_of(policy: &str) -> UpdateMode {
 }
 
 fn train(policy: &str) -> (Vec<(WorkerStats, Vec<Offer>)>, LocalReport, u64) {
-    let tensors = vec![TensorSpec {
-        name: "w".into(),
-        len: LEN,
-    }];
+    let tensors = vec![TensorSpec::new("w", LEN)];
     let cluster = LocalCluster::start(cfg(policy), tensors).unwrap();
     let threads: Vec<_> = cluster
         .workers
@@ -242,10 +239,7 @@ fn transferred_tasks_are_processed_exactly_once() {
     let mut c = cfg("epsp(0,fixed)");
     c.optimizer = falcon_engine::update::Optimizer::Sgd { lr: 1.0 };
     c.aggregate = falcon_engine::update::Aggregate::Sum;
-    let tensors = vec![TensorSpec {
-        name: "w".into(),
-        len: 10,
-    }];
+    let tensors = vec![TensorSpec::new("w", 10)];
     let cluster = LocalCluster::start(c, tensors).unwrap();
     let done: Arc<Mutex<HashSet<(u32, u64, u32)>>> = Arc::default();
     let threads: Vec<_> = cluster

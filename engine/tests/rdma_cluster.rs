@@ -38,16 +38,7 @@ fn two_workers_one_server_ssp_over_rdma() {
         ..JobConfig::default()
     };
     cfg.transport.medium = Medium::Rdma;
-    let tensors = vec![
-        TensorSpec {
-            name: "count".into(),
-            len: 2,
-        },
-        TensorSpec {
-            name: "w".into(),
-            len: 100_000,
-        },
-    ];
+    let tensors = vec![TensorSpec::new("count", 2), TensorSpec::new("w", 100_000)];
     let cluster = LocalCluster::start(cfg, tensors).unwrap();
     for w in &cluster.workers {
         assert_eq!(

@@ -263,15 +263,17 @@ def init(
     return declare(tensors)
 
 
-def declare(tensors) -> Worker:
-    """Declares the tensors of a deferred `init()` and joins the job with them."""
+def declare(tensors, dtypes: Mapping[str, str] | None = None) -> Worker:
+    """Declares the tensors of a deferred `init()` and joins the job with them; `dtypes`:
+    the tensors whose values are 16-bit numbers (name → "bfloat16" or "float16"), which
+    travel as 16 bits."""
     global _worker
     with _lock:
         if _worker is not None:
             raise ConfigError("this process has already joined its job")
         if _overrides is None:
             raise NotInitializedError("call falcon.init() before declaring tensors")
-        _worker = Worker.join(_tensor_list(tensors), _overrides)
+        _worker = Worker.join(_tensor_list(tensors), _overrides, dict(dtypes or {}))
         _hold_to_quota(_worker, _overrides)
         _stop_the_job_with_this_process()
         return _worker
@@ -280,6 +282,8 @@ def declare(tensors) -> Worker:
 # Whether this process stopped the job, or was stopped by another worker's stop: its exit
 # then says one line, not the hosted roles' report of the same failure.
 _stopped: dict[str, str] = {}
+# Whether the hooks that stop the job with this process are in place.
+_hooked = False
 
 
 def _abort(why: str) -> None:
@@ -299,9 +303,10 @@ def _stop_the_job_with_this_process() -> None:
     """A worker interrupted (Ctrl-C, SIGTERM) or whose script raised stops the whole job
     at once, as DDP's ranks do when torchrun tears them down: the others fail with a
     PeerError naming this worker and why, and say so in one line, not a traceback."""
-    if _installed.get("hooks"):
+    global _hooked
+    if _hooked:
         return
-    _installed["hooks"] = True
+    _hooked = True
     previous = sys.excepthook
 
     def hook(kind, value, tb):
@@ -329,9 +334,6 @@ def _stop_the_job_with_this_process() -> None:
                 raise SystemExit(128 + signum)
 
             signal.signal(signal.SIGTERM, on_term)
-
-
-_installed: dict[str, bool] = {}
 
 
 def _rank_or(default: str) -> str:

@@ -51,9 +51,14 @@ class Worker:
     called from any thread; every wait releases the GIL."""
 
     @staticmethod
-    def join(tensors: Sequence[tuple[str, int]], overrides: Mapping[str, str]) -> Worker:
+    def join(
+        tensors: Sequence[tuple[str, int]],
+        overrides: Mapping[str, str],
+        dtypes: Mapping[str, str] | None = None,
+    ) -> Worker:
         """Joins the job the environment (with `overrides` first) describes, training
-        `tensors` (name, length in floats)."""
+        `tensors` (name, length in floats); `dtypes`: tensors whose values are 16-bit
+        numbers (name → "bfloat16" or "float16"), which travel as 16 bits, exactly."""
     @property
     def rank(self) -> int: ...
     @property
@@ -121,9 +126,6 @@ class HostedRoles:
 
     @staticmethod
     def start(overrides: Mapping[str, str]) -> HostedRoles | None: ...
-    @property
-    def hosts(self) -> str: ...
-    def failure(self) -> str | None: ...
     def finish(self, timeout: float | None = None) -> dict[str, Any]: ...
 
 class CpuQuota:

@@ -308,9 +308,19 @@ def _check_shapes(w, named) -> None:
         )
 
 
+# Parameter types that train through the servers: 16-bit values are exact in float32 (the
+# servers average them there and the step's mean is rounded once to the parameter's type)
+# and travel as 16 bits. float64 ones would be rounded there: their gradients are averaged
+# in the workers' gloo group, in float64, as DDP's are.
+_DTYPES = {torch.float32: None, torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 def _check_param(name: str, p: torch.Tensor) -> None:
-    if p.dtype != torch.float32:
-        raise _f.TensorError(f"parameter {name!r} is {p.dtype}: falcon moves float32 tensors")
+    if p.dtype not in _DTYPES and p.dtype != torch.float64:
+        raise _f.TensorError(
+            f"parameter {name!r} is {p.dtype}: falcon trains float32, bfloat16, float16 and "
+            f"float64 parameters"
+        )
     if p.device.type not in ("cpu", "cuda"):
         raise _f.ConfigError(
             f"parameter {name!r} is on {p.device}: falcon moves CPU and CUDA tensors"
@@ -587,6 +597,9 @@ def _forget(w) -> None:
             dist.destroy_process_group()
 
 
+_BITS = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
+
+
 def _bcast(pg, tensors, root: int) -> None:
     """Broadcasts `tensors` (of any dtype; CPU or CUDA: moved through the CPU) from `root`,
     coalesced into one message per dtype."""
@@ -597,10 +610,13 @@ def _bcast(pg, tensors, root: int) -> None:
         by.setdefault(t.dtype, []).append(t)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
-    for ts in by.values():
+    for dtype, ts in by.items():
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
         try:
-            pg.broadcast([flat], opts).wait()
+            # Gloo has no bfloat16 or bool: their bits travel as a type of their size (a
+            # broadcast copies bits, never computes).
+            as_bits = _BITS.get(dtype)
+            pg.broadcast([flat.view(as_bits) if as_bits is not None else flat], opts).wait()
         except RuntimeError as e:
             raise _f.PeerError(f"a broadcast among the workers failed: {e}") from None
         off = 0
@@ -695,7 +711,7 @@ def _plan(optimizer, named, bucket_bytes: int, rows: set[int]) -> list[tuple[str
         if id(p) in rows:
             plan.append((n, [i]))
             continue
-        key = (group_of.get(id(p)), str(p.device), p.requires_grad)
+        key = (group_of.get(id(p)), str(p.device), p.requires_grad, p.dtype)
         if key not in open_:
             open_[key] = ([], [0])
             buckets.append(open_[key][0])
@@ -733,7 +749,7 @@ class _Bucket:
 
     __slots__ = (
         "name", "params", "names", "values", "grads", "gviews", "trainable", "expect", "count",
-        "fired", "sent", "none", "mean", "group", "rows", "slices",
+        "fired", "sent", "none", "mean", "group", "rows", "slices", "cast", "ptrs",
     )
 
     def __init__(self, name, named, group, per_step, rows=False):
@@ -752,6 +768,10 @@ class _Bucket:
         first = self.params[0]
         total = sum(p.numel() for p in self.params)
         self.slices = []
+        # 16-bit parameters keep their own storage and type: the bucket holds their values
+        # and gradients as float32 (exactly), copied in and out.
+        self.cast = first.dtype != torch.float32 and not rows
+        self.ptrs = [p.data_ptr() for p in self.params]
         if rows:
             self.values = first.detach().view(-1)
             self.grads = None
@@ -768,8 +788,14 @@ class _Bucket:
                 self.slices.append((off, n))
                 v = self.values[off : off + n]
                 v.copy_(p.detach().reshape(-1))
-                p.data = v.view_as(p)
                 gv = self.grads[off : off + n].view_as(p)
+                if self.cast:
+                    if p.grad is not None:
+                        gv.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                    self.gviews.append(None)
+                    off += n
+                    continue
+                p.data = v.view_as(p)
                 if p.grad is not None:
                     gv.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
                     p.grad = gv
@@ -784,12 +810,44 @@ class _Bucket:
         g = p.grad
         if g is gv:
             return
+        if self.cast:
+            # Its own type's gradient, copied in as float32 (exactly); `.grad` stays its own.
+            off, n = self.slices[i]
+            with torch.no_grad():
+                dst = self.grads[off : off + n]
+                if g is None:
+                    dst.zero_()
+                else:
+                    dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+            return
         with torch.no_grad():
             if g is None:
                 gv.zero_()
                 return
             gv.copy_(g.to_dense() if g.is_sparse else g)
         p.grad = gv
+
+    def to_params(self, src) -> None:
+        """A 16-bit bucket: `src` (float32, the bucket's layout) into its parameters, rounded
+        once to their type."""
+        with torch.no_grad():
+            for (off, n), p in zip(self.slices, self.params):
+                p.copy_(src[off : off + n].view_as(p))
+
+    def mean_to_grads(self, mean) -> None:
+        """A 16-bit bucket: the step's mean (float32) into each `.grad`, rounded once to the
+        parameter's type; a parameter without a gradient gets one where the mean is not
+        zero."""
+        with torch.no_grad():
+            for (off, n), p in zip(self.slices, self.params):
+                if not p.requires_grad:
+                    continue
+                m = mean[off : off + n].view_as(p)
+                if p.grad is None or p.grad.is_sparse:
+                    if p.grad is not None or bool(torch.any(m != 0)):
+                        p.grad = m.to(p.dtype)
+                else:
+                    p.grad.copy_(m)
 
     def complete(self) -> None:
         """Before a push that not every parameter's hook started: what each `.grad` holds
@@ -871,11 +929,26 @@ class _Distributed:
             )
         for n, p in named:
             _check_param(n, p)
+        # float64 parameters: averaged in the workers' group (in float64), not on the servers.
+        self._falcon_wide = [p for _, p in named if p.dtype == torch.float64]
+        wide = self._falcon_wide_ids = {id(p) for p in self._falcon_wide}
+        held = [(n, p) for n, p in named if id(p) not in wide]
+        if not held:
+            # Every parameter is float64: the job still keeps its clock (and its policy's
+            # rules) with a tensor of its own, one float the servers average each step.
+            held = [("falcon:float64-step", torch.zeros(1))]
+        if self._falcon_wide and tasks is not None and tasks._transfer:
+            raise _f.ConfigError(
+                f"parameter {next(n for n, p in named if id(p) in wide)!r} is torch.float64: "
+                f"a helper's gradient for a straggler's tasks travels through the servers, in "
+                f"float32; use TaskLoader(..., transfer=False), or float32 parameters"
+            )
         # With task transfer a helper pushes a dense gradient of a straggler's tasks: sparse
         # embeddings travel dense too.
         rows = _row_params(model) if tasks is None else set()
-        plan = _plan(self, named, _bucket_bytes(bucket_bytes), rows)
-        w, plan = _join(named, plan, worker)
+        plan = _plan(self, held, _bucket_bytes(bucket_bytes), rows)
+        w, plan = _join(held, plan, worker)
+        _check_shapes(w, named)
         job = w.job
         if policy is not None and not w.runs_policy(policy):
             raise _f.ConfigError(
@@ -914,14 +987,27 @@ class _Distributed:
         self._falcon_buckets: list[_Bucket] = []
         self._falcon_slot: dict[int, tuple[_Bucket, int]] = {}
         for name, idx in plan:
-            members = [named[i] for i in idx]
+            members = [held[i] for i in idx]
             p0 = members[0][1]
             is_rows = id(p0) in rows and len(members) == 1 and row_job
-            b = _Bucket(name, members, group_of[id(p0)], backward_passes_per_step, is_rows)
+            group = group_of.get(id(p0), self.param_groups[0])
+            b = _Bucket(name, members, group, backward_passes_per_step, is_rows)
             self._falcon_buckets.append(b)
             for i, (_, p) in enumerate(members):
                 self._falcon_slot[id(p)] = (b, i)
         self._falcon_by_name = {b.name: b for b in self._falcon_buckets}
+        cast = next(((b.names[0], b.params[0]) for b in self._falcon_buckets if b.cast), None)
+        if cast is None and self._falcon_wide:
+            cast = next((n, p) for n, p in named if p.dtype == torch.float64)
+        if cast is not None and not (self._falcon_local and self._falcon_sync):
+            # The servers keep float32 values: applying an optimizer or adding each worker's
+            # change there would train float32 master weights, not the parameters' own type.
+            raise _f.ConfigError(
+                f"parameter {cast[0]!r} is {cast[1].dtype}: 16- and 64-bit parameters train "
+                f"with each worker's own optimizer under a synchronous policy (the default: "
+                f"leave FALCON_OPTIMIZER and FALCON_LR unset; bsp, epsp); this job runs "
+                f"{job['policy']} with the optimizer {job['optimizer']}"
+            )
         self._falcon_ptrs = {p.data_ptr() for _, p in named}
         self._falcon_handles: dict[str, object] = {}
         # The pull half of each push_pull started this step (the values for the next clock),
@@ -930,6 +1016,8 @@ class _Distributed:
         self._falcon_per_step = backward_passes_per_step
         self._falcon_hooks = []
         _broadcast_buckets(self._falcon_buckets, w)
+        if self._falcon_wide and w.workers > 1:
+            _bcast(_group(w), [p.data for p in self._falcon_wide], 0)
         self._falcon_clock = min(w.clock_of(b.name) for b in self._falcon_buckets)
         # Whether a backward is under way; what `.grad` held at its end (the servers apply
         # the optimizer: checked at step()).
@@ -989,7 +1077,7 @@ class _Distributed:
         for n, p in named:
             if not (p.requires_grad and hooked):
                 continue
-            hook = self._falcon_hook_for(p)
+            hook = self._falcon_hook_for(p) if id(p) not in wide else self._falcon_wide_hook()
             if hasattr(p, "register_post_accumulate_grad_hook"):  # PyTorch ≥ 2.1
                 self._falcon_hooks.append(p.register_post_accumulate_grad_hook(hook))
             else:  # the gradient accumulator's hook, as Horovod does on older PyTorch
@@ -1013,8 +1101,8 @@ class _Distributed:
         _LIVE.add(self)
 
     def _falcon_find_buffers(self, module, _inputs):
-        own = self._falcon_slot
-        if any(id(p) in own for p in module.parameters(recurse=False)):
+        own, wide = self._falcon_slot, self._falcon_wide_ids
+        if any(id(p) in own or id(p) in wide for p in module.parameters(recurse=False)):
             seen = {id(b) for b in self._falcon_buffers}
             self._falcon_buffers += [b for b in module.buffers(recurse=False) if id(b) not in seen]
 
@@ -1100,6 +1188,51 @@ class _Distributed:
             hook()
 
         return first_hook
+
+    def _falcon_wide_hook(self):
+        """The gradient hook of a float64 parameter: its gradient stays in `.grad` (averaged
+        in the workers' group at the end of backward); the first of a backward starts the
+        exchange as a bucket's does."""
+
+        def hook(*_):
+            if not self._falcon_in_backward and not self._falcon_helping:
+                self._falcon_begin()
+
+        return hook
+
+    def _falcon_average_wide(self) -> None:
+        """float64 parameters: each `.grad` becomes the mean of every worker's, in float64
+        through the workers' gloo group (divided by the workers first, then summed, as DDP's
+        buckets are); a parameter without a gradient gets one where another worker's had
+        one."""
+        w = self._falcon_worker
+        params = [p for p in self._falcon_wide if p.requires_grad]
+        if not params or w.workers == 1:
+            return
+        pg = _group(w)
+        with torch.no_grad():
+            flat = torch.cat(
+                [
+                    (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1).cpu()
+                    if p.grad is not None
+                    else torch.zeros(p.numel(), dtype=p.dtype)
+                    for p in params
+                ]
+            )
+            flat.div_(w.workers)
+            try:
+                pg.allreduce([flat]).wait()
+            except RuntimeError as e:
+                raise _f.PeerError(f"averaging the float64 gradients among the workers failed: {e}") from None
+            off = 0
+            for p in params:
+                m = flat[off : off + p.numel()].view_as(p)
+                off += p.numel()
+                if p.grad is None or p.grad.is_sparse:
+                    if p.grad is not None or bool(torch.any(m != 0)):
+                        p.grad = m.to(p.device).clone()
+                else:
+                    p.grad.copy_(m)
 
     def _falcon_gradient(self, b: _Bucket) -> torch.Tensor:
         """The bucket's gradient to push, weight decay added as PyTorch adds it (AdamW's
@@ -1351,10 +1484,15 @@ class _Distributed:
             self._falcon_held += held
             self._falcon_waited = True
         _wait_all(waiting)
+        self._falcon_average_wide()
         with torch.no_grad():
             for b in self._falcon_buckets:
                 b.grads.copy_(b.mean)
+                if b.cast:
+                    b.mean_to_grads(b.mean)
                 for i, p in enumerate(b.params):
+                    if b.cast:
+                        break
                     if p.requires_grad and p.grad is None:
                         off, n = b.slices[i]
                         if bool(torch.any(b.mean[off : off + n] != 0)):
@@ -1571,6 +1709,14 @@ class _Distributed:
             set_to_none = _ZERO_GRAD_TO_NONE
         if self._falcon_local and not self._falcon_sync:
             return super().zero_grad(set_to_none)
+        for p in self._falcon_wide:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
         for b in self._falcon_buckets:
             if b.rows:
                 p = b.params[0]
@@ -1583,7 +1729,13 @@ class _Distributed:
                 b.grads.zero_()
             b.none = set_to_none
             for i, p in enumerate(b.params):
-                if p.grad is not None and p.grad is not b.gviews[i]:
+                if b.cast:
+                    if set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.detach_()
+                        p.grad.zero_()
+                elif p.grad is not None and p.grad is not b.gviews[i]:
                     p.grad = None if set_to_none else b.gviews[i]
 
     def synchronize(self) -> None:
@@ -1642,6 +1794,16 @@ class _Distributed:
         """The parameters still lie in their buckets (a pull writes there): a model moved or
         parameters replaced after the optimizer was made would silently stop training."""
         for b in self._falcon_buckets:
+            if b.cast:
+                if any(p.data_ptr() != q for p, q in zip(b.params, b.ptrs)) or any(
+                    p.dtype != b.params[0].dtype for p in b.params
+                ):
+                    raise _f.ConfigError(
+                        f"parameter {b.names[0]!r} was moved or converted (model.to(), "
+                        f".float()) or replaced after DistributedOptimizer was made; make the "
+                        f"optimizer after moving the model"
+                    )
+                continue
             if not b.rows and b.params[0].data_ptr() != b.values.data_ptr():
                 raise _f.ConfigError(
                     f"parameter {b.names[0]!r} no longer lies in its bucket: the model was "
@@ -1671,13 +1833,16 @@ def _join(named, plan, worker):
     parameter trains them one by one."""
     want = [(name, sum(named[i][1].numel() for i in idx)) for name, idx in plan]
     if worker is None and _f._worker is None:
-        w = _f.declare(want)
-        _check_shapes(w, named)
-        return w, plan
+        # 16-bit parameters' buckets travel as 16 bits.
+        dtypes = {
+            name: _DTYPES[named[idx[0]][1].dtype]
+            for name, idx in plan
+            if _DTYPES[named[idx[0]][1].dtype] is not None
+        }
+        return _f.declare(want, dtypes), plan
     w = worker if worker is not None else _f._worker
     declared = dict(w.tensors)
     if all(declared.get(n) == k for n, k in want):
-        _check_shapes(w, named)
         return w, plan
     if all(n in declared for n, _ in named):
         for n, p in named:
@@ -1685,7 +1850,6 @@ def _join(named, plan, worker):
                 raise _f.LengthError(
                     f"parameter {n!r} has {p.numel()} values; the job's tensor has {declared[n]}"
                 )
-        _check_shapes(w, named)
         return w, [(n, [i]) for i, (n, _) in enumerate(named)]
     missing = next((n for n, _ in want if n not in declared), None)
     if missing is None:
@@ -1710,6 +1874,9 @@ def _broadcast_buckets(buckets, w) -> None:
             w.init_tensor(b.name, _view(b.values))
     w.barrier()
     _wait_all([w.pull_async(b.name, _view(b.values), w.clock_of(b.name)) for b in buckets])
+    for b in buckets:
+        if b.cast:
+            b.to_params(b.values)
     # Nobody pushes before everyone has the values (an asynchronous policy would let the
     # root's first update into a slower worker's start).
     w.barrier()

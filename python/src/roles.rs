@@ -298,7 +298,7 @@ impl HostedRoles {
             return Ok(None);
         }
         let mut what = Vec::new();
-        if launch.hosted.scheduler {
+        if launch.hosted.scheduler.is_some() {
             what.push("the scheduler".to_string());
         }
         for s in &launch.hosted.servers {
@@ -310,20 +310,6 @@ impl HostedRoles {
             what: what.join(", "),
             mode: launch.config.update_mode(),
         }))
-    }
-
-    /// What it hosts, in words ("the scheduler, server 0").
-    #[getter]
-    fn hosts(&self) -> String {
-        self.what.clone()
-    }
-
-    /// The first failure of a hosted role so far, in words; None while all is well.
-    fn failure(&self) -> Option<String> {
-        self.roles
-            .as_ref()
-            .and_then(|r| r.failure())
-            .map(|f| f.to_string())
     }
 
     /// Waits (at most `timeout` seconds; None: as long as it takes) for the hosted roles to

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use falcon_engine::keys::TensorSpec;
+use falcon_engine::precision::Wire;
 use falcon_engine::proto::Role;
 use falcon_transport::Region;
 use pyo3::buffer::PyBuffer;
@@ -494,12 +495,16 @@ impl Worker {
     /// FALCON_* variables) as a worker training `tensors`, a list of (name, length in
     /// floats). Every worker of a job declares the same tensors. Blocks (the GIL released)
     /// until the job's rendezvous completes.
+    ///
+    /// `dtypes` names the tensors whose values are 16-bit numbers (tensor name →
+    /// "bfloat16" or "float16"; the rest are float32): they travel as 16 bits, exactly.
     #[staticmethod]
-    #[pyo3(signature = (tensors, overrides))]
+    #[pyo3(signature = (tensors, overrides, dtypes = None))]
     fn join(
         py: Python<'_>,
         tensors: Vec<(String, u64)>,
         overrides: HashMap<String, String>,
+        dtypes: Option<HashMap<String, String>>,
     ) -> PyResult<Worker> {
         let launch = crate::launch(&overrides)?;
         if launch.role != Role::Worker {
@@ -528,10 +533,30 @@ impl Worker {
             }
             names.push(name.clone());
         }
-        let specs: Vec<TensorSpec> = tensors
-            .into_iter()
-            .map(|(name, len)| TensorSpec { name, len })
-            .collect();
+        let dtypes = dtypes.unwrap_or_default();
+        if let Some(n) = dtypes.keys().find(|n| !lens.contains_key(*n)) {
+            return Err(ConfigError::new_err(format!(
+                "a dtype is given for {n:?}, which is not a declared tensor"
+            )));
+        }
+        let mut specs = Vec::with_capacity(tensors.len());
+        for (name, len) in tensors {
+            let wire = match dtypes.get(&name).map(|d| d.trim()) {
+                None | Some("float32" | "torch.float32") => None,
+                Some("bfloat16" | "torch.bfloat16") => Some(Wire::Bf16),
+                Some("float16" | "torch.float16") => Some(Wire::F16Native),
+                Some(other) => {
+                    return Err(ConfigError::new_err(format!(
+                        "tensor {name:?} is {other}: falcon's tensors hold float32, bfloat16 \
+                         or float16 values"
+                    )));
+                }
+            };
+            specs.push(TensorSpec {
+                wire,
+                ..TensorSpec::new(name, len)
+            });
+        }
         let (cfg, rank) = (launch.config, launch.rank);
         let w = crate::worker::blocking(py, "join", move || {
             falcon_engine::Worker::join(&cfg, specs, rank).map_err(engine_err)

@@ -1231,6 +1231,49 @@ def test_servers_mode_refuses_a_changed_gradient_and_loaded_state(capfd):
     c.finish()
 
 
+@pytest.mark.parametrize("job", [{"optimizer": "adam", "lr": 0.01}, {"policy": "asp"}])
+def test_16_bit_parameters_where_they_cannot_train_as_written_are_refused(job):
+    """The servers keep float32 values: applying the optimizer there (servers' mode) or adding
+    each worker's change there (an asynchronous policy) would train float32 master weights,
+    not the bfloat16 or float64 model the code describes, and a helper's gradient for a
+    straggler's tasks travels in float32: each a ConfigError at wrapping that names the way."""
+    c = falcon.local_cluster(workers=1, **job)
+    falcon.init(env=c.env)
+    model = small_model().to(torch.bfloat16)
+    with pytest.raises(falcon.ConfigError, match="16- and 64-bit parameters train with each worker's own optimizer under a synchronous policy"):
+        ft.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model.named_parameters())
+    falcon.finish()
+    c.finish()
+    c = falcon.local_cluster(workers=1, **job)
+    falcon.init(env=c.env)
+    model = small_model().double()
+    with pytest.raises(falcon.ConfigError, match="'0.weight' is torch.float64: 16- and 64-bit"):
+        ft.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model.named_parameters())
+    falcon.finish()
+    c.finish()
+    # Task transfer: a helper's gradient would travel in float32.
+    c = falcon.local_cluster(workers=1, policy="epsp(0)")
+    falcon.init(env=c.env)
+    x, y = data()
+    loader = ft.TaskLoader((x.double(), y), 8, tasks=2, iterations=2)
+    with pytest.raises(falcon.ConfigError, match="is torch.float64: a helper's gradient.*transfer=False"):
+        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                model=model, tasks=loader, loss_fn=F.cross_entropy)
+    # Without transfer the float64 model trains under epsp (the job's clock on its own tensor).
+    loader = ft.TaskLoader((x.double(), y), 8, tasks=2, iterations=2, transfer=False)
+    before = model[0].weight.detach().clone()
+    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   model=model, tasks=loader, loss_fn=F.cross_entropy)
+    for xb, yb in loader:
+        dopt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        dopt.step()
+    assert model[0].weight.dtype == torch.float64 and not torch.equal(model[0].weight, before)
+    assert dopt.clock == 2
+    falcon.finish()
+    c.finish()
+
+
 @pytest.mark.parametrize("kind", ["momentum", "adam"])
 def test_state_loaded_before_wrapping_is_kept(kind):
     """The tutorial's order for a resumed checkpoint: load the optimizer's state, then wrap.
@@ -1318,6 +1361,40 @@ def test_falcon_trains_what_ddp_trains(procs, workers):
                     msg=f"{name}: worker {r}'s {k}",
                 )
     assert sum(f["onecycle-epsp"][1] for f in fal) > 0, "no task moved under epsp"
+
+
+def test_16_and_64_bit_parameters_train_as_ddp_would(procs):
+    """bfloat16 (a BatchNorm MLP with Adam, its running statistics bfloat16 too), float16
+    (SGD with momentum, a 0-dimensional parameter) and float64 (a BatchNorm MLP, SGD with
+    momentum) train in their own type — 16-bit ones through the servers as 16 bits, float64
+    ones in the workers' gloo group — and end bit for bit where DDP's semantics written out
+    in one process end: each worker's gradient, their mean in float32 (float64) rounded once
+    to the parameter's type, the optimizer's own step, rank 0's buffers (two workers: the
+    sum of two gradients has one order)."""
+    import dtype_worker
+
+    workers = 2
+    clusters = {n: falcon.local_cluster(workers=workers, heartbeat_ms=200) for n in dtype_worker.CONFIGS}
+    envs = {n: c.env for n, c in clusters.items()}
+    for r in range(workers):
+        procs.start(f"falcon {r}", ["python/tests/dtype_worker.py", str(r), str(workers), json.dumps(envs)], {})
+    outs = procs.wait_all(timeout=300)
+    for c in clusters.values():
+        c.finish()
+    got = [
+        json.loads(next(l for l in outs[f"falcon {r}"].splitlines() if l.startswith("DTYPES "))[7:])
+        for r in range(workers)
+    ]
+    for name in dtype_worker.CONFIGS:
+        want = dtype_worker.reference(name, workers)
+        for r in range(workers):
+            assert got[r][name].keys() == want.keys()
+            for k, (dtype, values) in want.items():
+                assert got[r][name][k][0] == dtype, f"{name}: worker {r}'s {k} is {got[r][name][k][0]}"
+                assert got[r][name][k][1] == values, f"{name}: worker {r}'s {k} differs from DDP's"
+    start = dtype_worker.model_of("bf16-adam").state_dict()
+    moved = [k for k in start if start[k].is_floating_point() and got[0]["bf16-adam"][k][1] != start[k].double().reshape(-1).tolist()]
+    assert "0.weight" in moved and "1.running_mean" in moved, moved
 
 
 def test_task_transfer_with_batchnorm_is_refused():

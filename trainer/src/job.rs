@@ -276,10 +276,7 @@ pub fn run_local(
         None => None,
     };
     check_resume(&cfg)?;
-    let tensors = vec![TensorSpec {
-        name: TENSOR.into(),
-        len: model.num_params() as u64,
-    }];
+    let tensors = vec![TensorSpec::new(TENSOR, model.num_params() as u64)];
     let cluster = LocalCluster::start(cfg, tensors)?;
     // Initial values from worker 0, before anyone pulls (a resumed job's servers keep the
     // values they restored: the first initialization of a shard wins).

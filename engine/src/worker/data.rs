@@ -307,7 +307,7 @@ impl Worker {
                 dst_off: s.spec.offset * 4,
                 src: &keys.params,
                 src_off: 0,
-                len: self.inner.book.wire.bytes(s.spec.len),
+                len: self.inner.book.wire_of(s.spec.tensor).bytes(s.spec.len),
             },
             ReadOp {
                 dst: scratch,
@@ -404,7 +404,17 @@ impl Inner {
             return Error::Transport(e);
         }
         // A server that went because the job is over (its scheduler died, and the servers
-        // with it) is not the cause: the caller is told the cause.
+        // with it; the scheduler ended the job, and its word that says why may still be on
+        // the way) is not the cause: the caller is told the cause.
+        if self.sched.is_open() {
+            let until = std::time::Instant::now() + super::progress::VERDICT_WAIT;
+            while std::time::Instant::now() < until {
+                if let Some(e) = lock(&self.core).broken() {
+                    return e.clone();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
         if let Some(over) = self.job_over() {
             return over;
         }
@@ -434,7 +444,7 @@ impl Inner {
                 reason: "not reached yet".into(),
             });
         };
-        let wire = self.book.wire;
+        let wire = self.book.wire_of(s.spec.tensor);
         // Where this shard's values start in `grad`.
         let src_off = if rec.own.is_some() {
             0
@@ -512,7 +522,7 @@ impl Inner {
             && link.maps_peer_memory()
             && rec.kind == PushKind::Gradient
             && rec.own.is_none()
-            && self.book.wire == Wire::F32
+            && self.book.wire_of(s.spec.tensor) == Wire::F32
             && s.spec.bytes() >= IN_PLACE_MIN_BYTES)
         {
             return Ok(None);
@@ -536,7 +546,12 @@ impl Inner {
         out: &Region,
         s: &ShardRemote,
     ) -> std::result::Result<(), falcon_transport::Error> {
-        crate::precision::widen_in_place(self.book.wire, out, s.spec.offset * 4, s.spec.len)
+        crate::precision::widen_in_place(
+            self.book.wire_of(s.spec.tensor),
+            out,
+            s.spec.offset * 4,
+            s.spec.len,
+        )
     }
 
     /// The key of `out` on `link` (a pull's destination, a gradient left in place), granted

@@ -17,9 +17,18 @@ use crate::proto::{Msg, Role};
 /// How often requests recorded against a replaced link are looked for (with recovery).
 const RESYNC_EVERY: Duration = Duration::from_millis(250);
 
+/// How long a server's orderly close waits for the scheduler's word before it is taken for
+/// the server's end: a job the scheduler ended (a worker stopped it, a server failed) closes
+/// the servers' links too, and their closes may come in before the scheduler's message that
+/// says why.
+pub(super) const VERDICT_WAIT: Duration = Duration::from_millis(500);
+
 /// The progress loop; it ends when the worker is dropped or finished.
 pub(super) fn progress(inner: Weak<Inner>, heartbeat: Duration) {
     let mut last_resync = Instant::now();
+    // A server whose link closed in order, and when: failed at `VERDICT_WAIT` unless the
+    // scheduler said meanwhile why the job ended.
+    let mut closed: Option<(usize, Instant)> = None;
     loop {
         let Some(w) = inner.upgrade() else { return };
         if w.stop.load(Ordering::Acquire) {
@@ -36,17 +45,30 @@ pub(super) fn progress(inner: Weak<Inner>, heartbeat: Duration) {
                 last_resync = Instant::now();
             }
         }
-        let wait = heartbeat.min(Duration::from_millis(200));
+        let mut wait = heartbeat.min(Duration::from_millis(200));
+        if let Some((r, at)) = closed {
+            let left = VERDICT_WAIT.saturating_sub(at.elapsed());
+            if left.is_zero() {
+                closed = None;
+                w.server_closed(r, &None);
+                w.news.bump();
+                continue;
+            }
+            wait = wait.min(left);
+        }
         if let Ok(c) = w.t.cq().wait(Some(wait)) {
-            w.route(c);
+            if let Some(r) = w.route(c) {
+                closed = closed.or(Some((r, Instant::now())));
+            }
             w.news.bump();
         }
     }
 }
 
 impl Inner {
-    /// Hands one completion to what waits for it.
-    fn route(&self, c: Completion) {
+    /// Hands one completion to what waits for it; a server whose link closed in order, to
+    /// fail after the scheduler has had its say ([`VERDICT_WAIT`]).
+    fn route(&self, c: Completion) -> Option<usize> {
         match c {
             Completion::WriteImm { imm, .. } => {
                 self.drive(|c, now, out| c.on_pulled(imm, now, out))
@@ -65,9 +87,10 @@ impl Inner {
             },
             Completion::Closed { link, error } => match self.joining_server(link) {
                 Some(r) => self.reattach_failed(r, &error),
-                None => self.on_closed(link, &error),
+                None => return self.on_closed(link, &error),
             },
         }
+        None
     }
 
     /// A message from a server or the scheduler.
@@ -153,12 +176,13 @@ impl Inner {
         }
     }
 
-    /// A link closed: a server's (reconnect, or without recovery fail everything), one
-    /// already replaced, or the scheduler's.
-    fn on_closed(&self, link: LinkId, error: &Option<falcon_transport::Error>) {
+    /// A link closed: a server's (reconnect, or without recovery fail everything; closed in
+    /// order, returned, to fail once the scheduler has had its say), one already replaced,
+    /// or the scheduler's.
+    fn on_closed(&self, link: LinkId, error: &Option<falcon_transport::Error>) -> Option<usize> {
         if self.stop.load(Ordering::Acquire) {
             // Finished: the job's end closes the links.
-            return;
+            return None;
         }
         match self.server_of(link) {
             Some(r) if self.book.recovery => {
@@ -168,31 +192,8 @@ impl Inner {
                 );
                 self.server_down(r);
             }
-            Some(r) => match self.job_over() {
-                Some(over) => self.fail_with(over),
-                // A server whose scheduler died ends at once, closing its links in order, and
-                // its link may close here before the scheduler's does: if nothing listens
-                // where the scheduler was, that is why. A server that died (no goodbye) is
-                // named itself, though its death may end the scheduler too.
-                None => match error
-                    .is_none()
-                    .then(|| scheduler_gone(self.sched.peer()))
-                    .flatten()
-                {
-                    Some(gone) => self.fail_all(
-                        Role::Scheduler,
-                        0,
-                        &format!(
-                            "server {r}'s link closed and {gone}: the scheduler is gone, and the job with it"
-                        ),
-                    ),
-                    None => self.fail_all(
-                        Role::Server,
-                        r as u32,
-                        &format!("link closed: {}", closed_why(error)),
-                    ),
-                },
-            },
+            Some(r) if error.is_none() && self.sched.is_open() => return Some(r),
+            Some(r) => self.server_closed(r, error),
             // A link already replaced: nothing to do.
             None if link != self.sched.id() => {}
             // Lost without a goodbye (a partition the scheduler may have evicted this worker
@@ -220,10 +221,44 @@ impl Inner {
                 &format!("link closed: {}", closed_why(error)),
             ),
         }
+        None
     }
 }
 
 impl Inner {
+    /// Server `r`'s link closed (`error`: how; none for an orderly close, looked at once the
+    /// scheduler has had its say): the job's end if it is over, else the server's.
+    pub(super) fn server_closed(&self, r: usize, error: &Option<falcon_transport::Error>) {
+        if self.stop.load(Ordering::Acquire) {
+            return;
+        }
+        match self.job_over() {
+            Some(over) => self.fail_with(over),
+            // A server whose scheduler died ends at once, closing its links in order, and
+            // its link may close here before the scheduler's does: if nothing listens
+            // where the scheduler was, that is why. A server that died (no goodbye) is
+            // named itself, though its death may end the scheduler too.
+            None => match error
+                .is_none()
+                .then(|| scheduler_gone(self.sched.peer()))
+                .flatten()
+            {
+                Some(gone) => self.fail_all(
+                    Role::Scheduler,
+                    0,
+                    &format!(
+                        "server {r}'s link closed and {gone}: the scheduler is gone, and the job with it"
+                    ),
+                ),
+                None => self.fail_all(
+                    Role::Server,
+                    r as u32,
+                    &format!("link closed: {}", closed_why(error)),
+                ),
+            },
+        }
+    }
+
     /// Why the job is over for this worker, if it is: what already failed every request, or
     /// a scheduler whose link is closed and where nothing listens any more (a server link
     /// that closes then closed because of it).
