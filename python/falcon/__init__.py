@@ -82,6 +82,7 @@ __all__ = [
     "finish",
     "hetero_of",
     "init",
+    "is_initialized",
     "launch_variables",
     "local_cluster",
     "pull",
@@ -379,6 +380,12 @@ def worker() -> Worker:
     return w
 
 
+def is_initialized() -> bool:
+    """Whether `init()` has been called in this process (and `finish()` not yet), as
+    Horovod's `hvd.is_initialized()`."""
+    return _overrides is not None or _worker is not None
+
+
 def rank() -> int:
     """This worker's rank: known from `init()` on where the launch gives it (torchrun, srun,
     FALCON_RANK), else once the worker has joined."""
@@ -442,10 +449,12 @@ def finish(timeout: float | None = None) -> None:
         w, _worker, _overrides = _worker, None, None
         q, _quota = _quota, None
     try:
+        # The workers' group (and torch.distributed's default one where falcon made it, at
+        # init() before joining too) ends with this job: a later init() makes its own.
+        ft = sys.modules.get("falcon.torch")
+        if ft is not None:
+            ft._forget(w)
         if w is not None:
-            ft = sys.modules.get("falcon.torch")
-            if ft is not None:
-                ft._forget(w)
             w.finish()
     finally:
         if q is not None:

@@ -31,11 +31,13 @@ Every policy works through both: the staleness rules act on the pulls.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
 import sys
 import time
+import warnings
 import weakref
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -47,8 +49,12 @@ import falcon as _f
 __all__ = [
     "DistributedOptimizer",
     "BUCKET_BYTES",
+    "Compression",
     "FitSummary",
     "TaskLoader",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "evaluate",
@@ -316,7 +322,7 @@ _DTYPES = {torch.float32: None, torch.bfloat16: "bfloat16", torch.float16: "floa
 
 
 def _check_param(name: str, p: torch.Tensor) -> None:
-    if p.dtype not in _DTYPES and p.dtype != torch.float64:
+    if p.dtype not in _DTYPES and p.dtype != torch.float64 and p.is_floating_point():
         raise _f.TensorError(
             f"parameter {name!r} is {p.dtype}: falcon trains float32, bfloat16, float16 and "
             f"float64 parameters"
@@ -373,13 +379,22 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     joined) through the workers' own group, as Horovod's. Joins a deferred `init()` with the
     float32 tensors."""
     named = _named(params)
-    # A DistributedOptimizer's parameters are its buckets' views: it broadcast them when it
-    # was made, and its pulls keep them the servers' (Horovod's order of calls is fine).
-    live = set().union(*(o._falcon_ptrs for o in list(_LIVE)))
-    named = [(n, p) for n, p in named if not (isinstance(p, torch.Tensor) and p.data_ptr() in live)]
     for n, p in named:
         if not isinstance(p, torch.Tensor):
             raise _f.TensorError(f"{n!r} is a {type(p).__name__}, not a tensor")
+    seen: set = set()
+    for n, _ in named:
+        if n in seen:
+            raise _NamesError(f"{n!r} is named twice: each parameter needs a name of its own")
+        seen.add(n)
+    # A DistributedOptimizer's parameters (Horovod's order: wrap, rank 0 loads, broadcast).
+    owner = {ptr: o for o in list(_LIVE) for ptr in o._falcon_ptrs}
+    wrapped = [(n, p, owner[p.data_ptr()]) for n, p in named if p.data_ptr() in owner]
+    named = [(n, p) for n, p in named if p.data_ptr() not in owner]
+    if wrapped:
+        _broadcast_wrapped(wrapped, root_rank)
+        if not named:
+            return
     # Tensors the job does not hold (integer and 16/64-bit ones, BatchNorm's step counter,
     # buffers of a state_dict once the job has joined) travel in the workers' own group.
     known = worker if worker is not None else _f._worker
@@ -423,6 +438,89 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     # Nobody pushes before everyone has the values (an asynchronous policy would let the
     # root's first update into a slower worker's start).
     w.barrier()
+
+
+def broadcast_object(obj, root_rank: int = 0, worker=None):
+    """Rank `root_rank`'s `obj` (anything picklable) on every worker, as Horovod's
+    `broadcast_object`; through the workers' gloo group."""
+    pg, rank, workers = _group_here(worker)
+    if not 0 <= root_rank < workers:
+        raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {workers}")
+    if pg is None:
+        return obj
+    return _bcast_object(pg, obj, root_rank, rank)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int = 0, worker=None) -> torch.Tensor:
+    """Rank `root_rank`'s values of `tensor` (any dtype) written into every worker's, in
+    place, as Horovod's `broadcast_`; through the workers' gloo group. Returns `tensor`."""
+    pg, _, workers = _group_here(worker)
+    if not 0 <= root_rank < workers:
+        raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {workers}")
+    if pg is not None:
+        _bcast(pg, [tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor], root_rank)
+    return tensor
+
+
+def _group_here(worker):
+    """(the workers' group, this worker's rank, the workers): the joined worker's, or before
+    a deferred `init()` joins, the launch's (its rank and size known from init())."""
+    w = worker if worker is not None else _f._worker
+    if w is not None:
+        return _group(w), w.rank, w.workers
+    rank, workers = _f.rank(), _f.size()
+    if workers == 1:
+        return None, rank, workers
+    pg = _DEFAULT.get("pg") or _default_group(rank, workers)
+    if pg is None:
+        pg = _own_group(rank, workers)
+    return pg, rank, workers
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int = 0, worker=None) -> torch.Tensor:
+    """As `broadcast_`, into a new tensor (Horovod's `broadcast`)."""
+    return broadcast_(tensor.detach().clone(), root_rank, worker)
+
+
+class _NamesError(_f.ConfigError, ValueError):
+    """Parameters named twice or not named: a ValueError too, as Horovod raises."""
+
+
+def _broadcast_wrapped(wrapped, root_rank: int) -> None:
+    """`broadcast_parameters` for parameters a DistributedOptimizer holds. Each worker's own
+    optimizer under a synchronous policy: the workers hold the values, and rank `root_rank`'s
+    become everyone's (through the workers' group), whatever was loaded since wrapping. Where
+    the servers hold the values (their optimizer, or an asynchronous policy), the root's must
+    already be everyone's: a value loaded on the root alone after wrapping could not reach
+    the servers, so it is a ConfigError, never a quiet difference."""
+    w = wrapped[0][2]._falcon_worker
+    if not 0 <= root_rank < w.workers:
+        raise _f.ConfigError(f"root rank {root_rank} is not a worker of a job of {w.workers}")
+    pg = _group(w)
+    if pg is None:
+        return
+    mine = [p.data if isinstance(p, torch.nn.Parameter) else p for _, p, o in wrapped if o._falcon_local and o._falcon_sync]
+    if mine:
+        _bcast(pg, mine, root_rank)
+    held = [(n, p) for n, p, o in wrapped if not (o._falcon_local and o._falcon_sync)]
+    if held:
+        theirs = [p.detach().clone() for _, p in held]
+        _bcast(pg, theirs, root_rank)
+        differ = next((n for (n, p), t in zip(held, theirs) if not torch.equal(p.detach(), t)), None)
+        # Every worker says whether it differs, so that all of them raise or none.
+        flag = torch.tensor([0 if differ is None else 1], dtype=torch.int64)
+        try:
+            pg.allreduce([flag]).wait()
+        except RuntimeError as e:
+            raise _f.PeerError(f"a broadcast among the workers failed: {e}") from None
+        if int(flag) > 0:
+            raise _f.ConfigError(
+                f"{differ or 'a parameter'!r} on worker {root_rank} differs from another worker's after "
+                f"DistributedOptimizer was made, and the job's servers hold the parameters "
+                f"({w.job['optimizer']}, {w.job['policy']}): the root's values cannot reach them. "
+                f"Load the checkpoint before wrapping (on every rank, or on rank 0 followed by "
+                f"broadcast_parameters), or leave FALCON_OPTIMIZER unset"
+            )
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, worker=None) -> None:
@@ -597,7 +695,7 @@ def _forget(w) -> None:
             dist.destroy_process_group()
 
 
-_BITS = {torch.bfloat16: torch.float16, torch.bool: torch.uint8}
+_BITS = {torch.bfloat16: torch.float16, torch.int16: torch.float16, torch.bool: torch.uint8}
 
 
 def _bcast(pg, tensors, root: int) -> None:
@@ -613,7 +711,7 @@ def _bcast(pg, tensors, root: int) -> None:
     for dtype, ts in by.items():
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in ts])
         try:
-            # Gloo has no bfloat16 or bool: their bits travel as a type of their size (a
+            # Gloo has no bfloat16, int16 or bool: their bits travel as a type of their size (a
             # broadcast copies bits, never computes).
             as_bits = _BITS.get(dtype)
             pg.broadcast([flat.view(as_bits) if as_bits is not None else flat], opts).wait()
@@ -652,6 +750,38 @@ def _bcast_object(pg, obj, root: int, rank: int):
 
 
 # --- fusion: the job's tensors are buckets of parameters -----------------------------------
+
+class Compression:
+    """Horovod's compression choices for `DistributedOptimizer(compression=...)`: `none`, or
+    `fp16` (each gradient and the step's mean travel as float16; the servers average in
+    float32)."""
+
+    class none:
+        """Gradients travel in the job's precision (FALCON_WIRE, float32 by default)."""
+
+        @staticmethod
+        def compress(tensor):
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor
+
+    class fp16:
+        """Gradients and the step's mean travel as float16 (infinities kept). `compress`
+        and `decompress` are Horovod's, for a script's own use: a floating tensor to float16
+        and back to its type."""
+
+        @staticmethod
+        def compress(tensor):
+            if tensor.dtype.is_floating_point:
+                return tensor.type(torch.float16), tensor.dtype
+            return tensor, tensor.dtype
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor.type(ctx) if ctx is not None and ctx.is_floating_point else tensor
+
 
 BUCKET_BYTES = 1 << 20
 """The default size of a bucket of parameters (FALCON_BUCKET_BYTES sets another; 0 keeps one
@@ -884,8 +1014,13 @@ class _Distributed:
 
     def _falcon_setup(
         self, named, policy, worker, backward_passes_per_step, model, bucket_bytes, tasks=None,
-        loss_fn=None, compute=None, broadcast_buffers=True,
+        loss_fn=None, compute=None, broadcast_buffers=True, compression=None,
+        sparse_as_dense=False,
     ):
+        if compression is None:
+            compression = Compression.none
+        if compression not in (Compression.none, Compression.fp16):
+            raise _f.ConfigError("compression= takes falcon.torch.Compression.none or .fp16")
         if backward_passes_per_step < 1:
             raise _f.ConfigError("backward_passes_per_step must be at least 1")
         if tasks is not None:
@@ -921,33 +1056,47 @@ class _Distributed:
         mine = {id(p) for g in self.param_groups for p in g["params"]}
         named = [(n, p) for n, p in named if id(p) in mine]
         if not named:
-            raise _f.ConfigError("none of the named parameters is in the optimizer")
+            raise _NamesError("none of the named parameters is in the optimizer")
+        names: dict = {}
+        for n, p in named:
+            if n in names:
+                raise _NamesError(
+                    f"{n!r} names two parameters: each needs a name of its own (two modules' "
+                    f"named_parameters() chained? prefix them)"
+                )
+            names[n] = p
+        if len({id(p) for _, p in named}) != len(named):
+            raise _NamesError("a parameter is named twice")
         if len(named) != len(mine):
-            raise _f.ConfigError(
+            raise _NamesError(
                 f"the optimizer has {len(mine)} parameters, {len(named)} of them named: pass "
                 f"model.named_parameters() for every parameter the optimizer trains"
             )
         for n, p in named:
             _check_param(n, p)
-        # float64 parameters: averaged in the workers' group (in float64), not on the servers.
-        self._falcon_wide = [p for _, p in named if p.dtype == torch.float64]
+        # float64 parameters: averaged in the workers' group (in float64), not on the servers;
+        # integer ones (never trained: no gradient) only broadcast from rank 0 there.
+        self._falcon_wide = [
+            p for _, p in named if p.dtype == torch.float64 or not p.is_floating_point()
+        ]
         wide = self._falcon_wide_ids = {id(p) for p in self._falcon_wide}
+        f64 = next((n for n, p in named if p.dtype == torch.float64), None)
         held = [(n, p) for n, p in named if id(p) not in wide]
         if not held:
             # Every parameter is float64: the job still keeps its clock (and its policy's
             # rules) with a tensor of its own, one float the servers average each step.
             held = [("falcon:float64-step", torch.zeros(1))]
-        if self._falcon_wide and tasks is not None and tasks._transfer:
+        if f64 is not None and tasks is not None and tasks._transfer:
             raise _f.ConfigError(
-                f"parameter {next(n for n, p in named if id(p) in wide)!r} is torch.float64: "
+                f"parameter {f64!r} is torch.float64: "
                 f"a helper's gradient for a straggler's tasks travels through the servers, in "
                 f"float32; use TaskLoader(..., transfer=False), or float32 parameters"
             )
         # With task transfer a helper pushes a dense gradient of a straggler's tasks: sparse
         # embeddings travel dense too.
-        rows = _row_params(model) if tasks is None else set()
+        rows = _row_params(model) if tasks is None and not sparse_as_dense else set()
         plan = _plan(self, held, _bucket_bytes(bucket_bytes), rows)
-        w, plan = _join(held, plan, worker)
+        w, plan = _join(held, plan, worker, compression is Compression.fp16)
         _check_shapes(w, named)
         job = w.job
         if policy is not None and not w.runs_policy(policy):
@@ -997,8 +1146,15 @@ class _Distributed:
                 self._falcon_slot[id(p)] = (b, i)
         self._falcon_by_name = {b.name: b for b in self._falcon_buckets}
         cast = next(((b.names[0], b.params[0]) for b in self._falcon_buckets if b.cast), None)
-        if cast is None and self._falcon_wide:
-            cast = next((n, p) for n, p in named if p.dtype == torch.float64)
+        if cast is None and f64 is not None:
+            cast = (f64, names[f64])
+        if compression is Compression.fp16 and not (self._falcon_local and self._falcon_sync):
+            raise _f.ConfigError(
+                "compression=Compression.fp16 sends the step's mean gradient as float16 with "
+                "each worker's own optimizer under a synchronous policy; here the servers' "
+                "values are the parameters, which it would round: start the job with "
+                "FALCON_WIRE=f16 to round them too, knowingly"
+            )
         if cast is not None and not (self._falcon_local and self._falcon_sync):
             # The servers keep float32 values: applying an optimizer or adding each worker's
             # change there would train float32 master weights, not the parameters' own type.
@@ -1015,7 +1171,20 @@ class _Distributed:
         self._falcon_next: dict[str, object] = {}
         self._falcon_per_step = backward_passes_per_step
         self._falcon_hooks = []
-        _broadcast_buckets(self._falcon_buckets, w)
+        # Each worker's own optimizer under a synchronous policy: the values are the workers',
+        # and a 16-bit wire (FALCON_WIRE, Compression.fp16) is for the gradients only.
+        # A job already under way (a model wrapped again under the same names): the servers'
+        # values are the last step's mean gradient, never parameters, so rank 0's values
+        # reach the others through the workers' group too.
+        rounded = [
+            b for b in self._falcon_buckets
+            if self._falcon_local and self._falcon_sync and not b.rows
+            and (
+                w.clock_of(b.name) > 0
+                or (not b.cast and (job.get("wire", "f32") != "f32" or compression is Compression.fp16))
+            )
+        ]
+        _broadcast_buckets(self._falcon_buckets, w, rounded)
         if self._falcon_wide and w.workers > 1:
             _bcast(_group(w), [p.data for p in self._falcon_wide], 0)
         self._falcon_clock = min(w.clock_of(b.name) for b in self._falcon_buckets)
@@ -1098,6 +1267,9 @@ class _Distributed:
                 self._falcon_finding = torch.nn.modules.module.register_module_forward_pre_hook(
                     self._falcon_find_buffers
                 )
+        self._falcon_synced = False
+        self._falcon_skip = False
+        self._falcon_no_sync = False
         _LIVE.add(self)
 
     def _falcon_find_buffers(self, module, _inputs):
@@ -1175,6 +1347,8 @@ class _Distributed:
             return lambda *_: self._falcon_ready(p)
 
         def hook(*_):
+            if self._falcon_no_sync:
+                return
             if b.sent or p.grad is not gv:
                 return self._falcon_ready(p)
             b.fired[i] = True
@@ -1183,6 +1357,8 @@ class _Distributed:
                 self._falcon_full(b)
 
         def first_hook(*_):
+            if self._falcon_no_sync:
+                return
             if not self._falcon_in_backward:
                 self._falcon_begin()
             hook()
@@ -1195,7 +1371,7 @@ class _Distributed:
         exchange as a bucket's does."""
 
         def hook(*_):
-            if not self._falcon_in_backward and not self._falcon_helping:
+            if not self._falcon_in_backward and not self._falcon_helping and not self._falcon_no_sync:
                 self._falcon_begin()
 
         return hook
@@ -1703,8 +1879,9 @@ class _Distributed:
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """As the optimizer's own: a bucket's gradients are zeroed in place (they stay views
-        into it; after `set_to_none=True` a parameter that backward does not reach has no
-        gradient again by `step()`)."""
+        into it), or with `set_to_none=True` (PyTorch 2's default) every `.grad` is None
+        until backward makes one (then copied into the bucket, one copy per gradient, as DDP
+        copies into its buckets by default)."""
         if set_to_none is None:
             set_to_none = _ZERO_GRAD_TO_NONE
         if self._falcon_local and not self._falcon_sync:
@@ -1729,20 +1906,25 @@ class _Distributed:
                 b.grads.zero_()
             b.none = set_to_none
             for i, p in enumerate(b.params):
-                if b.cast:
-                    if set_to_none:
-                        p.grad = None
-                    elif p.grad is not None:
+                if set_to_none:
+                    # As PyTorch's: no gradient until backward makes one (copied into the
+                    # bucket when its hook runs).
+                    p.grad = None
+                elif b.cast:
+                    if p.grad is not None:
                         p.grad.detach_()
                         p.grad.zero_()
                 elif p.grad is not None and p.grad is not b.gviews[i]:
-                    p.grad = None if set_to_none else b.gviews[i]
+                    p.grad = b.gviews[i]
 
     def synchronize(self) -> None:
         """Pushes what backward did not (parameters without a gradient push zeros, so
         every tensor moves one clock) and waits until the servers have every gradient. With
         each worker's own optimizer under a synchronous policy, backward's end has done so
-        already (`.grad` holds the mean); under an asynchronous one step() does it all."""
+        already (`.grad` holds the mean); under an asynchronous one step() does it all. As
+        Horovod's: a `step()` that follows it without `skip_synchronize()` warns, and does not
+        exchange the step again."""
+        self._falcon_synced = True
         if self._falcon_local:
             if self._falcon_sync:
                 self._falcon_average()
@@ -1761,12 +1943,59 @@ class _Distributed:
                 b.unfired_to_none()
             b.reset()
 
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's: `step()` inside this block does not synchronize (the script called
+        `synchronize()` itself, to clip the step's gradient first)."""
+        self._falcon_skip = True
+        try:
+            yield
+        finally:
+            self._falcon_skip = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's: backward passes inside this block accumulate gradients on this worker
+        without exchanging them; the first backward after it exchanges what accumulated (a
+        gradient accumulation of a varying number of passes)."""
+        if not (self._falcon_local and self._falcon_sync):
+            raise _f.ConfigError(
+                "no_sync() defers the exchange of gradients to the next backward: with each "
+                "worker's own optimizer under a synchronous policy (the default); here use "
+                "backward_passes_per_step=N"
+            )
+        self._falcon_no_sync = True
+        try:
+            yield
+        finally:
+            self._falcon_no_sync = False
+
     def step(self, closure: Callable[[], float] | None = None):
         """Waits for this step's pushes, then pulls the values the job's policy lets the
         next clock see into the parameters (the servers applied the update). With each
         worker's own optimizer (FALCON_OPTIMIZER=local): the optimizer's own step, on the
         mean gradient (synchronous policies) or on this worker's, whose change then goes to
         the servers (asynchronous ones)."""
+        synced, self._falcon_synced = self._falcon_synced, False
+        if synced and not self._falcon_skip:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(): the step is not exchanged again; wrap step() in "
+                "`with optimizer.skip_synchronize():` after synchronize()",
+                stacklevel=2,
+            )
+        if synced and not self._falcon_local:
+            # The servers have the step: only the next clock's values are left to take.
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            try:
+                self._falcon_check_grads()
+            finally:
+                self._falcon_next_clock()
+            self._falcon_sync_buffers()
+            return loss
         self._falcon_check_views()
         # A scheduler made on the wrapped optimizer counts its steps there.
         base = self._falcon_base
@@ -1827,19 +2056,25 @@ _ZERO_GRAD_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).paramete
 ].default
 
 
-def _join(named, plan, worker):
+def _join(named, plan, worker, fp16: bool = False):
     """The worker and the plan to train with: a deferred `init()` joins with `plan`; a
     worker that declared the plan's tensors keeps it; one that declared a tensor per
-    parameter trains them one by one."""
+    parameter trains them one by one. `fp16`: Compression.fp16, the float32 buckets travel
+    as float16 too."""
     want = [(name, sum(named[i][1].numel() for i in idx)) for name, idx in plan]
     if worker is None and _f._worker is None:
         # 16-bit parameters' buckets travel as 16 bits.
         dtypes = {
-            name: _DTYPES[named[idx[0]][1].dtype]
+            name: _DTYPES[named[idx[0]][1].dtype] or ("float16" if fp16 else None)
             for name, idx in plan
-            if _DTYPES[named[idx[0]][1].dtype] is not None
         }
-        return _f.declare(want, dtypes), plan
+        return _f.declare(want, {n: d for n, d in dtypes.items() if d is not None}), plan
+    if fp16:
+        raise _f.ConfigError(
+            "compression=Compression.fp16 declares the job's tensors as 16 bits: let the "
+            "optimizer declare them (falcon.init() without tensors), or start the job with "
+            "FALCON_WIRE=f16"
+        )
     w = worker if worker is not None else _f._worker
     declared = dict(w.tensors)
     if all(declared.get(n) == k for n, k in want):
@@ -1862,9 +2097,11 @@ def _join(named, plan, worker):
     )
 
 
-def _broadcast_buckets(buckets, w) -> None:
+def _broadcast_buckets(buckets, w, exact=()) -> None:
     """Rank 0's values become the servers' initial values, and every worker pulls them (a
-    rejoining worker takes the running job's)."""
+    rejoining worker takes the running job's). `exact`: buckets whose pulls would round the
+    values (16 bits on the wire for float32 parameters the workers hold): rank 0's values
+    reach the others through the workers' group instead, bit for bit."""
     if w.rejoined:
         for b in buckets:
             w.pull(b.name, _view(b.values), w.clock_of(b.name))
@@ -1873,7 +2110,10 @@ def _broadcast_buckets(buckets, w) -> None:
         for b in buckets:
             w.init_tensor(b.name, _view(b.values))
     w.barrier()
-    _wait_all([w.pull_async(b.name, _view(b.values), w.clock_of(b.name)) for b in buckets])
+    exact_ids = {id(b) for b in exact}
+    _wait_all([w.pull_async(b.name, _view(b.values), w.clock_of(b.name)) for b in buckets if id(b) not in exact_ids])
+    if exact and w.workers > 1:
+        _bcast(_group(w), [b.values for b in exact], 0)
     for b in buckets:
         if b.cast:
             b.to_params(b.values)
@@ -1895,6 +2135,8 @@ def DistributedOptimizer(
     loss_fn: Callable | None = None,
     compute: Callable | None = None,
     broadcast_buffers: bool = True,
+    compression: "type[Compression] | None" = None,
+    sparse_as_dense: bool = False,
 ):
     """Wraps `optimizer` for training on a falcon job, in the manner of Horovod's and
     BytePS's `DistributedOptimizer`.
@@ -1944,6 +2186,11 @@ def DistributedOptimizer(
     They travel in the workers' own gloo group (under torchrun at its store, else at the
     scheduler's host, the port after its own, hosted by worker 0).
 
+    `compression=Compression.fp16` (Horovod's) sends each gradient and the step's mean as
+    float16 (each worker's own optimizer under a synchronous policy); `sparse_as_dense=True`
+    makes a sparse embedding's gradient dense. A parameter named twice, or one the optimizer
+    trains left unnamed, is a ValueError (a ConfigError too).
+
     The result is an instance of `optimizer`'s class (schedulers accept it) that trains the
     same parameter groups. `model.named_parameters()` is the input, not a state_dict (whose
     tensors are copies)."""
@@ -1978,7 +2225,7 @@ def DistributedOptimizer(
             new.state[p] = st
     new._falcon_setup(
         named, policy, worker, backward_passes_per_step, model, bucket_bytes, tasks, loss_fn,
-        compute, broadcast_buffers,
+        compute, broadcast_buffers, compression, sparse_as_dense,
     )
     if tasks is not None:
         tasks._attach(new)

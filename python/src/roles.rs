@@ -149,9 +149,15 @@ impl Cluster {
             .name("falcon-scheduler".into())
             .spawn(move || sched.run())
             .map_err(|e| Error::new_err(format!("cannot start the scheduler's thread: {e}")))?;
+        // The servers listen on the scheduler's interface, on ports of their own (the
+        // scheduler's, when FALCON_SCHEDULER names one, is taken).
+        let mut server_cfg = cfg.clone();
+        if let Some(bind) = server_cfg.transport.bind.as_mut() {
+            bind.set_port(0);
+        }
         let mut servers = Vec::new();
         for r in 0..cfg.servers {
-            let cfg = cfg.clone();
+            let cfg = server_cfg.clone();
             let h = std::thread::Builder::new()
                 .name(format!("falcon-server-{r}"))
                 .spawn(move || Server::join(cfg, Some(r), Default::default())?.run())

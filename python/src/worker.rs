@@ -598,12 +598,14 @@ impl Worker {
     /// `lr` / workers under an asynchronous policy),
     /// `momentum`, `betas` and `eps` where the optimizer has them, `aggregate` ("mean" or
     /// "sum") and `mode` ("sync": a clock's gradients are combined, then applied; "async":
-    /// each is applied as it arrives, with lr / workers).
+    /// each is applied as it arrives, with lr / workers), `wire` ("f32", "bf16" or "f16":
+    /// FALCON_WIRE).
     #[getter]
     fn job<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use falcon_engine::update::{Aggregate, Optimizer, UpdateMode};
         let d = PyDict::new(py);
         d.set_item("policy", self.w.policy().to_string())?;
+        d.set_item("wire", self.w.wire().name())?;
         let (aggregate, mode) = self.w.update_rule();
         // The servers of an asynchronous policy apply each gradient at the job's rate divided
         // by the workers: `lr` is the rate as the job was given it, `lr_per_push` as applied.

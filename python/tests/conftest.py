@@ -28,6 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH}
     env.update({k: str(v) for k, v in extra.items()})

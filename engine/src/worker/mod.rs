@@ -479,6 +479,11 @@ impl Worker {
         self.inner.book.policy
     }
 
+    /// The job's precision on the wire (`FALCON_WIRE`; a tensor may have its own).
+    pub fn wire(&self) -> crate::precision::Wire {
+        self.inner.book.wire
+    }
+
     /// The servers' optimizer, as they apply it: under an asynchronous policy its rate is
     /// already the job's rate divided by the workers (each gradient is applied on its own).
     pub fn optimizer(&self) -> Optimizer {
