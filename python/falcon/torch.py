@@ -1925,6 +1925,9 @@ class _Distributed:
         Horovod's: a `step()` that follows it without `skip_synchronize()` warns, and does not
         exchange the step again."""
         self._falcon_synced = True
+        self._falcon_synchronize()
+
+    def _falcon_synchronize(self) -> None:
         if self._falcon_local:
             if self._falcon_sync:
                 self._falcon_average()
@@ -1984,18 +1987,6 @@ class _Distributed:
                 "`with optimizer.skip_synchronize():` after synchronize()",
                 stacklevel=2,
             )
-        if synced and not self._falcon_local:
-            # The servers have the step: only the next clock's values are left to take.
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            try:
-                self._falcon_check_grads()
-            finally:
-                self._falcon_next_clock()
-            self._falcon_sync_buffers()
-            return loss
         self._falcon_check_views()
         # A scheduler made on the wrapped optimizer counts its steps there.
         base = self._falcon_base
@@ -2013,8 +2004,10 @@ class _Distributed:
             self._falcon_check_grads()
         finally:
             # Refused or not, the step the servers make goes through, so the job stays in
-            # step (the error says the change was not applied).
-            self.synchronize()
+            # step (the error says the change was not applied). After synchronize() the
+            # servers have it: only the next clock's values are left to take.
+            if not synced:
+                self._falcon_synchronize()
             self._falcon_next_clock()
         self._falcon_sync_buffers()
         return loss

@@ -292,7 +292,9 @@ def test_one_rank_stopped_stops_every_rank_naming_it(tmp_path, how):
                 os.killpg(p.pid, signal.SIGKILL)
     outs = [p.communicate() for p in procs]
     assert None not in ended, f"a rank went on after rank 2 stopped: {outs}"
-    stop = float(re.search(r"STOPPING ([0-9.]+)", outs[2][0]).group(1))
+    stopping = re.search(r"STOPPING ([0-9.]+)", outs[2][0])
+    assert stopping, f"rank 2 ended before it stopped the job: {outs[2]}"
+    stop = float(stopping.group(1))
     why = {"int": "interrupted (SIGINT)", "term": "terminated (SIGTERM)",
            "raise": "its script raised ValueError: the user's own bug"}[how]
     for r in (0, 1):

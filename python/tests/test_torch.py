@@ -1088,6 +1088,54 @@ def test_a_model_moved_after_the_optimizer_was_made_is_a_clear_error():
     c.finish()
 
 
+def test_no_sync_accumulates_and_set_to_none_leaves_no_gradient():
+    """DDP's no_sync(): a backward inside it accumulates on the worker without an exchange;
+    the next backward exchanges what accumulated, so `.grad` is the mean over workers of
+    both passes' sum. zero_grad(set_to_none=True) leaves every `.grad` None, as PyTorch's."""
+    x, y = data(n=32)
+    parts = [[slice(16 * r + 8 * k, 16 * r + 8 * k + 8) for k in range(2)] for r in range(2)]
+    ref = small_model()
+    want = {}
+    for r in range(2):
+        ref.zero_grad()
+        for k in range(2):
+            F.cross_entropy(ref(x[parts[r][k]]), y[parts[r][k]]).backward()
+        for n, p in ref.named_parameters():
+            want[n] = want.get(n, 0) + p.grad.detach().clone() / 2
+    c = falcon.local_cluster(workers=2)
+    models = [small_model(), small_model()]
+    probe = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    names = ft.job_tensors(probe, models[0].named_parameters())
+    got, errors = {}, []
+
+    def run(rank):
+        try:
+            w = falcon.Worker.join(names, {**c.env, "FALCON_ROLE": "worker", "FALCON_RANK": str(rank)})
+            m = models[rank]
+            dopt = ft.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), worker=w)
+            dopt.zero_grad(set_to_none=True)
+            assert all(p.grad is None for p in m.parameters())
+            with dopt.no_sync():
+                F.cross_entropy(m(x[parts[rank][0]]), y[parts[rank][0]]).backward()
+            assert dopt.clock == 0, "no_sync exchanged"
+            F.cross_entropy(m(x[parts[rank][1]]), y[parts[rank][1]]).backward()
+            got[rank] = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+            dopt.step()
+            assert dopt.clock == 1
+            dopt.zero_grad(set_to_none=True)
+            assert all(p.grad is None for p in m.parameters())
+            w.finish()
+        except BaseException as e:
+            errors.append(e)
+
+    in_threads(run)
+    assert not errors, errors
+    c.finish()
+    for r in range(2):
+        for n in want:
+            torch.testing.assert_close(got[r][n], want[n], rtol=1e-5, atol=1e-6, msg=f"worker {r}'s {n}")
+
+
 def test_two_workers_average_before_clipping_even_when_no_bucket_fills():
     # An unused parameter shares the only bucket: it never fills during backward, yet
     # backward ends with the mean in .grad, so clipping clips the mean, as one process
