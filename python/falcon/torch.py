@@ -382,11 +382,7 @@ def broadcast_parameters(params, root_rank: int = 0, worker=None) -> None:
     for n, p in named:
         if not isinstance(p, torch.Tensor):
             raise _f.TensorError(f"{n!r} is a {type(p).__name__}, not a tensor")
-    seen: set = set()
-    for n, _ in named:
-        if n in seen:
-            raise _NamesError(f"{n!r} is named twice: each parameter needs a name of its own")
-        seen.add(n)
+    _by_name(named)
     # A DistributedOptimizer's parameters (Horovod's order: wrap, rank 0 loads, broadcast).
     owner = {ptr: o for o in list(_LIVE) for ptr in o._falcon_ptrs}
     wrapped = [(n, p, owner[p.data_ptr()]) for n, p in named if p.data_ptr() in owner]
@@ -484,6 +480,19 @@ def broadcast(tensor: torch.Tensor, root_rank: int = 0, worker=None) -> torch.Te
 
 class _NamesError(_f.ConfigError, ValueError):
     """Parameters named twice or not named: a ValueError too, as Horovod raises."""
+
+
+def _by_name(named) -> dict:
+    """`named` as a dict; a name given twice is a _NamesError."""
+    out: dict = {}
+    for n, p in named:
+        if n in out:
+            raise _NamesError(
+                f"{n!r} names two parameters: each needs a name of its own (two modules' "
+                f"named_parameters() chained? prefix them)"
+            )
+        out[n] = p
+    return out
 
 
 def _broadcast_wrapped(wrapped, root_rank: int) -> None:
@@ -879,7 +888,7 @@ class _Bucket:
 
     __slots__ = (
         "name", "params", "names", "values", "grads", "gviews", "trainable", "expect", "count",
-        "fired", "sent", "none", "mean", "group", "rows", "slices", "cast", "ptrs",
+        "fired", "sent", "none", "mean", "group", "rows", "slices", "cast", "ptr",
     )
 
     def __init__(self, name, named, group, per_step, rows=False):
@@ -901,7 +910,9 @@ class _Bucket:
         # 16-bit parameters keep their own storage and type: the bucket holds their values
         # and gradients as float32 (exactly), copied in and out.
         self.cast = first.dtype != torch.float32 and not rows
-        self.ptrs = [p.data_ptr() for p in self.params]
+        # Where its first parameter's values lie (the bucket's, or a 16-bit parameter's own):
+        # a model moved or converted after wrapping moves them.
+        self.ptr = first.data_ptr()
         if rows:
             self.values = first.detach().view(-1)
             self.grads = None
@@ -919,18 +930,17 @@ class _Bucket:
                 v = self.values[off : off + n]
                 v.copy_(p.detach().reshape(-1))
                 gv = self.grads[off : off + n].view_as(p)
-                if self.cast:
-                    if p.grad is not None:
-                        gv.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
-                    self.gviews.append(None)
-                    off += n
-                    continue
-                p.data = v.view_as(p)
                 if p.grad is not None:
                     gv.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
-                    p.grad = gv
-                self.gviews.append(gv)
+                if self.cast:
+                    self.gviews.append(None)
+                else:
+                    p.data = v.view_as(p)
+                    if p.grad is not None:
+                        p.grad = gv
+                    self.gviews.append(gv)
                 off += n
+        self.ptr = first.data_ptr()
 
     def adopt(self, i: int) -> None:
         """Makes parameter `i`'s gradient the view into `grads` again (a new tensor after
@@ -940,22 +950,16 @@ class _Bucket:
         g = p.grad
         if g is gv:
             return
-        if self.cast:
-            # Its own type's gradient, copied in as float32 (exactly); `.grad` stays its own.
-            off, n = self.slices[i]
-            with torch.no_grad():
-                dst = self.grads[off : off + n]
-                if g is None:
-                    dst.zero_()
-                else:
-                    dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
-            return
+        off, n = self.slices[i]
         with torch.no_grad():
+            dst = self.grads[off : off + n]
             if g is None:
-                gv.zero_()
+                dst.zero_()
                 return
-            gv.copy_(g.to_dense() if g.is_sparse else g)
-        p.grad = gv
+            dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+        # A 16-bit parameter's `.grad` stays its own (copied in as float32, exactly).
+        if not self.cast:
+            p.grad = gv
 
     def to_params(self, src) -> None:
         """A 16-bit bucket: `src` (float32, the bucket's layout) into its parameters, rounded
@@ -966,18 +970,10 @@ class _Bucket:
 
     def mean_to_grads(self, mean) -> None:
         """A 16-bit bucket: the step's mean (float32) into each `.grad`, rounded once to the
-        parameter's type; a parameter without a gradient gets one where the mean is not
-        zero."""
-        with torch.no_grad():
-            for (off, n), p in zip(self.slices, self.params):
-                if not p.requires_grad:
-                    continue
-                m = mean[off : off + n].view_as(p)
-                if p.grad is None or p.grad.is_sparse:
-                    if p.grad is not None or bool(torch.any(m != 0)):
-                        p.grad = m.to(p.dtype)
-                else:
-                    p.grad.copy_(m)
+        parameter's type."""
+        for (off, n), p in zip(self.slices, self.params):
+            if p.requires_grad:
+                _set_grad(p, mean[off : off + n].view_as(p))
 
     def complete(self) -> None:
         """Before a push that not every parameter's hook started: what each `.grad` holds
@@ -1002,6 +998,17 @@ class _Bucket:
         self.count = 0
         self.fired = [False] * len(self.params)
         self.sent = False
+
+
+def _set_grad(p: torch.Tensor, mean: torch.Tensor) -> None:
+    """The step's mean into `p.grad`, in `p`'s type and place (rounded once where `mean` is
+    wider); a parameter without a gradient gets one where the mean is not zero."""
+    with torch.no_grad():
+        if p.grad is None or p.grad.is_sparse:
+            if p.grad is not None or bool(torch.any(mean != 0)):
+                p.grad = mean.to(device=p.device, dtype=p.dtype, copy=True)
+        else:
+            p.grad.copy_(mean)
 
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
@@ -1057,14 +1064,7 @@ class _Distributed:
         named = [(n, p) for n, p in named if id(p) in mine]
         if not named:
             raise _NamesError("none of the named parameters is in the optimizer")
-        names: dict = {}
-        for n, p in named:
-            if n in names:
-                raise _NamesError(
-                    f"{n!r} names two parameters: each needs a name of its own (two modules' "
-                    f"named_parameters() chained? prefix them)"
-                )
-            names[n] = p
+        names = _by_name(named)
         if len({id(p) for _, p in named}) != len(named):
             raise _NamesError("a parameter is named twice")
         if len(named) != len(mine):
@@ -1402,13 +1402,8 @@ class _Distributed:
                 raise _f.PeerError(f"averaging the float64 gradients among the workers failed: {e}") from None
             off = 0
             for p in params:
-                m = flat[off : off + p.numel()].view_as(p)
+                _set_grad(p, flat[off : off + p.numel()].view_as(p))
                 off += p.numel()
-                if p.grad is None or p.grad.is_sparse:
-                    if p.grad is not None or bool(torch.any(m != 0)):
-                        p.grad = m.to(p.device).clone()
-                else:
-                    p.grad.copy_(m)
 
     def _falcon_gradient(self, b: _Bucket) -> torch.Tensor:
         """The bucket's gradient to push, weight decay added as PyTorch adds it (AdamW's
@@ -1666,13 +1661,12 @@ class _Distributed:
                 b.grads.copy_(b.mean)
                 if b.cast:
                     b.mean_to_grads(b.mean)
-                for i, p in enumerate(b.params):
-                    if b.cast:
-                        break
-                    if p.requires_grad and p.grad is None:
-                        off, n = b.slices[i]
-                        if bool(torch.any(b.mean[off : off + n] != 0)):
-                            p.grad = b.gviews[i]
+                else:
+                    for i, p in enumerate(b.params):
+                        if p.requires_grad and p.grad is None:
+                            off, n = b.slices[i]
+                            if bool(torch.any(b.mean[off : off + n] != 0)):
+                                p.grad = b.gviews[i]
                 b.unfired_to_none(b.mean)
                 b.reset()
         self._falcon_clock += 1
@@ -2016,17 +2010,7 @@ class _Distributed:
         """The parameters still lie in their buckets (a pull writes there): a model moved or
         parameters replaced after the optimizer was made would silently stop training."""
         for b in self._falcon_buckets:
-            if b.cast:
-                if any(p.data_ptr() != q for p, q in zip(b.params, b.ptrs)) or any(
-                    p.dtype != b.params[0].dtype for p in b.params
-                ):
-                    raise _f.ConfigError(
-                        f"parameter {b.names[0]!r} was moved or converted (model.to(), "
-                        f".float()) or replaced after DistributedOptimizer was made; make the "
-                        f"optimizer after moving the model"
-                    )
-                continue
-            if not b.rows and b.params[0].data_ptr() != b.values.data_ptr():
+            if b.params[0].data_ptr() != b.ptr:
                 raise _f.ConfigError(
                     f"parameter {b.names[0]!r} no longer lies in its bucket: the model was "
                     f"moved (model.to(), .half()) or its parameters replaced after "

@@ -310,18 +310,24 @@ class Cases(unittest.TestCase):
         with self.assertRaises(ValueError):
             hvd.DistributedOptimizer(opt, named_parameters=itertools.chain(net1.named_parameters(), net2.named_parameters()))
 
-    def test_gradient_clipping(self):
+    def _synchronized_linear(self, x, weight=None):
+        """Horovod's clipping cases: a Linear(1, 1) broadcast from rank 0 and wrapped, one
+        backward of its MSE to ones, then synchronize()."""
         hvd.init()
-        x, y = torch.ones(1, 1).requires_grad_(), torch.ones(1, 1).requires_grad_()
         model = nn.Linear(1, 1)
-        model.weight = nn.Parameter(torch.zeros(1, 1) + 0.5)
-        model.bias = nn.Parameter(torch.zeros(1))
+        if weight is not None:
+            model.weight = nn.Parameter(torch.zeros(1, 1) + weight)
+            model.bias = nn.Parameter(torch.zeros(1))
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
-        loss = F.mse_loss(model(x), y)
+        loss = F.mse_loss(model(x.requires_grad_()), torch.ones(1, 1).requires_grad_())
         opt.zero_grad()
         loss.backward()
         opt.synchronize()
+        return model, opt
+
+    def test_gradient_clipping(self):
+        model, opt = self._synchronized_linear(torch.ones(1, 1), weight=0.5)
         prior = model.weight.grad.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
         self.assertGreater(abs(prior), abs(model.weight.grad.item()))
@@ -329,15 +335,7 @@ class Cases(unittest.TestCase):
             opt.step()
 
     def test_synchronize_step_warning(self):
-        hvd.init()
-        x, y = torch.zeros(1, 1).requires_grad_(), torch.ones(1, 1).requires_grad_()
-        model = nn.Linear(1, 1)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.synchronize()
+        model, opt = self._synchronized_linear(torch.zeros(1, 1))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
         with warnings.catch_warnings(record=True) as ws:
             warnings.simplefilter("always")

@@ -43,6 +43,23 @@ def assert_same_parameters(model, ref, rtol, atol):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=n)
 
 
+def refused_with_transfer_then_trained(model, examples, match):
+    """A TaskLoader with task transfer is refused for `model` (the ConfigError matches
+    `match`); without transfer the same loop trains two iterations. Returns the optimizer."""
+    loader = ft.TaskLoader(examples, 8, tasks=2, iterations=2)
+    with pytest.raises(falcon.ConfigError, match=match):
+        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                model=model, tasks=loader, loss_fn=F.cross_entropy)
+    loader = ft.TaskLoader(examples, 8, tasks=2, iterations=2, transfer=False)
+    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   model=model, tasks=loader, loss_fn=F.cross_entropy)
+    for xb, yb in loader:
+        dopt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        dopt.step()
+    return dopt
+
+
 def in_threads(run, workers=2):
     """Runs `run(rank)` on a thread per worker (each a worker of the job); fails on a worker
     that hangs."""
@@ -1303,19 +1320,9 @@ def test_16_bit_parameters_where_they_cannot_train_as_written_are_refused(job):
     c = falcon.local_cluster(workers=1, policy="epsp(0)")
     falcon.init(env=c.env)
     x, y = data()
-    loader = ft.TaskLoader((x.double(), y), 8, tasks=2, iterations=2)
-    with pytest.raises(falcon.ConfigError, match="is torch.float64: a helper's gradient.*transfer=False"):
-        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                model=model, tasks=loader, loss_fn=F.cross_entropy)
-    # Without transfer the float64 model trains under epsp (the job's clock on its own tensor).
-    loader = ft.TaskLoader((x.double(), y), 8, tasks=2, iterations=2, transfer=False)
     before = model[0].weight.detach().clone()
-    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   model=model, tasks=loader, loss_fn=F.cross_entropy)
-    for xb, yb in loader:
-        dopt.zero_grad()
-        F.cross_entropy(model(xb), yb).backward()
-        dopt.step()
+    # Without transfer the float64 model trains under epsp (the job's clock on its own tensor).
+    dopt = refused_with_transfer_then_trained(model, (x.double(), y), "is torch.float64: a helper's gradient.*transfer=False")
     assert model[0].weight.dtype == torch.float64 and not torch.equal(model[0].weight, before)
     assert dopt.clock == 2
     falcon.finish()
@@ -1451,18 +1458,7 @@ def test_task_transfer_with_batchnorm_is_refused():
     c = falcon.local_cluster(workers=1, policy="epsp(0)")
     falcon.init(env=c.env)
     model = torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
-    x, y = data()
-    loader = ft.TaskLoader((x, y), 8, tasks=2, iterations=2)
-    with pytest.raises(falcon.ConfigError, match=r"BatchNorm \(1\).*transfer=False"):
-        ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                model=model, tasks=loader, loss_fn=F.cross_entropy)
-    loader = ft.TaskLoader((x, y), 8, tasks=2, iterations=2, transfer=False)
-    dopt = ft.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   model=model, tasks=loader, loss_fn=F.cross_entropy)
-    for xb, yb in loader:
-        dopt.zero_grad()
-        F.cross_entropy(model(xb), yb).backward()
-        dopt.step()
+    dopt = refused_with_transfer_then_trained(model, data(), r"BatchNorm \(1\).*transfer=False")
     assert dopt.clock == 2
     falcon.finish()
     c.finish()
